@@ -1,0 +1,36 @@
+# One command sets up and runs the quickstart, one sets up and runs the tests. Both create .venv if missing.
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+
+.PHONY: setup quickstart quickstart-minilm test test-all lint clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU-only machine.
+	# On a GPU machine, install the CUDA torch you want first instead (or set TORCH_SPEC=torch).
+	$(BIN)/pip install --quiet "$${TORCH_SPEC:-torch==2.13.0}"
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+quickstart: $(STAMP)
+	$(BIN)/finetune run recipes/quickstart.yaml --overwrite
+	$(BIN)/finetune eval runs/quickstart
+
+quickstart-minilm: $(STAMP)
+	$(BIN)/finetune run recipes/minilm-classification.yaml --overwrite
+	$(BIN)/finetune eval runs/minilm-classification
+
+test: $(STAMP)
+	$(BIN)/ruff check finetune tests scripts
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check finetune tests scripts
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,188 @@
+"""The recipe schema: every key a recipe may set, its type and its default.
+
+Defaults live here and nowhere else. Every section forbids unknown keys, so a typo is an error (with a
+did-you-mean, see :mod:`finetune.config.validate`) instead of a silently ignored setting. This module imports
+no torch: the CLI validates recipes without loading the training stack.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class Section(BaseModel):
+    """Base of every recipe section: unknown keys are errors, values are validated on assignment too."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Which model to fine-tune and how to load it."""
+
+    type: str = Field(description="a row of the SupportedModel table (`finetune models`)")
+    path: str | None = Field(
+        default=None,
+        description="hub id, local folder, or pkg://<module> (a Python package that ships weights); "
+        "null builds the row's debug config (tiny-llama)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    trust_remote_code: bool = False
+    plugin: str | None = Field(default=None, description="module that registers extra SupportedModel rows")
+    config_overrides: dict[str, int | float | str | bool | None] = Field(
+        default_factory=dict,
+        description="keys set on the HF model config before building (e.g. attention_dropout: 0.1)",
+    )
+
+
+class DataConfig(Section):
+    """Training and evaluation data."""
+
+    format: Literal["alpaca", "chat", "completion", "classification"]
+    train: str = Field(description="jsonl/json/csv/parquet file (relative to the recipe) or a hub dataset name")
+    eval: str | None = None
+    max_seq_len: int = Field(default=256, gt=1)
+    overlong: Literal["truncate", "drop"] = Field(
+        default="truncate", description="what to do with samples longer than max_seq_len"
+    )
+    shuffle: bool = True
+    packing: bool = False
+    train_on_prompt: bool = False
+    labels: list[str] | None = Field(
+        default=None, description="classification label names in id order; null = sorted names found in train"
+    )
+
+
+class TrainConfig(Section):
+    """Batch arithmetic, length of training, precision."""
+
+    seed: int = 42
+    micro_batch_size: int = Field(default=8, ge=1)
+    global_batch_size: int = Field(default=32, ge=1)
+    max_steps: int | None = Field(default=None, ge=1)
+    epochs: float | None = Field(default=None, gt=0)
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    gradient_checkpointing: bool = False
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainConfig:
+        if (self.max_steps is None) == (self.epochs is None):
+            raise ValueError("set exactly one of train.max_steps or train.epochs (the other to null)")
+        return self
+
+
+class OptimConfig(Section):
+    """The optimizer."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(default=3.0e-4, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(default=1.0e-8, gt=0)
+    momentum: float = Field(default=0.0, ge=0, description="sgd only")
+
+
+class SchedulerConfig(Section):
+    """Learning-rate schedule: linear warmup, then constant, linear or cosine decay to min_lr_ratio x lr."""
+
+    name: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+
+
+class EvalConfig(Section):
+    """Periodic evaluation."""
+
+    every_steps: int | None = Field(default=None, ge=1, description="null: evaluate only at the end")
+    at_start: bool = Field(default=False, description="also evaluate before the first step")
+    metrics: list[str] = Field(
+        default_factory=list,
+        description="causal_lm: token_accuracy, exact_match; classification: accuracy. Loss/perplexity always.",
+    )
+    max_new_tokens: int = Field(default=16, ge=1, description="exact_match: greedy tokens generated")
+    batch_size: int = Field(default=16, ge=1)
+
+
+class CheckpointConfig(Section):
+    """Periodic checkpoints under <output_dir>/checkpoints/step-NNNNNN/."""
+
+    every_steps: int | None = Field(default=None, ge=1, description="null: no periodic checkpoints")
+    keep_last: int | None = Field(default=2, ge=1, description="null keeps all")
+    save_final: bool = Field(default=True, description="export <output_dir>/final in Hugging Face format")
+
+
+class PeftConfig(Section):
+    """Parameter-efficient fine-tuning (LoRA arrives in a later release)."""
+
+    method: Literal["none"] = "none"
+
+
+class WandbConfig(Section):
+    """Weights & Biases sink; offline unless mode says otherwise (an online run with no key would prompt)."""
+
+    enabled: bool = False
+    project: str = "finetune"
+    entity: str | None = None
+    mode: Literal["offline", "online"] = "offline"
+
+
+class LoggingConfig(Section):
+    """Where metrics go; metrics.jsonl and train.log are always written."""
+
+    every_steps: int = Field(default=10, ge=1)
+    progress: bool = Field(default=True, description="rich progress bar on rank 0 (only on a terminal)")
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    tensorboard: bool = False
+
+
+class LaunchConfig(Section):
+    """How many processes and which accelerate config (a name in accelerate_configs/ or a path)."""
+
+    accelerate_config: str = "cpu"
+    num_processes: int = Field(default=1, ge=1)
+
+
+class RecipeConfig(Section):
+    """A whole recipe, as written to <output_dir>/recipe.resolved.yaml."""
+
+    name: str
+    output_dir: str | None = Field(default=None, description="null: runs/<name>")
+    model: ModelConfig
+    data: DataConfig
+    train: TrainConfig
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    peft: PeftConfig = Field(default_factory=PeftConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @model_validator(mode="after")
+    def _batch_arithmetic(self) -> RecipeConfig:
+        per_step = self.train.micro_batch_size * self.launch.num_processes
+        if self.train.global_batch_size % per_step:
+            raise ValueError(batch_hint(self.train.global_batch_size, self.train.micro_batch_size,
+                                        self.launch.num_processes))
+        return self
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-steps per optimizer step on each rank (derived, never configured)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.launch.num_processes)
+
+
+def batch_hint(global_bs: int, micro_bs: int, procs: int) -> str:
+    """Explain why a global batch does not divide, and which nearby numbers would."""
+    per_step = micro_bs * procs
+    lower = max(per_step, global_bs // per_step * per_step)
+    upper = (global_bs // per_step + 1) * per_step
+    micro_ok = [m for m in range(1, global_bs + 1) if global_bs % (m * procs) == 0][:8]
+    micro_txt = ", ".join(map(str, micro_ok)) if micro_ok else "none (global batch < processes)"
+    return (
+        f"train.global_batch_size={global_bs} is not a multiple of train.micro_batch_size={micro_bs} x "
+        f"{procs} process(es) = {per_step}; use global_batch_size {' or '.join(map(str, sorted({lower, upper})))}, "
+        f"or micro_batch_size one of {micro_txt}"
+    )

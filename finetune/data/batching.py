@@ -1,0 +1,110 @@
+"""Which samples each rank sees, and how they become padded tensors.
+
+Training data is an endless stream: epoch ``e`` is a permutation of the dataset seeded by ``(seed, e)``, and
+the epochs follow each other. Optimizer step ``k`` (counted from a start position) takes the next
+``global_batch_size`` positions of the stream, split into equal contiguous shares per rank and then into
+micro-batches. The position is one integer, ``samples consumed``; any position is reached in O(1) (one
+permutation per epoch, no replay of consumed batches), and the global order does not depend on the number of
+processes or the micro-batch size. Evaluation shards the eval set by stride with no padding and no duplicates,
+so every eval sample is counted exactly once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from finetune.data.tokenize import IGNORE
+
+
+class StreamSampler:
+    """Batch sampler yielding this rank's micro-batches of dataset indices, step after step, forever."""
+
+    def __init__(self, size: int, *, global_batch: int, micro_batch: int, rank: int, world: int, seed: int,
+                 shuffle: bool, start_sample: int = 0) -> None:
+        assert global_batch % (micro_batch * world) == 0, "validated by the schema"
+        self.size, self.global_batch, self.micro_batch = size, global_batch, micro_batch
+        self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
+        self.start_sample = start_sample
+        self._order = lru_cache(maxsize=2)(self._epoch_order)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.size)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(self.size, generator=generator)
+
+    def positions(self, start: int, count: int) -> list[int]:
+        """Dataset indices at stream positions ``start .. start+count-1``."""
+        out: list[int] = []
+        while count:
+            epoch, offset = divmod(start, self.size)
+            take = min(count, self.size - offset)
+            out.extend(self._order(epoch)[offset:offset + take].tolist())
+            start, count = start + take, count - take
+        return out
+
+    def step_indices(self, step: int) -> list[int]:
+        """This rank's share of optimizer step ``step`` (counted from ``start_sample``)."""
+        share = self.global_batch // self.world
+        first = self.start_sample + step * self.global_batch + self.rank * share
+        return self.positions(first, share)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = 0
+        while True:
+            indices = self.step_indices(step)
+            for i in range(0, len(indices), self.micro_batch):
+                yield indices[i:i + self.micro_batch]
+            step += 1
+
+
+def eval_shard(size: int, rank: int, world: int) -> list[int]:
+    """This rank's eval indices: every ``world``-th sample from ``rank``; no padding, no duplicates."""
+    return list(range(rank, size, world))
+
+
+def _pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> torch.Tensor:
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            if left:
+                out[i, width - len(row):] = torch.as_tensor(row)
+            else:
+                out[i, : len(row)] = torch.as_tensor(row)
+    return out
+
+
+class Collator:
+    """Right-pad inputs (labels with -100); for generation also left-pad the prompts."""
+
+    def __init__(self, pad_id: int, *, with_prompts: bool = False) -> None:
+        self.pad_id, self.with_prompts = pad_id, with_prompts
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        ids = [r["input_ids"] for r in rows]
+        batch: dict[str, Any] = {
+            "input_ids": _pad(ids, self.pad_id),
+            "attention_mask": _pad([[1] * len(r) for r in ids], 0),
+        }
+        if "labels" in rows[0]:
+            batch["labels"] = _pad([r["labels"] for r in rows], IGNORE)
+        if "label" in rows[0]:
+            batch["label"] = torch.tensor([r["label"] for r in rows], dtype=torch.long)
+        if self.with_prompts:
+            prompts = [r["prompt_ids"] for r in rows]
+            batch["prompt_ids"] = _pad(prompts, self.pad_id, left=True)
+            batch["prompt_mask"] = _pad([[1] * len(p) for p in prompts], 0, left=True)
+            batch["reference"] = [r["reference"] for r in rows]
+        return batch
+
+
+def count_label_tokens(batch: dict[str, Any]) -> int:
+    """Label tokens the loss is averaged over (classification: one per sample)."""
+    if "labels" in batch:
+        return int((batch["labels"][:, 1:] != IGNORE).sum())
+    return int(batch["label"].numel())

@@ -1,0 +1,86 @@
+"""Render raw rows of each causal-LM format into text plus the character spans the model learns.
+
+Masking works on characters, not on separately tokenized pieces: the whole sample is tokenized once with
+offsets, and a token is trained on when it starts inside an answer span. That keeps BPE merges at the
+prompt/answer boundary identical to what the model sees at inference time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered sample: ``text`` to tokenize, answer ``spans`` in it, and the prompt/reference for generation.
+
+    ``add_eos`` says the tokenizer's eos token must be appended (and trained on) after ``text``; chat templates
+    already end assistant turns with their own end marker.
+    """
+
+    text: str
+    spans: tuple[tuple[int, int], ...]
+    prompt: str
+    reference: str
+    add_eos: bool
+
+
+def render_alpaca(row: dict[str, Any]) -> Rendered:
+    template = ALPACA_PROMPT_INPUT if (row.get("input") or "").strip() else ALPACA_PROMPT
+    prompt = template.format(instruction=row["instruction"], input=row.get("input") or "")
+    answer = row["output"]
+    return Rendered(prompt + answer, ((len(prompt), len(prompt) + len(answer)),), prompt, answer, add_eos=True)
+
+
+def render_completion(row: dict[str, Any]) -> Rendered:
+    text = row["text"]
+    return Rendered(text, ((0, len(text)),), "", text, add_eos=True)
+
+
+def render_chat(row: dict[str, Any], tokenizer: Any) -> Rendered:
+    """Render with the tokenizer's chat template; every assistant turn (content + end marker) is an answer span.
+
+    The span of turn i is found by rendering the conversation up to turn i with and without it: the template
+    must render a prefix of the conversation as a prefix of the text (true of every common template).
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        from finetune.errors import DataError
+
+        raise DataError("data.format: chat needs a tokenizer with a chat template; this model's tokenizer has none "
+                        "(use alpaca or completion)")
+    messages = row["messages"]
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for i, msg in enumerate(messages):
+        if msg["role"] != "assistant":
+            continue
+        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        if not text.startswith(upto) or not upto.startswith(before):
+            from finetune.errors import DataError
+
+            raise DataError("data.format: the chat template does not render conversations prefix-wise; "
+                            "cannot locate assistant turns")
+        # the turn ends at its end marker: whitespace the template adds after it (e.g. "</s>\n") is not learned
+        spans.append((len(before), max(len(before), len(upto.rstrip()))))
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    return Rendered(text, tuple(spans), prompt, messages[-1]["content"], add_eos=False)
+
+
+def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool) -> Rendered:
+    """Render one row of ``fmt``; with ``train_on_prompt`` the whole text is one answer span."""
+    if fmt == "alpaca":
+        out = render_alpaca(row)
+    elif fmt == "completion":
+        out = render_completion(row)
+    elif fmt == "chat":
+        out = render_chat(row, tokenizer)
+    else:
+        raise ValueError(f"not a causal-LM format: {fmt}")
+    if train_on_prompt:
+        out = Rendered(out.text, ((0, len(out.text)),), out.prompt, out.reference, out.add_eos)
+    return out

@@ -1,0 +1,107 @@
+"""Tokenize checked rows into model inputs, with answer masking and the over-long policy.
+
+``datasets.Dataset.map`` caches the result keyed by the file and these functions' arguments, so a second run
+on the same data and tokenizer skips tokenization.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from finetune.data.formats import render
+from finetune.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+IGNORE = -100
+
+
+@dataclass
+class Tokenized:
+    """A tokenized split and what was done to fit ``max_seq_len`` (reported to the user)."""
+
+    dataset: Dataset
+    truncated: int
+    dropped: int
+    no_answer: int
+
+
+def _causal_row(row: dict[str, Any], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool) -> dict:
+    out = render(row, fmt, tokenizer, train_on_prompt)
+    enc = tokenizer(out.text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = list(enc["input_ids"])
+    labels = [tid if any(start < end_s and end > start_s for start_s, end_s in out.spans) else IGNORE
+              for tid, (start, end) in zip(ids, enc["offset_mapping"], strict=True)]
+    prompt_ids: list[int] = list(tokenizer(out.prompt, add_special_tokens=False)["input_ids"]) if out.prompt else []
+    bos = tokenizer.bos_token_id
+    if bos is not None and not out.text.startswith(tokenizer.bos_token or "\0"):
+        ids, labels, prompt_ids = [bos, *ids], [IGNORE, *labels], [bos, *prompt_ids]
+    if out.add_eos and tokenizer.eos_token_id is not None:
+        ids, labels = [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+    overlong = len(ids) > max_len
+    ids, labels = ids[:max_len], labels[:max_len]
+    return {"input_ids": ids, "labels": labels, "prompt_ids": prompt_ids[:max_len], "reference": out.reference,
+            "overlong": overlong, "n_labels": sum(label != IGNORE for label in labels)}
+
+
+def _classification_row(row: dict[str, Any], *, tokenizer: Any, max_len: int, label_ids: dict[str, int]) -> dict:
+    full = tokenizer(row["text"], truncation=False)["input_ids"]
+    overlong = len(full) > max_len
+    ids = tokenizer(row["text"], truncation=True, max_length=max_len)["input_ids"] if overlong else full
+    return {"input_ids": ids, "label": label_ids[str(row["label"])], "overlong": overlong, "n_labels": 1}
+
+
+def label_names(train: Dataset, configured: list[str] | None, source: str) -> list[str]:
+    """Label names in id order: the recipe's list, 0..max for integer labels, else sorted names found in train."""
+    values = train["label"]
+    if configured:
+        names = list(configured)
+        known = set(names) | {str(i) for i in range(len(names))}
+        bad = next((v for v in values if str(v) not in known), None)
+        if bad is not None:
+            raise DataError(f"{source}: label {bad!r} is not in data.labels {names}")
+        return names
+    if all(isinstance(v, int) for v in values):
+        return [str(i) for i in range(max(values) + 1)]
+    if any(isinstance(v, int) for v in values):
+        raise DataError(f"{source}: labels mix integer ids and names; use one kind or set data.labels")
+    return sorted(set(values))
+
+
+def label_index(names: list[str]) -> dict[str, int]:
+    """Map both a label's name and its id (as text) to its id."""
+    index = {name: i for i, name in enumerate(names)}
+    index.update({str(i): i for i in range(len(names))})
+    return index
+
+
+def tokenize(
+    dataset: Dataset, *, fmt: str, tokenizer: Any, max_len: int, overlong: str, train_on_prompt: bool = False,
+    labels: list[str] | None = None, source: str = "",
+) -> Tokenized:
+    """Tokenize ``dataset``; apply the over-long policy; drop samples left without any answer token."""
+    if fmt == "classification":
+        assert labels is not None, "classification needs label names"
+        index = label_index(labels)
+        bad = next((i for i, v in enumerate(dataset["label"]) if str(v) not in index), None)
+        if bad is not None:
+            raise DataError(f"{source}: row {bad + 1} has label {dataset[bad]['label']!r}, not one of {labels}")
+        fn, kwargs = _classification_row, {"tokenizer": tokenizer, "max_len": max_len, "label_ids": index}
+    else:
+        fn, kwargs = _causal_row, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
+                                   "train_on_prompt": train_on_prompt}
+    mapped = dataset.map(fn, fn_kwargs=kwargs, remove_columns=dataset.column_names, desc=f"tokenizing {source}")
+    over = sum(mapped["overlong"])
+    keep = [i for i, (o, n) in enumerate(zip(mapped["overlong"], mapped["n_labels"], strict=True))
+            if n > 0 and not (o and overlong == "drop")]
+    no_answer = sum(1 for o, n in zip(mapped["overlong"], mapped["n_labels"], strict=True)
+                    if n == 0 and not (o and overlong == "drop"))
+    if len(keep) < len(mapped):
+        mapped = mapped.select(keep)
+    if not len(mapped):
+        raise DataError(f"{source}: no usable samples left after applying data.max_seq_len={max_len}")
+    return Tokenized(mapped.remove_columns(["overlong", "n_labels"]),
+                     truncated=over if overlong == "truncate" else 0,
+                     dropped=over if overlong == "drop" else 0, no_answer=no_answer)

@@ -1,0 +1,38 @@
+"""How a run is started: in this process, or re-launched through ``accelerate launch``.
+
+Pure functions (no torch): the CLI prints the plan for ``--dry-run`` and executes it otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from finetune.config.schema import RecipeConfig
+from finetune.config.validate import accelerate_config_path
+
+LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
+
+
+def under_launcher(env: dict[str, str] | None = None) -> bool:
+    """True when a launcher (accelerate launch, torchrun, SLURM via torchrun) already started this process."""
+    env = dict(os.environ) if env is None else env
+    return any(key in env for key in LAUNCHER_ENV)
+
+
+def in_process(cfg: RecipeConfig, env: dict[str, str] | None = None) -> bool:
+    """Train in this process: one process (a launcher would only cost threads), or already under a launcher."""
+    return cfg.launch.num_processes == 1 or under_launcher(env)
+
+
+def launch_argv(cfg: RecipeConfig, resolved: Path) -> list[str]:
+    """The exact ``accelerate launch`` command line that runs the worker on every rank."""
+    config = accelerate_config_path(cfg.launch.accelerate_config)
+    assert config is not None, "validated recipes name an existing accelerate config"
+    return [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(config),
+        "--num_processes", str(cfg.launch.num_processes),
+        "-m", "finetune.worker", str(resolved),
+    ]

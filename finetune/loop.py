@@ -1,0 +1,155 @@
+"""THE shared training loop: no model-specific code, every task and backend goes through here.
+
+Semantics (DESIGN.md): a *step* is one optimizer update, a *micro-step* one forward/backward. The training loss
+of a step is the sum of per-token losses over its whole accumulation window and all ranks, divided by the number
+of label tokens in that window; that division happens in one place (:func:`train_step`), and the logged loss is
+that number. Eval accuracy is ``sum(correct) / sum(total)`` over all ranks and all eval samples.
+Host syncs are marked ``# sync``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from finetune import checkpoint
+from finetune.config import RecipeConfig
+from finetune.data.batching import count_label_tokens
+from finetune.precision import Precision
+from finetune.state import TrainState
+from finetune.tasks import Task
+from finetune.tracking import Tracker
+
+
+@dataclass
+class Trainer:
+    """Everything the loop needs, built by the worker."""
+
+    cfg: RecipeConfig
+    accelerator: Any
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    precision: Precision
+    task: Task
+    tokenizer: Any
+    tracker: Tracker
+    state: TrainState
+    run_dir: Path
+    max_steps: int
+
+
+@dataclass
+class StepStats:
+    loss: float
+    grad_norm: float
+    tokens: int
+    skipped: bool
+
+
+def _due(step: int, every: int | None) -> bool:
+    return bool(every) and step % every == 0  # type: ignore[operator]
+
+
+def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def train(t: Trainer) -> TrainState:
+    """Run optimizer steps until ``max_steps``, with periodic logging, evaluation and checkpoints."""
+    cfg, state = t.cfg, t.state
+    batches = iter(t.task.build_dataloader("train", start_sample=state.samples_seen))
+    if cfg.eval.at_start and state.step == 0 and cfg.data.eval:
+        t.tracker.log_eval(evaluate(t))
+    started = time.perf_counter() - state.elapsed_s
+    t.model.train()
+    while state.step < t.max_steps:
+        stats = train_step(t, [next(batches) for _ in range(cfg.grad_accum)])
+        state.step += 1
+        state.micro_step += cfg.grad_accum
+        state.samples_seen += cfg.train.global_batch_size
+        state.tokens_seen += stats.tokens
+        state.elapsed_s = time.perf_counter() - started
+        last = state.step == t.max_steps
+        if _due(state.step, cfg.logging.every_steps) or last:
+            t.tracker.log_train(_train_row(t, stats))
+        if cfg.data.eval and (_due(state.step, cfg.eval.every_steps) or last):
+            t.tracker.log_eval(evaluate(t))
+        if _due(state.step, cfg.checkpoint.every_steps) or (last and cfg.checkpoint.every_steps):
+            path = checkpoint.save(t.accelerator, cfg, state, t.tokenizer, t.run_dir)
+            t.tracker.info(f"saved checkpoint {path.name}")
+    return state
+
+
+def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
+    """One optimizer step over this rank's micro-batches of the accumulation window."""
+    acc, device = t.accelerator, t.accelerator.device
+    local_tokens = torch.tensor(float(sum(count_label_tokens(b) for b in window)), device=device)  # counted on host
+    window = [_to_device(b, device) for b in window]
+    total_tokens = acc.reduce(local_tokens, reduction="sum")  # sync: the window's label tokens on all ranks
+    # The one division: data-parallel backends average gradients over ranks, so scale by the rank count to
+    # get sum(loss over window and ranks) / total_tokens.
+    denominator = total_tokens.clamp(min=1.0) / acc.num_processes
+    loss_sum_local = torch.zeros((), device=device, dtype=torch.float64)
+    for i, batch in enumerate(window):
+        syncing = i == len(window) - 1
+        with contextlib.nullcontext() if syncing else acc.no_sync(t.model):
+            with t.precision.autocast():
+                loss_sum, _ = t.task.train_output(t.model, batch)
+            acc.backward(t.precision.scaler.scale(loss_sum / denominator))
+        loss_sum_local += loss_sum.detach().double()
+    t.precision.scaler.unscale_(t.optimizer)
+    max_norm = t.cfg.train.max_grad_norm or math.inf
+    grad_norm = acc.clip_grad_norm_(t.model.parameters(), max_norm)
+    stepped = t.precision.step(t.optimizer)
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    loss = acc.reduce(loss_sum_local, reduction="sum") / total_tokens.clamp(min=1.0).double()  # sync
+    return StepStats(loss=float(loss), grad_norm=float(grad_norm), tokens=int(total_tokens), skipped=not stepped)
+
+
+def _train_row(t: Trainer, stats: StepStats) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "step": t.state.step, "loss": stats.loss, "lr": t.scheduler.get_last_lr()[0],
+        "grad_norm": stats.grad_norm, "tokens": t.state.tokens_seen, "elapsed_s": round(t.state.elapsed_s, 3),
+    }
+    if t.precision.loss_scale is not None:
+        row["loss_scale"] = t.precision.loss_scale
+        row["skipped"] = stats.skipped
+    return row
+
+
+@torch.no_grad()
+def evaluate(t: Trainer) -> dict[str, Any]:
+    """Loss, perplexity and metrics over the whole eval set, summed over ranks (nothing dropped or repeated)."""
+    metrics = list(t.cfg.eval.metrics)
+    device = t.accelerator.device
+    sums = torch.zeros(3 + 2 * len(metrics), dtype=torch.float64, device=device)
+    was_training = t.model.training
+    t.model.eval()
+    for batch in t.task.build_dataloader("eval"):
+        with t.precision.autocast():
+            counts = t.task.eval_output(t.model, _to_device(batch, device))
+        parts = [counts.loss_sum, counts.num_tokens, torch.tensor(len(batch["input_ids"]), device=device)]
+        for name in metrics:
+            parts += [counts.correct[name], counts.total[name]]
+        sums += torch.stack([p.detach().double() for p in parts])
+    sums = t.accelerator.reduce(sums, reduction="sum").tolist()  # sync: one all-reduce for the whole eval
+    t.model.train(was_training)
+    loss = sums[0] / max(sums[1], 1.0)
+    row: dict[str, Any] = {"step": t.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)),
+                           "eval_samples": int(sums[2])}
+    for i, name in enumerate(metrics):
+        correct, total = int(sums[3 + 2 * i]), int(sums[4 + 2 * i])
+        row[f"eval_{name}"] = correct / total if total else 0.0
+        row[f"eval_{name}_correct"], row[f"eval_{name}_total"] = correct, total
+    if metrics:
+        row["eval_correct"], row["eval_total"] = row[f"eval_{metrics[0]}_correct"], row[f"eval_{metrics[0]}_total"]
+    t.state.best_eval_loss = min(t.state.best_eval_loss, loss)
+    return row

@@ -1,0 +1,149 @@
+"""The SupportedModel table: what differs per model family, as literal data.
+
+A row names classes by string (resolved from ``transformers`` only when a model is built), so this module is
+cheap to import from the CLI. Users add rows for their own families from their own module
+(``model.plugin: mypkg.models`` in a recipe) by calling :func:`register`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from finetune.errors import ConfigError
+
+Task = Literal["causal_lm", "classification"]
+CAPABILITIES = frozenset({"packing", "gradient_checkpointing", "generation"})
+TASK_METRICS: Mapping[Task, frozenset[str]] = {
+    "causal_lm": frozenset({"token_accuracy", "exact_match"}),
+    "classification": frozenset({"accuracy"}),
+}
+TASK_FORMATS: Mapping[Task, frozenset[str]] = {
+    "causal_lm": frozenset({"alpaca", "chat", "completion"}),
+    "classification": frozenset({"classification"}),
+}
+
+
+@dataclass(frozen=True)
+class SupportedModel:
+    """One model family.
+
+    ``tiny_config`` holds keyword arguments for a tiny config of the family: tests build every row from it,
+    and a ``debug_build`` row builds its model from it when ``model.path`` is null (with the bundled
+    ``tokenizer`` asset), so quickstarts and tests need no download.
+    """
+
+    name: str
+    task: Task
+    auto_class: str
+    config_class: str
+    decoder_layer: str
+    lora_targets: Mapping[str, tuple[str, ...]]
+    capabilities: frozenset[str]
+    tiny_config: Mapping[str, Any]
+    head_modules: tuple[str, ...] = ()
+    debug_build: bool = False
+    tokenizer: str | None = None
+    description: str = ""
+
+
+_DECODER_LORA = {
+    "attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+    "attn_mlp": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "all_linear": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+_DECODER_CAPS = frozenset({"packing", "gradient_checkpointing", "generation"})
+_TINY_DECODER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
+
+SUPPORTED_MODELS: dict[str, SupportedModel] = {
+    "llama": SupportedModel(
+        name="llama", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
+        decoder_layer="LlamaDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        tiny_config=_TINY_DECODER, description="Llama 2/3 and compatible decoders",
+    ),
+    "qwen2": SupportedModel(
+        name="qwen2", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="Qwen2Config",
+        decoder_layer="Qwen2DecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        tiny_config=_TINY_DECODER, description="Qwen2 / Qwen2.5 decoders",
+    ),
+    "mistral": SupportedModel(
+        name="mistral", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="MistralConfig",
+        decoder_layer="MistralDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        tiny_config=_TINY_DECODER, description="Mistral decoders",
+    ),
+    "gpt2": SupportedModel(
+        name="gpt2", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="GPT2Config",
+        decoder_layer="GPT2Block",
+        lora_targets={
+            "attn": ("c_attn", "attn.c_proj"),
+            "attn_mlp": ("c_attn", "c_proj", "c_fc"),
+            "all_linear": ("c_attn", "c_proj", "c_fc"),
+        },
+        # GPT-2 uses absolute position embeddings and ignores position_ids resets: no packing.
+        capabilities=frozenset({"gradient_checkpointing", "generation"}),
+        tiny_config={"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 512},
+        description="GPT-2 family",
+    ),
+    "bert": SupportedModel(
+        name="bert", task="classification", auto_class="AutoModelForSequenceClassification",
+        config_class="BertConfig", decoder_layer="BertLayer",
+        lora_targets={
+            "attn": ("query", "key", "value", "attention.output.dense"),
+            "attn_mlp": ("query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense"),
+            "all_linear": ("query", "key", "value", "dense"),
+        },
+        capabilities=frozenset({"gradient_checkpointing"}),
+        tiny_config={"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 512},
+        head_modules=("classifier",),
+        description="BERT encoders for sequence classification (e.g. all-MiniLM-L6-v2)",
+    ),
+    "tiny-llama": SupportedModel(
+        name="tiny-llama", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
+        decoder_layer="LlamaDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        tiny_config=_TINY_DECODER, debug_build=True, tokenizer="tiny-llama-tokenizer",
+        description="debug: 2-layer Llama built from a config + bundled tokenizer (no download)",
+    ),
+}
+
+
+def register(row: SupportedModel) -> None:
+    """Add (or replace) a row; called by user plugin modules named in ``model.plugin``."""
+    unknown = row.capabilities - CAPABILITIES
+    if unknown:
+        raise ConfigError(f"SupportedModel {row.name!r}: unknown capabilities {sorted(unknown)}; "
+                          f"known: {sorted(CAPABILITIES)}")
+    SUPPORTED_MODELS[row.name] = row
+
+
+def load_plugin(module: str) -> None:
+    """Import a user module that calls :func:`register` (``model.plugin``)."""
+    try:
+        importlib.import_module(module)
+    except ImportError as exc:
+        raise ConfigError(f"model.plugin: cannot import {module!r} ({exc}); "
+                          "install it or put it on PYTHONPATH") from exc
+
+
+def get_model(name: str) -> SupportedModel:
+    """The row for ``name``, or a ConfigError listing close matches."""
+    try:
+        return SUPPORTED_MODELS[name]
+    except KeyError:
+        close = difflib.get_close_matches(name, SUPPORTED_MODELS, n=3, cutoff=0.4)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ConfigError(
+            f"model.type: unknown model type {name!r}; {hint}known: {', '.join(sorted(SUPPORTED_MODELS))} "
+            "(add your own with model.plugin)"
+        ) from None

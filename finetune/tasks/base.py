@@ -1,0 +1,68 @@
+"""The seam between the shared loop and a task: three methods, and the counts they return.
+
+The loop owns everything else (accumulation, precision, clipping, stepping, logging, checkpoints). A task
+returns *sums* and *counts*, never means, so the loop can divide once over the whole accumulation window and
+all ranks (token-weighted loss) and sum eval counts over ranks exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch.utils.data import DataLoader
+
+from finetune.config.schema import RecipeConfig
+from finetune.data import DataBundle
+from finetune.data.batching import Collator, StreamSampler, eval_shard
+
+
+@dataclass
+class EvalCounts:
+    """Sums over one eval batch: loss over ``num_tokens`` targets, and per metric (correct, total)."""
+
+    loss_sum: torch.Tensor
+    num_tokens: torch.Tensor
+    correct: dict[str, torch.Tensor] = field(default_factory=dict)
+    total: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Task(Protocol):
+    """What the loop needs from a task."""
+
+    def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]: ...
+
+    def train_output(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts: ...
+
+
+class TaskData:
+    """Dataloaders shared by every task: the endless resumable train stream and the exact eval shard."""
+
+    def __init__(self, cfg: RecipeConfig, data: DataBundle, pad_id: int, rank: int, world: int,
+                 with_prompts: bool = False) -> None:
+        self.cfg, self.data, self.pad_id, self.rank, self.world = cfg, data, pad_id, rank, world
+        self.with_prompts = with_prompts
+
+    def build_dataloader(self, split: str, start_sample: int = 0) -> DataLoader:
+        """``train``: this rank's micro-batches from stream position ``start_sample``; ``eval``: its shard."""
+        if split == "train":
+            assert self.data.train is not None
+            dataset = self.data.train.dataset.with_format(None)
+            sampler = StreamSampler(
+                len(dataset), global_batch=self.cfg.train.global_batch_size,
+                micro_batch=self.cfg.train.micro_batch_size, rank=self.rank, world=self.world,
+                seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle, start_sample=start_sample,
+            )
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=Collator(self.pad_id))
+        assert split == "eval" and self.data.eval is not None
+        shard = self.data.eval.dataset.select(eval_shard(len(self.data.eval.dataset), self.rank, self.world))
+        return DataLoader(shard, batch_size=self.cfg.eval.batch_size, shuffle=False, drop_last=False,
+                          collate_fn=Collator(self.pad_id, with_prompts=self.with_prompts))
+
+    def eval_size(self) -> int:
+        """Samples in the whole eval set (all ranks)."""
+        return len(self.data.eval.dataset) if self.data.eval is not None else 0

@@ -1,0 +1,95 @@
+"""Causal language modelling: next-token loss on answer tokens; metrics ``token_accuracy`` and ``exact_match``.
+
+``token_accuracy`` is teacher-forced (argmax of each answer position given the true prefix). ``exact_match`` is a
+different metric: greedy generation from the prompt alone, compared with the reference answer after whitespace
+normalisation. Generation runs a fixed number of forward passes on every rank (no early exit), so sharded
+backends stay in lockstep.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data.tokenize import IGNORE
+from finetune.tasks.base import EvalCounts, TaskData
+
+
+def normalize(text: str) -> str:
+    """Whitespace-normalised answer text for exact_match."""
+    return " ".join(text.split())
+
+
+def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy (fp32), the number of target tokens, and the target mask."""
+    logits, targets = logits[:, :-1].float(), labels[:, 1:]
+    mask = targets != IGNORE
+    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
+                               reduction="sum")
+    return loss_sum, mask.sum(), mask
+
+
+@torch.no_grad()
+def greedy_generate(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
+                    eos_id: int | None, pad_id: int) -> torch.Tensor:
+    """Greedy decoding with a KV cache from left-padded prompts; returns the new tokens (pad after eos)."""
+    mask = prompt_mask
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    done = torch.zeros(prompt_ids.size(0), dtype=torch.bool, device=prompt_ids.device)
+    new_tokens = []
+    for i in range(max_new_tokens):
+        token = out.logits[:, -1].argmax(-1)
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        new_tokens.append(token)
+        if eos_id is not None:
+            done |= token == eos_id
+        if i + 1 == max_new_tokens:
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        positions = positions[:, -1:] + 1
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
+                    past_key_values=out.past_key_values, use_cache=True)
+    return torch.stack(new_tokens, dim=1)
+
+
+class CausalLMTask(TaskData):
+    """Formats alpaca / chat / completion; the prompt is masked unless ``data.train_on_prompt``."""
+
+    def __init__(self, *args: Any, tokenizer: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.tokenizer = tokenizer
+
+    def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+
+    def train_output(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        loss_sum, num_tokens, _ = shifted_loss(self._logits(model, batch), batch["labels"])
+        return loss_sum, num_tokens
+
+    def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
+        logits = self._logits(model, batch)
+        loss_sum, num_tokens, mask = shifted_loss(logits, batch["labels"])
+        counts = EvalCounts(loss_sum, num_tokens)
+        metrics = self.cfg.eval.metrics
+        if "token_accuracy" in metrics:
+            hits = (logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]) & mask
+            counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits.sum(), num_tokens
+        if "exact_match" in metrics:
+            counts.correct["exact_match"] = torch.tensor(self._exact_matches(model, batch), device=logits.device)
+            counts.total["exact_match"] = torch.tensor(len(batch["reference"]), device=logits.device)
+        return counts
+
+    def _exact_matches(self, model: Any, batch: dict[str, Any]) -> int:
+        eos = self.tokenizer.eos_token_id
+        new = greedy_generate(model, batch["prompt_ids"], batch["prompt_mask"], self.cfg.eval.max_new_tokens, eos,
+                              self.pad_id)
+        hits = 0
+        for tokens, reference in zip(new.tolist(), batch["reference"], strict=True):
+            if eos in tokens:
+                tokens = tokens[: tokens.index(eos)]
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            hits += normalize(text) == normalize(reference)
+        return hits

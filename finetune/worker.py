@@ -1,0 +1,97 @@
+"""The entry point on every rank: build everything from the resolved recipe, train, export, close.
+
+``python -m finetune.worker runs/x/recipe.resolved.yaml`` (what ``accelerate launch`` runs), or
+:func:`run_worker` in-process for a single process. The resolved recipe file is all it reads.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from finetune.config import RecipeConfig, load_resolved
+from finetune.errors import FinetuneError
+
+
+def total_steps(cfg: RecipeConfig, train_size: int) -> int:
+    """``train.max_steps``, or the steps that ``train.epochs`` passes over the training set take."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    assert cfg.train.epochs is not None, "the schema requires max_steps or epochs"
+    return max(1, math.ceil(cfg.train.epochs * train_size / cfg.train.global_batch_size))
+
+
+def run_worker(resolved: str | Path) -> None:
+    """Train the run whose resolved recipe is ``resolved`` (on this rank)."""
+    from accelerate.utils import set_seed
+
+    from finetune import checkpoint, loop, registry
+    from finetune.backends import make_accelerator
+    from finetune.data import load_splits
+    from finetune.modeling import build_model, build_tokenizer
+    from finetune.optim import build_optimizer, build_scheduler
+    from finetune.precision import Precision
+    from finetune.state import TrainState
+    from finetune.tasks import build_task
+    from finetune.tracking import build_tracker
+
+    cfg = load_resolved(resolved)
+    run_dir = Path(cfg.output_dir or Path(resolved).parent)
+    accelerator = make_accelerator(cfg)
+    row = registry.get_model(cfg.model.type)
+    tokenizer = build_tokenizer(cfg.model, row)
+    with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache; the others reuse it
+        data = load_splits(cfg.data, tokenizer)
+    assert data.train is not None
+    max_steps = total_steps(cfg, len(data.train.dataset))
+    tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, max_steps=max_steps)
+    for split in (data.train, data.eval):
+        if split is not None and (split.truncated or split.dropped or split.no_answer):
+            tracker.info(f"data: {split.truncated} truncated, {split.dropped} dropped (longer than "
+                         f"data.max_seq_len={cfg.data.max_seq_len}), {split.no_answer} without answer tokens skipped")
+    set_seed(cfg.train.seed)  # identical initial weights on every rank and in every run
+    model = build_model(cfg.model, row, labels=data.labels)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+    optimizer = build_optimizer(cfg.optim, model)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    precision = Precision(cfg.train.mixed_precision, accelerator.device.type)
+    state = TrainState()
+    # accelerate saves model/optimizer/RNG itself; these are ours (the scheduler is not prepared: accelerate
+    # would step it once per process)
+    accelerator.register_for_checkpointing(scheduler, state, precision.scaler)
+    task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
+    trainer = loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
+                           run_dir, max_steps)
+    try:
+        tracker.info(f"training {cfg.name}: {max_steps} steps, global batch {cfg.train.global_batch_size} "
+                     f"(micro {cfg.train.micro_batch_size} x accum {cfg.grad_accum} x {accelerator.num_processes} "
+                     f"process(es)), {len(data.train.dataset)} train samples")
+        loop.train(trainer)
+        if cfg.checkpoint.save_final:
+            out = checkpoint.export_final(accelerator, model, tokenizer, cfg, run_dir)
+            tracker.info(f"exported {out}")
+    finally:
+        tracker.close()
+        accelerator.end_training()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m finetune.worker RESOLVED``: FinetuneError -> one line, exit code 2."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m finetune.worker runs/<name>/recipe.resolved.yaml", file=sys.stderr)
+        sys.exit(2)
+    try:
+        run_worker(args[0])
+    except FinetuneError as exc:
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()
