@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from finetune.precision import Precision
 from finetune.state import TrainState
 from finetune.tasks import Task
 from finetune.tracking import Tracker
+
+# An fp16 step skipped for overflow still advances the schedule (a step is a step); torch warns about exactly that.
+warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)
 
 
 @dataclass
@@ -48,6 +52,7 @@ class Trainer:
 @dataclass
 class StepStats:
     loss: float
+    lr: float
     grad_norm: float
     tokens: int
     skipped: bool
@@ -108,15 +113,16 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     max_norm = t.cfg.train.max_grad_norm or math.inf
     grad_norm = acc.clip_grad_norm_(t.model.parameters(), max_norm)
     stepped = t.precision.step(t.optimizer)
+    lr = t.scheduler.get_last_lr()[0]  # the lr this step used
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
     loss = acc.reduce(loss_sum_local, reduction="sum") / total_tokens.clamp(min=1.0).double()  # sync
-    return StepStats(loss=float(loss), grad_norm=float(grad_norm), tokens=int(total_tokens), skipped=not stepped)
+    return StepStats(loss=float(loss), lr=lr, grad_norm=float(grad_norm), tokens=int(total_tokens), skipped=not stepped)
 
 
 def _train_row(t: Trainer, stats: StepStats) -> dict[str, Any]:
     row: dict[str, Any] = {
-        "step": t.state.step, "loss": stats.loss, "lr": t.scheduler.get_last_lr()[0],
+        "step": t.state.step, "loss": stats.loss, "lr": stats.lr,
         "grad_norm": stats.grad_norm, "tokens": t.state.tokens_seen, "elapsed_s": round(t.state.elapsed_s, 3),
     }
     if t.precision.loss_scale is not None:

@@ -9,9 +9,13 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import FinetuneError
+
+if TYPE_CHECKING:
+    from finetune.loop import Trainer
 
 
 def total_steps(cfg: RecipeConfig, train_size: int) -> int:
@@ -22,11 +26,11 @@ def total_steps(cfg: RecipeConfig, train_size: int) -> int:
     return max(1, math.ceil(cfg.train.epochs * train_size / cfg.train.global_batch_size))
 
 
-def run_worker(resolved: str | Path) -> None:
-    """Train the run whose resolved recipe is ``resolved`` (on this rank)."""
+def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
+    """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker."""
     from accelerate.utils import set_seed
 
-    from finetune import checkpoint, loop, registry
+    from finetune import loop, registry
     from finetune.backends import make_accelerator
     from finetune.data import load_splits
     from finetune.modeling import build_model, build_tokenizer
@@ -36,8 +40,6 @@ def run_worker(resolved: str | Path) -> None:
     from finetune.tasks import build_task
     from finetune.tracking import build_tracker
 
-    cfg = load_resolved(resolved)
-    run_dir = Path(cfg.output_dir or Path(resolved).parent)
     accelerator = make_accelerator(cfg)
     row = registry.get_model(cfg.model.type)
     tokenizer = build_tokenizer(cfg.model, row)
@@ -64,19 +66,27 @@ def run_worker(resolved: str | Path) -> None:
     # would step it once per process)
     accelerator.register_for_checkpointing(scheduler, state, precision.scaler)
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
-    trainer = loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
-                           run_dir, max_steps)
+    tracker.info(f"training {cfg.name}: {max_steps} steps, global batch {cfg.train.global_batch_size} "
+                 f"(micro {cfg.train.micro_batch_size} x accum {cfg.grad_accum} x {accelerator.num_processes} "
+                 f"process(es)), {len(data.train.dataset)} train samples")
+    return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
+                        run_dir, max_steps)
+
+
+def run_worker(resolved: str | Path) -> None:
+    """Train the run whose resolved recipe is ``resolved`` (on this rank), then export it."""
+    from finetune import checkpoint, loop
+
+    cfg = load_resolved(resolved)
+    trainer = build_trainer(cfg, Path(cfg.output_dir or Path(resolved).parent))
     try:
-        tracker.info(f"training {cfg.name}: {max_steps} steps, global batch {cfg.train.global_batch_size} "
-                     f"(micro {cfg.train.micro_batch_size} x accum {cfg.grad_accum} x {accelerator.num_processes} "
-                     f"process(es)), {len(data.train.dataset)} train samples")
         loop.train(trainer)
         if cfg.checkpoint.save_final:
-            out = checkpoint.export_final(accelerator, model, tokenizer, cfg, run_dir)
-            tracker.info(f"exported {out}")
+            out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg, trainer.run_dir)
+            trainer.tracker.info(f"exported {out}")
     finally:
-        tracker.close()
-        accelerator.end_training()
+        trainer.tracker.close()
+        trainer.accelerator.end_training()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -58,7 +58,9 @@ def _where(composed: Composed, dotted: str) -> str:
         src = composed.provenance.get(".".join(parts[:n]))
         if src:
             return f" (set at {src})"
-    return ""
+    # a whole unknown section (``optimizer: {lr: 1}``): provenance is kept per leaf, so name its first leaf's source
+    src = next((v for k, v in composed.provenance.items() if k.startswith(dotted + ".")), None)
+    return f" (set at {src})" if src else ""
 
 
 def _pydantic_lines(exc: ValidationError, composed: Composed) -> list[str]:
@@ -82,6 +84,17 @@ def accelerate_config_path(name: str) -> Path | None:
     """An accelerate config by name (accelerate_configs/<name>.yaml) or by path; None if it does not exist."""
     candidates = [Path(name), Path(__file__).resolve().parents[2] / "accelerate_configs" / f"{name}.yaml"]
     return next((p.resolve() for p in candidates if p.is_file()), None)
+
+
+def _single_process_config(path: Path) -> bool:
+    """True when an accelerate config starts a single process whatever --num_processes says."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        return False
+    return str(data.get("distributed_type", "NO")).upper() == "NO"
 
 
 def _semantic_lines(cfg: RecipeConfig) -> list[str]:
@@ -120,9 +133,14 @@ def _semantic_lines(cfg: RecipeConfig) -> list[str]:
     if (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) and not cfg.data.eval:
         lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
                      "set data.eval or clear eval.metrics/every_steps")
-    if accelerate_config_path(cfg.launch.accelerate_config) is None:
+    config_path = accelerate_config_path(cfg.launch.accelerate_config)
+    if config_path is None:
         lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a name in "
                      "accelerate_configs/ nor a file")
+    elif cfg.launch.num_processes > 1 and _single_process_config(config_path):
+        lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
+                     f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
+                     "use a multi-process config such as launch.accelerate_config=ddp")
     return lines
 
 

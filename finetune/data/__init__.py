@@ -7,7 +7,7 @@ from typing import Any
 
 from finetune.config.schema import DataConfig
 from finetune.data.loading import check_rows, load_raw
-from finetune.data.tokenize import Tokenized, label_names, tokenize
+from finetune.data.tokenize import Tokenized, label_names, tokenize_rows
 
 
 @dataclass
@@ -26,13 +26,13 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True) -> 
     labels = label_names(raw_train, cfg.labels, cfg.train) if cfg.format == "classification" else None
     common = {"fmt": cfg.format, "tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
               "train_on_prompt": cfg.train_on_prompt, "labels": labels}
-    train = tokenize(raw_train, source=cfg.train, **common) if need_train else None
+    train = tokenize_rows(raw_train, source=cfg.train, **common) if need_train else None
     evaluation = None
     if cfg.eval:
         raw_eval = load_raw(cfg.eval)
         check_rows(raw_eval, cfg.format, cfg.eval)
         # eval metrics measure the answers, whatever train_on_prompt says for training
-        evaluation = tokenize(raw_eval, source=cfg.eval, **{**common, "train_on_prompt": False})
+        evaluation = tokenize_rows(raw_eval, source=cfg.eval, **{**common, "train_on_prompt": False})
     return DataBundle(train, evaluation, labels)
 
 

@@ -1,21 +1,28 @@
 """Tokenize checked rows into model inputs, with answer masking and the over-long policy.
 
 ``datasets.Dataset.map`` caches the result keyed by the file and these functions' arguments, so a second run
-on the same data and tokenizer skips tokenization.
+on the same data and tokenizer skips tokenization. The key also holds a hash of this module's and formats.py's
+source (``datasets`` hashes module-level functions by name, not by code), so a change to rendering or masking
+never reuses a stale cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.formats import render
+from finetune.data.loading import _line_of
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
 IGNORE = -100
+CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
+                                       for name in ("formats.py", "tokenize.py"))).hexdigest()[:16]
 
 
 @dataclass
@@ -28,7 +35,9 @@ class Tokenized:
     no_answer: int
 
 
-def _causal_row(row: dict[str, Any], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool) -> dict:
+def _causal_row(row: dict[str, Any], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
+                code_version: str = "") -> dict:
+    # code_version is unused here: it is part of the map cache key (see the module docstring)
     out = render(row, fmt, tokenizer, train_on_prompt)
     enc = tokenizer(out.text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(enc["input_ids"])
@@ -40,13 +49,14 @@ def _causal_row(row: dict[str, Any], *, fmt: str, tokenizer: Any, max_len: int, 
         ids, labels, prompt_ids = [bos, *ids], [IGNORE, *labels], [bos, *prompt_ids]
     if out.add_eos and tokenizer.eos_token_id is not None:
         ids, labels = [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
-    overlong = len(ids) > max_len
+    overlong = len(ids) > max_len  # training keeps the start; a generation prompt keeps its end (the cue)
     ids, labels = ids[:max_len], labels[:max_len]
-    return {"input_ids": ids, "labels": labels, "prompt_ids": prompt_ids[:max_len], "reference": out.reference,
+    return {"input_ids": ids, "labels": labels, "prompt_ids": prompt_ids[-max_len:], "reference": out.reference,
             "overlong": overlong, "n_labels": sum(label != IGNORE for label in labels)}
 
 
-def _classification_row(row: dict[str, Any], *, tokenizer: Any, max_len: int, label_ids: dict[str, int]) -> dict:
+def _classification_row(row: dict[str, Any], *, tokenizer: Any, max_len: int, label_ids: dict[str, int],
+                        code_version: str = "") -> dict:
     full = tokenizer(row["text"], truncation=False)["input_ids"]
     overlong = len(full) > max_len
     ids = tokenizer(row["text"], truncation=True, max_length=max_len)["input_ids"] if overlong else full
@@ -77,7 +87,7 @@ def label_index(names: list[str]) -> dict[str, int]:
     return index
 
 
-def tokenize(
+def tokenize_rows(
     dataset: Dataset, *, fmt: str, tokenizer: Any, max_len: int, overlong: str, train_on_prompt: bool = False,
     labels: list[str] | None = None, source: str = "",
 ) -> Tokenized:
@@ -87,12 +97,14 @@ def tokenize(
         index = label_index(labels)
         bad = next((i for i, v in enumerate(dataset["label"]) if str(v) not in index), None)
         if bad is not None:
-            raise DataError(f"{source}: row {bad + 1} has label {dataset[bad]['label']!r}, not one of {labels}")
+            raise DataError(f"{_line_of(source, bad)}: label {dataset[bad]['label']!r} is not one of {labels} "
+                            "(the labels found in train, or data.labels)")
         fn, kwargs = _classification_row, {"tokenizer": tokenizer, "max_len": max_len, "label_ids": index}
     else:
         fn, kwargs = _causal_row, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
                                    "train_on_prompt": train_on_prompt}
-    mapped = dataset.map(fn, fn_kwargs=kwargs, remove_columns=dataset.column_names, desc=f"tokenizing {source}")
+    mapped = dataset.map(fn, fn_kwargs={**kwargs, "code_version": CODE_VERSION},
+                         remove_columns=dataset.column_names, desc=f"tokenizing {source}")
     over = sum(mapped["overlong"])
     keep = [i for i, (o, n) in enumerate(zip(mapped["overlong"], mapped["n_labels"], strict=True))
             if n > 0 and not (o and overlong == "drop")]

@@ -1,0 +1,277 @@
+"""The ``finetune`` command line: no heavy imports, help, config/provenance, dry runs, and user errors.
+
+User mistakes must exit with code 2 and print one ``error: ...`` line per problem (no traceback); that conversion
+lives in :func:`finetune.cli.main`, so those tests go through ``main`` (in a subprocess or in-process), not through
+Typer's test runner. Nothing here trains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from finetune.cli import app, main
+from finetune.registry import SUPPORTED_MODELS
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+HEAVY = ("torch", "transformers", "peft", "deepspeed", "accelerate", "datasets")
+LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED", "LOCAL_WORLD_SIZE")
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    """Not under a launcher, shipped recipes folder, no debug tracebacks, wide terminal for rich tables."""
+    for key in (*LAUNCHER_ENV, "FINETUNE_DEBUG", "FINETUNE_RECIPES_DIR"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def cli(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedProcess[str]:
+    """``python -m finetune ARGS`` in a subprocess (the real console entry point, exit codes included)."""
+    return subprocess.run([sys.executable, "-m", "finetune", *args], cwd=cwd, capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=60, check=False)
+
+
+def invoke(*args: str):
+    """Typer's in-process runner (for the commands that succeed)."""
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+def main_exit(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """Run :func:`finetune.cli.main` in-process: (exit code, stdout, stderr)."""
+    monkeypatch.setattr(sys, "argv", ["finetune", *args])
+    with pytest.raises(SystemExit) as info:
+        main()
+    out, err = capsys.readouterr()
+    return info.value.code, out, err
+
+
+def assert_user_error(code: int, out: str, err: str, *needles: str) -> list[str]:
+    """Exit code 2, nothing on stdout, only ``error: ...`` lines on stderr, no traceback; return those lines."""
+    assert code == 2, (code, out, err)
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), err
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return lines
+
+
+# --- no heavy imports --------------------------------------------------------------------------------------------
+
+NO_HEAVY_SCRIPT = """
+import contextlib, io, sys
+import finetune.cli
+heavy = {heavy!r}
+after_import = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
+commands = [["--help"], ["config", {q!r}], ["config", {q!r}, "--provenance"], ["models"], ["recipes"],
+            ["run", {q!r}, "--dry-run", "-o", {out!r}],
+            ["run", {q!r}, "--dry-run", "-o", {out!r}, "launch.num_processes=2", "launch.accelerate_config=ddp",
+             "train.micro_batch_size=16"]]
+codes = []
+for args in commands:
+    with contextlib.redirect_stdout(io.StringIO()):
+        try:
+            finetune.cli.app(args, prog_name="finetune")
+        except SystemExit as exc:
+            codes.append(exc.code)
+print(after_import, sorted(m for m in sys.modules if m.split(".")[0] in heavy), codes)
+"""
+
+
+def test_cli_commands_import_no_heavy_modules(tmp_path):
+    script = NO_HEAVY_SCRIPT.format(heavy=HEAVY, q=str(QUICKSTART), out=str(tmp_path / "out"))
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[] [] [0, 0, 0, 0, 0, 0, 0]", result.stdout
+    assert not (tmp_path / "out").exists()
+
+
+# --- help, config, provenance ------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_commands():
+    result = cli("--help")
+    assert result.returncode == 0
+    for name in ("run", "eval", "config", "models", "recipes"):
+        assert re.search(rf"^\W*{name}\s", result.stdout, re.MULTILINE), (name, result.stdout)
+
+
+def test_config_prints_the_validated_recipe_as_yaml(monkeypatch):
+    monkeypatch.chdir(REPO)
+    result = invoke("config", str(QUICKSTART), "train.max_steps=5")
+    assert result.exit_code == 0
+    data = yaml.safe_load(result.stdout)
+    assert data["name"] == "quickstart" and data["train"]["max_steps"] == 5
+    assert data["optim"]["eps"] == 1e-8  # defaults included
+    assert data["data"]["train"] == str(REPO / "recipes" / "data" / "reverse_train.jsonl")
+
+
+def test_config_provenance_marks_file_lines_defaults_and_overrides(monkeypatch):
+    monkeypatch.chdir(REPO)
+    result = invoke("config", "recipes/quickstart.yaml", "--provenance", "train.max_steps=5")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    text = QUICKSTART.read_text().splitlines()
+
+    def source(key: str, indent: int) -> str:
+        line = next(x for x in lines if x.startswith(" " * indent + key + ":"))
+        return line.rsplit("  # ", 1)[1]
+
+    assert source("name", 0) == f"recipes/quickstart.yaml:{text.index('name: quickstart') + 1}"
+    assert source("micro_batch_size", 2) == f"recipes/quickstart.yaml:{text.index('  micro_batch_size: 32') + 1}"
+    assert source("eps", 2) == "default"
+    assert source("trust_remote_code", 2) == "default"
+    assert source("max_steps", 2) == "override train.max_steps=5"
+    assert any(line.startswith("  max_steps: 5 ") for line in lines)
+
+
+# --- run --dry-run ---------------------------------------------------------------------------------------------
+
+
+def _dry_run(tmp_path: Path, monkeypatch, *extra: str):
+    monkeypatch.chdir(tmp_path)  # nothing may appear here either (e.g. runs/quickstart)
+    out = tmp_path / "out"
+    result = invoke("run", str(QUICKSTART), "--dry-run", "-o", str(out), *extra)
+    assert result.exit_code == 0, result.output
+    assert list(tmp_path.iterdir()) == [], "a dry run writes nothing"
+    plan = [line for line in result.stdout.splitlines() if line.startswith("# would run: ")]
+    assert len(plan) == 1, result.stdout
+    return yaml.safe_load(result.stdout), plan[0].removeprefix("# would run: "), out
+
+
+def test_dry_run_prints_the_resolved_recipe_and_plan(tmp_path, monkeypatch):
+    resolved, plan, out = _dry_run(tmp_path, monkeypatch)
+    assert plan == "in this process"
+    assert resolved["output_dir"] == str(out)
+    assert resolved["name"] == "quickstart" and resolved["train"]["max_steps"] == 400
+
+
+@pytest.mark.parametrize("how", [["launch.num_processes=2"], ["--num-processes", "2"]])
+def test_dry_run_with_two_processes_prints_the_accelerate_argv(tmp_path, monkeypatch, how):
+    resolved, plan, out = _dry_run(tmp_path, monkeypatch, *how, "train.micro_batch_size=16",
+                                   "launch.accelerate_config=ddp")
+    assert resolved["launch"]["num_processes"] == 2
+    argv = plan.split()
+    assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert " --num_processes 2 " in plan
+    assert argv[argv.index("--config_file") + 1] == str(REPO / "accelerate_configs" / "ddp.yaml")
+    assert argv[-3:] == ["-m", "finetune.worker", str(out / "recipe.resolved.yaml")]
+
+
+def test_dry_run_under_a_launcher_trains_in_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    _, plan, _ = _dry_run(tmp_path, monkeypatch, "launch.num_processes=2", "train.micro_batch_size=16",
+                          "launch.accelerate_config=ddp")
+    assert plan == "in this process"
+
+
+def test_two_processes_on_a_single_process_config_is_refused(tmp_path, monkeypatch):
+    """cpu.yaml (distributed_type NO) would silently start ONE process and halve the global batch."""
+    from finetune.config import load_recipe
+    from finetune.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"launch.num_processes=2: .*'cpu' runs one process.*accelerate_config=ddp"):
+        load_recipe(REPO / "recipes" / "quickstart.yaml", ["launch.num_processes=2", "train.micro_batch_size=16"])
+
+
+# --- user mistakes: exit code 2, one error line each, no traceback --------------------------------------------------
+
+
+def test_unknown_key_subprocess_exits_2_with_one_line():
+    result = cli("config", str(QUICKSTART), "train.max_stepz=5")
+    lines = assert_user_error(result.returncode, result.stdout, result.stderr,
+                              "train.max_stepz: unknown key; did you mean train.max_steps?")
+    assert len(lines) == 1
+
+
+def test_debug_env_shows_the_traceback():
+    result = cli("config", str(QUICKSTART), "train.max_stepz=5", FINETUNE_DEBUG="1")
+    assert result.returncode != 0
+    assert "Traceback" in result.stderr and "ConfigError" in result.stderr
+
+
+def test_several_problems_give_several_error_lines(monkeypatch, capsys):
+    code, out, err = main_exit(monkeypatch, capsys, "config", str(QUICKSTART), "train.max_stepz=5", "optim.lrr=1",
+                               "model.dtype=float64")
+    assert len(assert_user_error(code, out, err, "train.max_stepz", "optim.lrr", "model.dtype")) == 3
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["config", str(QUICKSTART), "train.max_steps"], "error: override 'train.max_steps': expected key.path=value"),
+        (["config", str(QUICKSTART), "a..b=1"], "expected key.path=value"),
+        (["run", "no/such/recipe.yaml", "--dry-run"], "recipe file not found"),
+        (["config", "no/such/recipe.yaml"], "recipe file not found"),
+        (["run", str(QUICKSTART), "--dry-run", "model.type=tiny-lama"], "did you mean tiny-llama"),
+        (["run", str(QUICKSTART), "--dry-run", "train.global_batch_size=30"], "global_batch_size=30"),
+    ],
+)
+def test_user_mistakes_exit_2(monkeypatch, capsys, args, needle):
+    assert_user_error(*main_exit(monkeypatch, capsys, *args), needle)
+
+
+def test_invalid_yaml_names_the_line(tmp_path, monkeypatch, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nmodel:\n  type: tiny-llama\n  path: [unclosed\ntrain: {max_steps: 1}\n")
+    lines = assert_user_error(*main_exit(monkeypatch, capsys, "run", str(bad), "--dry-run"), "invalid YAML")
+    assert len(lines) == 1
+    assert re.search(r"bad\.yaml:[45]: invalid YAML", lines[0]), lines
+
+
+def test_existing_run_dir_is_not_touched_without_overwrite(tmp_path, monkeypatch):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "recipe.resolved.yaml").write_text("name: previous-run\n")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    before = {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}
+    # short settings, so that a broken guard costs seconds, not minutes
+    result = cli("run", str(QUICKSTART), "-o", str(run_dir), "train.max_steps=1", "eval.every_steps=null",
+                 "eval.at_start=false", "eval.metrics=[]", "checkpoint.every_steps=null", "checkpoint.save_final=false",
+                 cwd=tmp_path)
+    lines = assert_user_error(result.returncode, result.stdout, result.stderr, "already holds a run", "--overwrite")
+    assert len(lines) == 1
+    assert {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")} == before
+
+
+def test_eval_on_an_empty_dir_is_a_user_error(tmp_path, monkeypatch, capsys):
+    assert_user_error(*main_exit(monkeypatch, capsys, "eval", str(tmp_path)), "recipe.resolved.yaml")
+    assert_user_error(*main_exit(monkeypatch, capsys, "eval", str(tmp_path / "missing")), "not a directory")
+
+
+def test_eval_on_an_empty_dir_subprocess(tmp_path):
+    result = cli("eval", ".", cwd=tmp_path)
+    assert_user_error(result.returncode, result.stdout, result.stderr, "no recipe.resolved.yaml")
+
+
+# --- models, recipes --------------------------------------------------------------------------------------------
+
+
+def test_models_lists_every_supported_model():
+    result = invoke("models")
+    assert result.exit_code == 0
+    first_column = {line.split("│")[1].strip() for line in result.stdout.splitlines() if line.startswith("│")}
+    assert set(SUPPORTED_MODELS) <= first_column, result.stdout
+
+
+def test_recipes_lists_quickstart_with_its_description():
+    result = invoke("recipes")
+    assert result.exit_code == 0
+    description = QUICKSTART.read_text().splitlines()[1].lstrip("# ").strip()
+    line = next(x for x in result.stdout.splitlines() if x.startswith("quickstart.yaml "))
+    assert line.split(None, 1)[1] == description
+    for recipe in sorted((REPO / "recipes").glob("*.yaml")):
+        assert re.search(rf"^{re.escape(recipe.name)} ", result.stdout, re.MULTILINE)

@@ -1,0 +1,440 @@
+"""Data pipeline: loading and row checks, format rendering, answer masking, labels and the over-long policy.
+
+Everything runs on the bundled tiny tokenizer (byte-level BPE, ``<s>``=1, ``</s>``=2, ``<pad>``=0) and on small
+files written to ``tmp_path`` or the bundled ``recipes/data`` files; no model is built.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+from transformers import AutoTokenizer
+
+from finetune.config.schema import DataConfig
+from finetune.data import load_splits
+from finetune.data.formats import render
+from finetune.data.loading import check_rows, load_raw
+from finetune.data.tokenize import IGNORE, label_names, tokenize_rows
+from finetune.errors import DataError
+
+REPO = Path(__file__).resolve().parents[2]
+DATA = REPO / "recipes" / "data"
+TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
+
+ALPACA_WITH_INPUT = {"instruction": "Reverse the letters.", "input": "d a c z", "output": "z c a d"}
+ALPACA_NO_INPUT = {"instruction": "Say hello.", "input": "", "output": "hello there"}
+CHAT_TWO_TURNS = {"messages": [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "First letter of: d r z?"},
+    {"role": "assistant", "content": "d"},
+    {"role": "user", "content": "First letter of: f b v?"},
+    {"role": "assistant", "content": "f"},
+]}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+def _tokenize_list(rows: list[dict], tok: Any, fmt: str = "alpaca", max_len: int = 512, overlong: str = "truncate",
+                  train_on_prompt: bool = False) -> Any:
+    return tokenize_rows(datasets.Dataset.from_list(rows), fmt=fmt, tokenizer=tok, max_len=max_len, overlong=overlong,
+                    train_on_prompt=train_on_prompt, source="test")
+
+
+def trained_runs(tok: Any, ids: list[int], labels: list[int]) -> list[str]:
+    """Decoded text of each maximal run of trained (label != -100) tokens."""
+    runs: list[list[int]] = []
+    previous = False
+    for tid, label in zip(ids, labels, strict=True):
+        trained = label != IGNORE
+        if trained:
+            assert label == tid, "a trained label must be the token itself"
+            if not previous:
+                runs.append([])
+            runs[-1].append(tid)
+        previous = trained
+    return [tok.decode(run) for run in runs]
+
+
+def masked_text(tok: Any, ids: list[int], labels: list[int]) -> str:
+    return tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab == IGNORE])
+
+
+def write_jsonl(path: Path, lines: list[str]) -> str:
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------------------------- alpaca rendering
+
+
+def test_alpaca_with_input_masks_prompt_and_trains_answer_and_eos(tok: Any) -> None:
+    row = _tokenize_list([ALPACA_WITH_INPUT], tok).dataset[0]
+    prompt = "### Instruction:\nReverse the letters.\n\n### Input:\nd a c z\n\n### Response:\n"
+    ids, labels = row["input_ids"], row["labels"]
+    assert tok.decode(ids) == "<s>" + prompt + "z c a d</s>"
+    assert ids[0] == tok.bos_token_id and labels[0] == IGNORE
+    assert ids[-1] == tok.eos_token_id and labels[-1] == tok.eos_token_id
+    assert trained_runs(tok, ids, labels) == ["z c a d</s>"]
+    assert masked_text(tok, ids, labels) == "<s>" + prompt
+    # the trained tokens are exactly how the answer tokenizes on its own (what the model generates), plus eos
+    answer_ids = tok("z c a d", add_special_tokens=False)["input_ids"]
+    assert [t for t, lab in zip(ids, labels, strict=True) if lab != IGNORE] == [*answer_ids, tok.eos_token_id]
+    # generation prompt: <s> + prompt, a prefix of the training ids; the reference is the output
+    assert tok.decode(row["prompt_ids"]) == "<s>" + prompt
+    assert ids[: len(row["prompt_ids"])] == row["prompt_ids"]
+    assert row["reference"] == "z c a d"
+
+
+def test_alpaca_without_input_uses_the_short_template(tok: Any) -> None:
+    for row in (ALPACA_NO_INPUT, {"instruction": "Say hello.", "output": "hello there"}):
+        out = _tokenize_list([row], tok).dataset[0]
+        prompt = "### Instruction:\nSay hello.\n\n### Response:\n"
+        assert "### Input" not in tok.decode(out["input_ids"])
+        assert masked_text(tok, out["input_ids"], out["labels"]) == "<s>" + prompt
+        assert trained_runs(tok, out["input_ids"], out["labels"]) == ["hello there</s>"]
+
+
+def test_train_on_prompt_trains_everything_but_bos(tok: Any) -> None:
+    row = _tokenize_list([ALPACA_WITH_INPUT], tok, train_on_prompt=True).dataset[0]
+    ids, labels = row["input_ids"], row["labels"]
+    assert labels[0] == IGNORE and ids[0] == tok.bos_token_id
+    assert labels[1:] == ids[1:]
+    assert ids[-1] == tok.eos_token_id
+    assert row["reference"] == "z c a d"  # generation still compares with the answer only
+
+
+def test_answer_right_after_newline_first_token_trained(tok: Any) -> None:
+    # the last prompt character is "\n"; the answer's first token must be trained and the "\n" must not
+    for answer in ("zebra", "z", "Zq x", "1 2 3", "  spaced"):
+        row = _tokenize_list([{"instruction": "Go.", "output": answer}], tok).dataset[0]
+        ids, labels = row["input_ids"], row["labels"]
+        first = next(i for i, lab in enumerate(labels) if lab != IGNORE)
+        assert tok.decode(ids[first - 1]) == "\n" and labels[first - 1] == IGNORE
+        assert tok.decode(ids[first:]) == answer + "</s>"
+        assert all(lab != IGNORE for lab in labels[first:])
+
+
+# -------------------------------------------------------------------------------------------------- chat format
+
+
+def test_chat_two_turns_trains_only_assistant_content_and_eos(tok: Any) -> None:
+    row = _tokenize_list([CHAT_TWO_TURNS], tok, fmt="chat").dataset[0]
+    ids, labels = row["input_ids"], row["labels"]
+    assert tok.decode(ids) == ("<s><|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\nd</s>\n"
+                               "<|user|>\nFirst letter of: f b v?\n<|assistant|>\nf</s>\n")
+    assert trained_runs(tok, ids, labels) == ["d</s>", "f</s>"]
+    masked = masked_text(tok, ids, labels)
+    assert masked == ("<s><|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\n\n"
+                      "<|user|>\nFirst letter of: f b v?\n<|assistant|>\n\n")
+    special = {tok.convert_tokens_to_ids(t): t for t in ("<|system|>", "<|user|>", "<|assistant|>")}
+    assert all(lab == IGNORE for t, lab in zip(ids, labels, strict=True) if t in special)
+    # generation: the conversation up to the last assistant turn + the generation prompt; reference = last content
+    prompt = tok.decode(row["prompt_ids"])
+    assert prompt == ("<s><|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\nd</s>\n"
+                      "<|user|>\nFirst letter of: f b v?\n<|assistant|>\n")
+    assert ids[: len(row["prompt_ids"])] == row["prompt_ids"]
+    assert row["reference"] == "f"
+
+
+def test_chat_render_prompt_is_template_with_generation_prompt(tok: Any) -> None:
+    out = render(CHAT_TWO_TURNS, "chat", tok, train_on_prompt=False)
+    assert out.prompt == tok.apply_chat_template(CHAT_TWO_TURNS["messages"][:-1], tokenize=False,
+                                                 add_generation_prompt=True)
+    assert out.prompt.endswith("<|assistant|>\n")
+    assert out.reference == "f"
+    assert not out.add_eos  # the template ends assistant turns with </s> itself
+    assert [out.text[a:b] for a, b in out.spans] == ["d</s>", "f</s>"]
+
+
+def test_bundled_chat_file_trains_every_assistant_turn(tok: Any) -> None:
+    source = str(DATA / "tiny_chat.jsonl")
+    raw = load_raw(source)
+    check_rows(raw, "chat", source)
+    result = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=512, overlong="truncate", source=source)
+    assert len(result.dataset) == len(raw) and result.truncated == result.dropped == result.no_answer == 0
+    for messages, row in zip(raw["messages"], result.dataset, strict=True):
+        expected = [m["content"] + "</s>" for m in messages if m["role"] == "assistant"]
+        assert trained_runs(tok, row["input_ids"], row["labels"]) == expected
+        assert row["reference"] == messages[-1]["content"]
+
+
+def test_chat_without_template_is_a_data_error(tok: Any) -> None:
+    bare = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    bare.chat_template = None
+    with pytest.raises(DataError, match="chat template"):
+        render(CHAT_TWO_TURNS, "chat", bare, train_on_prompt=False)
+
+
+# -------------------------------------------------------------------------------------------------- completion
+
+
+def test_completion_trains_everything(tok: Any) -> None:
+    text = "A young girl waited for a while."
+    row = _tokenize_list([{"text": text}], tok, fmt="completion").dataset[0]
+    ids, labels = row["input_ids"], row["labels"]
+    assert tok.decode(ids) == "<s>" + text + "</s>"
+    assert labels[0] == IGNORE and labels[1:] == ids[1:]
+    assert row["prompt_ids"] == [tok.bos_token_id] and row["reference"] == text
+
+
+# ---------------------------------------------------------------------------------------------------- bad rows
+
+
+def test_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
+    ok = json.dumps({"instruction": "a", "output": "b"})
+    path = write_jsonl(tmp_path / "d.jsonl", [ok, ok, json.dumps({"instruction": "a"}), ok])
+    with pytest.raises(DataError, match=rf"{path}:3: missing field 'output'"):
+        check_rows(load_raw(path), "alpaca", path)
+
+
+def test_missing_column_everywhere_reports_line_1(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"instruction": "a"})] * 2)
+    with pytest.raises(DataError, match=rf"{path}:1: missing field 'output'"):
+        check_rows(load_raw(path), "alpaca", path)
+
+
+def test_invalid_json_names_line(tmp_path: Path) -> None:
+    ok = json.dumps({"text": "a"})
+    path = write_jsonl(tmp_path / "d.jsonl", [ok, ok, ok, '{"text": "a",}', ok])
+    with pytest.raises(DataError, match=rf"{path}:4: invalid JSON"):
+        load_raw(path)
+
+
+def test_empty_line_names_line(tmp_path: Path) -> None:
+    ok = json.dumps({"text": "a"})
+    path = write_jsonl(tmp_path / "d.jsonl", [ok, "", ok])
+    with pytest.raises(DataError, match=rf"{path}:2: empty line"):
+        load_raw(path)
+
+
+def test_non_object_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a"}), "[1, 2]"])
+    with pytest.raises(DataError, match=rf"{path}:2: expected a JSON object"):
+        load_raw(path)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("")
+    with pytest.raises(DataError, match="no rows"):
+        load_raw(str(path))
+
+
+def test_wrong_type_names_line_and_field(tmp_path: Path) -> None:
+    rows = [{"instruction": "a", "output": "b"}, {"instruction": "a", "output": "b"}, {"instruction": "a", "output": 5}]
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with pytest.raises(DataError, match=rf"{path}:3: field 'output' must be a non-empty string"):
+        check_rows(load_raw(path), "alpaca", path)
+    rows = [{"instruction": "a", "output": "b", "input": ["x"]}]
+    path = write_jsonl(tmp_path / "e.jsonl", [json.dumps(r) for r in rows])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'input' must be a string"):
+        check_rows(load_raw(path), "alpaca", path)
+    path = write_jsonl(tmp_path / "f.jsonl", [json.dumps({"instruction": "  ", "output": "b"})])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'instruction' must be a non-empty string"):
+        check_rows(load_raw(path), "alpaca", path)
+
+
+def test_chat_message_without_role(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(good), json.dumps(bad)])
+    with pytest.raises(DataError, match=rf"{path}:2: messages\[1\] needs role"):
+        check_rows(load_raw(path), "chat", path)
+    unknown = {"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path = write_jsonl(tmp_path / "r.jsonl", [json.dumps(unknown)])
+    with pytest.raises(DataError, match=rf"{path}:1: messages\[0\] needs role"):
+        check_rows(load_raw(path), "chat", path)
+
+
+def test_chat_last_message_must_be_assistant(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"messages": [*good["messages"], {"role": "user", "content": "c"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(good), json.dumps(good), json.dumps(bad)])
+    with pytest.raises(DataError, match=rf"{path}:3: the last message must be the assistant"):
+        check_rows(load_raw(path), "chat", path)
+    path = write_jsonl(tmp_path / "e.jsonl", [json.dumps({"messages": []})])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'messages' must be a non-empty list"):
+        check_rows(load_raw(path), "chat", path)
+
+
+def test_csv_bad_row_line_counts_header(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text("text,label\nfine,0\nalso fine,1\n,2\n")  # index 2 -> line 4
+    with pytest.raises(DataError, match=rf"{path}:4: missing field 'text'"):
+        check_rows(load_raw(str(path)), "classification", str(path))
+
+
+def test_unsupported_suffix_and_missing_file(tmp_path: Path) -> None:
+    txt = tmp_path / "d.txt"
+    txt.write_text("hello\n")
+    with pytest.raises(DataError, match="unsupported data file type"):
+        load_raw(str(txt))
+    with pytest.raises(DataError, match="not found"):
+        load_raw(str(tmp_path / "missing.jsonl"))
+
+
+def test_classification_label_not_in_configured_labels(tmp_path: Path) -> None:
+    rows = [{"text": "a", "label": "pos"}, {"text": "b", "label": "neutral"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with pytest.raises(DataError, match=r"label 'neutral' is not in data\.labels"):
+        label_names(load_raw(path), ["neg", "pos"], path)
+
+
+def test_eval_label_unknown_to_train_is_an_error(tmp_path: Path, tok: Any) -> None:
+    train = write_jsonl(tmp_path / "t.jsonl", [json.dumps({"text": "a", "label": x}) for x in ("x", "y")])
+    evals = write_jsonl(tmp_path / "e.jsonl", [json.dumps({"text": "a", "label": x}) for x in ("x", "z")])
+    with pytest.raises(DataError, match=rf"{evals}:2: label 'z' is not one of \['x', 'y'\]"):
+        load_splits(DataConfig(format="classification", train=train, eval=evals), tok)
+
+
+# ------------------------------------------------------------------------------------------------------ labels
+
+
+def test_string_labels_sorted(tok: Any) -> None:
+    source = str(DATA / "topics_train.jsonl")
+    raw = load_raw(source)
+    names = label_names(raw, None, source)
+    assert names == ["food", "sports", "technology", "weather"]
+    out = tokenize_rows(raw.select(range(20)), fmt="classification", tokenizer=tok, max_len=64, overlong="truncate",
+                   labels=names, source=source)
+    assert [names[i] for i in out.dataset["label"]] == raw.select(range(20))["label"]
+
+
+def test_integer_labels_from_csv(tok: Any) -> None:
+    source = str(DATA / "tiny_classification.csv")
+    bundle = load_splits(DataConfig(format="classification", train=source), tok)
+    assert bundle.labels == ["0", "1", "2"]
+    raw = load_raw(source)
+    assert bundle.train is not None
+    assert bundle.train.dataset["label"] == raw["label"]
+    first = bundle.train.dataset[0]
+    assert first["input_ids"][0] == tok.bos_token_id  # classification keeps the tokenizer's special tokens
+    assert tok.decode(first["input_ids"], skip_special_tokens=True) == raw[0]["text"]
+
+
+def test_configured_labels_are_honoured(tmp_path: Path, tok: Any) -> None:
+    rows = [{"text": "a", "label": "pos"}, {"text": "b", "label": "neg"}, {"text": "c", "label": "pos"}]
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    bundle = load_splits(DataConfig(format="classification", train=path, labels=["pos", "neg"]), tok)
+    assert bundle.labels == ["pos", "neg"]
+    assert bundle.train is not None and bundle.train.dataset["label"] == [0, 1, 0]
+    # integer ids in the data index the configured names
+    source = str(DATA / "tiny_classification.csv")
+    bundle = load_splits(DataConfig(format="classification", train=source, labels=["sports", "food", "weather"]),
+                         tok)
+    assert bundle.labels == ["sports", "food", "weather"]
+    assert bundle.train is not None and bundle.train.dataset["label"] == load_raw(source)["label"]
+
+
+def test_mixed_int_and_str_labels_are_an_error(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a", "label": x}) for x in ("pos", 1, "neg")])
+    with pytest.raises(DataError, match="mix integer ids and names"):
+        label_names(load_raw(path), None, path)
+    with pytest.raises(DataError, match="mix integer ids and names"):
+        label_names({"label": [0, "pos"]}, None, "mem")
+
+
+def test_bool_label_is_rejected(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a", "label": True})])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'label'"):
+        check_rows(load_raw(path), "classification", path)
+
+
+# ------------------------------------------------------------------------------------------------- over-long rows
+
+LONG = {"text": " ".join(["word"] * 40)}
+SHORT = {"text": "short one"}
+
+
+def test_overlong_truncate_keeps_rows_and_counts(tok: Any) -> None:
+    out = _tokenize_list([SHORT, LONG, SHORT, LONG, LONG], tok, fmt="completion", max_len=8)
+    assert len(out.dataset) == 5
+    assert (out.truncated, out.dropped, out.no_answer) == (3, 0, 0)
+    assert max(len(ids) for ids in out.dataset["input_ids"]) == 8
+    assert all(len(ids) == len(labels) for ids, labels in zip(out.dataset["input_ids"], out.dataset["labels"],
+                                                              strict=True))
+
+
+def test_overlong_drop_removes_rows_and_counts(tok: Any) -> None:
+    out = _tokenize_list([SHORT, LONG, SHORT, LONG, LONG], tok, fmt="completion", max_len=8, overlong="drop")
+    assert len(out.dataset) == 2
+    assert (out.truncated, out.dropped, out.no_answer) == (0, 3, 0)
+    assert [tok.decode(ids) for ids in out.dataset["input_ids"]] == ["<s>short one</s>"] * 2
+
+
+def test_truncation_that_cuts_the_whole_answer_is_skipped(tok: Any) -> None:
+    short = {"instruction": "Go.", "output": "ok"}
+    long_prompt = {"instruction": "Go " * 30, "output": "ok"}
+    max_len = len(_tokenize_list([short], tok).dataset[0]["input_ids"])
+    out = _tokenize_list([short, long_prompt, short], tok, max_len=max_len)
+    assert len(out.dataset) == 2 and (out.truncated, out.dropped, out.no_answer) == (1, 0, 1)
+    # a truncated sample that keeps part of its answer stays, with only that part trained
+    prompt_len = len(_tokenize_list([short], tok).dataset[0]["prompt_ids"])
+    partial = _tokenize_list([{"instruction": "Go.", "output": "a b c d e f g h"}], tok, max_len=prompt_len + 3)
+    assert partial.truncated == 1 and len(partial.dataset) == 1
+    assert trained_runs(tok, partial.dataset[0]["input_ids"], partial.dataset[0]["labels"]) == ["a b c"]
+    dropped = _tokenize_list([short, long_prompt, short], tok, max_len=max_len, overlong="drop")
+    assert len(dropped.dataset) == 2 and (dropped.truncated, dropped.dropped, dropped.no_answer) == (0, 1, 0)
+    with pytest.raises(DataError, match="no usable samples"):
+        _tokenize_list([long_prompt], tok, max_len=max_len)
+
+
+# ------------------------------------------------------------------------------------------------ file formats
+
+ROWS = [{"instruction": "Reverse the letters.", "input": "a b", "output": "b a"},
+        {"instruction": "Say, \"hi\".", "input": "", "output": "hi"}]
+
+
+def test_load_raw_reads_jsonl_json_csv_parquet(tmp_path: Path) -> None:
+    paths = {
+        "jsonl": write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in ROWS]),
+        "json": str(tmp_path / "d.json"),
+        "csv": str(tmp_path / "d.csv"),
+        "parquet": str(tmp_path / "d.parquet"),
+    }
+    Path(paths["json"]).write_text(json.dumps(ROWS))
+    with open(paths["csv"], "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(ROWS[0]))
+        writer.writeheader()
+        writer.writerows(ROWS)
+    datasets.Dataset.from_list(ROWS).to_parquet(paths["parquet"])
+    for kind, path in paths.items():
+        raw = load_raw(path)
+        check_rows(raw, "alpaca", path)
+        got = [{k: (row[k] or "") for k in ROWS[0]} for row in raw]  # csv reads an empty field as None
+        assert got == ROWS, kind
+
+
+def test_load_splits_eval_ignores_train_on_prompt(tmp_path: Path, tok: Any) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in ROWS])
+    bundle = load_splits(DataConfig(format="alpaca", train=path, eval=path, train_on_prompt=True), tok)
+    assert bundle.labels is None and bundle.train is not None and bundle.eval is not None
+    train, evaluation = bundle.train.dataset[0], bundle.eval.dataset[0]
+    assert train["input_ids"] == evaluation["input_ids"]
+    assert train["labels"][1:] == train["input_ids"][1:]
+    assert trained_runs(tok, evaluation["input_ids"], evaluation["labels"]) == ["b a</s>"]
+    only_eval = load_splits(DataConfig(format="alpaca", train=path, eval=path), tok, need_train=False)
+    assert only_eval.train is None and only_eval.eval is not None
+
+
+def test_tokenize_cache_is_keyed_by_the_code(tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second run reuses the map cache, but a change to rendering/masking code must not (stale labels)."""
+    import finetune.data.tokenize as tokenize_module
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in ROWS])
+
+    def cache_files() -> set[str]:
+        out = tokenize_rows(load_raw(path), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate", source=path)
+        return {f["filename"] for f in out.dataset.cache_files}
+
+    first = cache_files()
+    assert first and cache_files() == first
+    monkeypatch.setattr(tokenize_module, "CODE_VERSION", "edited")
+    assert cache_files().isdisjoint(first)

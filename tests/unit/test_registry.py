@@ -1,0 +1,67 @@
+"""The SupportedModel table: every row is well-formed data and builds a working model of its family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from finetune import registry
+from finetune.errors import ConfigError
+from finetune.registry import SUPPORTED_MODELS
+
+ROWS = sorted(SUPPORTED_MODELS)
+
+
+def test_required_rows_exist() -> None:
+    assert {"llama", "qwen2", "mistral", "gpt2", "bert", "tiny-llama"} <= set(SUPPORTED_MODELS)
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_row_is_consistent_data(name: str) -> None:
+    row = SUPPORTED_MODELS[name]
+    assert row.name == name
+    assert row.task in registry.TASK_METRICS
+    assert row.capabilities <= registry.CAPABILITIES
+    assert hasattr(transformers, row.auto_class) and hasattr(transformers, row.config_class)
+    assert set(row.lora_targets) == {"attn", "attn_mlp", "all_linear"}
+    assert all(row.lora_targets.values())
+    if row.debug_build:
+        assert row.tokenizer is not None
+
+
+@pytest.mark.parametrize("name", ROWS)
+def test_row_builds_a_tiny_model_and_runs_a_forward(name: str) -> None:
+    """Build the family from its tiny config; the decoder-layer class FSDP wraps and the LoRA targets exist."""
+    row = SUPPORTED_MODELS[name]
+    config = getattr(transformers, row.config_class)(**row.tiny_config)
+    if row.task == "classification":
+        config.num_labels = 3
+    torch.manual_seed(0)
+    model = getattr(transformers, row.auto_class).from_config(config)
+    layer_classes = {type(m).__name__ for m in model.modules()}
+    assert row.decoder_layer in layer_classes
+    module_names = [n for n, _ in model.named_modules()]
+    for preset, targets in row.lora_targets.items():
+        for target in targets:
+            assert any(n == target or n.endswith("." + target) for n in module_names), (preset, target)
+    for head in row.head_modules:
+        assert any(n.endswith(head) for n in module_names)
+    ids = torch.randint(0, 500, (2, 9))
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    expected = (2, 3) if row.task == "classification" else (2, 9, config.vocab_size)
+    assert tuple(out.logits.shape) == expected
+    assert torch.isfinite(out.logits).all()
+
+
+def test_unknown_model_type_lists_close_matches() -> None:
+    with pytest.raises(ConfigError, match=r"unknown model type 'lama'; did you mean llama"):
+        registry.get_model("lama")
+
+
+def test_register_rejects_unknown_capabilities() -> None:
+    row = SUPPORTED_MODELS["llama"]
+    bad = registry.SupportedModel(**{**row.__dict__, "name": "bad", "capabilities": frozenset({"flying"})})
+    with pytest.raises(ConfigError, match="unknown capabilities"):
+        registry.register(bad)
+    assert "bad" not in SUPPORTED_MODELS

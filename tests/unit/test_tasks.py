@@ -1,0 +1,297 @@
+"""Task adapters on tiny models built from configs (forward passes only, no optimizer steps).
+
+Checks that the loss sums and token counts the loop divides agree with Hugging Face's own losses, that greedy
+generation from left-padded prompts equals ``model.generate`` on each prompt alone, and that the eval counts
+(token accuracy, exact match, classification accuracy) count what their names say.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers import AutoTokenizer
+
+from finetune.data import DataBundle
+from finetune.data.batching import Collator, count_label_tokens
+from finetune.data.tokenize import IGNORE, Tokenized, tokenize_rows
+from finetune.tasks.causal_lm import CausalLMTask, greedy_generate, normalize
+from finetune.tasks.classification import ClassificationTask
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
+TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 512}
+ROWS = [
+    {"instruction": "Reverse the letters.", "input": "d a c z", "output": "z c a d"},
+    {"instruction": "Reverse the letters.", "input": "b v w c d", "output": "d c w v b"},
+    {"instruction": "Say hi.", "input": "", "output": "hi"},
+]
+
+
+def make_cfg(metrics: list[str] | None = None, max_new_tokens: int = 8, **train: int) -> Any:
+    """The few recipe fields the tasks read."""
+    return SimpleNamespace(
+        eval=SimpleNamespace(metrics=metrics or [], max_new_tokens=max_new_tokens, batch_size=2),
+        train=SimpleNamespace(**{"global_batch_size": 4, "micro_batch_size": 2, "seed": 0, **train}),
+        data=SimpleNamespace(shuffle=True),
+    )
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**TINY_LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenized(tok: Any) -> Tokenized:
+    return tokenize_rows(datasets.Dataset.from_list(ROWS), fmt="alpaca", tokenizer=tok, max_len=128,
+                         overlong="truncate")
+
+
+@pytest.fixture(scope="module")
+def batch(tokenized: Tokenized) -> dict[str, Any]:
+    return Collator(pad_id=0, with_prompts=True)(list(tokenized.dataset))
+
+
+# --------------------------------------------------------------------------------------------------- train loss
+
+
+def test_causal_train_output_matches_hf_loss(llama: Any, batch: dict[str, Any], tok: Any) -> None:
+    task = CausalLMTask(make_cfg(), None, 0, 0, 1, tokenizer=tok)
+    with torch.no_grad():
+        loss_sum, num_tokens = task.train_output(llama, batch)
+        hf = llama(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+    expected_tokens = int((batch["labels"][:, 1:] != IGNORE).sum())
+    assert int(num_tokens) == expected_tokens == count_label_tokens(batch)
+    # every answer token + eos of every row is a target; no pad, no prompt
+    assert expected_tokens == sum(len(tok(r["output"], add_special_tokens=False)["input_ids"]) + 1 for r in ROWS)
+    assert loss_sum.dtype == torch.float32 and loss_sum.ndim == 0
+    torch.testing.assert_close(loss_sum / num_tokens, hf, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_train_output_ignores_padding_rows(llama: Any, batch: dict[str, Any], tok: Any) -> None:
+    """Sum over a batch == sum of the per-sample sums (padding adds nothing): what token weighting relies on."""
+    task = CausalLMTask(make_cfg(), None, 0, 0, 1, tokenizer=tok)
+    with torch.no_grad():
+        whole, whole_n = task.train_output(llama, batch)
+        parts = [task.train_output(llama, {k: batch[k][i:i + 1] for k in ("input_ids", "attention_mask", "labels")})
+                 for i in range(batch["input_ids"].size(0))]
+    torch.testing.assert_close(whole, sum(p[0] for p in parts), rtol=1e-5, atol=1e-5)
+    assert int(whole_n) == sum(int(p[1]) for p in parts)
+
+
+def test_classification_train_output_matches_cross_entropy() -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=128, vocab_size=512, num_labels=3)
+    model = transformers.BertForSequenceClassification(config).eval()
+    batch = Collator(pad_id=0)([{"input_ids": [1, 40, 41, 42, 2], "label": 2}, {"input_ids": [1, 50, 2], "label": 0},
+                                {"input_ids": [1, 60, 61, 2], "label": 1}])
+    task = ClassificationTask(make_cfg(["accuracy"]), None, 0, 0, 1)
+    with torch.no_grad():
+        loss_sum, n = task.train_output(model, batch)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        counts = task.eval_output(model, batch)
+    torch.testing.assert_close(loss_sum, F.cross_entropy(logits, batch["label"], reduction="sum"))
+    assert int(n) == 3 == count_label_tokens(batch)
+    torch.testing.assert_close(counts.loss_sum, loss_sum)
+    assert int(counts.num_tokens) == 3
+    assert int(counts.correct["accuracy"]) == int((logits.argmax(-1) == batch["label"]).sum())
+    assert int(counts.total["accuracy"]) == 3
+
+
+# --------------------------------------------------------------------------------------------------- generation
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=n, eos_token_id=eos_id, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_generate_matches_hf_generate_on_unpadded_prompts(llama: Any) -> None:
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (3, 7, 1, 5)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    new = greedy_generate(llama, ids, mask, max_new_tokens=10, eos_id=None, pad_id=0)
+    assert new.shape == (4, 10)
+    for prompt, row in zip(prompts, new.tolist(), strict=True):
+        assert row == hf_greedy(llama, prompt, 10)
+
+
+def test_greedy_generate_positions_with_absolute_embeddings() -> None:
+    """RoPE is blind to a constant position offset; GPT-2's absolute positions catch wrong left-pad positions."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64,
+                                     initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (2, 6, 4)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    new = greedy_generate(model, ids, mask, max_new_tokens=6, eos_id=None, pad_id=0)
+    for prompt, row in zip(prompts, new.tolist(), strict=True):
+        assert row == hf_greedy(model, prompt, 6)
+
+
+def test_greedy_generate_pads_after_eos(llama: Any) -> None:
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (4, 2, 6)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    free = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=None, pad_id=0).tolist()
+    eos = free[0][2]  # pretend the third token row 0 generates is eos
+    new = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=eos, pad_id=0).tolist()
+    for prompt, free_row, row in zip(prompts, free, new, strict=True):
+        if eos in free_row:
+            cut = free_row.index(eos) + 1
+            assert row[:cut] == free_row[:cut] and row[cut:] == [0] * (8 - cut)
+        else:
+            assert row == free_row
+        # HF stops at eos too: identical up to and including the first eos
+        reference = hf_greedy(llama, prompt, 8, eos_id=eos)
+        assert row[:len(reference)] == reference
+    assert new[0][3:] == [0] * 5
+
+
+# -------------------------------------------------------------------------------------------------- eval counts
+
+
+class ScriptedModel:
+    """A fake causal LM: generation steps emit ``script[row][step]``; teacher-forced calls return ``forced``."""
+
+    def __init__(self, script: list[list[int]], forced: torch.Tensor | None = None, vocab: int = 512) -> None:
+        self.script, self.forced, self.vocab, self.step = script, forced, vocab, 0
+
+    def __call__(self, *, input_ids: torch.Tensor, attention_mask: torch.Tensor, use_cache: bool,
+                 position_ids: torch.Tensor | None = None, past_key_values: Any = None) -> Any:
+        if not use_cache:
+            logits = self.forced if self.forced is not None else torch.zeros(*input_ids.shape, self.vocab)
+            return SimpleNamespace(logits=logits)
+        if past_key_values is None:
+            self.step = 0
+        logits = torch.zeros(input_ids.size(0), input_ids.size(1), self.vocab)
+        for row, tokens in enumerate(self.script):
+            logits[row, -1, tokens[min(self.step, len(tokens) - 1)]] = 1.0
+        self.step += 1
+        return SimpleNamespace(logits=logits, past_key_values=("cache",))
+
+
+def test_normalize_whitespace() -> None:
+    assert normalize("  z  c\n a\td ") == "z c a d"
+    assert normalize("") == ""
+    assert normalize("z c a d") != normalize("zc a d")
+
+
+def test_exact_match_counts_normalised_equal_generations(tok: Any, batch: dict[str, Any]) -> None:
+    eos = tok.eos_token_id
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    # references: "z c a d", "d c w v b", "hi"
+    script = [
+        [*ids(" z  c a\nd "), eos, *ids("junk after eos")],  # equal after whitespace normalisation -> counted
+        [*ids("d c w v"), eos],                                # one letter short -> not counted
+        [*ids("hi"), eos],                                     # exact -> counted
+    ]
+    width = max(len(s) for s in script)
+    task = CausalLMTask(make_cfg(["exact_match"], max_new_tokens=width), None, 0, 0, 1, with_prompts=True,
+                        tokenizer=tok)
+    counts = task.eval_output(ScriptedModel(script), batch)
+    assert int(counts.correct["exact_match"]) == 2 and int(counts.total["exact_match"]) == 3
+    assert "token_accuracy" not in counts.correct
+    # without an eos, the text after the answer makes it wrong
+    no_eos = [[*ids("z c a d"), *ids(" more")], [*ids("d c w v b")] * 2, [*ids("hi"), eos]]
+    task.cfg.eval.max_new_tokens = max(len(s) for s in no_eos)
+    counts = task.eval_output(ScriptedModel(no_eos), batch)
+    assert int(counts.correct["exact_match"]) == 1
+
+
+def test_exact_match_stops_at_max_new_tokens(tok: Any, batch: dict[str, Any]) -> None:
+    answer = tok("z c a d", add_special_tokens=False)["input_ids"]
+    script = [[*answer, tok.eos_token_id], [3], [3]]
+    task = CausalLMTask(make_cfg(["exact_match"], max_new_tokens=len(answer) - 1), None, 0, 0, 1, with_prompts=True,
+                        tokenizer=tok)
+    assert int(task.eval_output(ScriptedModel(script), batch).correct["exact_match"]) == 0
+    task.cfg.eval.max_new_tokens = len(answer)
+    assert int(task.eval_output(ScriptedModel(script), batch).correct["exact_match"]) == 1
+
+
+def test_token_accuracy_counts_shifted_label_tokens(llama: Any, tok: Any, batch: dict[str, Any]) -> None:
+    task = CausalLMTask(make_cfg(["token_accuracy"]), None, 0, 0, 1, tokenizer=tok)
+    labels = batch["labels"]
+    targets = int((labels[:, 1:] != IGNORE).sum())
+    with torch.no_grad():
+        counts = task.eval_output(llama, batch)
+        logits = llama(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert int(counts.total["token_accuracy"]) == int(counts.num_tokens) == targets
+    hits = (logits[:, :-1].argmax(-1) == labels[:, 1:]) & (labels[:, 1:] != IGNORE)
+    assert int(counts.correct["token_accuracy"]) == int(hits.sum())
+    train_sum, _ = task.train_output(llama, batch)
+    torch.testing.assert_close(counts.loss_sum, train_sum)
+    # a model that predicts every next label perfectly gets total/total; predicting position 0 is not counted
+    perfect = torch.zeros(*labels.shape, 512)
+    next_tokens = labels[:, 1:].clamp(min=0)
+    perfect[:, :-1].scatter_(-1, next_tokens[..., None], 1.0)
+    counts = task.eval_output(ScriptedModel([], forced=perfect), batch)
+    assert int(counts.correct["token_accuracy"]) == int(counts.total["token_accuracy"]) == targets
+    # shifting the prediction by one position breaks it
+    counts = task.eval_output(ScriptedModel([], forced=perfect.roll(1, dims=1)), batch)
+    assert int(counts.correct["token_accuracy"]) < targets
+
+
+# -------------------------------------------------------------------------------------------------- dataloaders
+
+
+def test_dataloaders_shard_eval_exactly_and_stream_train(tok: Any) -> None:
+    rows = [{"instruction": f"Item {i}.", "output": f"answer {i}"} for i in range(7)]
+    data = tokenize_rows(datasets.Dataset.from_list(rows), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate")
+    bundle = DataBundle(train=data, eval=data, labels=None)
+    refs: list[str] = []
+    for rank in range(3):
+        task = CausalLMTask(make_cfg(["exact_match"]), bundle, 0, rank, 3, with_prompts=True, tokenizer=tok)
+        assert task.eval_size() == 7
+        for batch in task.build_dataloader("eval"):
+            assert batch["prompt_ids"].size(0) == len(batch["reference"]) <= 2
+            refs.extend(batch["reference"])
+    assert sorted(refs) == sorted(r["output"] for r in rows)
+    # train: micro-batches of 2 per rank; two ranks together see the same stream as one rank
+    def unpadded(batch: dict[str, Any]) -> list[list[int]]:
+        assert batch["input_ids"].size(0) == 2
+        return [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"],
+                                                                strict=True)]
+
+    def first_steps(world: int, start: int = 0) -> list[list[int]]:
+        out = []
+        for rank in range(world):
+            task = CausalLMTask(make_cfg(), bundle, 0, rank, world, tokenizer=tok)
+            loader = iter(task.build_dataloader("train", start_sample=start))
+            per_step = 4 // world // 2
+            out.append([unpadded(next(loader)) for _ in range(3 * per_step)])
+        return out
+
+    one = first_steps(1)[0]
+    two = first_steps(2)
+    assert [b for step in range(3) for b in one[2 * step:2 * step + 2]] == \
+        [b for step in range(3) for r in range(2) for b in two[r][step:step + 1]]
+    assert first_steps(1, start=4)[0][:4] == one[2:6]
