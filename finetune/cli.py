@@ -158,7 +158,7 @@ def _describe(path: Path) -> str:
         if not line.startswith("#"):
             break
         text = line.lstrip("# ").strip()
-        if text and not text.startswith("finetune "):
+        if text and not text.startswith(("finetune ", "extends:")):
             return text
     return ""
 

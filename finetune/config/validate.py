@@ -76,7 +76,10 @@ def _pydantic_lines(exc: ValidationError, composed: Composed) -> list[str]:
             msg = err["msg"].removeprefix("Value error, ")
             value = f" (got {err['input']!r})" if err["type"] != "value_error" and not isinstance(
                 err.get("input"), dict) else ""
-            lines.append(f"{dotted}: {msg}{value}{_where(composed, dotted)}")
+            if not loc:  # a whole-recipe check (batch arithmetic): its message names the keys itself
+                lines.append(msg)
+            else:
+                lines.append(f"{dotted}: {msg}{value}{_where(composed, dotted)}")
     return lines
 
 

