@@ -13,11 +13,13 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune import hooks
 from finetune.config import RESOLVED_NAME, RecipeConfig, to_yaml
+from finetune.errors import RunDirError
 from finetune.state import TrainState
 
 CHECKPOINTS = "checkpoints"
@@ -78,12 +80,79 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
 
 
 def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints (no ``.tmp``, manifest present), oldest first."""
+    """Complete checkpoints (renamed from ``.tmp``), oldest first."""
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp") and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
+
+
+@dataclass
+class CheckpointInfo:
+    """What ``finetune ls`` shows and what resume checks."""
+
+    path: Path
+    step: int | None
+    samples_seen: int | None
+    resumable: bool
+    reason: str | None
+    size_bytes: int
+    created: str | None
+    manifest: dict[str, Any] | None
+
+
+REQUIRED_FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", TRAIN_STATE, RESOLVED_NAME)
+
+
+def inspect(path: Path) -> CheckpointInfo:
+    """Read a checkpoint's manifest and check that everything a resume needs is there."""
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    try:
+        data = json.loads((path / MANIFEST).read_text())
+        if not isinstance(data, dict) or "step" not in data or "samples_seen" not in data:
+            raise ValueError("missing step/samples_seen")
+    except FileNotFoundError:
+        return CheckpointInfo(path, None, None, False, "no manifest.json", size, None, None)
+    except (ValueError, json.JSONDecodeError) as exc:
+        return CheckpointInfo(path, None, None, False, f"manifest.json is corrupted ({exc})", size, None, None)
+    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
+    for rank in range(int(data.get("world_size", 1))):
+        if not (path / f"random_states_{rank}.pkl").is_file() and f"random_states_{rank}.pkl" not in missing:
+            missing.append(f"random_states_{rank}.pkl")
+    reason = data.get("reason") if not data.get("resumable", False) else None
+    if missing:
+        reason = f"missing {', '.join(missing)}"
+    return CheckpointInfo(path, int(data["step"]), int(data["samples_seen"]), reason is None, reason, size,
+                          data.get("created"), data)
+
+
+def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
+    """The newest complete checkpoint that can be resumed from."""
+    for path in reversed(complete_checkpoints(run_dir)):
+        info = inspect(path)
+        if info.resumable:
+            return info
+    return None
+
+
+def find(run_dir: Path, name: str | None) -> CheckpointInfo:
+    """The checkpoint ``name`` (e.g. ``step-000100``) or the newest resumable one; RunDirError if none fits."""
+    if name is None:
+        info = latest_resumable(run_dir)
+        if info is None:
+            broken = [f"{p.name}: {inspect(p).reason}" for p in complete_checkpoints(run_dir)]
+            detail = f" ({'; '.join(broken)})" if broken else ""
+            raise RunDirError(f"{run_dir}: no complete resumable checkpoint to resume from{detail}; start the run "
+                              f"again with `finetune run {run_dir / RESOLVED_NAME} --overwrite`")
+        return info
+    path = run_dir / CHECKPOINTS / name if not Path(name).is_dir() else Path(name)
+    if not path.is_dir() or path.name.endswith(".tmp"):
+        names = ", ".join(p.name for p in complete_checkpoints(run_dir)) or "none"
+        raise RunDirError(f"--from {name}: no such complete checkpoint in {run_dir / CHECKPOINTS} (have: {names})")
+    info = inspect(path)
+    if not info.resumable:
+        raise RunDirError(f"{path}: not resumable: {info.reason}")
+    return info
 
 
 def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, tokenizer: Any, run_dir: Path) -> Path:
@@ -96,6 +165,7 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, tokenizer: Any,
         tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp), safe_serialization=True)
+    hooks.fire("checkpoint_written", path=tmp)
     if accelerator.is_main_process:
         (tmp / TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
         (tmp / RESOLVED_NAME).write_text(to_yaml(cfg))
@@ -111,12 +181,14 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, tokenizer: Any,
 
 
 def prune(run_dir: Path, keep_last: int | None) -> None:
-    """Delete all but the newest ``keep_last`` complete checkpoints (the newest resumable one always stays)."""
+    """Delete all but the newest ``keep_last`` complete checkpoints; the newest resumable one always stays."""
     if keep_last is None:
         return
     checkpoints = complete_checkpoints(run_dir)
+    newest_resumable = latest_resumable(run_dir)
     for old in checkpoints[: max(0, len(checkpoints) - keep_last)]:
-        shutil.rmtree(old, ignore_errors=True)
+        if newest_resumable is None or old != newest_resumable.path:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path) -> Path:

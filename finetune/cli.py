@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -81,14 +82,76 @@ def run(
         shutil.rmtree(run_dir)
     if is_rank0:
         write_resolved(cfg, run_dir)
-    if launch.in_process(cfg):
-        from finetune.worker import run_worker
+    _start(cfg, resolved, [])
 
-        run_worker(resolved)
+
+def _start(cfg: RecipeConfig, resolved: Path, worker_args: list[str]) -> None:
+    """Train in this process, or replace this process with `accelerate launch` running the worker on every rank."""
+    from finetune import launch
+
+    if launch.in_process(cfg):
+        from finetune.worker import main as worker_main
+
+        worker_main([str(resolved), *worker_args])
         return
-    argv = launch.launch_argv(cfg, resolved)
+    argv = launch.launch_argv(cfg, resolved, worker_args)
     sys.stdout.flush()
     os.execvp(argv[0], argv)
+
+
+@app.command()
+def resume(
+    run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<name>)")],
+    overrides: Overrides = None,
+    from_: Annotated[str | None, typer.Option("--from", help="checkpoint name, e.g. step-000100")] = None,
+    allow_config_change: Annotated[bool, typer.Option(
+        "--allow-config-change", help="continue although the recipe, data or tokenizer changed (logged)")] = False,
+    accelerate_config: Annotated[str | None, typer.Option(help="name in accelerate_configs/ or a path")] = None,
+    num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
+) -> None:
+    """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe."""
+    from finetune import resume as resume_plan
+    from finetune.tracking import TRAIN_LOG_FILE, truncate_metrics
+
+    flags = {"launch.accelerate_config": accelerate_config, "launch.num_processes": num_processes}
+    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    plan = resume_plan.plan(run_dir, [*(overrides or []), *extra], from_, allow_config_change)
+    resolved = run_dir / RESOLVED_NAME
+    if os.environ.get("RANK", "0") == "0":
+        step = plan.checkpoint.step or 0
+        dropped = truncate_metrics(run_dir, step)
+        notes = [f"resume from {plan.checkpoint.path.name} (step {step}); dropped {dropped} metrics rows logged "
+                 "after it", *(f"resume: changed {c} (allowed)" for c in plan.changes),
+                 *(f"resume: layout {c}" for c in plan.layout_changes)]
+        with (run_dir / TRAIN_LOG_FILE).open("a", encoding="utf-8") as log:
+            log.writelines(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n" for note in notes)
+        write_resolved(plan.cfg, run_dir)
+    worker_args = ["--resume", str(plan.checkpoint.path)] + (["--allow-config-change"] if allow_config_change else [])
+    _start(plan.cfg, resolved, worker_args)
+
+
+@app.command("ls")
+def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<name>)")]) -> None:
+    """List a run's checkpoints: step, samples seen, resumable (and why not), size, time."""
+    from finetune import checkpoint
+
+    root = run_dir / checkpoint.CHECKPOINTS
+    if not (run_dir / RESOLVED_NAME).is_file():
+        raise RunDirError(f"{run_dir}: not a run directory (no {RESOLVED_NAME})")
+    paths = sorted(root.glob("step-*")) if root.is_dir() else []
+    if not paths:
+        typer.echo(f"{run_dir}: no checkpoints")
+        return
+    typer.echo(f"{'checkpoint':<18} {'step':>8} {'samples':>10}  {'resumable':<40} {'size':>9}  created")
+    for path in paths:
+        if path.name.endswith(".tmp"):
+            typer.echo(f"{path.name:<18} {'-':>8} {'-':>10}  {'no (incomplete write, ignored)':<40}")
+            continue
+        info = checkpoint.inspect(path)
+        status = "yes" if info.resumable else f"no ({info.reason})"
+        typer.echo(f"{path.name:<18} {info.step if info.step is not None else '-':>8} "
+                   f"{info.samples_seen if info.samples_seen is not None else '-':>10}  {status:<40} "
+                   f"{info.size_bytes / 2**20:>7.1f}MB  {info.created or '-'}")
 
 
 @app.command("eval")
@@ -173,8 +236,16 @@ def recipes() -> None:
 
 def main() -> None:
     """Console entry point: FinetuneError -> one line per problem on stderr, exit code 2."""
+    from finetune.signals import Interrupted
+
     try:
         app()
+    except Interrupted as exc:
+        _echo_err(str(exc))
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        _echo_err("aborted (second interrupt): no checkpoint written for the current step")
+        sys.exit(130)
     except FinetuneError as exc:
         if os.environ.get("FINETUNE_DEBUG"):
             raise

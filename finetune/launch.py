@@ -26,7 +26,7 @@ def in_process(cfg: RecipeConfig, env: dict[str, str] | None = None) -> bool:
     return cfg.launch.num_processes == 1 or under_launcher(env)
 
 
-def launch_argv(cfg: RecipeConfig, resolved: Path) -> list[str]:
+def launch_argv(cfg: RecipeConfig, resolved: Path, worker_args: list[str] | None = None) -> list[str]:
     """The exact ``accelerate launch`` command line that runs the worker on every rank."""
     config = accelerate_config_path(cfg.launch.accelerate_config)
     assert config is not None, "validated recipes name an existing accelerate config"
@@ -34,5 +34,5 @@ def launch_argv(cfg: RecipeConfig, resolved: Path) -> list[str]:
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(config),
         "--num_processes", str(cfg.launch.num_processes),
-        "-m", "finetune.worker", str(resolved),
+        "-m", "finetune.worker", str(resolved), *(worker_args or []),
     ]

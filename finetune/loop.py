@@ -13,16 +13,17 @@ import contextlib
 import math
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from finetune import checkpoint
+from finetune import checkpoint, hooks
 from finetune.config import RecipeConfig
 from finetune.data.batching import count_label_tokens
 from finetune.precision import Precision
+from finetune.signals import Interrupted, StopRequest
 from finetune.state import TrainState
 from finetune.tasks import Task
 from finetune.tracking import Tracker
@@ -47,6 +48,7 @@ class Trainer:
     state: TrainState
     run_dir: Path
     max_steps: int
+    stop: StopRequest = field(default_factory=StopRequest)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class StepStats:
     grad_norm: float
     tokens: int
     skipped: bool
+    stop: bool = False
 
 
 def _due(step: int, every: int | None) -> bool:
@@ -76,19 +79,21 @@ def train(t: Trainer) -> TrainState:
     t.model.train()
     while state.step < t.max_steps:
         stats = train_step(t, [next(batches) for _ in range(cfg.grad_accum)])
-        state.step += 1
-        state.micro_step += cfg.grad_accum
-        state.samples_seen += cfg.train.global_batch_size
-        state.tokens_seen += stats.tokens
+        state.advance(micro_steps=cfg.grad_accum, samples=cfg.train.global_batch_size, tokens=stats.tokens)
         state.elapsed_s = time.perf_counter() - started
         last = state.step == t.max_steps
         if _due(state.step, cfg.logging.every_steps) or last:
             t.tracker.log_train(_train_row(t, stats))
         if cfg.data.eval and (_due(state.step, cfg.eval.every_steps) or last):
             t.tracker.log_eval(evaluate(t))
-        if _due(state.step, cfg.checkpoint.every_steps) or (last and cfg.checkpoint.every_steps):
+        saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
+        if saved or stats.stop:
             path = checkpoint.save(t.accelerator, cfg, state, t.tokenizer, t.run_dir)
             t.tracker.info(f"saved checkpoint {path.name}")
+        hooks.fire("after_step", trainer=t)
+        if stats.stop and not last:
+            raise Interrupted(f"stopped by signal after step {state.step}; checkpoint {path.name} saved; continue with "
+                              f"`finetune resume {t.run_dir}`", t.stop.exit_code)
     return state
 
 
@@ -116,8 +121,12 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     lr = t.scheduler.get_last_lr()[0]  # the lr this step used
     t.scheduler.step()
     t.optimizer.zero_grad(set_to_none=True)
-    loss = acc.reduce(loss_sum_local, reduction="sum") / total_tokens.clamp(min=1.0).double()  # sync
-    return StepStats(loss=float(loss), lr=lr, grad_norm=float(grad_norm), tokens=int(total_tokens), skipped=not stepped)
+    # sync: the window's loss over all ranks, and whether any rank was asked to stop (all stop after this step)
+    flag = torch.tensor(float(t.stop.requested), device=device, dtype=torch.float64)
+    summed = acc.reduce(torch.stack([loss_sum_local, flag]), reduction="sum")
+    loss = summed[0] / total_tokens.clamp(min=1.0).double()
+    return StepStats(loss=float(loss), lr=lr, grad_norm=float(grad_norm), tokens=int(total_tokens),
+                     skipped=not stepped, stop=bool(summed[1] > 0))
 
 
 def _train_row(t: Trainer, stats: StepStats) -> dict[str, Any]:

@@ -14,14 +14,20 @@ class TrainState:
 
     step: int = 0
     micro_step: int = 0
+    epoch: int = 0
     samples_seen: int = 0
+    train_size: int = 0
     tokens_seen: int = 0
     elapsed_s: float = 0.0
     best_eval_loss: float = math.inf
 
-    def epoch(self, dataset_size: int) -> int:
-        """The epoch the next sample belongs to."""
-        return self.samples_seen // max(1, dataset_size)
+    def advance(self, *, micro_steps: int, samples: int, tokens: int) -> None:
+        """Count one optimizer step; ``epoch`` is the epoch the next sample belongs to."""
+        self.step += 1
+        self.micro_step += micro_steps
+        self.samples_seen += samples
+        self.tokens_seen += tokens
+        self.epoch = self.samples_seen // max(1, self.train_size)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

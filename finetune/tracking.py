@@ -176,6 +176,23 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def truncate_metrics(run_dir: Path, step: int) -> int:
+    """Drop rows logged after ``step`` (by a process that died or stopped after its last checkpoint).
+
+    A resumed run re-logs those steps, so metrics.jsonl ends up with every step exactly once. Rewritten atomically;
+    returns the number of rows dropped.
+    """
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return 0
+    rows = read_metrics(run_dir)
+    kept = [row for row in rows if row.get("step", 0) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
+    tmp.replace(path)
+    return len(rows) - len(kept)
+
+
 class Throughput:
     """Tokens per second between successive train rows, from cumulative ``tokens`` and ``elapsed_s``.
 

@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import FinetuneError
+from finetune.signals import Interrupted
 
 if TYPE_CHECKING:
     from finetune.loop import Trainer
@@ -61,7 +63,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type)
-    state = TrainState()
+    state = TrainState(train_size=len(data.train.dataset))
     # accelerate saves model/optimizer/RNG itself; these are ours (the scheduler is not prepared: accelerate
     # would step it once per process)
     accelerator.register_for_checkpointing(scheduler, state, precision.scaler)
@@ -73,31 +75,69 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
                         run_dir, max_steps)
 
 
-def run_worker(resolved: str | Path) -> None:
-    """Train the run whose resolved recipe is ``resolved`` (on this rank), then export it."""
+def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
+    """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer."""
+    import json
+
+    from finetune.checkpoint import MANIFEST, tokenizer_fingerprint
+    from finetune.errors import RunDirError
+
+    manifest = json.loads((ckpt / MANIFEST).read_text())
+    if tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
+        if not allow_config_change:
+            raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
+                              "pass --allow-config-change to continue anyway")
+        trainer.tracker.info("resume: tokenizer changed since the checkpoint (allowed)")
+    train_size = trainer.state.train_size
+    trainer.accelerator.load_state(str(ckpt))  # model, optimizer, scheduler, TrainState, scaler, RNG of this rank
+    trainer.state.train_size = train_size
+    state = trainer.state
+    trainer.tracker.info(f"resumed from {ckpt.name}: step {state.step}, epoch {state.epoch}, "
+                         f"{state.samples_seen} samples seen")
+
+
+def run_worker(resolved: str | Path, resume_from: str | Path | None = None, allow_config_change: bool = False) -> None:
+    """Train the run whose resolved recipe is ``resolved`` (on this rank), then export it.
+
+    Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
+    """
     from finetune import checkpoint, loop
 
     cfg = load_resolved(resolved)
     trainer = build_trainer(cfg, Path(cfg.output_dir or Path(resolved).parent))
     try:
-        loop.train(trainer)
+        if resume_from is not None:
+            resume_state(trainer, Path(resume_from), allow_config_change)
+        with trainer.stop.installed():
+            loop.train(trainer)
         if cfg.checkpoint.save_final:
             out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg, trainer.run_dir)
             trainer.tracker.info(f"exported {out}")
+    except Interrupted as exc:
+        trainer.tracker.info(str(exc))
+        raise
     finally:
         trainer.tracker.close()
         trainer.accelerator.end_training()
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m finetune.worker RESOLVED``: FinetuneError -> one line, exit code 2."""
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m finetune.worker runs/<name>/recipe.resolved.yaml", file=sys.stderr)
-        sys.exit(2)
+    """``python -m finetune.worker RESOLVED [--resume CKPT] [--allow-config-change]`` on every rank."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m finetune.worker")
+    parser.add_argument("resolved", help="runs/<name>/recipe.resolved.yaml")
+    parser.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    parser.add_argument("--allow-config-change", action="store_true")
+    args = parser.parse_args(argv)
     try:
-        run_worker(args[0])
+        run_worker(args.resolved, args.resume, args.allow_config_change)
+    except Interrupted as exc:
+        print(str(exc), file=sys.stderr)
+        sys.exit(exc.exit_code)
     except FinetuneError as exc:
+        if os.environ.get("FINETUNE_DEBUG"):
+            raise
         for line in str(exc).splitlines():
             print(f"error: {line}", file=sys.stderr)
         sys.exit(exc.exit_code)

@@ -57,11 +57,13 @@ class TaskData:
                 micro_batch=self.cfg.train.micro_batch_size, rank=self.rank, world=self.world,
                 seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle, start_sample=start_sample,
             )
-            return DataLoader(dataset, batch_sampler=sampler, collate_fn=Collator(self.pad_id))
+            # own generator: creating the iterator must not draw from the global RNG (exact resume of dropout)
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=Collator(self.pad_id),
+                              generator=torch.Generator())
         assert split == "eval" and self.data.eval is not None
         shard = self.data.eval.dataset.select(eval_shard(len(self.data.eval.dataset), self.rank, self.world))
         return DataLoader(shard, batch_size=self.cfg.eval.batch_size, shuffle=False, drop_last=False,
-                          collate_fn=Collator(self.pad_id, with_prompts=self.with_prompts))
+                          collate_fn=Collator(self.pad_id, with_prompts=self.with_prompts), generator=torch.Generator())
 
     def eval_size(self) -> int:
         """Samples in the whole eval set (all ranks)."""
