@@ -1,22 +1,195 @@
-"""The Accelerator for a recipe. Backend-specific setup lives here, in one small place.
+"""The Accelerator for a recipe, set up for the backend the launcher chose. All backend knowledge lives here.
 
-This release runs one process (CPU or one GPU) and plain data parallelism; mixed precision is handled by
-:mod:`finetune.precision`, not by accelerate (whose fp16 is silently fp32 on CPU), so the Accelerator is always
-created with ``mixed_precision="no"`` and ``gradient_accumulation_steps=1`` (the loop accumulates itself).
+``accelerate launch --config_file accelerate_configs/<x>.yaml`` exports the config as environment variables
+(ACCELERATE_USE_FSDP, FSDP_VERSION, ACCELERATE_USE_DEEPSPEED, ACCELERATE_DEEPSPEED_ZERO_STAGE, ...); that
+environment is the single source of truth for which backend runs, also under a launcher the user started.
+On top of it this module supplies what the recipe and the SupportedModel row know:
+
+- FSDP: the decoder-layer class to wrap (from the row), ``use_orig_params`` (our optimizer groups see real
+  parameters), sharded state dicts for checkpoints, and no ``sync_module_states`` (every rank builds the same
+  weights from the same seed; the option raises on CPU).
+- DeepSpeed: the whole DeepSpeed config generated from the recipe (global/micro batch, accumulation, clipping,
+  precision, ZeRO stage and offload), so the two can never disagree.
+- CPU-only machines (ENV-NOTES.md): DDP needs ``Accelerator(cpu=True)`` (gloo); DeepSpeed needs a gloo process
+  group and must NOT get ``cpu=True`` (it would silently run DDP); FSDP needs the shared PartialState marked as a
+  multi-device run before the Accelerator exists, else accelerate silently falls back to DDP.
+
+Mixed precision stays ours (finetune.precision) except under DeepSpeed, whose engine owns it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from finetune.config import RecipeConfig
+from finetune.errors import ConfigError
+from finetune.registry import SupportedModel
 
 
-def make_accelerator(cfg: RecipeConfig) -> Any:
-    """An Accelerator on the GPU when there is one, else on the CPU (gloo when distributed)."""
+@dataclass(frozen=True)
+class Backend:
+    """Which backend runs, as the launcher's environment says."""
+
+    kind: str  # "single" | "ddp" | "fsdp" | "deepspeed"
+    fsdp_version: int | None = None
+    zero_stage: int | None = None
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+
+    @property
+    def name(self) -> str:
+        """ddp, fsdp1, fsdp2, zero1..3 (+ _offload), or single."""
+        if self.kind == "fsdp":
+            return f"fsdp{self.fsdp_version}"
+        if self.kind == "deepspeed":
+            return f"zero{self.zero_stage}" + ("_offload" if self.offload_optimizer != "none" else "")
+        return self.kind
+
+    @property
+    def engine_owns_precision(self) -> bool:
+        """DeepSpeed casts the model and scales the loss itself."""
+        return self.kind == "deepspeed"
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters are gathered inside forward: every rank must run the same number of forward passes."""
+        return self.kind == "fsdp" or (self.kind == "deepspeed" and (self.zero_stage or 0) >= 3)
+
+    @property
+    def rank_bound_state(self) -> bool:
+        """Checkpoints hold per-rank optimizer shards: resuming on another world size is not possible."""
+        return self.kind == "deepspeed"
+
+
+def _true(value: str | None) -> bool:
+    return str(value).lower() in ("1", "true", "yes")
+
+
+def detect(env: Mapping[str, str] | None = None) -> Backend:
+    """The backend the launcher's environment selects (single process when there is no launcher)."""
+    env = os.environ if env is None else env
+    if _true(env.get("ACCELERATE_USE_DEEPSPEED")):
+        return Backend("deepspeed", zero_stage=int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")),
+                       offload_optimizer=env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none").lower(),
+                       offload_param=env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none").lower())
+    if _true(env.get("ACCELERATE_USE_FSDP")):
+        return Backend("fsdp", fsdp_version=int(env.get("FSDP_VERSION", "1")))
+    if int(env.get("WORLD_SIZE", "1")) > 1:
+        return Backend("ddp")
+    return Backend("single")
+
+
+def deepspeed_config(cfg: RecipeConfig, backend: Backend) -> dict[str, Any]:
+    """The DeepSpeed config, generated from the recipe so batch sizes, accumulation and clipping always agree."""
+    offload = {"device": backend.offload_optimizer}
+    if backend.offload_optimizer != "none":
+        offload["pin_memory"] = torch.cuda.is_available()
+    return {
+        "train_batch_size": cfg.train.global_batch_size,
+        "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
+        "gradient_accumulation_steps": cfg.grad_accum,
+        "gradient_clipping": cfg.train.max_grad_norm or 0.0,
+        "bf16": {"enabled": cfg.train.mixed_precision == "bf16"},
+        "fp16": {"enabled": cfg.train.mixed_precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "zero_optimization": {
+            "stage": backend.zero_stage,
+            "offload_optimizer": offload,
+            "offload_param": {"device": backend.offload_param},
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        # our optimizer is torch AdamW/SGD (also with offload: the CPU step runs torch's AdamW, same numerics)
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 62,
+        "wall_clock_breakdown": False,
+    }
+
+
+def _mark_cpu_run_as_multi_device() -> None:
+    """FSDP on CPU (ENV-NOTES.md): accelerate only builds FSDP for a multi-device state, so create the shared
+    PartialState on the CPU and mark it as one before the Accelerator reads it."""
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType
+
+    state = PartialState(cpu=True)
+    state.distributed_type = DistributedType.MULTI_GPU
+    state.device = torch.device("cpu")
+
+
+def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | None = None) -> tuple[Any, Backend]:
+    """An Accelerator for this rank, and the backend it runs.
+
+    ``gradient_accumulation_steps`` is the recipe's: the loop uses ``accelerator.accumulate`` so every backend
+    (DeepSpeed included) knows which micro-step ends a window.
+    """
     from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
-    del cfg  # backend selection from launch.accelerate_config arrives with the distributed release
-    return Accelerator(cpu=not torch.cuda.is_available(), mixed_precision="no", gradient_accumulation_steps=1)
+    backend = backend or detect()
+    on_cpu = not torch.cuda.is_available()
+    kwargs: dict[str, Any] = {"mixed_precision": "no", "gradient_accumulation_steps": cfg.grad_accum}
+    if backend.kind == "deepspeed":
+        if on_cpu and cfg.train.mixed_precision == "fp16":
+            raise ConfigError("train.mixed_precision: DeepSpeed on CPU does not support fp16; use bf16 or no")
+        # The launcher's ZeRO settings are already in our generated config (read by detect()); accelerate would
+        # refuse a full config next to them, so mark them consumed.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
+            hf_ds_config=deepspeed_config(cfg, backend), gradient_accumulation_steps=cfg.grad_accum,
+            gradient_clipping=cfg.train.max_grad_norm or 0.0, zero_stage=backend.zero_stage,
+            offload_optimizer_device=backend.offload_optimizer, offload_param_device=backend.offload_param,
+            zero3_save_16bit_model=True, zero3_init_flag=False,
+        )
+        if on_cpu:  # not cpu=True: that silently turns DeepSpeed into DDP
+            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
+        return Accelerator(**kwargs), backend
+    if backend.kind == "fsdp":
+        if on_cpu:
+            _mark_cpu_run_as_multi_device()
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
+            fsdp_version=backend.fsdp_version, auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=[row.decoder_layer], use_orig_params=True, sync_module_states=False,
+            state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False,
+        )
+    return Accelerator(cpu=on_cpu, **kwargs), backend
+
+
+@contextlib.contextmanager
+def model_init(accelerator: Any, backend: Backend, from_config: bool) -> Iterator[None]:
+    """Build the model in here. Under ZeRO-3 accelerate tells transformers to construct models inside
+    ``deepspeed.zero.Init`` (partitioned at birth: right for large pretrained weights), but a model initialized
+    from a config there draws different random weights than on one process. Config-built models are therefore
+    built normally and partitioned when the engine starts, so every backend starts from the same weights."""
+    if not (from_config and backend.kind == "deepspeed" and backend.zero_stage == 3):
+        yield
+        return
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
+
+
+def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str, Any] | None:
+    """The whole model's state dict on rank 0 (None elsewhere may occur); a collective: call on every rank.
+
+    FSDP1's default full-state-dict gather offloads to CPU and segfaults on a CPU-only run (ENV-NOTES.md), so it is
+    gathered on the compute device (rank 0 only) there; ZeRO-3 needs ``stage3_gather_16bit_weights_on_model_save``,
+    which the generated DeepSpeed config always sets.
+    """
+    if backend.kind == "fsdp" and backend.fsdp_version == 1:
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        config = FullStateDictConfig(offload_to_cpu=torch.cuda.is_available(), rank0_only=True)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            return model.state_dict()
+    return accelerator.get_state_dict(model)

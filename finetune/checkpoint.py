@@ -15,12 +15,15 @@ import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune import hooks
 from finetune.config import RESOLVED_NAME, RecipeConfig, to_yaml
 from finetune.errors import RunDirError
 from finetune.state import TrainState
+
+if TYPE_CHECKING:
+    from finetune.backends import Backend
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -191,11 +194,14 @@ def prune(run_dir: Path, keep_last: int | None) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path) -> Path:
+def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
+                 backend: Backend) -> Path:
     """Write ``<run_dir>/final``: safetensors + config + tokenizer (+ label mapping in the config) + recipe."""
     out = run_dir / "final"
     tmp = run_dir / "final.tmp"
-    state_dict = accelerator.get_state_dict(model)  # collective under sharded backends
+    from finetune.backends import full_state_dict
+
+    state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)

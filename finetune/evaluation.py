@@ -39,15 +39,15 @@ def evaluate_target(target: Path, overrides: list[str]) -> dict[str, Any]:
         raise RunDirError(f"{recipe}: data.eval is not set; pass data.eval=path/to/eval.jsonl")
 
     from finetune import loop, registry
-    from finetune.backends import make_accelerator
+    from finetune.backends import Backend, make_accelerator
     from finetune.data import load_splits
     from finetune.modeling import build_model, build_tokenizer
     from finetune.precision import Precision
     from finetune.tasks import build_task
     from finetune.tracking import NullTracker
 
-    accelerator = make_accelerator(cfg)
     row = registry.get_model(cfg.model.type)
+    accelerator, _ = make_accelerator(cfg, row, Backend("single"))  # one process, whatever the run used
     source = str(exported) if exported else None
     tokenizer = build_tokenizer(cfg.model, row, source=source)
     data = load_splits(cfg.data, tokenizer, need_train=False)  # label names still come from the train file

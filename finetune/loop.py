@@ -9,7 +9,6 @@ Host syncs are marked ``# sync``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 import warnings
@@ -20,6 +19,7 @@ from typing import Any
 import torch
 
 from finetune import checkpoint, hooks
+from finetune.backends import Backend
 from finetune.config import RecipeConfig
 from finetune.data.batching import count_label_tokens
 from finetune.precision import Precision
@@ -48,6 +48,7 @@ class Trainer:
     state: TrainState
     run_dir: Path
     max_steps: int
+    backend: Backend = field(default_factory=lambda: Backend("single"))
     stop: StopRequest = field(default_factory=StopRequest)
 
 
@@ -103,17 +104,18 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     local_tokens = torch.tensor(float(sum(count_label_tokens(b) for b in window)), device=device)  # counted on host
     window = [_to_device(b, device) for b in window]
     total_tokens = acc.reduce(local_tokens, reduction="sum")  # sync: the window's label tokens on all ranks
-    # The one division: data-parallel backends average gradients over ranks, so scale by the rank count to
-    # get sum(loss over window and ranks) / total_tokens.
-    denominator = total_tokens.clamp(min=1.0) / acc.num_processes
+    # The one division: sum(loss over window and ranks) / total_tokens. Data-parallel backends average gradients
+    # over ranks and accelerate (or the DeepSpeed engine) divides each micro-step's loss by the accumulation
+    # steps, so both factors are multiplied back here.
+    denominator = total_tokens.clamp(min=1.0) / (acc.num_processes * acc.gradient_accumulation_steps)
     loss_sum_local = torch.zeros((), device=device, dtype=torch.float64)
-    for i, batch in enumerate(window):
-        syncing = i == len(window) - 1
-        with contextlib.nullcontext() if syncing else acc.no_sync(t.model):
+    for batch in window:
+        with acc.accumulate(t.model):  # no gradient sync (and no DeepSpeed step) until the window's last micro-step
             with t.precision.autocast():
                 loss_sum, _ = t.task.train_output(t.model, batch)
             acc.backward(t.precision.scaler.scale(loss_sum / denominator))
         loss_sum_local += loss_sum.detach().double()
+    assert acc.sync_gradients, "a window is exactly gradient_accumulation_steps micro-steps"
     t.precision.scaler.unscale_(t.optimizer)
     max_norm = t.cfg.train.max_grad_norm or math.inf
     grad_norm = acc.clip_grad_norm_(t.model.parameters(), max_norm)

@@ -46,10 +46,11 @@ class NoScaler:
 class Precision:
     """Autocast context and grad scaler for ``train.mixed_precision``."""
 
-    def __init__(self, mode: str, device_type: str) -> None:
+    def __init__(self, mode: str, device_type: str, engine_owned: bool = False) -> None:
+        """``engine_owned``: the backend engine (DeepSpeed) casts and scales itself; we then do neither."""
         self.mode, self.device_type = mode, device_type
-        self.dtype = AUTOCAST_DTYPES.get(mode)
-        self.scaler: Any = torch.amp.GradScaler(device_type) if mode == "fp16" else NoScaler()
+        self.dtype = None if engine_owned else AUTOCAST_DTYPES.get(mode)
+        self.scaler: Any = torch.amp.GradScaler(device_type) if mode == "fp16" and not engine_owned else NoScaler()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Forward passes run under this context."""

@@ -33,7 +33,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     from accelerate.utils import set_seed
 
     from finetune import loop, registry
-    from finetune.backends import make_accelerator
+    from finetune.backends import make_accelerator, model_init
     from finetune.data import load_splits
     from finetune.modeling import build_model, build_tokenizer
     from finetune.optim import build_optimizer, build_scheduler
@@ -42,8 +42,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     from finetune.tasks import build_task
     from finetune.tracking import build_tracker
 
-    accelerator = make_accelerator(cfg)
     row = registry.get_model(cfg.model.type)
+    accelerator, backend = make_accelerator(cfg, row)
     tokenizer = build_tokenizer(cfg.model, row)
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache; the others reuse it
         data = load_splits(cfg.data, tokenizer)
@@ -55,14 +55,15 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
             tracker.info(f"data: {split.truncated} truncated, {split.dropped} dropped (longer than "
                          f"data.max_seq_len={cfg.data.max_seq_len}), {split.no_answer} without answer tokens skipped")
     set_seed(cfg.train.seed)  # identical initial weights on every rank and in every run
-    model = build_model(cfg.model, row, labels=data.labels)
+    with model_init(accelerator, backend, from_config=cfg.model.path is None):
+        model = build_model(cfg.model, row, labels=data.labels)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
-    precision = Precision(cfg.train.mixed_precision, accelerator.device.type)
+    precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend.engine_owns_precision)
     state = TrainState(train_size=len(data.train.dataset))
     # accelerate saves model/optimizer/RNG itself; these are ours (the scheduler is not prepared: accelerate
     # would step it once per process)
@@ -70,9 +71,10 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
     tracker.info(f"training {cfg.name}: {max_steps} steps, global batch {cfg.train.global_batch_size} "
                  f"(micro {cfg.train.micro_batch_size} x accum {cfg.grad_accum} x {accelerator.num_processes} "
-                 f"process(es)), {len(data.train.dataset)} train samples")
+                 f"process(es)), backend {backend.name} ({accelerator.distributed_type}), "
+                 f"{len(data.train.dataset)} train samples")
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
-                        run_dir, max_steps)
+                        run_dir, max_steps, backend)
 
 
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
@@ -111,7 +113,8 @@ def run_worker(resolved: str | Path, resume_from: str | Path | None = None, allo
         with trainer.stop.installed():
             loop.train(trainer)
         if cfg.checkpoint.save_final:
-            out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg, trainer.run_dir)
+            out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg, trainer.run_dir,
+                                          trainer.backend)
             trainer.tracker.info(f"exported {out}")
     except Interrupted as exc:
         trainer.tracker.info(str(exc))

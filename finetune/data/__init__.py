@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.config.schema import DataConfig
-from finetune.data.loading import check_rows, load_raw
+from finetune.data.loading import check_columns, load_raw
 from finetune.data.tokenize import Tokenized, label_names, tokenize_rows
 
 
@@ -22,7 +22,7 @@ class DataBundle:
 def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True) -> DataBundle:
     """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False)."""
     raw_train = load_raw(cfg.train)
-    check_rows(raw_train, cfg.format, cfg.train)
+    check_columns(raw_train, cfg.format, cfg.train)
     labels = label_names(raw_train, cfg.labels, cfg.train) if cfg.format == "classification" else None
     common = {"fmt": cfg.format, "tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
               "train_on_prompt": cfg.train_on_prompt, "labels": labels}
@@ -30,7 +30,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True) -> 
     evaluation = None
     if cfg.eval:
         raw_eval = load_raw(cfg.eval)
-        check_rows(raw_eval, cfg.format, cfg.eval)
+        check_columns(raw_eval, cfg.format, cfg.eval)
         # eval metrics measure the answers, whatever train_on_prompt says for training
         evaluation = tokenize_rows(raw_eval, source=cfg.eval, **{**common, "train_on_prompt": False})
     return DataBundle(train, evaluation, labels)

@@ -8,6 +8,7 @@ field, instead of a KeyError deep inside ``map``.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 ROLES = ("system", "user", "assistant")
 
 
-def _line_of(path: str, index: int) -> str:
+def line_of(path: str, index: int) -> str:
     """Where row ``index`` lives in its file, as ``file:line`` (csv counts its header line)."""
     suffix = Path(path).suffix
     if suffix == ".jsonl":
@@ -52,6 +53,12 @@ def _scan_jsonl(path: str) -> None:
                 raise DataError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
 
 
+def _check_blank_lines(path: str) -> None:
+    """A blank line would shift every later row's line number: a fast byte scan, then the exact line if any."""
+    if re.search(rb"(?:^|\n)[ \t\r]*(?:\n|[ \t\r]+$)", Path(path).read_bytes()):
+        _scan_jsonl(path)  # raises with the line number
+
+
 def load_raw(source: str) -> Dataset:
     """Load one split's raw rows from a local file or a hub dataset name."""
     import datasets
@@ -63,10 +70,12 @@ def load_raw(source: str) -> Dataset:
         if Path(source).stat().st_size == 0:
             raise DataError(f"{source}: no rows (the file is empty)")
         if suffix == ".jsonl":
-            _scan_jsonl(source)
+            _check_blank_lines(source)  # rows must map to lines one to one for file:line errors
         try:
             return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train")
         except Exception as exc:  # datasets wraps parse errors in several exception types
+            if suffix == ".jsonl":
+                _scan_jsonl(source)  # find the offending line (only on failure: a full parse costs seconds per 1M rows)
             detail = (str(exc).splitlines() or [type(exc).__name__])[0]  # some (StopIteration) have no message
             raise DataError(f"{source}: cannot be read as {suffix[1:]} ({detail})") from None
     if Path(source).exists():
@@ -87,29 +96,40 @@ def _check_messages(value: Any, where: str) -> None:
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
 
 
-def check_rows(dataset: Dataset, fmt: str, source: str) -> None:
-    """Raise a DataError naming file, line and field for the first row that does not fit ``fmt``."""
+def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
+    """Raise a DataError naming file, line and field when ``row`` (row ``index`` of ``source``) does not fit."""
     required, optional = FIELDS[fmt]
-    missing_cols = [f for f in required if f not in dataset.column_names]
-    if missing_cols and len(dataset):
-        raise DataError(f"{_line_of(source, 0)}: missing field {missing_cols[0]!r} "
-                        f"({fmt} rows need {', '.join(required)})")
-    for index, row in enumerate(dataset):
-        where = _line_of(source, index)
-        for name in required:
-            value = row.get(name)
-            if value is None:
-                raise DataError(f"{where}: missing field {name!r} ({fmt} rows need {', '.join(required)})")
-            if name == "messages":
-                _check_messages(value, where)
-            elif name == "label":
-                if not isinstance(value, (str, int)) or isinstance(value, bool):
-                    raise DataError(f"{where}: field 'label' must be a label name or an integer id, got {value!r}")
-            elif not isinstance(value, str) or (name != "input" and not value.strip()):
-                raise DataError(f"{where}: field {name!r} must be a non-empty string")
-        for name in optional:
-            value = row.get(name)
-            if value is not None and not isinstance(value, str):
-                raise DataError(f"{where}: field {name!r} must be a string")
+    where = line_of(source, index)
+    for name in required:
+        value = row.get(name)
+        if value is None:
+            raise DataError(f"{where}: missing field {name!r} ({fmt} rows need {', '.join(required)})")
+        if name == "messages":
+            _check_messages(value, where)
+        elif name == "label":
+            if not isinstance(value, (str, int)) or isinstance(value, bool):
+                raise DataError(f"{where}: field 'label' must be a label name or an integer id, got {value!r}")
+        elif not isinstance(value, str) or (name != "input" and not value.strip()):
+            raise DataError(f"{where}: field {name!r} must be a non-empty string")
+    for name in optional:
+        value = row.get(name)
+        if value is not None and not isinstance(value, str):
+            raise DataError(f"{where}: field {name!r} must be a string")
+
+
+def check_columns(dataset: Dataset, fmt: str, source: str) -> None:
+    """Cheap checks of the whole table: rows exist and the format's columns are there."""
+    required, _ = FIELDS[fmt]
     if not len(dataset):
         raise DataError(f"{source}: no rows")
+    missing_cols = [f for f in required if f not in dataset.column_names]
+    if missing_cols:
+        raise DataError(f"{line_of(source, 0)}: missing field {missing_cols[0]!r} "
+                        f"({fmt} rows need {', '.join(required)})")
+
+
+def check_rows(dataset: Dataset, fmt: str, source: str) -> None:
+    """Check every row (tokenization does the same row by row inside its cached ``map``)."""
+    check_columns(dataset, fmt, source)
+    for index, row in enumerate(dataset):
+        check_row(row, index, fmt, source)

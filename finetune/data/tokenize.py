@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.formats import render
-from finetune.data.loading import _line_of
+from finetune.data.loading import check_row, check_rows, line_of
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -35,9 +35,10 @@ class Tokenized:
     no_answer: int
 
 
-def _causal_row(row: dict[str, Any], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
-                code_version: str = "") -> dict:
+def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
+                source: str, code_version: str = "") -> dict:
     # code_version is unused here: it is part of the map cache key (see the module docstring)
+    check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
     out = render(row, fmt, tokenizer, train_on_prompt)
     enc = tokenizer(out.text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(enc["input_ids"])
@@ -55,8 +56,9 @@ def _causal_row(row: dict[str, Any], *, fmt: str, tokenizer: Any, max_len: int, 
             "overlong": overlong, "n_labels": sum(label != IGNORE for label in labels)}
 
 
-def _classification_row(row: dict[str, Any], *, tokenizer: Any, max_len: int, label_ids: dict[str, int],
-                        code_version: str = "") -> dict:
+def _classification_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len: int,
+                        label_ids: dict[str, int], source: str, code_version: str = "") -> dict:
+    check_row(row, index, "classification", source)
     full = tokenizer(row["text"], truncation=False)["input_ids"]
     overlong = len(full) > max_len
     ids = tokenizer(row["text"], truncation=True, max_length=max_len)["input_ids"] if overlong else full
@@ -66,6 +68,8 @@ def _classification_row(row: dict[str, Any], *, tokenizer: Any, max_len: int, la
 def label_names(train: Dataset, configured: list[str] | None, source: str) -> list[str]:
     """Label names in id order: the recipe's list, 0..max for integer labels, else sorted names found in train."""
     values = train["label"]
+    if any(v is None or isinstance(v, (bool, float)) for v in values):
+        check_rows(train, "classification", source)  # names the file, line and field
     if configured:
         names = list(configured)
         known = set(names) | {str(i) for i in range(len(names))}
@@ -97,13 +101,13 @@ def tokenize_rows(
         index = label_index(labels)
         bad = next((i for i, v in enumerate(dataset["label"]) if str(v) not in index), None)
         if bad is not None:
-            raise DataError(f"{_line_of(source, bad)}: label {dataset[bad]['label']!r} is not one of {labels} "
+            raise DataError(f"{line_of(source, bad)}: label {dataset[bad]['label']!r} is not one of {labels} "
                             "(the labels found in train, or data.labels)")
         fn, kwargs = _classification_row, {"tokenizer": tokenizer, "max_len": max_len, "label_ids": index}
     else:
         fn, kwargs = _causal_row, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
                                    "train_on_prompt": train_on_prompt}
-    mapped = dataset.map(fn, fn_kwargs={**kwargs, "code_version": CODE_VERSION},
+    mapped = dataset.map(fn, with_indices=True, fn_kwargs={**kwargs, "source": source, "code_version": CODE_VERSION},
                          remove_columns=dataset.column_names, desc=f"tokenizing {source}")
     over = sum(mapped["overlong"])
     keep = [i for i, (o, n) in enumerate(zip(mapped["overlong"], mapped["n_labels"], strict=True))

@@ -438,3 +438,17 @@ def test_tokenize_cache_is_keyed_by_the_code(tmp_path: Path, tok: Any, monkeypat
     assert first and cache_files() == first
     monkeypatch.setattr(tokenize_module, "CODE_VERSION", "edited")
     assert cache_files().isdisjoint(first)
+
+
+def test_load_splits_reports_a_bad_row_by_line_through_the_cached_map(tmp_path: Path, tok: Any) -> None:
+    """The row checks run inside the tokenization map (once per data version), still naming file:line."""
+    from finetune.config.schema import DataConfig
+    from finetune.data import load_splits
+
+    good = {"instruction": "Go.", "output": "a b"}
+    path = write_jsonl(tmp_path / "bad.jsonl", [json.dumps(good), json.dumps(good), json.dumps({"instruction": "x"})])
+    with pytest.raises(DataError, match=r"bad\.jsonl:3: missing field 'output'"):
+        load_splits(DataConfig(format="alpaca", train=path), tok)
+    blank = write_jsonl(tmp_path / "blank.jsonl", [json.dumps(good), "", json.dumps(good)])
+    with pytest.raises(DataError, match=r"blank\.jsonl:2: empty line"):
+        load_splits(DataConfig(format="alpaca", train=blank), tok)
