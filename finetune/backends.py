@@ -25,8 +25,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from finetune.config import RecipeConfig
 from finetune.errors import ConfigError
 from finetune.registry import SupportedModel
@@ -63,8 +61,13 @@ class Backend:
 
     @property
     def rank_bound_state(self) -> bool:
-        """Checkpoints hold per-rank optimizer shards: resuming on another world size is not possible."""
-        return self.kind == "deepspeed"
+        """Checkpoints hold per-rank shards (ZeRO partitions, FSDP sharded state): resume on the same world size."""
+        return self.kind in ("deepspeed", "fsdp")
+
+
+def launcher_config_name(backend: Backend) -> str:
+    """The accelerate_configs/ name that matches what a launcher started (recorded in the resolved recipe)."""
+    return "cpu" if backend.kind == "single" else backend.name
 
 
 def _true(value: str | None) -> bool:
@@ -85,11 +88,36 @@ def detect(env: Mapping[str, str] | None = None) -> Backend:
     return Backend("single")
 
 
-def deepspeed_config(cfg: RecipeConfig, backend: Backend) -> dict[str, Any]:
+def from_accelerate_config(data: Mapping[str, Any]) -> Backend:
+    """The backend an accelerate config file selects (for --dry-run, before anything is launched)."""
+    kind = str(data.get("distributed_type", "NO")).upper()
+    if kind == "DEEPSPEED":
+        ds = data.get("deepspeed_config") or {}
+        return Backend("deepspeed", zero_stage=int(ds.get("zero_stage", 2)),
+                       offload_optimizer=str(ds.get("offload_optimizer_device", "none")).lower(),
+                       offload_param=str(ds.get("offload_param_device", "none")).lower())
+    if kind == "FSDP":
+        return Backend("fsdp", fsdp_version=int((data.get("fsdp_config") or {}).get("fsdp_version", 1)))
+    return Backend("single") if kind == "NO" else Backend("ddp")
+
+
+def effective_settings(cfg: RecipeConfig, row: SupportedModel, data: Mapping[str, Any]) -> dict[str, Any]:
+    """What the worker will set up for this recipe and accelerate config (printed by --dry-run)."""
+    backend = from_accelerate_config(data)
+    out: dict[str, Any] = {"backend": backend.name}
+    if backend.kind == "fsdp":
+        out["fsdp"] = {**(data.get("fsdp_config") or {}), "transformer_cls_names_to_wrap": [row.decoder_layer],
+                       "use_orig_params": True, "sync_module_states": False}
+    if backend.kind == "deepspeed":
+        out["deepspeed_config"] = deepspeed_config(cfg, backend)
+    return out
+
+
+def deepspeed_config(cfg: RecipeConfig, backend: Backend, pin_memory: bool = False) -> dict[str, Any]:
     """The DeepSpeed config, generated from the recipe so batch sizes, accumulation and clipping always agree."""
-    offload = {"device": backend.offload_optimizer}
+    offload: dict[str, Any] = {"device": backend.offload_optimizer}
     if backend.offload_optimizer != "none":
-        offload["pin_memory"] = torch.cuda.is_available()
+        offload["pin_memory"] = pin_memory
     return {
         "train_batch_size": cfg.train.global_batch_size,
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
@@ -114,6 +142,7 @@ def deepspeed_config(cfg: RecipeConfig, backend: Backend) -> dict[str, Any]:
 def _mark_cpu_run_as_multi_device() -> None:
     """FSDP on CPU (ENV-NOTES.md): accelerate only builds FSDP for a multi-device state, so create the shared
     PartialState on the CPU and mark it as one before the Accelerator reads it."""
+    import torch
     from accelerate import PartialState
     from accelerate.utils import DistributedType
 
@@ -128,6 +157,7 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
     ``gradient_accumulation_steps`` is the recipe's: the loop uses ``accelerator.accumulate`` so every backend
     (DeepSpeed included) knows which micro-step ends a window.
     """
+    import torch
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 
@@ -141,7 +171,8 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
         # refuse a full config next to them, so mark them consumed.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         kwargs["deepspeed_plugin"] = DeepSpeedPlugin(
-            hf_ds_config=deepspeed_config(cfg, backend), gradient_accumulation_steps=cfg.grad_accum,
+            hf_ds_config=deepspeed_config(cfg, backend, pin_memory=not on_cpu),
+            gradient_accumulation_steps=cfg.grad_accum,
             gradient_clipping=cfg.train.max_grad_norm or 0.0, zero_stage=backend.zero_stage,
             offload_optimizer_device=backend.offload_optimizer, offload_param_device=backend.offload_param,
             zero3_save_16bit_model=True, zero3_init_flag=False,
@@ -150,12 +181,17 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         return Accelerator(**kwargs), backend
     if backend.kind == "fsdp":
+        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig
+
         if on_cpu:
             _mark_cpu_run_as_multi_device()
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             fsdp_version=backend.fsdp_version, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=[row.decoder_layer], use_orig_params=True, sync_module_states=False,
             state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False,
+            # accelerate's default offload_to_cpu=True is meant for GPUs; on a CPU run it is a copy at best
+            state_dict_config=ShardedStateDictConfig(offload_to_cpu=not on_cpu),
+            optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=not on_cpu),
         )
     return Accelerator(cpu=on_cpu, **kwargs), backend
 
@@ -178,6 +214,40 @@ def model_init(accelerator: Any, backend: Backend, from_config: bool) -> Iterato
         accelerator.state.deepspeed_plugin.set_deepspeed_weakref()
 
 
+class FSDP1OptimizerState:
+    """FSDP1 with ``use_orig_params``: accelerate's sharded optimizer save/load restores NOTHING (the optimizer
+    state is empty after ``load_state``, so a resumed Adam restarts its moments). This registered object checkpoints
+    the optimizer state once more, gathered whole with torch.distributed.checkpoint.state_dict, and loads it back
+    after accelerate's no-op; ``tests/distributed`` proves resume bit-identical with it."""
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        self.model, self.optimizer = model, getattr(optimizer, "optimizer", optimizer)
+
+    def _options(self) -> Any:
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: called on every rank by ``save_state``."""
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state, options=self._options())
+
+
+def extra_checkpoint_state(backend: Backend, model: Any, optimizer: Any) -> list[Any]:
+    """Objects to register for checkpointing on top of what accelerate saves for this backend."""
+    if backend.kind == "fsdp" and backend.fsdp_version == 1:
+        return [FSDP1OptimizerState(model, optimizer)]
+    return []
+
+
 def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str, Any] | None:
     """The whole model's state dict on rank 0 (None elsewhere may occur); a collective: call on every rank.
 
@@ -186,6 +256,7 @@ def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str,
     which the generated DeepSpeed config always sets.
     """
     if backend.kind == "fsdp" and backend.fsdp_version == 1:
+        import torch
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 

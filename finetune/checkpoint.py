@@ -57,7 +57,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: Any) -> dict[str, Any]:
+def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: Any, backend: str,
+             files: dict[str, int]) -> dict[str, Any]:
     """What a later resume compares against, and what ``finetune ls`` shows."""
     import accelerate
     import torch
@@ -73,12 +74,14 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
         "data": {"train": file_fingerprint(cfg.data.train), "eval": file_fingerprint(cfg.data.eval)},
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "world_size": world_size,
+        "backend": backend,
         "global_batch_size": cfg.train.global_batch_size,
         "micro_batch_size": cfg.train.micro_batch_size,
         "versions": {"finetune": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
                      "accelerate": accelerate.__version__},
         "resumable": True,
         "reason": None,
+        "files": files,
     }
 
 
@@ -104,27 +107,27 @@ class CheckpointInfo:
     manifest: dict[str, Any] | None
 
 
-REQUIRED_FILES = ("model.safetensors", "optimizer.bin", "random_states_0.pkl", TRAIN_STATE, RESOLVED_NAME)
+def _files(path: Path) -> dict[str, int]:
+    """Every file under ``path`` with its size, by relative path (the manifest's inventory)."""
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
 
 
 def inspect(path: Path) -> CheckpointInfo:
-    """Read a checkpoint's manifest and check that everything a resume needs is there."""
+    """Read a checkpoint's manifest and check that every file it lists is there with its size."""
     size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
     try:
         data = json.loads((path / MANIFEST).read_text())
-        if not isinstance(data, dict) or "step" not in data or "samples_seen" not in data:
-            raise ValueError("missing step/samples_seen")
+        if not isinstance(data, dict) or not {"step", "samples_seen", "files"} <= data.keys():
+            raise ValueError("missing step/samples_seen/files")
     except FileNotFoundError:
         return CheckpointInfo(path, None, None, False, "no manifest.json", size, None, None)
     except (ValueError, json.JSONDecodeError) as exc:
         return CheckpointInfo(path, None, None, False, f"manifest.json is corrupted ({exc})", size, None, None)
-    missing = [name for name in REQUIRED_FILES if not (path / name).is_file()]
-    for rank in range(int(data.get("world_size", 1))):
-        if not (path / f"random_states_{rank}.pkl").is_file() and f"random_states_{rank}.pkl" not in missing:
-            missing.append(f"random_states_{rank}.pkl")
+    present = _files(path)
+    missing = [name for name, bytes_ in data["files"].items() if present.get(name) != bytes_]
     reason = data.get("reason") if not data.get("resumable", False) else None
     if missing:
-        reason = f"missing {', '.join(missing)}"
+        reason = f"missing or truncated: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else "")
     return CheckpointInfo(path, int(data["step"]), int(data["samples_seen"]), reason is None, reason, size,
                           data.get("created"), data)
 
@@ -158,7 +161,8 @@ def find(run_dir: Path, name: str | None) -> CheckpointInfo:
     return info
 
 
-def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, tokenizer: Any, run_dir: Path) -> Path:
+def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, tokenizer: Any, run_dir: Path,
+         backend: str = "single") -> Path:
     """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically."""
     final = step_dir(run_dir, state.step)
     tmp = final.with_name(final.name + ".tmp")
@@ -172,7 +176,8 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, tokenizer: Any,
     if accelerator.is_main_process:
         (tmp / TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
         (tmp / RESOLVED_NAME).write_text(to_yaml(cfg))
-        (tmp / MANIFEST).write_text(json.dumps(manifest(cfg, state, accelerator.num_processes, tokenizer), indent=2))
+        info = manifest(cfg, state, accelerator.num_processes, tokenizer, backend, _files(tmp))
+        (tmp / MANIFEST).write_text(json.dumps(info, indent=2))
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         if final.exists():

@@ -62,8 +62,9 @@ def run(
     """Train a recipe: compose, validate, write <output_dir>/recipe.resolved.yaml, then train."""
     from finetune import launch
 
-    cfg, _ = _recipe_with_flags(recipe, overrides, output_dir=output_dir, accelerate_config=accelerate_config,
-                                num_processes=num_processes)
+    flags = _launcher_flags({"output_dir": output_dir, "accelerate_config": accelerate_config,
+                             "num_processes": num_processes})
+    cfg, _ = _recipe_with_flags(recipe, overrides, **flags)
     run_dir = Path(cfg.output_dir or "")
     resolved = run_dir / RESOLVED_NAME
     if dry_run:
@@ -73,6 +74,7 @@ def run(
                    f"{cfg.grad_accum} x {cfg.launch.num_processes} process(es)")
         plan = "in this process" if launch.in_process(cfg) else " ".join(launch.launch_argv(cfg, resolved))
         typer.echo(f"# would run: {plan}")
+        typer.echo(_effective_settings(cfg))
         return
     is_rank0 = os.environ.get("RANK", "0") == "0"
     if is_rank0 and _run_dir_has_results(run_dir):
@@ -82,21 +84,48 @@ def run(
         shutil.rmtree(run_dir)
     if is_rank0:
         write_resolved(cfg, run_dir)
-    _start(cfg, resolved, [])
+    _start(cfg, resolved)
 
 
-def _start(cfg: RecipeConfig, resolved: Path, worker_args: list[str]) -> None:
-    """Train in this process, or replace this process with `accelerate launch` running the worker on every rank."""
+def _effective_settings(cfg: RecipeConfig) -> str:
+    """The backend settings the worker will use, as commented YAML."""
+    from finetune.backends import effective_settings
+    from finetune.config.validate import accelerate_config_path
+    from finetune.registry import get_model
+
+    path = accelerate_config_path(cfg.launch.accelerate_config)
+    data = yaml.safe_load(path.read_text()) if path else {}
+    settings = effective_settings(cfg, get_model(cfg.model.type), data or {})
+    text = yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
+    return "\n".join(f"# {line}" for line in [f"effective settings ({path}):", *text.splitlines()])
+
+
+def _start(cfg: RecipeConfig, resolved: Path, resume_from: Path | None = None, allow_change: bool = False) -> None:
+    """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
+    running the worker on every rank."""
     from finetune import launch
 
     if launch.in_process(cfg):
-        from finetune.worker import main as worker_main
+        from finetune.worker import execute
 
-        worker_main([str(resolved), *worker_args])
+        execute(cfg, resume_from, allow_change)
         return
+    worker_args = ["--resume", str(resume_from)] if resume_from else []
+    worker_args += ["--allow-config-change"] if allow_change else []
     argv = launch.launch_argv(cfg, resolved, worker_args)
     sys.stdout.flush()
     os.execvp(argv[0], argv)
+
+
+def _launcher_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """Under a launcher, what it started wins over the recipe (recorded in the resolved recipe)."""
+    from finetune import launch
+    from finetune.backends import detect, launcher_config_name
+
+    if not launch.under_launcher():
+        return flags
+    return {**flags, "num_processes": int(os.environ.get("WORLD_SIZE", "1")),
+            "accelerate_config": launcher_config_name(detect())}
 
 
 @app.command()
@@ -113,8 +142,8 @@ def resume(
     from finetune import resume as resume_plan
     from finetune.tracking import TRAIN_LOG_FILE, truncate_metrics
 
-    flags = {"launch.accelerate_config": accelerate_config, "launch.num_processes": num_processes}
-    extra = [f"{k}={v}" for k, v in flags.items() if v is not None]
+    flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
+    extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
     plan = resume_plan.plan(run_dir, [*(overrides or []), *extra], from_, allow_config_change)
     resolved = run_dir / RESOLVED_NAME
     if os.environ.get("RANK", "0") == "0":
@@ -126,8 +155,7 @@ def resume(
         with (run_dir / TRAIN_LOG_FILE).open("a", encoding="utf-8") as log:
             log.writelines(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n" for note in notes)
         write_resolved(plan.cfg, run_dir)
-    worker_args = ["--resume", str(plan.checkpoint.path)] + (["--allow-config-change"] if allow_config_change else [])
-    _start(plan.cfg, resolved, worker_args)
+    _start(plan.cfg, resolved, plan.checkpoint.path, allow_config_change)
 
 
 @app.command("ls")

@@ -89,7 +89,7 @@ def train(t: Trainer) -> TrainState:
             t.tracker.log_eval(evaluate(t))
         saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
         if saved or stats.stop:
-            path = checkpoint.save(t.accelerator, cfg, state, t.tokenizer, t.run_dir)
+            path = checkpoint.save(t.accelerator, cfg, state, t.tokenizer, t.run_dir, t.backend.name)
             t.tracker.info(f"saved checkpoint {path.name}")
         hooks.fire("after_step", trainer=t)
         if stats.stop and not last:
@@ -153,6 +153,8 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     for batch in t.task.build_dataloader("eval"):
         with t.precision.autocast():
             counts = t.task.eval_output(t.model, _to_device(batch, device))
+        if batch.get("filler"):
+            continue  # ran only so that sharded ranks stay in lockstep; counts nothing
         parts = [counts.loss_sum, counts.num_tokens, torch.tensor(len(batch["input_ids"]), device=device)]
         for name in metrics:
             parts += [counts.correct[name], counts.total[name]]

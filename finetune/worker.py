@@ -33,7 +33,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     from accelerate.utils import set_seed
 
     from finetune import loop, registry
-    from finetune.backends import make_accelerator, model_init
+    from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
     from finetune.data import load_splits
     from finetune.modeling import build_model, build_tokenizer
     from finetune.optim import build_optimizer, build_scheduler
@@ -67,8 +67,10 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     state = TrainState(train_size=len(data.train.dataset))
     # accelerate saves model/optimizer/RNG itself; these are ours (the scheduler is not prepared: accelerate
     # would step it once per process)
-    accelerator.register_for_checkpointing(scheduler, state, precision.scaler)
-    task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
+    accelerator.register_for_checkpointing(scheduler, state, precision.scaler,
+                                           *extra_checkpoint_state(backend, model, optimizer))
+    task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
+                      lockstep=backend.shards_parameters)
     tracker.info(f"training {cfg.name}: {max_steps} steps, global batch {cfg.train.global_batch_size} "
                  f"(micro {cfg.train.micro_batch_size} x accum {cfg.grad_accum} x {accelerator.num_processes} "
                  f"process(es)), backend {backend.name} ({accelerator.distributed_type}), "
@@ -90,6 +92,13 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
                               "pass --allow-config-change to continue anyway")
         trainer.tracker.info("resume: tokenizer changed since the checkpoint (allowed)")
+    saved_by, world = manifest.get("backend", "single"), manifest.get("world_size", 1)
+    backend, now = trainer.backend, trainer.accelerator.num_processes
+    same_format = {saved_by, backend.name} <= {"single", "ddp"} or saved_by == backend.name
+    if not same_format or (backend.rank_bound_state and world != now):
+        raise RunDirError(f"resume refused: {ckpt.name} was written by {world} process(es) under {saved_by}, whose "
+                          f"checkpoint holds per-rank shards; resume it with --num-processes {world} and "
+                          f"--accelerate-config {saved_by} (only single/ddp checkpoints move between world sizes)")
     train_size = trainer.state.train_size
     trainer.accelerator.load_state(str(ckpt))  # model, optimizer, scheduler, TrainState, scaler, RNG of this rank
     trainer.state.train_size = train_size
@@ -98,15 +107,18 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
                          f"{state.samples_seen} samples seen")
 
 
-def run_worker(resolved: str | Path, resume_from: str | Path | None = None, allow_config_change: bool = False) -> None:
-    """Train the run whose resolved recipe is ``resolved`` (on this rank), then export it.
+def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
+               allow_config_change: bool = False) -> None:
+    """Train a run on this rank, then export it. ``recipe``: the resolved recipe file (what a relaunched worker
+    reads), or the validated recipe itself when the CLI already runs on every rank under a launcher (the other
+    ranks must not race rank 0 writing the file).
 
     Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
     from finetune import checkpoint, loop
 
-    cfg = load_resolved(resolved)
-    trainer = build_trainer(cfg, Path(cfg.output_dir or Path(resolved).parent))
+    cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe)
+    trainer = build_trainer(cfg, Path(cfg.output_dir or "."))
     try:
         if resume_from is not None:
             resume_state(trainer, Path(resume_from), allow_config_change)
@@ -124,17 +136,12 @@ def run_worker(resolved: str | Path, resume_from: str | Path | None = None, allo
         trainer.accelerator.end_training()
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m finetune.worker RESOLVED [--resume CKPT] [--allow-config-change]`` on every rank."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m finetune.worker")
-    parser.add_argument("resolved", help="runs/<name>/recipe.resolved.yaml")
-    parser.add_argument("--resume", default=None, help="checkpoint directory to continue from")
-    parser.add_argument("--allow-config-change", action="store_true")
-    args = parser.parse_args(argv)
+def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
+            allow_config_change: bool = False) -> None:
+    """:func:`run_worker` with the CLI's exit codes: a FinetuneError prints one line per problem and exits 2; a stop
+    on a signal exits 130/143 after its checkpoint."""
     try:
-        run_worker(args.resolved, args.resume, args.allow_config_change)
+        run_worker(recipe, resume_from, allow_config_change)
     except Interrupted as exc:
         print(str(exc), file=sys.stderr)
         sys.exit(exc.exit_code)
@@ -144,6 +151,18 @@ def main(argv: list[str] | None = None) -> None:
         for line in str(exc).splitlines():
             print(f"error: {line}", file=sys.stderr)
         sys.exit(exc.exit_code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m finetune.worker RESOLVED [--resume CKPT] [--allow-config-change]`` on every rank."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m finetune.worker")
+    parser.add_argument("resolved", help="runs/<name>/recipe.resolved.yaml")
+    parser.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    parser.add_argument("--allow-config-change", action="store_true")
+    args = parser.parse_args(argv)
+    execute(args.resolved, args.resume, args.allow_config_change)
 
 
 if __name__ == "__main__":

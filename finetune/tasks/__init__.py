@@ -13,11 +13,11 @@ from finetune.tasks.classification import ClassificationTask
 
 
 def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: DataBundle, rank: int,
-               world: int) -> Task:
-    """The adapter for the row's task, over this rank's data."""
+               world: int, lockstep: bool = False) -> Task:
+    """The adapter for the row's task, over this rank's data (``lockstep``: see TaskData)."""
     if row.task == "classification":
-        return ClassificationTask(cfg, data, tokenizer.pad_token_id, rank, world)
-    return CausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world,
+        return ClassificationTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
+    return CausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,
                         with_prompts="exact_match" in cfg.eval.metrics, tokenizer=tokenizer)
 
 

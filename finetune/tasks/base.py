@@ -7,7 +7,8 @@ all ranks (token-weighted loss) and sum eval counts over ranks exactly.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,11 +44,12 @@ class TaskData:
     """Dataloaders shared by every task: the endless resumable train stream and the exact eval shard."""
 
     def __init__(self, cfg: RecipeConfig, data: DataBundle, pad_id: int, rank: int, world: int,
-                 with_prompts: bool = False) -> None:
+                 with_prompts: bool = False, lockstep: bool = False) -> None:
+        """``lockstep``: parameters are sharded, so every rank must run the same number of eval forward passes."""
         self.cfg, self.data, self.pad_id, self.rank, self.world = cfg, data, pad_id, rank, world
-        self.with_prompts = with_prompts
+        self.with_prompts, self.lockstep = with_prompts, lockstep
 
-    def build_dataloader(self, split: str, start_sample: int = 0) -> DataLoader:
+    def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]:
         """``train``: this rank's micro-batches from stream position ``start_sample``; ``eval``: its shard."""
         if split == "train":
             assert self.data.train is not None
@@ -61,10 +63,27 @@ class TaskData:
             return DataLoader(dataset, batch_sampler=sampler, collate_fn=Collator(self.pad_id),
                               generator=torch.Generator())
         assert split == "eval" and self.data.eval is not None
-        shard = self.data.eval.dataset.select(eval_shard(len(self.data.eval.dataset), self.rank, self.world))
-        return DataLoader(shard, batch_size=self.cfg.eval.batch_size, shuffle=False, drop_last=False,
-                          collate_fn=Collator(self.pad_id, with_prompts=self.with_prompts), generator=torch.Generator())
+        full = self.data.eval.dataset
+        collate = Collator(self.pad_id, with_prompts=self.with_prompts)
+        shard = full.select(eval_shard(len(full), self.rank, self.world))
+        loader = DataLoader(shard, batch_size=self.cfg.eval.batch_size, shuffle=False, drop_last=False,
+                            collate_fn=collate, generator=torch.Generator())
+        if not self.lockstep:
+            return loader
+        # rank 0 holds the largest shard; the others pad with marked filler batches that count nothing
+        batches = math.ceil(math.ceil(len(full) / self.world) / self.cfg.eval.batch_size)
+        return _padded(loader, batches, lambda: {**collate([full[0]]), "filler": True})
 
     def eval_size(self) -> int:
         """Samples in the whole eval set (all ranks)."""
         return len(self.data.eval.dataset) if self.data.eval is not None else 0
+
+
+def _padded(loader: Iterable[dict[str, Any]], total: int, filler: Any) -> Iterator[dict[str, Any]]:
+    """``loader``'s batches, then filler batches up to ``total``."""
+    count = 0
+    for batch in loader:
+        count += 1
+        yield batch
+    for _ in range(total - count):
+        yield filler()
