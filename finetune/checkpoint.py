@@ -13,6 +13,7 @@ import hashlib
 import json
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -199,19 +200,46 @@ def prune(run_dir: Path, keep_last: int | None) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+MERGE_CHECK = "merge_check.safetensors"
+
+
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
-                 backend: Backend) -> Path:
-    """Write ``<run_dir>/final``: safetensors + config + tokenizer (+ label mapping in the config) + recipe."""
-    out = run_dir / "final"
-    tmp = run_dir / "final.tmp"
+                 backend: Backend, probe: dict[str, Any] | None = None,
+                 rebuild: Callable[[], Any] | None = None) -> Path:
+    """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
+    or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
+    ``finetune merge`` must reproduce); always the tokenizer and the resolved recipe.
+
+    ``rebuild`` makes a clean (unwrapped) copy of the model on rank 0 to save from, for wrappers whose module names
+    differ from the gathered state dict's (FSDP1: peft would find no adapter and save an empty one)."""
+    import torch
+
     from finetune.backends import full_state_dict
 
+    out = run_dir / "final"
+    tmp = run_dir / "final.tmp"
     state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends
+    reference = None
+    if cfg.peft.method != "none" and probe is not None:
+        was_training = model.training
+        model.eval()
+        with torch.no_grad():  # every rank: a forward pass is a collective under sharded backends
+            inputs = {k: v.to(accelerator.device) for k, v in probe.items()}
+            reference = {**probe, "logits": model(**inputs).logits.float().cpu()}
+        model.train(was_training)
     if accelerator.is_main_process:
+        from safetensors.torch import save_file
+
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(model).save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        saver = accelerator.unwrap_model(model)
+        if rebuild is not None:
+            saver = rebuild()
+            saver.load_state_dict(state_dict)
+        saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / RESOLVED_NAME).write_text(to_yaml(cfg))
+        if reference is not None:
+            save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp / MERGE_CHECK))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
     accelerator.wait_for_everyone()

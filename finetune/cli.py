@@ -75,6 +75,7 @@ def run(
         plan = "in this process" if launch.in_process(cfg) else " ".join(launch.launch_argv(cfg, resolved))
         typer.echo(f"# would run: {plan}")
         typer.echo(_effective_settings(cfg))
+        typer.echo(_peft_summary(cfg))
         return
     is_rank0 = os.environ.get("RANK", "0") == "0"
     if is_rank0 and _run_dir_has_results(run_dir):
@@ -98,6 +99,17 @@ def _effective_settings(cfg: RecipeConfig) -> str:
     settings = effective_settings(cfg, get_model(cfg.model.type), data or {})
     text = yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
     return "\n".join(f"# {line}" for line in [f"effective settings ({path}):", *text.splitlines()])
+
+
+def _peft_summary(cfg: RecipeConfig) -> str:
+    """Resolved LoRA targets and trainable/total parameters (model built on the meta device); empty without LoRA."""
+    if cfg.peft.method == "none":
+        return ""
+    from finetune.peft import describe_on_meta
+    from finetune.registry import get_model
+
+    text = yaml.safe_dump({"peft": describe_on_meta(cfg, get_model(cfg.model.type))}, sort_keys=False)
+    return "\n".join(f"# {line}" for line in text.splitlines())
 
 
 def _start(cfg: RecipeConfig, resolved: Path, resume_from: Path | None = None, allow_change: bool = False) -> None:
@@ -199,6 +211,18 @@ def eval_(
             typer.echo(f"{key:>24}  {value:.4f}" if isinstance(value, float) else f"{key:>24}  {value}")
 
 
+@app.command()
+def merge(
+    target: Annotated[Path, typer.Argument(help="a LoRA run dir, its final/ adapter, or an adapter checkpoint")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="where the merged model is written")],
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output dir")] = False,
+) -> None:
+    """Merge a LoRA adapter into its base model (safetensors), verifying the logits before keeping it."""
+    from finetune.merge import merge as merge_adapter
+
+    merge_adapter(target, output, overwrite, log=typer.echo)
+
+
 def _render_provenance(data: Any, provenance: dict[str, str], prefix: str = "", indent: int = 0) -> list[str]:
     lines = []
     for key, value in data.items():
@@ -224,6 +248,8 @@ def config(
     cfg, composed = load_recipe(recipe, overrides)
     if not provenance:
         typer.echo(to_yaml(cfg), nl=False)
+        if cfg.peft.method != "none":
+            typer.echo(_peft_summary(cfg))
         return
     typer.echo("\n".join(_render_provenance(cfg.model_dump(mode="json"), composed.provenance)))
 

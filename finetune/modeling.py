@@ -63,14 +63,30 @@ def build_config(cfg: ModelConfig, row: SupportedModel, source: str | None = Non
 
 
 def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = None,
-                labels: list[str] | None = None) -> Any:
-    """Instantiate the row's auto class: pretrained weights from ``source``/``model.path``, else from config."""
+                labels: list[str] | None = None, quantization: Any = None) -> Any:
+    """Instantiate the row's auto class: pretrained weights from ``source``/``model.path``, else from config.
+
+    ``quantization`` (QLoRA's 4-bit config) needs pretrained weights."""
     auto = getattr(transformers, row.auto_class)
     config = build_config(cfg, row, source, labels)
     dtype = DTYPES[cfg.dtype]
     if source or cfg.path:
         where = source or resolve_model_path(cfg.path or "")
-        model = auto.from_pretrained(where, config=config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        extra = {"quantization_config": quantization} if quantization is not None else {}
+        model = auto.from_pretrained(where, config=config, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
+                                     **extra)
     else:
+        if quantization is not None:
+            raise ConfigError("peft.method=qlora quantizes pretrained weights; set model.path")
         model = auto.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
     return model
+
+
+def build_base(cfg: ModelConfig, row: SupportedModel, seed: int, labels: list[str] | None = None,
+               quantization: Any = None) -> Any:
+    """The model a run starts from: seeded first, so a config-built (debug) model is the same one every time -
+    in training, in ``finetune eval`` of an adapter and in ``finetune merge``."""
+    from accelerate.utils import set_seed
+
+    set_seed(seed)
+    return build_model(cfg, row, labels=labels, quantization=quantization)

@@ -18,7 +18,7 @@ import yaml
 
 from finetune import checkpoint
 from finetune.config import RESOLVED_NAME, RecipeConfig, compose, validate
-from finetune.errors import RunDirError
+from finetune.errors import FinetuneError, RunDirError
 
 LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "train.micro_batch_size", "logging.progress",
                "output_dir")
@@ -74,7 +74,11 @@ def plan(run_dir: Path, overrides: list[str], from_name: str | None, allow_chang
     info = checkpoint.find(run_dir, from_name)
     stored = info.path / RESOLVED_NAME
     cfg = validate(compose(stored, [*overrides, f"output_dir={run_dir.resolve()}"]))
-    changes, layout = recipe_changes(yaml.safe_load(stored.read_text()), cfg.model_dump(mode="json"))
+    try:  # the stored recipe under today's schema: keys added since then hold their defaults, not "changes"
+        before = validate(compose(stored, [f"output_dir={run_dir.resolve()}"])).model_dump(mode="json")
+    except FinetuneError:
+        before = yaml.safe_load(stored.read_text())
+    changes, layout = recipe_changes(before, cfg.model_dump(mode="json"))
     changes += data_changes(cfg, info.manifest or {})
     if changes and not allow_change:
         raise RunDirError("\n".join([f"resume refused: the run changed since {info.path.name}:", *changes,

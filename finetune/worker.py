@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import FinetuneError
@@ -30,12 +31,11 @@ def total_steps(cfg: RecipeConfig, train_size: int) -> int:
 
 def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker."""
-    from accelerate.utils import set_seed
-
     from finetune import loop, registry
+    from finetune import peft as lora
     from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
     from finetune.data import load_splits
-    from finetune.modeling import build_model, build_tokenizer
+    from finetune.modeling import build_base, build_tokenizer
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.precision import Precision
     from finetune.state import TrainState
@@ -43,6 +43,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     from finetune.tracking import build_tracker
 
     row = registry.get_model(cfg.model.type)
+    lora.check_hardware(cfg.peft)
     accelerator, backend = make_accelerator(cfg, row)
     tokenizer = build_tokenizer(cfg.model, row)
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache; the others reuse it
@@ -54,12 +55,19 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
         if split is not None and (split.truncated or split.dropped or split.no_answer):
             tracker.info(f"data: {split.truncated} truncated, {split.dropped} dropped (longer than "
                          f"data.max_seq_len={cfg.data.max_seq_len}), {split.no_answer} without answer tokens skipped")
-    set_seed(cfg.train.seed)  # identical initial weights on every rank and in every run
-    with model_init(accelerator, backend, from_config=cfg.model.path is None):
-        model = build_model(cfg.model, row, labels=data.labels)
+    with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
+        model = build_base(cfg.model, row, cfg.train.seed, data.labels, lora.quantization_config(cfg.peft))
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
+    if lora.enabled(cfg.peft):
+        if cfg.train.gradient_checkpointing:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need input grads
+        model = lora.apply(model, cfg.peft, row)
+        trainable, total = lora.parameter_counts(model)
+        tracker.info(f"{cfg.peft.method}: {trainable} of {total} parameters trainable "
+                     f"({100 * trainable / total:.3f}%), targets {', '.join(lora.target_modules(cfg.peft, row))}")
+        lora.register_adapter_checkpointing(accelerator)
     optimizer = build_optimizer(cfg.optim, model)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -77,6 +85,31 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
                  f"{len(data.train.dataset)} train samples")
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
                         run_dir, max_steps, backend)
+
+
+def probe_batch(trainer: Trainer, rows: int = 4, length: int = 32) -> dict[str, Any]:
+    """A few fixed inputs (the first eval, else train, samples) on which exports record reference logits."""
+    from finetune.data.batching import Collator
+
+    split = trainer.task.data.eval or trainer.task.data.train
+    assert split is not None
+    samples = [{"input_ids": split.dataset[i]["input_ids"][:length]} for i in range(min(rows, len(split.dataset)))]
+    batch = Collator(trainer.tokenizer.pad_token_id)(samples)
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def clean_copy(trainer: Trainer) -> Callable[[], Any] | None:
+    """A factory of an unwrapped model to save an FSDP1 LoRA adapter from (see checkpoint.export_final)."""
+    from finetune import peft as lora
+    from finetune import registry
+    from finetune.modeling import build_base
+
+    cfg, backend = trainer.cfg, trainer.backend
+    if not (lora.enabled(cfg.peft) and backend.kind == "fsdp" and backend.fsdp_version == 1):
+        return None
+    row = registry.get_model(cfg.model.type)
+    labels = trainer.task.data.labels
+    return lambda: lora.apply(build_base(cfg.model, row, cfg.train.seed, labels), cfg.peft, row)
 
 
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
@@ -126,7 +159,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
             loop.train(trainer)
         if cfg.checkpoint.save_final:
             out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg, trainer.run_dir,
-                                          trainer.backend)
+                                          trainer.backend, probe=probe_batch(trainer), rebuild=clean_copy(trainer))
             trainer.tracker.info(f"exported {out}")
     except Interrupted as exc:
         trainer.tracker.info(str(exc))

@@ -3,9 +3,8 @@
     .venv/bin/python scripts/bench_resume.py [--workdir /tmp/bench-resume] [--repeats 3]
 
 1. Writes a synthetic completion dataset of 1,100,000 rows (5 random letters each).
-2. Run A trains one step (global batch 100: sample 100); a hook saves a checkpoint there with the loop's own
-   ``checkpoint.save`` and exits. Run B trains the same recipe for 10,000 steps (sample 1,000,000), with its
-   regular checkpoint there.
+2. Run A trains one step (global batch 100: sample 100), run B the same recipe for 10,000 steps (sample
+   1,000,000); at that step a hook saves a checkpoint with the loop's own ``checkpoint.save`` and exits.
 3. Times `finetune resume` of A and of B, alternating, ``--repeats`` times each: from process start until the first
    new optimizer step ends (a hook records the time and exits). Prints both medians and their ratio.
 
@@ -34,11 +33,11 @@ LONG_STEPS = 10_000
 def _register_hooks() -> None:
     from finetune import checkpoint, hooks
 
-    stop_file = os.environ.get("BENCH_SAVE_AND_EXIT_AT")
+    save_at = int(os.environ.get("BENCH_SAVE_AND_EXIT_AT", "0"))
     first_step_file = os.environ.get("BENCH_FIRST_STEP_FILE")
 
     def after_step(trainer: Any) -> None:  # a finetune.loop.Trainer
-        if stop_file and trainer.state.step == 1:
+        if save_at and trainer.state.step == save_at:
             checkpoint.save(trainer.accelerator, trainer.cfg, trainer.state, trainer.tokenizer, trainer.run_dir)
             trainer.tracker.close()
             os._exit(0)
@@ -60,7 +59,7 @@ def _recipe(workdir: Path, name: str) -> Path:
         "data": {"format": "completion", "train": str(workdir / "big.jsonl"), "max_seq_len": 16},
         "train": {"micro_batch_size": GLOBAL_BATCH, "global_batch_size": GLOBAL_BATCH, "max_steps": LONG_STEPS + 100},
         "optim": {"lr": 1e-3}, "scheduler": {"name": "constant"},
-        "checkpoint": {"every_steps": LONG_STEPS, "keep_last": 1, "save_final": False},
+        "checkpoint": {"every_steps": None, "keep_last": 1, "save_final": False},
         "logging": {"every_steps": 1000, "progress": False},
     }
     path = workdir / f"{name}.yaml"
@@ -96,7 +95,8 @@ def main() -> None:
         print(f"run A (1 step, includes tokenizing {ROWS} rows on first use): {time.perf_counter() - start:.0f} s")
     if not (runs["sample 1,000,000"] / "checkpoints" / f"step-{LONG_STEPS:06d}").is_dir():
         start = time.perf_counter()
-        _finetune("run", str(_recipe(workdir, "B")), "--overwrite", env=env)
+        _finetune("run", str(_recipe(workdir, "B")), "--overwrite",
+                  env={**env, "BENCH_SAVE_AND_EXIT_AT": str(LONG_STEPS)})
         print(f"run B ({LONG_STEPS} steps): {time.perf_counter() - start:.0f} s")
     times: dict[str, list[float]] = {label: [] for label in runs}
     marker = workdir / "first-step.txt"

@@ -114,9 +114,17 @@ class CheckpointConfig(Section):
 
 
 class PeftConfig(Section):
-    """Parameter-efficient fine-tuning (LoRA arrives in a later release)."""
+    """Parameter-efficient fine-tuning. Presets resolve to module names through the model's SupportedModel row."""
 
-    method: Literal["none"] = "none"
+    method: Literal["none", "lora", "dora", "qlora"] = "none"
+    preset: Literal["attn", "attn_mlp", "all_linear"] = "attn_mlp"
+    target_modules: list[str] | None = Field(default=None, description="explicit module names; overrides preset")
+    r: int = Field(default=8, ge=1)
+    alpha: float = Field(default=16, gt=0)
+    dropout: float = Field(default=0.05, ge=0, lt=1)
+    modules_to_save: list[str] | None = Field(
+        default=None, description="trained in full and saved with the adapter; null: the classification head"
+    )
 
 
 class WandbConfig(Section):

@@ -1,0 +1,100 @@
+"""``finetune merge``: base + LoRA adapter -> a plain Hugging Face model, verified before it is kept.
+
+The check compares logits on fixed inputs, three ways:
+1. base + adapter (as loaded now) vs the reference the training run recorded in ``final/merge_check.safetensors``
+   (catches a tampered or mismatched adapter, or a different base);
+2. the merged model, saved and loaded back from disk, vs base + adapter (catches a bad merge or save).
+The merged model is written to ``<out>.tmp`` and renamed only when every check passes, so a failed merge leaves
+nothing behind. A QLoRA adapter is merged into the full-precision (dequantized) base, and the output says so.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune.config import RESOLVED_NAME, compose, to_yaml, validate
+from finetune.errors import FinetuneError, RunDirError
+
+
+class MergeCheckError(FinetuneError):
+    """The merged model does not reproduce the adapter's logits."""
+
+    exit_code = 1
+
+
+def tolerance(dtype: str) -> float:
+    """Max |delta logit| accepted: float32 accumulates ~1e-6 here; half precisions round far more."""
+    return 1e-4 if dtype == "float32" else 5e-2
+
+
+def merge(target: Path, out: Path, overwrite: bool = False, log: Any = print) -> dict[str, Any]:
+    """Merge the adapter of ``target`` (a LoRA run, its final/ or an adapter checkpoint) into its base at ``out``."""
+    from finetune.evaluation import locate
+
+    where = locate(target)
+    cfg = validate(compose(where.recipe))
+    if cfg.peft.method == "none" or where.full_model is not None:
+        raise RunDirError(f"{target}: not a LoRA run or adapter (peft.method is {cfg.peft.method}); nothing to merge")
+    if out.exists() and not overwrite:
+        raise RunDirError(f"{out} exists; pass --overwrite to replace it or choose another -o")
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    from finetune import registry
+    from finetune.checkpoint import MERGE_CHECK
+    from finetune.data import load_splits
+    from finetune.evaluation import load_model
+    from finetune.modeling import build_tokenizer
+
+    row = registry.get_model(cfg.model.type)
+    tokenizer = build_tokenizer(cfg.model, row, source=str(where.adapter) if where.adapter else None)
+    labels = load_splits(cfg.data, tokenizer, need_train=False).labels if row.task == "classification" else None
+    model = load_model(cfg, where, labels).eval()
+    check_file = (where.adapter or where.checkpoint or target) / MERGE_CHECK
+    reference = load_file(str(check_file)) if check_file.is_file() else None
+    probe = _probe(reference, tokenizer)
+    tol = tolerance(cfg.model.dtype)
+    with torch.no_grad():
+        live = model(**probe).logits.float()
+        report: dict[str, Any] = {"tolerance": tol, "probe_tokens": int(probe["attention_mask"].sum())}
+        if reference is not None:
+            report["adapter_vs_recorded"] = float((live - reference["logits"]).abs().max())
+        merged = model.merge_and_unload()
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        merged.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        plain = yaml.safe_load(to_yaml(cfg))
+        plain["peft"] = {"method": "none"}  # the merged model is a full model: evaluate it as one
+        (tmp / RESOLVED_NAME).write_text(yaml.safe_dump(plain, sort_keys=False))
+        reloaded = getattr(transformers, row.auto_class).from_pretrained(tmp).eval()
+        report["merged_vs_adapter"] = float((reloaded(**probe).logits.float() - live).abs().max())
+    bad = {k: v for k, v in report.items() if k.endswith(("_recorded", "_adapter")) and not v <= tol}
+    if bad:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise MergeCheckError(f"merge check failed: max |delta logit| {bad} > tolerance {tol:g}; nothing written "
+                              "(a tampered or mismatched adapter, or a different base model)")
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+    dequantized = " (QLoRA: merged into the dequantized, full-precision base)" if cfg.peft.method == "qlora" else ""
+    checks = ", ".join(f"{k} {v:.2e}" for k, v in report.items() if k.endswith(("_recorded", "_adapter")))
+    log(f"merged {where.adapter or where.checkpoint} into {row.name} base -> {out}{dequantized}")
+    log(f"merge check passed: max |delta logit| {checks} (tolerance {tol:g}, {report['probe_tokens']} tokens)")
+    if reference is None:
+        log("note: no merge_check.safetensors recorded with this adapter; only the merge itself was verified")
+    return report
+
+
+def _probe(reference: dict[str, Any] | None, tokenizer: Any) -> dict[str, Any]:
+    """The recorded probe inputs, or a fixed sentence when the adapter came without a record."""
+    if reference is not None:
+        return {"input_ids": reference["input_ids"], "attention_mask": reference["attention_mask"]}
+    encoded = tokenizer(["The quick brown fox jumps over the lazy dog."], return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
