@@ -45,8 +45,9 @@ def locate(target: Path) -> Target:
     raise RunDirError(f"{target}: no {RESOLVED_NAME} here; expected a run dir, a checkpoint dir or an exported model")
 
 
-def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None) -> Any:
-    """The model of ``where``, on the CPU/GPU of this process, in eval mode."""
+def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quantized: bool = True) -> Any:
+    """The model of ``where``. A QLoRA adapter sits on the 4-bit base it was trained with, unless ``quantized`` is
+    False (merge: the full-precision base)."""
     from finetune import peft as lora
     from finetune import registry
     from finetune.modeling import build_base, build_model
@@ -54,7 +55,8 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None) -> An
     row = registry.get_model(cfg.model.type)
     if where.full_model is not None:
         return build_model(cfg.model, row, source=str(where.full_model), labels=labels)
-    base = build_base(cfg.model, row, cfg.train.seed, labels)  # quantized bases are merged/evaluated dequantized
+    quantization = lora.quantization_config(cfg.peft) if quantized else None
+    base = build_base(cfg.model, row, cfg.train.seed, labels, quantization)
     if where.adapter is not None:
         from peft import PeftModel
 

@@ -72,7 +72,10 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     dtype = DTYPES[cfg.dtype]
     if source or cfg.path:
         where = source or resolve_model_path(cfg.path or "")
-        extra = {"quantization_config": quantization} if quantization is not None else {}
+        extra: dict[str, Any] = {}
+        if quantization is not None:  # 4-bit weights are placed at load time and cannot be moved afterwards
+            device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+            extra = {"quantization_config": quantization, "device_map": {"": device}}
         model = auto.from_pretrained(where, config=config, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
                                      **extra)
     else:
