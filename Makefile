@@ -28,6 +28,7 @@ quickstart-minilm: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
 	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m distributed tests/distributed
 
 lint: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
