@@ -114,5 +114,7 @@ def evaluate_target(target: Path, overrides: list[str]) -> dict[str, Any]:
                            accelerator.device.type), task, tokenizer, NullTracker(), state, Path(cfg.output_dir or "."),
                            state.step)
     metrics = loop.evaluate(trainer)
+    if where.checkpoint is None:
+        metrics.pop("step")  # an export has no step of its own
     metrics["target"] = str(export or where.checkpoint)
     return metrics

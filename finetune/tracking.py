@@ -253,13 +253,16 @@ def format_eval_line(row: Row) -> str:
     parts = [f"eval step {row['step']}"]
     parts += [f"{key} {_number(float(row[key]), spec)}" for key, spec in _EVAL_HEAD.items()
               if row.get(key) is not None]
+    if row.get("eval_samples") is not None:
+        parts.append(f"samples {int(row['eval_samples'])}")
     metrics = [key for key in row if key.startswith("eval_") and key not in _EVAL_HEAD
-               and key not in ("eval_correct", "eval_total") and not key.endswith(_COUNT_SUFFIXES)]
+               and key not in ("eval_correct", "eval_total", "eval_samples") and not key.endswith(_COUNT_SUFFIXES)]
     generic = _counts(row, "eval")
+    own = {key: _counts(row, key) for key in metrics}
     for key in metrics:
-        counts = _counts(row, key) or (generic if len(metrics) == 1 else None)
+        counts = own[key] or (generic if len(metrics) == 1 else None)
         parts.append(f"{key} {_number(row[key])}" + (f" ({counts})" if counts else ""))
-    if generic and len(metrics) != 1:
+    if generic and len(metrics) != 1 and not any(own.values()):  # counts no metric line already shows
         parts.append(f"correct {generic}")
     return " | ".join(parts)
 

@@ -223,3 +223,15 @@ def test_tensorboard_writes_an_events_file(tmp_path: Path) -> None:
     tracker.log_eval(EVAL_ROW)
     tracker.close()
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_eval_line_with_samples_and_two_metrics_shows_each_count_once() -> None:
+    from finetune.tracking import format_eval_line
+
+    row = {"step": 100, "eval_loss": 0.5, "eval_ppl": 1.65, "eval_samples": 200,
+           "eval_exact_match": 0.81, "eval_exact_match_correct": 162, "eval_exact_match_total": 200,
+           "eval_token_accuracy": 0.95, "eval_token_accuracy_correct": 948, "eval_token_accuracy_total": 991,
+           "eval_correct": 162, "eval_total": 200}
+    line = format_eval_line(row)
+    assert line == ("eval step 100 | eval_loss 0.5000 | eval_ppl 1.65 | samples 200 | eval_exact_match 0.8100 "
+                    "(162/200) | eval_token_accuracy 0.9500 (948/991)")
