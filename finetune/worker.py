@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import RecipeConfig, load_resolved
-from finetune.errors import FinetuneError
+from finetune.errors import ConfigError, FinetuneError
 from finetune.signals import Interrupted
 
 if TYPE_CHECKING:
@@ -45,6 +45,9 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     row = registry.get_model(cfg.model.type)
     lora.check_hardware(cfg.peft)
     accelerator, backend = make_accelerator(cfg, row)
+    if accelerator.num_processes != cfg.launch.num_processes:  # grad_accum (and so the global batch) depends on it
+        raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
+                          f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
     tokenizer = build_tokenizer(cfg.model, row)
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache; the others reuse it
         data = load_splits(cfg.data, tokenizer)

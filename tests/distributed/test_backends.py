@@ -212,3 +212,15 @@ def test_lora_parity_complete_adapter_and_reload(workdir: Path, lora_reference: 
     assert shown.returncode == 0, shown.stderr[-2000:]
     live = [r for r in read_metrics(run) if r["kind"] == "eval"][-1]
     assert json.loads(shown.stdout)["eval_loss"] == pytest.approx(live["eval_loss"], rel=1e-5)
+
+
+def test_worker_refuses_a_world_size_the_recipe_did_not_plan(reference: Path) -> None:
+    """A resolved recipe for 1 process launched on 2 would silently double the global batch: refused."""
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(REPO / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "-m", "finetune.worker",
+         str(reference / "recipe.resolved.yaml")],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode != 0
+    assert "error: launch.num_processes=1 but 2 process(es) are running" in done.stderr
