@@ -115,7 +115,8 @@ def _files(path: Path) -> dict[str, int]:
 
 def inspect(path: Path) -> CheckpointInfo:
     """Read a checkpoint's manifest and check that every file it lists is there with its size."""
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    present = _files(path)
+    size = sum(present.values())
     try:
         data = json.loads((path / MANIFEST).read_text())
         if not isinstance(data, dict) or not {"step", "samples_seen", "files"} <= data.keys():
@@ -124,7 +125,6 @@ def inspect(path: Path) -> CheckpointInfo:
         return CheckpointInfo(path, None, None, False, "no manifest.json", size, None, None)
     except (ValueError, json.JSONDecodeError) as exc:
         return CheckpointInfo(path, None, None, False, f"manifest.json is corrupted ({exc})", size, None, None)
-    present = _files(path)
     missing = [name for name, bytes_ in data["files"].items() if present.get(name) != bytes_]
     reason = data.get("reason") if not data.get("resumable", False) else None
     if missing:

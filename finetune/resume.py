@@ -18,6 +18,7 @@ import yaml
 
 from finetune import checkpoint
 from finetune.config import RESOLVED_NAME, RecipeConfig, compose, validate
+from finetune.config.compose import flatten
 from finetune.errors import FinetuneError, RunDirError
 
 LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "train.micro_batch_size", "logging.progress",
@@ -34,19 +35,9 @@ class ResumePlan:
     layout_changes: list[str] = field(default_factory=list)
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    if not isinstance(data, dict):
-        return {prefix.rstrip("."): data}
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        out.update(_flatten(value, f"{prefix}{key}.") if isinstance(value, dict) and value else
-                   {f"{prefix}{key}": value})
-    return out
-
-
 def recipe_changes(before: dict[str, Any], after: dict[str, Any]) -> tuple[list[str], list[str]]:
     """(changes that alter the run, layout-only changes), one ``key: old -> new`` line each."""
-    old, new = _flatten(before), _flatten(after)
+    old, new = flatten(before), flatten(after)
     changes, layout = [], []
     for key in sorted(old.keys() | new.keys()):
         if old.get(key) != new.get(key):

@@ -94,14 +94,15 @@ def _strip_lines(node: Any, prefix: str, lines: dict[str, int]) -> Any:
     return node
 
 
-def _leaves(data: dict[str, Any], prefix: str = "") -> list[str]:
-    out: list[str] = []
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Leaf values by dotted key (an empty mapping is a leaf), e.g. ``{"train.max_steps": 50}``."""
+    out: dict[str, Any] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value:
-            out.extend(_leaves(value, dotted + "."))
+            out.update(flatten(value, dotted + "."))
         else:
-            out.append(dotted)
+            out[dotted] = value
     return out
 
 
@@ -156,7 +157,7 @@ def _compose_file(path: Path, chain: tuple[Path, ...]) -> Composed:
         merged.files.extend(parent.files)
     _resolve_paths(raw, path.parent)
     merged.data = _merge(merged.data, raw)
-    for leaf in _leaves(raw):
+    for leaf in flatten(raw):
         merged.provenance[leaf] = f"{_display(path)}:{lines.get(leaf, '?')}"
     merged.files.append(path)
     return merged
@@ -214,7 +215,7 @@ def apply_overrides(composed: Composed, overrides: list[str]) -> Composed:
         _resolve_paths(composed.data, Path.cwd(), tuple(k for k in PATH_KEYS if k == key or k.startswith(key + ".")))
         # the override replaces the whole value: forget where its old sub-keys came from
         composed.provenance = {k: v for k, v in composed.provenance.items() if not k.startswith(key + ".")}
-        leaves = _leaves(value, key + ".") if isinstance(value, dict) and value else [key]
+        leaves = list(flatten(value, key + ".")) if isinstance(value, dict) and value else [key]
         composed.provenance.update({leaf: f"override {item}" for leaf in leaves})
     return composed
 
