@@ -2,13 +2,22 @@
 
 Local jsonl/json/csv/parquet files (and hub dataset names where a network exists) become a ``datasets.Dataset``.
 Every row is checked before tokenization so a bad row fails with the file, its 1-based line number and the
-field, instead of a KeyError deep inside ``map``.
+field, instead of a KeyError deep inside ``map``. Whatever is wrong with a file (not UTF-8, not JSON, a
+directory, unreadable, corrupt) becomes one :class:`DataError` line: ``datasets``' own exceptions name no line
+and arrive as several log lines plus a traceback, so the cheap checks run first and the expensive scans that find
+the line run only after ``datasets`` has failed.
 """
 
 from __future__ import annotations
 
+import codecs
+import csv
 import json
+import logging
+import math
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +27,8 @@ if TYPE_CHECKING:
     from datasets import Dataset
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
+CHUNK = 1 << 24  # bytes read at a time when scanning a whole file
 
 # format -> (required string fields, optional string fields)
 FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -39,10 +50,166 @@ def line_of(path: str, index: int) -> str:
     return f"{path} (row {index + 1})"
 
 
-def _scan_jsonl(path: str) -> None:
-    """Find the first line that is not a JSON object (``datasets`` reports these without a line number)."""
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so a huge bad value still gives a one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _json_kind(value: Any) -> str:
+    """How JSON spells the type of a decoded value (for messages about the file as the user wrote it)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "a list" if isinstance(value, list) else "an object"
+
+
+# ------------------------------------------------------------------------------------------- file-level checks
+
+
+def _check_file(source: str) -> None:
+    """The path names a readable, non-empty regular file (each failure would otherwise surface inside datasets)."""
+    path = Path(source)
+    if path.is_dir():
+        raise DataError(f"{source}: is a directory, not a data file; name one {'/'.join(BUILDERS)} file")
+    if not path.exists():
+        raise DataError(f"{source}: data file not found")
+    if not path.is_file():
+        raise DataError(f"{source}: not a regular file; name one {'/'.join(BUILDERS)} file")
+    try:
+        with open(source, "rb"):
+            pass
+    except OSError as exc:
+        raise DataError(f"{source}: cannot be opened ({exc.strerror or exc}); check that it is readable") from None
+    if path.stat().st_size == 0:
+        raise DataError(f"{source}: no rows (the file is empty)")
+
+
+def _not_utf8(path: str, offset: int) -> DataError:
+    """The error for the first byte at ``offset`` that is not UTF-8, with its line and column (in bytes)."""
+    line, line_start, done = 1, 0, 0
+    with open(path, "rb") as handle:
+        while done < offset:
+            chunk = handle.read(min(CHUNK, offset - done))
+            line += chunk.count(b"\n")
+            last = chunk.rfind(b"\n")
+            if last >= 0:
+                line_start = done + last + 1
+            done += len(chunk)
+        byte = handle.read(1)
+    return DataError(f"{path}:{line}: not UTF-8 text (byte 0x{byte.hex()} at column {offset - line_start + 1}, "
+                     f"file offset {offset}); save the file as UTF-8")
+
+
+def _check_utf8(path: str) -> None:
+    """Refuse a text file that is not UTF-8 (a leading UTF-8 BOM is fine).
+
+    ``datasets`` reports a bad byte without its place (csv, json lists) or, for JSON lines, accepts it and fails
+    later while reading a row. The decode runs in chunks, at about the speed of reading the file.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as handle:
+        head = handle.read(2)
+        if head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+            raise DataError(f"{path}: not UTF-8 text (it starts with a UTF-16 byte order mark); save the file as "
+                            "UTF-8")
+        handle.seek(0)
+        while True:
+            chunk = handle.read(CHUNK)
+            try:
+                decoder.decode(chunk, final=not chunk)
+            except UnicodeDecodeError as exc:  # exc.object is the decoder's carried-over bytes + this chunk
+                raise _not_utf8(path, offset + len(chunk) - len(exc.object) + exc.start) from None
+            if not chunk:
+                return
+            offset += len(chunk)
+
+
+def _head(path: str) -> bytes:
+    """The file's first bytes, without a UTF-8 BOM and leading whitespace (enough to tell its JSON shape)."""
+    with open(path, "rb") as handle:
+        return handle.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip()
+
+
+FIRST_BYTE_KIND = {b'"': "a string", b"[": "a list", b"t": "true/false", b"f": "true/false", b"n": "null",
+                   **{bytes([c]): "a number" for c in b"-0123456789"}}
+
+
+def _check_json_top(path: str) -> None:
+    """A .json file must hold a list of objects or one object per line; ``datasets`` silently reads a list of
+    strings or numbers as a column named ``text``, and fails on a scalar with a message that says neither."""
+    head = _head(path)
+    first = head[:1]
+    if first == b"{":
+        return
+    if first == b"[":
+        item = head[1:].lstrip()[:1]
+        if item == b"]":
+            raise DataError(f"{path}: no rows (the JSON list is empty)")
+        if item in FIRST_BYTE_KIND:
+            raise DataError(f"{path}: expected a list of JSON objects (one per row), but its first item is "
+                            f"{FIRST_BYTE_KIND[item]}")
+        return
+    if first in FIRST_BYTE_KIND:
+        raise DataError(f"{path}: expected a list of JSON objects (one per row) or one object per line; the file "
+                        f"holds {FIRST_BYTE_KIND[first]}")
+    _scan_json(path)  # not JSON at all: raises with the line and column
+
+
+def _check_jsonl_start(path: str) -> None:
+    """JSON lines start with an object; ``datasets`` would read a file starting with ``[`` as one JSON list."""
+    head = _head(path)
+    if head[:1] != b"{":
+        _scan_jsonl(path, kinds=False)  # raises for the first line
+
+
+def _check_blank_lines(path: str) -> None:
+    """A blank line would shift every later row's line number: a fast byte scan, then the exact line if any.
+
+    Three patterns anchored on newlines (a blank first line, one between two newlines, a blank last line) scan
+    about ten times faster than one pattern that tries every byte as a line start.
+    """
+    data = Path(path).read_bytes()
+    if (re.match(rb"(?:\xef\xbb\xbf)?[ \t\r]*(?:\n|\Z)", data) or re.search(rb"\n[ \t\r]*\n", data)
+            or re.search(rb"\n[ \t\r]+\Z", data)):
+        _scan_jsonl(path, kinds=False)  # raises with the line number
+
+
+# ------------------------------------------------------------------------------- scans that find the bad line
+
+
+def _check_kinds(row: dict[str, Any], where: str, label: str, seen: dict[str, tuple[str, str]]) -> None:
+    """Each field keeps one JSON type across rows (null aside): older ``datasets`` cannot load a column that mixes
+    e.g. lists and strings, and then names no row; ``seen`` maps a field to its first kind and row."""
+    for name, value in row.items():
+        if value is None:
+            continue
+        kind = _json_kind(value)
+        first = seen.setdefault(name, (kind, label))
+        if first[0] != kind:
+            raise DataError(f"{where}: field {name!r} is {kind} here but {first[0]} on {first[1]}; "
+                            "a field must have one type in every row")
+
+
+def _scan_jsonl(path: str, kinds: bool = True) -> None:
+    """Find the first line that is not a JSON object, or not UTF-8 (``datasets`` names no line for either); with
+    ``kinds``, also a field whose type differs from earlier lines (only worth reporting once ``datasets`` failed)."""
+    seen: dict[str, tuple[str, str]] = {}
+    with open(path, "rb") as handle:  # binary: lines end at \n only, as for datasets, whatever \r they hold
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                _check_utf8(path)  # raises with line, column and offset
+                raise DataError(f"{path}:{number}: not UTF-8 text; save the file as UTF-8") from None
+            if number == 1:
+                line = line.removeprefix("\ufeff")  # a UTF-8 BOM, which datasets accepts too
             if not line.strip():
                 raise DataError(f"{path}:{number}: empty line; remove it (jsonl needs one JSON object per line)")
             try:
@@ -50,13 +217,115 @@ def _scan_jsonl(path: str) -> None:
             except json.JSONDecodeError as exc:
                 raise DataError(f"{path}:{number}: invalid JSON ({exc.msg} at column {exc.colno})") from None
             if not isinstance(value, dict):
-                raise DataError(f"{path}:{number}: expected a JSON object, got {type(value).__name__}")
+                raise DataError(f"{path}:{number}: expected a JSON object, got {_json_kind(value)}")
+            if kinds:
+                _check_kinds(value, f"{path}:{number}", f"line {number}", seen)
 
 
-def _check_blank_lines(path: str) -> None:
-    """A blank line would shift every later row's line number: a fast byte scan, then the exact line if any."""
-    if re.search(rb"(?:^|\n)[ \t\r]*(?:\n|[ \t\r]+$)", Path(path).read_bytes()):
-        _scan_jsonl(path)  # raises with the line number
+def _scan_json(path: str) -> None:
+    """Find why a .json file cannot be loaded: invalid JSON (line, column), an item that is not an object, or a
+    field whose type changes between rows. A file of one object per line is scanned as JSON lines."""
+    text = Path(path).read_bytes().decode("utf-8", errors="replace").removeprefix("\ufeff")  # UTF-8 checked first
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        if exc.msg == "Extra data" and text.lstrip().startswith("{"):
+            _scan_jsonl(path)  # several objects: JSON lines
+            return
+        raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    if isinstance(value, dict):
+        return
+    if not isinstance(value, list):
+        raise DataError(f"{path}: expected a list of JSON objects (one per row); the file holds {_json_kind(value)}")
+    seen: dict[str, tuple[str, str]] = {}
+    for index, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise DataError(f"{line_of(path, index)}: expected a JSON object, got {_json_kind(item)}")
+        _check_kinds(item, line_of(path, index), f"row {index + 1}", seen)
+
+
+def _scan_csv(path: str) -> None:
+    """Find why a csv file cannot be loaded: no data rows, or a row with more fields than the header (pandas names
+    that line, but inside a message about tokenizing, with no file)."""
+    rows = 0
+    with open(path, encoding="utf-8-sig", newline="") as handle:
+        reader = csv.reader(handle)
+        try:
+            header = next(reader, [])
+            for cells in reader:
+                if not cells:
+                    continue
+                rows += 1
+                if len(cells) > len(header):
+                    raise DataError(f"{path}:{reader.line_num}: {len(cells)} fields but the header has "
+                                    f"{len(header)}; quote fields that contain commas")
+        except csv.Error:  # e.g. a field over the csv module's size limit: leave the report to datasets' message
+            return
+    if not rows:
+        raise DataError(f"{path}: no rows (the file has only a header line)")
+
+
+def _json_rows(path: str) -> Iterator[Any]:
+    """Rows of a .json/.jsonl file as written (a JSON list, or one value per line)."""
+    text = Path(path).read_bytes().decode("utf-8").removeprefix("\ufeff")
+    if text.lstrip().startswith("["):
+        yield from json.loads(text)
+        return
+    for line in text.split("\n"):
+        if line.strip():
+            yield json.loads(line)
+
+
+def raw_values(source: str, field: str) -> Iterator[Any]:
+    """``field`` of each row of a local jsonl/json/csv file as written (csv: the cell's text; nothing for other
+    sources). Loading converts whole columns (ids read as floats because one is written ``2.0``), so this points
+    at the row the user must fix. Only used after a check failed; stops quietly where the file cannot be parsed."""
+    suffix = Path(source).suffix
+    try:
+        if suffix == ".csv":
+            with open(source, encoding="utf-8-sig", newline="") as handle:
+                reader = csv.reader(handle)
+                header = next(reader, [])
+                if field not in header:
+                    return
+                position = header.index(field)
+                for cells in reader:
+                    if cells:  # pandas skips blank lines too
+                        yield cells[position] if position < len(cells) else None
+        elif suffix in (".jsonl", ".json"):
+            for row in _json_rows(source):
+                yield row.get(field) if isinstance(row, dict) else None
+    except (OSError, ValueError, csv.Error):
+        return
+
+
+# ------------------------------------------------------------------------------------------------------ loading
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    """Silence ``datasets``' own log while it loads: it logs a failure before raising, and the failure is
+    reported once, as a DataError line."""
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def error_detail(exc: BaseException) -> str:
+    """The first line of the innermost message in ``exc``'s cause chain (datasets wraps the real error in a
+    generic one); the type name when no exception in the chain has a message (e.g. StopIteration)."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__cause__)
+    for error in reversed(chain):
+        text = str(error).strip()
+        if text:
+            return text.splitlines()[0]
+    return type(exc).__name__
 
 
 def load_raw(source: str) -> Dataset:
@@ -65,25 +334,54 @@ def load_raw(source: str) -> Dataset:
 
     suffix = Path(source).suffix
     if suffix in BUILDERS:
-        if not Path(source).is_file():
-            raise DataError(f"{source}: data file not found")
-        if Path(source).stat().st_size == 0:
-            raise DataError(f"{source}: no rows (the file is empty)")
+        _check_file(source)
+        if suffix in TEXT_SUFFIXES:
+            _check_utf8(source)
         if suffix == ".jsonl":
+            _check_jsonl_start(source)
             _check_blank_lines(source)  # rows must map to lines one to one for file:line errors
+        elif suffix == ".json":
+            _check_json_top(source)
         try:
-            return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train")
+            with _quiet_datasets():
+                return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train")
         except Exception as exc:  # datasets wraps parse errors in several exception types
+            # find the offending line (only on failure: a full parse costs seconds per 1M rows)
             if suffix == ".jsonl":
-                _scan_jsonl(source)  # find the offending line (only on failure: a full parse costs seconds per 1M rows)
-            detail = (str(exc).splitlines() or [type(exc).__name__])[0]  # some (StopIteration) have no message
-            raise DataError(f"{source}: cannot be read as {suffix[1:]} ({detail})") from None
+                _scan_jsonl(source)
+            elif suffix == ".json":
+                _scan_json(source)
+            elif suffix == ".csv":
+                _scan_csv(source)
+            raise DataError(f"{source}: cannot be read as {suffix[1:]} ({error_detail(exc)})") from None
     if Path(source).exists():
         raise DataError(f"{source}: unsupported data file type; use one of {', '.join(BUILDERS)}")
     try:
-        return datasets.load_dataset(source, split="train")
+        with _quiet_datasets():
+            return datasets.load_dataset(source, split="train")
     except Exception as exc:
-        raise DataError(f"{source}: not a local file and cannot be loaded from the hub ({exc})") from None
+        raise DataError(f"{source}: not a local file and cannot be loaded from the hub ({error_detail(exc)})") from None
+
+
+# ------------------------------------------------------------------------------------------------------ row checks
+
+
+def label_error(value: Any, where: str) -> str | None:
+    """Why ``value`` cannot be a classification label (a name or an id >= 0), as the message for row ``where``;
+    None when it can. Anything else (lists, objects, floats, true/false, null) is refused, never coerced."""
+    if type(value) is str or (type(value) is int and value >= 0):
+        return None
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return f"{where}: missing field 'label' (classification rows need text, label)"
+    if isinstance(value, bool):
+        hint = " (true/false are not label names; use names such as yes/no, or ids 0/1)"
+    elif isinstance(value, float) and value.is_integer():
+        hint = " (write integer ids without a decimal point)"
+    elif isinstance(value, int):
+        hint = " (ids count classes from 0)"
+    else:
+        hint = ""
+    return f"{where}: field 'label' must be a label name or an integer id, got {short_repr(value)}{hint}"
 
 
 def _check_messages(value: Any, where: str) -> None:
@@ -91,7 +389,9 @@ def _check_messages(value: Any, where: str) -> None:
         raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
-            raise DataError(f"{where}: messages[{i}] needs role in {ROLES} and a string content")
+            got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
+            raise DataError(f"{where}: messages[{i}] needs role in {ROLES} and a string content, "
+                            f"got {short_repr(got)}")
     if value[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
 
@@ -107,14 +407,15 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
         if name == "messages":
             _check_messages(value, where)
         elif name == "label":
-            if not isinstance(value, (str, int)) or isinstance(value, bool):
-                raise DataError(f"{where}: field 'label' must be a label name or an integer id, got {value!r}")
+            problem = label_error(value, where)
+            if problem:
+                raise DataError(problem)
         elif not isinstance(value, str) or (name != "input" and not value.strip()):
-            raise DataError(f"{where}: field {name!r} must be a non-empty string")
+            raise DataError(f"{where}: field {name!r} must be a non-empty string, got {short_repr(value)}")
     for name in optional:
         value = row.get(name)
         if value is not None and not isinstance(value, str):
-            raise DataError(f"{where}: field {name!r} must be a string")
+            raise DataError(f"{where}: field {name!r} must be a string, got {short_repr(value)}")
 
 
 def check_columns(dataset: Dataset, fmt: str, source: str) -> None:
@@ -122,10 +423,14 @@ def check_columns(dataset: Dataset, fmt: str, source: str) -> None:
     required, _ = FIELDS[fmt]
     if not len(dataset):
         raise DataError(f"{source}: no rows")
-    missing_cols = [f for f in required if f not in dataset.column_names]
-    if missing_cols:
-        raise DataError(f"{line_of(source, 0)}: missing field {missing_cols[0]!r} "
-                        f"({fmt} rows need {', '.join(required)})")
+    missing = [f for f in required if f not in dataset.column_names]
+    if missing:
+        found = ", ".join(dataset.column_names) or "none"
+        if Path(source).suffix == ".csv":
+            raise DataError(f"{source}:1: the header has no column {missing[0]!r} ({fmt} needs columns "
+                            f"{', '.join(required)}; the header has {found})")
+        raise DataError(f"{line_of(source, 0)}: missing field {missing[0]!r} ({fmt} rows need {', '.join(required)}; "
+                        f"the rows have {found})")
 
 
 def check_rows(dataset: Dataset, fmt: str, source: str) -> None:

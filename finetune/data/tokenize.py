@@ -4,11 +4,17 @@
 on the same data and tokenizer skips tokenization. The key also holds a hash of this module's and formats.py's
 source (``datasets`` hashes module-level functions by name, not by code), so a change to rendering or masking
 never reuses a stale cache.
+
+The output columns get explicit types (:func:`output_features`): left to itself, ``map`` keeps the source
+column's type for an output column of the same name, so a csv's text ``label`` column turned the label ids back
+into strings. With fixed types the tokenized split is the same whatever file type it came from.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,13 +22,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from finetune.data.formats import render
-from finetune.data.loading import check_row, check_rows, line_of
+from finetune.data.loading import check_columns, check_row, error_detail, label_error, line_of, raw_values
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
-    from datasets import Dataset
+    from datasets import Dataset, Features
 
 IGNORE = -100
+MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
                                        for name in ("formats.py", "tokenize.py"))).hexdigest()[:16]
 
@@ -41,7 +48,13 @@ def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, ma
                 source: str, code_version: str = "") -> dict:
     # code_version is unused here: it is part of the map cache key (see the module docstring)
     check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
-    out = render(row, fmt, tokenizer, train_on_prompt)
+    try:
+        out = render(row, fmt, tokenizer, train_on_prompt)
+    except DataError:
+        raise
+    except Exception as exc:  # e.g. a chat template's raise_exception("roles must alternate ...")
+        what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
+        raise DataError(f"{line_of(source, index)}: {what} ({error_detail(exc)})") from None
     enc = tokenizer(out.text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(enc["input_ids"])
     labels = [tid if any(start < end_s and end > start_s for start_s, end_s in out.spans) else IGNORE
@@ -76,30 +89,93 @@ def column(dataset: Any, name: str) -> list[Any]:
     return list(dataset[name])
 
 
+def _written_as_decimal(raw: Any) -> bool:
+    """A label as written in the file that loading turned into a float: a JSON float, or csv text like ``2.0``."""
+    if isinstance(raw, float):
+        return True
+    return isinstance(raw, str) and bool(raw.strip()) and not re.fullmatch(r"\s*[+-]?\d+\s*", raw)
+
+
+def check_labels(values: list[Any], source: str) -> None:
+    """Every label is a name or an integer id >= 0; else raise for the row the user most likely got wrong.
+
+    Loading converts whole columns: ids with one blank csv cell, or one written ``2.0``, all become floats. So a
+    missing label is reported before other bad values, and a float that is a whole number only when no other bad
+    value exists, at the row where the file holds the decimal.
+    """
+    bad = [i for i, v in enumerate(values) if type(v) is not str and (type(v) is not int or v < 0)]
+    if not bad:
+        return
+
+    def rank(i: int) -> int:
+        value = values[i]
+        if value is None or (isinstance(value, float) and math.isnan(value)):
+            return 0
+        return 2 if isinstance(value, float) and value.is_integer() else 1
+
+    first = min(bad, key=lambda i: (rank(i), i))
+    if rank(first) == 2:
+        first = next((i for i, raw in enumerate(raw_values(source, "label")) if _written_as_decimal(raw)), first)
+    raise DataError(label_error(values[first], line_of(source, first)) or f"{line_of(source, first)}: bad label")
+
+
 def label_names(train: Dataset, configured: list[str] | None, source: str) -> list[str]:
-    """Label names in id order: the recipe's list, 0..max for integer labels, else sorted names found in train."""
+    """Label names in id order: the recipe's list, 0..max for integer labels, else sorted names found in train.
+
+    The result is the classifier's set of classes, so fewer than two is refused (the loss would be 0 from the
+    first step and nothing would be learned).
+    """
+    if hasattr(train, "column_names"):
+        check_columns(train, "classification", source)
     values = column(train, "label")
-    if any(v is None or isinstance(v, (bool, float)) for v in values):
-        check_rows(train, "classification", source)  # names the file, line and field
+    check_labels(values, source)
     if configured:
         names = list(configured)
-        known = set(names) | {str(i) for i in range(len(names))}
-        bad = next((v for v in values if str(v) not in known), None)
+        twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+        if twice is not None:
+            raise DataError(f"data.labels: {twice!r} is listed twice; give each class one name")
+        if len(names) < 2:
+            raise DataError(f"data.labels: classification needs at least two labels, got {names}")
+        index = label_index(names)
+        bad = next((i for i, v in enumerate(values) if str(v) not in index), None)
         if bad is not None:
-            raise DataError(f"{source}: label {bad!r} is not in data.labels {names}")
+            raise DataError(f"{line_of(source, bad)}: label {values[bad]!r} is not in data.labels {names}")
         return names
-    if all(isinstance(v, int) for v in values):
-        return [str(i) for i in range(max(values) + 1)]
-    if any(isinstance(v, int) for v in values):
-        raise DataError(f"{source}: labels mix integer ids and names; use one kind or set data.labels")
-    return sorted(set(values))
+    if all(type(v) is int for v in values):
+        top = max(range(len(values)), key=values.__getitem__)
+        if values[top] > MAX_LABEL_ID:
+            raise DataError(f"{line_of(source, top)}: label id {values[top]} would make a classifier with "
+                            f"{values[top] + 1} classes; number the classes from 0 or list their names in data.labels")
+        names = [str(i) for i in range(values[top] + 1)]
+    elif any(type(v) is int for v in values):
+        odd = next(i for i, v in enumerate(values) if type(v) is not type(values[0]))
+        raise DataError(f"{line_of(source, odd)}: labels mix integer ids and names ({values[odd]!r} here, "
+                        f"{values[0]!r} in the first row); use one kind or set data.labels")
+    else:
+        names = sorted(set(values))
+    if len(names) < 2:
+        raise DataError(f"{source}: classification needs at least two distinct labels; found only {values[0]!r} "
+                        f"(in {len(values)} rows); add rows of another class or list every class in data.labels")
+    return names
 
 
 def label_index(names: list[str]) -> dict[str, int]:
-    """Map both a label's name and its id (as text) to its id."""
-    index = {name: i for i, name in enumerate(names)}
-    index.update({str(i): i for i in range(len(names))})
+    """Map both a label's name and its id (as text) to its id; a name that looks like an id means the name
+    (string labels "1", "2", "3" are classes 0, 1, 2, not ids 1, 2 and a missing 3)."""
+    index = {str(i): i for i in range(len(names))}
+    index.update({name: i for i, name in enumerate(names)})
     return index
+
+
+def output_features(fmt: str) -> Features:
+    """Column types of the tokenized split, fixed so they never depend on the source file's column types."""
+    from datasets import Features, Sequence, Value
+
+    common = {"input_ids": Sequence(Value("int32")), "overlong": Value("bool"), "n_labels": Value("int64")}
+    if fmt == "classification":
+        return Features({**common, "label": Value("int64")})
+    return Features({**common, "labels": Sequence(Value("int64")), "prompt_ids": Sequence(Value("int64")),
+                     "reference": Value("string")})
 
 
 def tokenize_rows(
@@ -107,19 +183,23 @@ def tokenize_rows(
     labels: list[str] | None = None, source: str = "",
 ) -> Tokenized:
     """Tokenize ``dataset``; apply the over-long policy; drop samples left without any answer token."""
+    check_columns(dataset, fmt, source)
     if fmt == "classification":
         assert labels is not None, "classification needs label names"
         index = label_index(labels)
-        bad = next((i for i, v in enumerate(column(dataset, "label")) if str(v) not in index), None)
+        values = column(dataset, "label")
+        check_labels(values, source)
+        bad = next((i for i, v in enumerate(values) if str(v) not in index), None)
         if bad is not None:
-            raise DataError(f"{line_of(source, bad)}: label {dataset[bad]['label']!r} is not one of {labels} "
+            raise DataError(f"{line_of(source, bad)}: label {values[bad]!r} is not one of {labels} "
                             "(the labels found in train, or data.labels)")
         fn, kwargs = _classification_row, {"tokenizer": tokenizer, "max_len": max_len, "label_ids": index}
     else:
         fn, kwargs = _causal_row, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
                                    "train_on_prompt": train_on_prompt}
     mapped = dataset.map(fn, with_indices=True, fn_kwargs={**kwargs, "source": source, "code_version": CODE_VERSION},
-                         remove_columns=dataset.column_names, desc=f"tokenizing {source}")
+                         remove_columns=dataset.column_names, features=output_features(fmt),
+                         desc=f"tokenizing {source}")
     over_mask = np.asarray(column(mapped, "overlong"), dtype=bool)
     answered = np.asarray(column(mapped, "n_labels")) > 0
     dropped_mask = over_mask if overlong == "drop" else np.zeros_like(over_mask)

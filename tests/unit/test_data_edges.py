@@ -1,0 +1,440 @@
+"""Bad datasets give one DataError line naming the file (and line), and classification works from every file type.
+
+Each case writes a small file to ``tmp_path`` in one of the four supported types and runs it through the same
+functions the trainer uses (``load_raw``, ``check_columns``, ``label_names``, ``tokenize_rows``, ``load_splits``).
+A bad input must raise :class:`DataError` (nothing else, no traceback for the CLI to print) whose message is a
+single line starting with ``file`` or ``file:line``.
+"""
+
+from __future__ import annotations
+
+import builtins
+import csv
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import datasets
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from finetune.config.schema import DataConfig
+from finetune.data import load_splits
+from finetune.data.batching import Collator
+from finetune.data.loading import check_columns, load_raw
+from finetune.data.tokenize import label_names, tokenize_rows
+from finetune.errors import DataError
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "finetune" / "assets" / "tiny-llama-tokenizer"
+KINDS = ("csv", "jsonl", "json", "parquet")
+GOOD = {
+    "alpaca": {"instruction": "Say hi.", "output": "hi"},
+    "completion": {"text": "A short sentence."},
+    "classification": {"text": "hello there", "label": "greet"},
+    "chat": {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
+}
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+def write(tmp_path: Path, kind: str, rows: list[dict[str, Any]], name: str = "train") -> str:
+    """``rows`` as ``<name>.<kind>``: one object per line, a JSON list, a csv with a header, or parquet."""
+    path = tmp_path / f"{name}.{kind}"
+    if kind == "jsonl":
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif kind == "json":
+        path.write_text(json.dumps(rows, indent=1))
+    elif kind == "csv":
+        fields = list(dict.fromkeys(key for row in rows for key in row))
+        with open(path, "w", newline="", encoding="utf-8") as handle:
+            writer = csv.DictWriter(handle, fieldnames=fields)
+            writer.writeheader()
+            writer.writerows(rows)
+    else:
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+    return str(path)
+
+
+def where(path: str, index: int) -> str:
+    """Where row ``index`` is reported: jsonl lines, csv lines after the header, else the row number."""
+    if path.endswith(".jsonl"):
+        return f"{path}:{index + 1}"
+    if path.endswith(".csv"):
+        return f"{path}:{index + 2}"
+    return f"{path} (row {index + 1})"
+
+
+def one_line(excinfo: pytest.ExceptionInfo[DataError], prefix: str, *parts: str) -> str:
+    """The error's message, checked to be a single line that starts with ``prefix`` and contains ``parts``."""
+    message = str(excinfo.value)
+    assert excinfo.type is DataError
+    assert "\n" not in message, message
+    assert message.startswith(prefix), message
+    for part in parts:
+        assert part in message, message
+    return message
+
+
+def classify(path: str, tok: Any, labels: list[str] | None = None) -> tuple[list[str], Any]:
+    """The brief's reproduction: load, name the labels, tokenize, and collate every row."""
+    raw = load_raw(path)
+    check_columns(raw, "classification", path)
+    names = label_names(raw, labels, path)
+    out = tokenize_rows(raw, fmt="classification", tokenizer=tok, max_len=32, overlong="truncate", labels=names,
+                        source=path)
+    return names, out
+
+
+# ------------------------------------------------------------------ 1. classification from every file type
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("values", "names"), [(["greet", "leave", "greet"], ["greet", "leave"]),
+                                               ([1, 0, 2], ["0", "1", "2"])], ids=["text", "int"])
+def test_classification_batches_have_int64_labels_from_every_file_type(
+        tmp_path: Path, tok: Any, kind: str, values: list[Any], names: list[str]) -> None:
+    path = write(tmp_path, kind, [{"text": t, "label": v} for t, v in zip(["hello there", "bye now", "hi"], values,
+                                                                          strict=True)])
+    got_names, out = classify(path, tok)
+    assert got_names == names
+    features = out.dataset.features
+    assert features["label"].dtype == "int64"
+    assert features["input_ids"].feature.dtype.startswith("int")
+    batch = Collator(tok.pad_token_id)(list(out.dataset))
+    assert batch["label"].dtype == torch.int64
+    assert [names[i] for i in batch["label"].tolist()] == [str(v) for v in values]
+
+
+@pytest.mark.parametrize("kind", ["csv", "jsonl"])
+def test_causal_output_types_do_not_follow_same_named_source_columns(tmp_path: Path, tok: Any, kind: str) -> None:
+    """A source column called ``labels``/``reference`` (strings) must not retype the tokenized columns."""
+    rows = [{**GOOD["alpaca"], "labels": "x", "reference": "y", "prompt_ids": "z"}] * 2
+    path = write(tmp_path, kind, rows)
+    out = tokenize_rows(load_raw(path), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate", source=path)
+    assert out.dataset.features["labels"].feature.dtype == "int64"
+    batch = Collator(tok.pad_token_id, with_prompts=True)(list(out.dataset))
+    assert batch["labels"].dtype == torch.int64 and batch["reference"] == ["hi", "hi"]
+
+
+def test_string_labels_that_look_like_ids_keep_their_own_classes(tmp_path: Path, tok: Any) -> None:
+    """Names "1", "2", "3" are classes 0, 1, 2; they must not be read as ids (which merged "2" and "3")."""
+    path = write(tmp_path, "jsonl", [{"text": t, "label": v} for t, v in (("a", "1"), ("b", "2"), ("c", "3"))])
+    names, out = classify(path, tok)
+    assert names == ["1", "2", "3"]
+    assert out.dataset["label"] == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------- 2. fewer than two classes
+
+
+@pytest.mark.parametrize(("kind", "value", "shown"), [("csv", "greet", "'greet'"), ("jsonl", "greet", "'greet'"),
+                                                       ("json", 0, "0"), ("parquet", "greet", "'greet'")])
+def test_a_single_class_is_refused(tmp_path: Path, tok: Any, kind: str, value: Any, shown: str) -> None:
+    path = write(tmp_path, kind, [{"text": f"row {i}", "label": value} for i in range(4)])
+    with pytest.raises(DataError) as excinfo:
+        classify(path, tok)
+    one_line(excinfo, path, "at least two distinct labels", f"found only {shown} (in 4 rows)")
+
+
+def test_configured_labels_allow_a_train_file_that_uses_one_of_them(tmp_path: Path, tok: Any) -> None:
+    path = write(tmp_path, "csv", [{"text": f"row {i}", "label": "greet"} for i in range(4)])
+    names, out = classify(path, tok, labels=["greet", "leave"])
+    assert names == ["greet", "leave"] and out.dataset["label"] == [0] * 4
+
+
+@pytest.mark.parametrize("labels", [["greet"], ["greet", "leave", "greet"]], ids=["one", "duplicate"])
+def test_configured_labels_must_name_two_distinct_classes(tmp_path: Path, tok: Any, labels: list[str]) -> None:
+    path = write(tmp_path, "jsonl", [{"text": "a", "label": "greet"}, {"text": "b", "label": "leave"}])
+    with pytest.raises(DataError) as excinfo:
+        classify(path, tok, labels=labels)
+    one_line(excinfo, "data.labels: ")
+
+
+# ----------------------------------------------------------------------------- 3. label values of the wrong type
+
+WRONG = "field 'label' must be a label name or an integer id, got "
+
+
+@pytest.mark.parametrize(("kind", "bad", "shown"), [
+    ("jsonl", [1, 2], "[1, 2]"),
+    ("jsonl", {"id": 1}, "{'id': 1}"),
+    ("jsonl", 1.5, "1.5"),
+    ("jsonl", True, "True"),
+    ("jsonl", -1, "-1"),
+    ("json", [1, 2], "[1, 2]"),
+    ("json", False, "False"),
+])
+def test_wrong_label_type_among_names_names_its_row(tmp_path: Path, tok: Any, kind: str, bad: Any,
+                                                     shown: str) -> None:
+    rows = [{"text": "a", "label": "greet"}, {"text": "b", "label": "leave"}, {"text": "c", "label": bad}]
+    path = write(tmp_path, kind, rows)
+    with pytest.raises(DataError) as excinfo:
+        classify(path, tok)
+    one_line(excinfo, where(path, 2), WRONG + shown)
+
+
+@pytest.mark.parametrize(("kind", "values", "row", "expected"), [
+    ("jsonl", [0, 1, 1.5], 2, WRONG + "1.5"),  # ints + one float: the whole column is read as floats
+    ("jsonl", [0, 1, 2.0], 2, WRONG + "2.0"),  # a whole-number float: the row that has it, not row 0
+    ("csv", [0, 1, 1.5], 2, WRONG + "1.5"),
+    ("csv", [0, 1, "2.0"], 2, WRONG + "2.0"),
+    ("csv", [0, "", 1], 1, "missing field 'label'"),  # one blank cell turns the ids into floats
+    ("csv", ["true", "false"], 0, WRONG + "True"),
+    ("jsonl", ["greet", None, "leave"], 1, "missing field 'label'"),
+    ("parquet", [[1], [2]], 0, WRONG + "[1]"),
+    ("parquet", [0.5, 1.5], 0, WRONG + "0.5"),
+])
+def test_labels_read_as_another_type_name_the_row_as_written(tmp_path: Path, tok: Any, kind: str, values: list[Any],
+                                                             row: int, expected: str) -> None:
+    path = write(tmp_path, kind, [{"text": f"t{i}", "label": v} for i, v in enumerate(values)])
+    with pytest.raises(DataError) as excinfo:
+        classify(path, tok)
+    one_line(excinfo, where(path, row), expected)
+
+
+def test_eval_labels_get_the_same_type_check(tmp_path: Path, tok: Any) -> None:
+    train = write(tmp_path, "jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}])
+    evals = write(tmp_path, "jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": ["y"]}], name="eval")
+    with pytest.raises(DataError) as excinfo:
+        load_splits(DataConfig(format="classification", train=train, eval=evals), tok)
+    one_line(excinfo, f"{evals}:2", WRONG + "['y']")
+
+
+def test_mixed_types_are_found_by_line_when_datasets_cannot_load_them(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Older ``datasets`` fail on a column mixing lists and strings; the scan after the failure names the line."""
+    path = write(tmp_path, "jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "y"},
+                                     {"text": "c", "label": [1, 2]}])
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset")
+
+    monkeypatch.setattr(datasets, "load_dataset", fail)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(path)
+    one_line(excinfo, f"{path}:3", "field 'label' is a list here but a string on line 1")
+
+
+def test_label_names_without_a_label_column_is_a_data_error(tmp_path: Path) -> None:
+    """``finetune.peft`` calls label_names straight after load_raw: a missing column must not be a KeyError."""
+    path = write(tmp_path, "jsonl", [{"text": "a", "category": "x"}])
+    with pytest.raises(DataError) as excinfo:
+        label_names(load_raw(path), None, path)
+    one_line(excinfo, f"{path}:1", "missing field 'label'", "the rows have text, category")
+
+
+# -------------------------------------------------------------------------------------------------- 4. encodings
+
+
+@pytest.mark.parametrize(("kind", "content", "line"), [
+    ("jsonl", b'{"text": "a"}\n{"text": "caf\xe9"}\n', 2),
+    ("csv", b"text,label\na,0\ncaf\xe9,1\n", 3),
+    ("json", b'[{"text": "a"},\n {"text": "caf\xe9"}]', 2),
+])
+def test_latin1_file_names_line_and_offset(tmp_path: Path, kind: str, content: bytes, line: int) -> None:
+    path = tmp_path / f"train.{kind}"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    offset = content.index(0xE9)
+    one_line(excinfo, f"{path}:{line}: not UTF-8 text", "byte 0xe9", f"file offset {offset}")
+
+
+def test_utf16_file_says_so(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_bytes('{"text": "a"}\n'.encode("utf-16"))
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, str(path), "not UTF-8 text", "UTF-16")
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "json"])
+def test_utf8_bom_is_accepted(tmp_path: Path, kind: str) -> None:
+    path = write(tmp_path, kind, [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}])
+    Path(path).write_bytes(b"\xef\xbb\xbf" + Path(path).read_bytes())
+    raw = load_raw(path)
+    check_columns(raw, "classification", path)
+    assert raw["text"] == ["a", "b"] and label_names(raw, None, path) == ["x", "y"]
+
+
+def test_bom_does_not_hide_the_bad_line(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a"}\n{"text": "b"}\n{"text": "c",}\n')
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}:3: invalid JSON")
+
+
+# --------------------------------------------------------------------------------------- 5. unreadable inputs
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_directory_with_a_data_suffix(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / f"train.{kind}"
+    path.mkdir()
+    (path / "part-0.jsonl").write_text(json.dumps(GOOD["completion"]) + "\n")
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, str(path), "is a directory")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unreadable_file(tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, kind, [GOOD["completion"]] * 2)
+    os.chmod(path, 0)
+    if os.geteuid() == 0:  # root reads anything: make open() refuse the file as the OS does for other users
+        real_open = builtins.open
+
+        def refusing_open(file: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(file) == path:
+                raise PermissionError(13, "Permission denied", path)
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", refusing_open)
+    try:
+        with pytest.raises(DataError) as excinfo:
+            load_raw(path)
+    finally:
+        os.chmod(path, 0o644)
+    one_line(excinfo, path, "Permission denied")
+
+
+def test_corrupt_parquet(tmp_path: Path) -> None:
+    path = tmp_path / "train.parquet"
+    path.write_bytes(b"PAR1 this is not a parquet file")
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, str(path), "cannot be read as parquet", "Parquet magic bytes")
+
+
+@pytest.mark.parametrize(("fmt", "header"), [("classification", ["text", "lbl"]), ("alpaca", ["instruction", "out"]),
+                                             ("completion", ["body"])])
+def test_csv_header_without_a_required_column(tmp_path: Path, fmt: str, header: list[str]) -> None:
+    path = write(tmp_path, "csv", [dict.fromkeys(header, "1"), dict.fromkeys(header, "2")])
+    with pytest.raises(DataError) as excinfo:
+        check_columns(load_raw(path), fmt, path)
+    one_line(excinfo, f"{path}:1: the header has no column", f"the header has {', '.join(header)}")
+
+
+@pytest.mark.parametrize(("fmt", "bad", "expected"), [
+    ("alpaca", {"instruction": "Say hi."}, "missing field 'output'"),
+    ("alpaca", {"instruction": "Say hi.", "output": ["hi"]}, "field 'output' must be a non-empty string"),
+    ("alpaca", {"instruction": "Say hi.", "output": "hi", "input": 3}, "field 'input' must be a string"),
+    ("completion", {"text": 5}, "field 'text' must be a non-empty string"),
+    ("completion", {"body": "x"}, "missing field 'text'"),
+    ("classification", {"label": "greet"}, "missing field 'text'"),
+    ("classification", {"text": "hey", "label": {"name": "greet"}}, WRONG),
+    ("chat", {"messages": "hi"}, "field 'messages' must be a non-empty list"),
+    ("chat", {"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "b"}]},
+     "messages[0] needs role"),
+    ("chat", {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "b"}]},
+     "messages[0] needs role"),
+    ("chat", {"messages": [["user", "hi"], ["assistant", "hello"]]}, "messages[0] needs role"),
+    ("chat", {"messages": [{"role": "user", "content": "a"}]}, "the last message must be the assistant's"),
+])
+@pytest.mark.parametrize("kind", ["jsonl", "json"])
+def test_a_later_bad_row_names_its_line(tmp_path: Path, tok: Any, kind: str, fmt: str, bad: dict[str, Any],
+                                        expected: str) -> None:
+    second = {"text": "bye", "label": "leave"} if fmt == "classification" else GOOD[fmt]
+    path = write(tmp_path, kind, [GOOD[fmt], second, bad])
+    with pytest.raises(DataError) as excinfo:
+        load_splits(DataConfig(format=fmt, train=path), tok)
+    one_line(excinfo, where(path, 2), expected)
+
+
+@pytest.mark.parametrize(("fmt", "rows", "expected"), [
+    ("alpaca", [GOOD["alpaca"], {"instruction": "Go.", "output": ""}], "missing field 'output'"),
+    ("classification", [GOOD["classification"], {"text": "", "label": "leave"}], "missing field 'text'"),
+    ("completion", [{**GOOD["completion"], "id": "1"}, {"text": "  ", "id": "2"}],
+     "field 'text' must be a non-empty string"),
+])
+def test_a_later_bad_csv_row_names_its_line(tmp_path: Path, tok: Any, fmt: str, rows: list[dict[str, Any]],
+                                            expected: str) -> None:
+    path = write(tmp_path, "csv", rows)
+    with pytest.raises(DataError) as excinfo:
+        load_splits(DataConfig(format=fmt, train=path), tok)
+    one_line(excinfo, f"{path}:3: ", expected)
+
+
+@pytest.mark.parametrize(("content", "prefix", "expected"), [
+    ("text,label\na,x\nb,y,z\nc,x\n", ":3: ", "3 fields but the header has 2"),
+    ("text,label\n", ": ", "no rows"),
+])
+def test_csv_that_pandas_cannot_read(tmp_path: Path, content: str, prefix: str, expected: str) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text(content)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}{prefix}", expected)
+
+
+def test_chat_template_that_rejects_a_conversation_names_the_line(tmp_path: Path) -> None:
+    strict = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    strict.chat_template = (
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+        "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    twice = {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                          {"role": "assistant", "content": "c"}]}
+    path = write(tmp_path, "jsonl", [GOOD["chat"], twice])
+    with pytest.raises(DataError) as excinfo:
+        load_splits(DataConfig(format="chat", train=path), strict)
+    one_line(excinfo, f"{path}:2: the tokenizer's chat template rejects this conversation",
+             "Conversation roles must alternate")
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("5", "the file holds a number"),
+    ('"rows"', "the file holds a string"),
+    ('["a", "b"]', "its first item is a string"),
+    ("[1, 2]", "its first item is a number"),
+    ("[[1], [2]]", "its first item is a list"),
+    ("[]", "no rows"),
+])
+def test_json_that_is_not_a_list_of_objects(tmp_path: Path, content: str, expected: str) -> None:
+    path = tmp_path / "train.json"
+    path.write_text(content)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, str(path), expected)
+
+
+@pytest.mark.parametrize(("content", "prefix", "expected"), [
+    ('[{"text": "a"},\n {"text": "b"},\n 7]', " (row 3)", "expected a JSON object, got a number"),
+    ('[{"text": "a"},\n {"text": }]', ":2", "invalid JSON"),
+])
+def test_json_list_with_a_bad_item(tmp_path: Path, content: str, prefix: str, expected: str) -> None:
+    path = tmp_path / "train.json"
+    path.write_text(content)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}{prefix}", expected)
+
+
+@pytest.mark.parametrize(("content", "line"), [
+    (b'{"text": "a"}\n\n{"text": "b"}\n', 2),
+    (b'{"text": "a"}\n \t\r\n{"text": "b"}\n', 2),
+    (b'\n{"text": "a"}\n', 1),
+    (b'\xef\xbb\xbf\n{"text": "a"}\n', 1),
+    (b'{"text": "a"}\n{"text": "b"}\n  ', 3),
+])
+def test_blank_jsonl_lines_are_refused_by_line(tmp_path: Path, content: bytes, line: int) -> None:
+    """Blank lines would shift every later line number (datasets skips them), wherever they are."""
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}:{line}: empty line")
+
+
+def test_jsonl_starting_with_a_list_names_line_1(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text('["a", "b"]\n{"text": "c"}\n')
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}:1: expected a JSON object", "a list")
