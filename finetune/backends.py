@@ -123,7 +123,8 @@ def deepspeed_config(cfg: RecipeConfig, backend: Backend, pin_memory: bool = Fal
         "train_micro_batch_size_per_gpu": cfg.train.micro_batch_size,
         "gradient_accumulation_steps": cfg.grad_accum,
         "gradient_clipping": cfg.train.max_grad_norm or 0.0,
-        "bf16": {"enabled": cfg.train.mixed_precision == "bf16"},
+        # skip a step whose gradients are not finite (fp32 does this through its grad norm, fp16 through its scaler)
+        "bf16": {"enabled": cfg.train.mixed_precision == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": cfg.train.mixed_precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
         "zero_optimization": {
             "stage": backend.zero_stage,
@@ -216,9 +217,10 @@ def model_init(accelerator: Any, backend: Backend, from_config: bool) -> Iterato
 
 class FSDP1OptimizerState:
     """FSDP1 with ``use_orig_params``: accelerate's sharded optimizer save/load restores NOTHING (the optimizer
-    state is empty after ``load_state``, so a resumed Adam restarts its moments). This registered object checkpoints
-    the optimizer state once more, gathered whole with torch.distributed.checkpoint.state_dict, and loads it back
-    after accelerate's no-op; ``tests/distributed`` proves resume bit-identical with it."""
+    state is empty after ``load_state``, so a resumed Adam restarts its moments). This object checkpoints the
+    optimizer state once more, gathered whole with torch.distributed.checkpoint.state_dict (saved as JSON +
+    safetensors by finetune.checkpoint), and loads it back after accelerate's no-op; ``tests/distributed`` proves
+    resume bit-identical with it."""
 
     def __init__(self, model: Any, optimizer: Any) -> None:
         self.model, self.optimizer = model, getattr(optimizer, "optimizer", optimizer)
@@ -241,11 +243,60 @@ class FSDP1OptimizerState:
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state, options=self._options())
 
 
-def extra_checkpoint_state(backend: Backend, model: Any, optimizer: Any) -> list[Any]:
-    """Objects to register for checkpointing on top of what accelerate saves for this backend."""
+def extra_checkpoint_state(backend: Backend, model: Any, optimizer: Any) -> dict[str, Any]:
+    """Objects to checkpoint (by name) on top of what accelerate saves for this backend."""
     if backend.kind == "fsdp" and backend.fsdp_version == 1:
-        return [FSDP1OptimizerState(model, optimizer)]
-    return []
+        return {"fsdp1_optimizer": FSDP1OptimizerState(model, optimizer)}
+    return {}
+
+
+# What a torch.distributed.checkpoint ``.metadata`` pickle may construct: DCP's own metadata records, torch.Size,
+# dtypes, layouts and paths. Nothing else: a planted payload fails to load instead of running.
+_DCP_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("collections", "OrderedDict")}
+
+
+def allow_checkpoint_records(backend: Backend) -> None:
+    """The plain records a backend's own checkpoint holds besides tensors, allowed for ``weights_only`` loads (which
+    every ``torch.load`` is, see finetune.checkpoint.forbid_unpickling). DeepSpeed's optimizer files hold its ZeRO
+    stage enum, its loss scaler's settings and fragment addresses: data classes that run no code when rebuilt."""
+    if backend.kind != "deepspeed":
+        return
+    import torch
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
+
+
+def restrict_dcp_metadata() -> None:
+    """torch.distributed.checkpoint (FSDP's sharded checkpoints) reads ``.metadata`` with a plain ``pickle.load``:
+    make that module's ``pickle.load`` an unpickler that constructs only :data:`_DCP_METADATA_GLOBALS` and dtypes.
+    (Its tensor and bytes records go through ``torch.load``, which ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` restricts.)"""
+    import pickle  # safe: only its restricted Unpickler and dump are used
+    import types
+
+    import torch
+    import torch.distributed.checkpoint.filesystem as dcp_fs
+
+    if getattr(dcp_fs.pickle, "restricted", False):
+        return
+
+    class MetadataUnpickler(pickle.Unpickler):  # safe: find_class allows only the names above
+        def find_class(self, module: str, name: str) -> Any:
+            dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+            if (module, name) not in _DCP_METADATA_GLOBALS and not dtype:
+                raise pickle.UnpicklingError(f"{module}.{name} is not allowed in checkpoint metadata")  # safe
+            return super().find_class(module, name)
+
+    dcp_fs.pickle = types.SimpleNamespace(  # type: ignore[attr-defined]
+        load=lambda file, **_: MetadataUnpickler(file).load(), dump=pickle.dump, restricted=True)  # safe: restricted
 
 
 def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str, Any] | None:

@@ -1,39 +1,36 @@
-"""Checkpoints (atomic, with a manifest) and the final Hugging Face export.
+"""Checkpoints (atomic, verified, data only) and the final Hugging Face export.
 
 A checkpoint is written by every rank into ``checkpoints/step-000400.tmp/`` (``accelerator.save_state`` is a
 collective) and renamed to ``step-000400/`` by rank 0 once every rank has finished, so a directory without the
-``.tmp`` suffix is always complete. Besides what accelerate saves (model, optimizer, registered objects such as
-the scheduler, TrainState and grad scaler, RNG states of every rank) it holds ``train_state.json``, the resolved
-recipe and ``manifest.json`` (fingerprints of recipe, data and tokenizer, batch layout, library versions).
+``.tmp`` suffix is always complete. accelerate saves the model and the optimizer (safetensors, ``torch.save`` read
+back with ``weights_only=True``, or the backend's sharded format). Everything of ours is JSON, with any tensors in
+safetensors: ``train_state.json``, the scheduler, the grad scaler, every rank's RNG state and (FSDP1) the whole
+optimizer state. Nothing is registered with accelerate's pickle-based ``custom_checkpoint_*.pkl`` path.
+
+``manifest.json`` is written last: the run id, fingerprints of recipe, data and tokenizer, the batch layout and
+library versions, and the size and sha256 of every file. :func:`verify` checks all of it before anything is loaded.
+Exports (``final/``) carry the same kind of manifest.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import math
+import random
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune import hooks
-from finetune.config import RESOLVED_NAME, RecipeConfig, to_yaml
-from finetune.errors import RunDirError
+from finetune import hooks, rundir
+from finetune.config import RecipeConfig, to_yaml
+from finetune.errors import NonFiniteError, RunDirError
 from finetune.state import TrainState
 
 if TYPE_CHECKING:
     from finetune.backends import Backend
-
-CHECKPOINTS = "checkpoints"
-MANIFEST = "manifest.json"
-TRAIN_STATE = "train_state.json"
-
-
-def step_dir(run_dir: Path, step: int) -> Path:
-    """``<run_dir>/checkpoints/step-000400``."""
-    return run_dir / CHECKPOINTS / f"step-{step:06d}"
 
 
 def file_fingerprint(path: str | None) -> str | None:
@@ -41,13 +38,7 @@ def file_fingerprint(path: str | None) -> str | None:
     if not path:
         return None
     p = Path(path)
-    if not p.is_file():
-        return f"name:{path}"
-    digest = hashlib.sha256()
-    with p.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return rundir.sha256_file(p) if p.is_file() else f"name:{path}"
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> str:
@@ -59,8 +50,8 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: Any, backend: str,
-             files: dict[str, int]) -> dict[str, Any]:
-    """What a later resume compares against, and what ``finetune ls`` shows."""
+             run_id: str) -> dict[str, Any]:
+    """What a later resume compares against, and what ``finetune ls`` shows (the inventory is added on write)."""
     import accelerate
     import torch
     import transformers
@@ -68,6 +59,8 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
     from finetune import __version__
 
     return {
+        "kind": "checkpoint",
+        "run_id": run_id,
         "step": state.step,
         "samples_seen": state.samples_seen,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
@@ -82,16 +75,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
                      "accelerate": accelerate.__version__},
         "resumable": True,
         "reason": None,
-        "files": files,
     }
-
-
-def complete_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete checkpoints (renamed from ``.tmp``), oldest first."""
-    root = run_dir / CHECKPOINTS
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.glob("step-*") if p.is_dir() and not p.name.endswith(".tmp"))
 
 
 @dataclass
@@ -108,34 +92,49 @@ class CheckpointInfo:
     manifest: dict[str, Any] | None
 
 
-def _files(path: Path) -> dict[str, int]:
-    """Every file under ``path`` with its size, by relative path (the manifest's inventory)."""
-    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+def _size(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
 
 
 def inspect(path: Path) -> CheckpointInfo:
-    """Read a checkpoint's manifest and check that every file it lists is there with its size."""
-    present = _files(path)
-    size = sum(present.values())
+    """Read a checkpoint's manifest and check that every file it lists is there with its size (cheap; the content
+    hashes are checked by :func:`verify` before a resume or an eval loads it)."""
+    size = _size(path) if path.is_dir() else 0
     try:
-        data = json.loads((path / MANIFEST).read_text())
-        if not isinstance(data, dict) or not {"step", "samples_seen", "files"} <= data.keys():
-            raise ValueError("missing step/samples_seen/files")
-    except FileNotFoundError:
-        return CheckpointInfo(path, None, None, False, "no manifest.json", size, None, None)
-    except (ValueError, json.JSONDecodeError) as exc:
-        return CheckpointInfo(path, None, None, False, f"manifest.json is corrupted ({exc})", size, None, None)
-    missing = [name for name, bytes_ in data["files"].items() if present.get(name) != bytes_]
-    reason = data.get("reason") if not data.get("resumable", False) else None
-    if missing:
-        reason = f"missing or truncated: {', '.join(missing[:3])}" + (" ..." if len(missing) > 3 else "")
-    return CheckpointInfo(path, int(data["step"]), int(data["samples_seen"]), reason is None, reason, size,
-                          data.get("created"), data)
+        data = rundir.read_manifest(path)
+        step, samples = int(data["step"]), int(data["samples_seen"])
+    except RunDirError as exc:
+        reason = "no manifest.json" if not (path / rundir.MANIFEST).is_file() else f"manifest.json is corrupted " \
+            f"({str(exc).rsplit('(', 1)[-1].rstrip(')')})"
+        return CheckpointInfo(path, None, None, False, reason, size, None, None)
+    except (KeyError, TypeError, ValueError):
+        return CheckpointInfo(path, None, None, False, "manifest.json is corrupted (no step)", size, None, None)
+    problems = rundir.inventory_problems(path, data, hashes=False)
+    reason = None if data.get("resumable", False) else str(data.get("reason"))
+    if problems:
+        reason = "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else "")
+    return CheckpointInfo(path, step, samples, reason is None, reason, size, str(data.get("created") or "") or None,
+                          data)
+
+
+def verify(path: Path, run_id: str | None) -> dict[str, Any]:
+    """Check a checkpoint or export completely before anything in it is loaded: its manifest, the sha256 of every
+    file, no file it does not list, and (``run_id``) that it belongs to this run. Returns the manifest."""
+    data = rundir.read_manifest(path)
+    if run_id is not None and data.get("run_id") != run_id:
+        raise RunDirError(f"{path} belongs to another run (run id {data.get('run_id')}, this run is {run_id}); "
+                          "a run resumes only from its own checkpoints")
+    problems = rundir.inventory_problems(path, data, hashes=True)
+    if problems:
+        shown = "; ".join(problems[:3]) + (f"; and {len(problems) - 3} more" if len(problems) > 3 else "")
+        raise RunDirError(f"{path} failed verification: {shown}; it was changed after finetune wrote it: use "
+                          "another checkpoint (--from) or start over")
+    return data
 
 
 def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
     """The newest complete checkpoint that can be resumed from."""
-    for path in reversed(complete_checkpoints(run_dir)):
+    for path in reversed(rundir.checkpoint_dirs(run_dir)):
         info = inspect(path)
         if info.resumable:
             return info
@@ -143,82 +142,255 @@ def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
 
 
 def find(run_dir: Path, name: str | None) -> CheckpointInfo:
-    """The checkpoint ``name`` (e.g. ``step-000100``) or the newest resumable one; RunDirError if none fits."""
+    """The checkpoint ``name`` (e.g. ``step-000100``, or a path) or the newest resumable one; RunDirError if none
+    fits. Whether it belongs to this run is checked by :func:`verify`."""
     if name is None:
         info = latest_resumable(run_dir)
         if info is None:
-            broken = [f"{p.name}: {inspect(p).reason}" for p in complete_checkpoints(run_dir)]
+            broken = [f"{p.name}: {inspect(p).reason}" for p in rundir.checkpoint_dirs(run_dir)]
             detail = f" ({'; '.join(broken)})" if broken else ""
             raise RunDirError(f"{run_dir}: no complete resumable checkpoint to resume from{detail}; start the run "
-                              f"again with `finetune run {run_dir / RESOLVED_NAME} --overwrite`")
+                              f"again with `finetune run {run_dir / rundir.RESOLVED} --overwrite`")
         return info
-    path = run_dir / CHECKPOINTS / name if not Path(name).is_dir() else Path(name)
-    if not path.is_dir() or path.name.endswith(".tmp"):
-        names = ", ".join(p.name for p in complete_checkpoints(run_dir)) or "none"
-        raise RunDirError(f"--from {name}: no such complete checkpoint in {run_dir / CHECKPOINTS} (have: {names})")
+    path = Path(name) if Path(name).is_dir() and not Path(name).is_symlink() else run_dir / rundir.CHECKPOINTS / name
+    if not path.is_dir() or path.name.endswith(rundir.TMP):
+        names = ", ".join(p.name for p in rundir.checkpoint_dirs(run_dir)) or "none"
+        raise RunDirError(f"--from {name}: no such complete checkpoint in {run_dir / rundir.CHECKPOINTS} "
+                          f"(have: {names})")
     info = inspect(path)
     if not info.resumable:
         raise RunDirError(f"{path}: not resumable: {info.reason}")
     return info
 
 
-def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, tokenizer: Any, run_dir: Path,
-         backend: str = "single") -> Path:
-    """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically."""
-    final = step_dir(run_dir, state.step)
-    tmp = final.with_name(final.name + ".tmp")
-    if accelerator.is_main_process:
-        for stale in (run_dir / CHECKPOINTS).glob("*.tmp") if (run_dir / CHECKPOINTS).is_dir() else []:
-            shutil.rmtree(stale, ignore_errors=True)  # left by a crash: never complete, never resumed from
-        tmp.mkdir(parents=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp), safe_serialization=True)
-    hooks.fire("checkpoint_written", path=tmp)
-    if accelerator.is_main_process:
-        (tmp / TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
-        (tmp / RESOLVED_NAME).write_text(to_yaml(cfg))
-        info = manifest(cfg, state, accelerator.num_processes, tokenizer, backend, _files(tmp))
-        (tmp / MANIFEST).write_text(json.dumps(info, indent=2))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        prune(run_dir, cfg.checkpoint.keep_last)
+# --- our state as JSON + safetensors ------------------------------------------------------------------------------
+
+
+def _split(value: Any, tensors: dict[str, Any], path: str) -> Any:
+    """``value`` as JSON, with every tensor moved into ``tensors`` (by a key) and tuples, non-string dict keys and
+    numpy arrays tagged so that :func:`_join` restores them exactly."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        key = f"t{len(tensors)}"
+        tensors[key] = value.detach().cpu().contiguous()
+        return {"__tensor__": key}
+    if isinstance(value, np.ndarray):
+        return {"__ndarray__": value.tolist(), "dtype": str(value.dtype)}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {"__dict__": {k: _split(v, tensors, f"{path}.{k}") for k, v in value.items()}}
+        return {"__items__": [[_split(k, tensors, path), _split(v, tensors, path)] for k, v in value.items()]}
+    if isinstance(value, tuple):
+        return {"__tuple__": [_split(v, tensors, path) for v in value]}
+    if isinstance(value, list):
+        return [_split(v, tensors, path) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"__float__": repr(value)}
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(f"cannot store {type(value).__name__} at {path} in a checkpoint")
+
+
+def _join(value: Any, tensors: dict[str, Any]) -> Any:
+    """Inverse of :func:`_split`; only JSON types, tensors, tuples and numpy arrays can come out."""
+    import numpy as np
+
+    if isinstance(value, list):
+        return [_join(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if "__tensor__" in value:
+        return tensors[value["__tensor__"]]
+    if "__ndarray__" in value:
+        return np.asarray(value["__ndarray__"], dtype=np.dtype(str(value["dtype"])))
+    if "__dict__" in value:
+        return {k: _join(v, tensors) for k, v in value["__dict__"].items()}
+    if "__items__" in value:
+        return {_join(k, tensors): _join(v, tensors) for k, v in value["__items__"]}
+    if "__tuple__" in value:
+        return tuple(_join(v, tensors) for v in value["__tuple__"])
+    if "__float__" in value:
+        return float(value["__float__"])
+    raise ValueError(f"unknown entry {sorted(value)[:3]}")
+
+
+def write_state(folder: Path, name: str, state: Any) -> None:
+    """``<name>.json`` (+ ``<name>.safetensors`` when the state holds tensors)."""
+    from safetensors.torch import save_file
+
+    tensors: dict[str, Any] = {}
+    text = json.dumps(_split(state, tensors, name))
+    if tensors:
+        save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(text, encoding="utf-8")
+
+
+def read_state(folder: Path, name: str) -> Any:
+    """What :func:`write_state` wrote."""
+    from safetensors.torch import load_file
+
+    tensor_file = folder / f"{name}.safetensors"
+    tensors = load_file(str(tensor_file)) if tensor_file.is_file() else {}
+    return _join(json.loads((folder / f"{name}.json").read_text(encoding="utf-8")), tensors)
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: Python, numpy, torch CPU and (where present) CUDA."""
+    import numpy as np
+    import torch
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng_state_{rank}"
+
+
+def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[str, Any], tokenizer: Any,
+         run_dir: Path, backend: str, run_id: str) -> Path:
+    """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically.
+
+    ``objects``: name -> object with ``state_dict()`` / ``load_state_dict()`` (scheduler, grad scaler, ...); every
+    rank calls ``state_dict()`` (it may be a collective), rank 0 writes it. A failed write (e.g. a full disk) removes
+    the partial checkpoint, so the previous one stays the newest resumable checkpoint.
+    """
+    final = rundir.step_dir(run_dir, state.step)
+    tmp = final.with_name(final.name + rundir.TMP)
+    main = accelerator.is_main_process
+    try:
+        if main:
+            for stale in rundir.stale_checkpoint_dirs(run_dir):
+                rundir.remove_checkpoint(stale)  # left by a crash: never complete, never resumed from
+            tmp.mkdir(parents=True)
+        accelerator.wait_for_everyone()
+        accelerator.save_state(str(tmp), safe_serialization=True)
+        write_state(tmp, _rng_name(accelerator.process_index), rng_state())
+        states = {name: obj.state_dict() for name, obj in objects.items()}
+        hooks.fire("checkpoint_written", path=tmp)
+        if main:
+            for name, value in states.items():
+                write_state(tmp, name, value)
+            (tmp / rundir.TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
+            (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))
+        accelerator.wait_for_everyone()
+        if main:
+            rundir.write_manifest(tmp, manifest(cfg, state, accelerator.num_processes, tokenizer, backend, run_id))
+            if final.exists():
+                rundir.remove_checkpoint(final)
+            tmp.rename(final)
+            prune(run_dir, cfg.checkpoint.keep_last)
+    except Exception as exc:  # a full disk surfaces as OSError, SafetensorError or torch's RuntimeError
+        if main:
+            rundir.remove_checkpoint(tmp)
+        raise RunDirError(_write_failure(f"checkpoint {final.name}", exc, run_dir)
+                          + f"; then `finetune resume {run_dir}`") from exc
     accelerator.wait_for_everyone()
     return final
+
+
+def _write_failure(what: str, exc: Exception, run_dir: Path) -> str:
+    """One line for a failed write: what, why (the library's words), the free space, and what was kept."""
+    import shutil
+
+    detail = (getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0] if str(exc).strip() else "")[:160]
+    try:
+        free = f"{shutil.disk_usage(run_dir).free / 2**20:.0f} MB free on that disk"
+    except OSError:
+        free = "free space unknown"
+    previous = latest_resumable(run_dir)
+    kept = f"{previous.path.name} stays the newest resumable checkpoint" if previous else "no checkpoint is kept"
+    return (f"cannot write {what} ({type(exc).__name__}: {detail}; {free}); the partial write was removed and "
+            f"{kept}; free space or fix permissions")
+
+
+def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any]) -> None:
+    """Load a verified checkpoint into the built objects on this rank. Model and optimizer come through accelerate
+    (safetensors, ``weights_only`` loads, or the backend's sharded format); the rest from our JSON/safetensors."""
+    accelerator.load_state(str(ckpt))
+    for name, obj in objects.items():
+        obj.load_state_dict(read_state(ckpt, name))
+    rng = ckpt / f"{_rng_name(accelerator.process_index)}.json"
+    if rng.is_file():  # a checkpoint of fewer ranks has no state for this rank: it keeps its own seed
+        set_rng_state(read_state(ckpt, _rng_name(accelerator.process_index)))
+    train_size = state.train_size
+    state.load_state_dict(json.loads((ckpt / rundir.TRAIN_STATE).read_text(encoding="utf-8")))
+    state.train_size = train_size
 
 
 def prune(run_dir: Path, keep_last: int | None) -> None:
     """Delete all but the newest ``keep_last`` complete checkpoints; the newest resumable one always stays."""
     if keep_last is None:
         return
-    checkpoints = complete_checkpoints(run_dir)
+    checkpoints = rundir.checkpoint_dirs(run_dir)
     newest_resumable = latest_resumable(run_dir)
     for old in checkpoints[: max(0, len(checkpoints) - keep_last)]:
         if newest_resumable is None or old != newest_resumable.path:
-            shutil.rmtree(old, ignore_errors=True)
+            rundir.remove_checkpoint(old)
 
 
-MERGE_CHECK = "merge_check.safetensors"
+def forbid_unpickling(backend: Backend | None = None) -> None:
+    """Make every checkpoint load in this process data-only, whatever library does it.
+
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns every ``torch.load`` into ``weights_only=True`` (DeepSpeed and
+    torch.distributed.checkpoint pass ``weights_only=False``), with the backend's plain checkpoint records allowed
+    (:func:`finetune.backends.allow_checkpoint_records`); DCP's ``.metadata`` is read with a plain ``pickle.load``,
+    which is replaced by an unpickler that constructs only DCP's own metadata classes
+    (:func:`finetune.backends.restrict_dcp_metadata`)."""
+    import os
+
+    from finetune.backends import allow_checkpoint_records, restrict_dcp_metadata
+
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    restrict_dcp_metadata()
+    if backend is not None:
+        allow_checkpoint_records(backend)
+
+
+def _all_finite(state_dict: dict[str, Any] | None) -> bool:
+    import torch
+
+    return all(bool(torch.isfinite(t).all()) for t in (state_dict or {}).values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
-                 backend: Backend, probe: dict[str, Any] | None = None,
+                 backend: Backend, run_id: str, step: int, probe: dict[str, Any] | None = None,
                  rebuild: Callable[[], Any] | None = None) -> Path:
     """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
-    ``finetune merge`` must reproduce); always the tokenizer and the resolved recipe.
+    ``finetune merge`` must reproduce); always the tokenizer, the resolved recipe and a manifest.
 
-    ``rebuild`` makes a clean (unwrapped) copy of the model on rank 0 to save from, for wrappers whose module names
-    differ from the gathered state dict's (FSDP1: peft would find no adapter and save an empty one)."""
+    It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
+    finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a clean (unwrapped)
+    copy of the model on rank 0 to save from, for wrappers whose module names differ from the gathered state
+    dict's (FSDP1: peft would find no adapter and save an empty one)."""
     import torch
 
     from finetune.backends import full_state_dict
 
-    out = run_dir / "final"
-    tmp = run_dir / "final.tmp"
+    out, tmp = run_dir / rundir.FINAL, run_dir / rundir.FINAL_TMP
     state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends
+    flag = torch.tensor(0.0 if not accelerator.is_main_process or _all_finite(state_dict) else 1.0,
+                        device=accelerator.device)
+    if float(accelerator.reduce(flag, reduction="sum")) > 0:  # sync: every rank learns rank 0's verdict
+        raise NonFiniteError(f"the trained weights hold inf or nan; {out} was not written (a previous export stays); "
+                             "lower optim.lr, use train.mixed_precision=bf16 or set train.max_grad_norm")
     reference = None
     if cfg.peft.method != "none" and probe is not None:
         was_training = model.training
@@ -230,17 +402,26 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     if accelerator.is_main_process:
         from safetensors.torch import save_file
 
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.exists():
+            rundir.remove_scratch(tmp)
         saver = accelerator.unwrap_model(model)
         if rebuild is not None:
             saver = rebuild()
             saver.load_state_dict(state_dict)
         saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        (tmp / RESOLVED_NAME).write_text(to_yaml(cfg))
+        (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))
         if reference is not None:
-            save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp / MERGE_CHECK))
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+            save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp / rundir.MERGE_CHECK))
+        rundir.write_manifest(tmp, export_manifest(run_id, step))
+        rundir.publish(tmp, out, run_dir / rundir.FINAL_OLD)
     accelerator.wait_for_everyone()
     return out
+
+
+def export_manifest(run_id: str | None, step: int | None) -> dict[str, Any]:
+    """The manifest head of an export (``final/`` or a merged model); the inventory is added on write."""
+    from finetune import __version__
+
+    return {"kind": "export", "run_id": run_id, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "finetune": __version__}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -18,10 +17,11 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from finetune.config import RESOLVED_NAME, load_recipe, to_yaml, write_resolved
+from finetune import rundir
+from finetune.config import Composed, load_recipe, to_yaml
 from finetune.config.compose import recipes_dir
 from finetune.config.schema import RecipeConfig
-from finetune.errors import FinetuneError, RunDirError
+from finetune.errors import FinetuneError, RunDirError, run_main
 
 app = typer.Typer(
     add_completion=False,
@@ -31,10 +31,8 @@ app = typer.Typer(
 )
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. train.max_steps=50")]
-
-
-def _echo_err(message: str) -> None:
-    typer.echo(message, err=True)
+TrustRemoteCode = Annotated[bool, typer.Option(
+    "--trust-remote-code", help="run the model folder's own Python code (never taken from a run's files)")]
 
 
 def _recipe_with_flags(recipe: Path, overrides: list[str] | None, **flags: Any) -> tuple[RecipeConfig, Any]:
@@ -45,8 +43,14 @@ def _recipe_with_flags(recipe: Path, overrides: list[str] | None, **flags: Any) 
     return load_recipe(recipe, [*(overrides or []), *extra])
 
 
-def _run_dir_has_results(run_dir: Path) -> bool:
-    return any((run_dir / name).exists() for name in (RESOLVED_NAME, "checkpoints", "final", "metrics.jsonl"))
+def _protected(cfg: RecipeConfig, composed: Composed) -> list[Path | str]:
+    """What a run dir must not contain (so --overwrite can never reach it): the recipe files, data, model folder."""
+    local = [p for p in (cfg.data.train, cfg.data.eval, cfg.model.path) if p and Path(p).exists()]
+    return [*composed.files, *local]
+
+
+def _is_rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 @app.command()
@@ -64,10 +68,11 @@ def run(
 
     flags = _launcher_flags({"output_dir": output_dir, "accelerate_config": accelerate_config,
                              "num_processes": num_processes})
-    cfg, _ = _recipe_with_flags(recipe, overrides, **flags)
+    cfg, composed = _recipe_with_flags(recipe, overrides, **flags)
     run_dir = Path(cfg.output_dir or "")
-    resolved = run_dir / RESOLVED_NAME
+    resolved = run_dir / rundir.RESOLVED
     if dry_run:
+        rundir.check_location(run_dir, _protected(cfg, composed))
         typer.echo(to_yaml(cfg), nl=False)
         typer.echo(f"# run dir: {run_dir}")
         typer.echo(f"# global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum "
@@ -77,15 +82,12 @@ def run(
         typer.echo(_effective_settings(cfg))
         typer.echo(_peft_summary(cfg))
         return
-    is_rank0 = os.environ.get("RANK", "0") == "0"
-    if is_rank0 and _run_dir_has_results(run_dir):
-        if not overwrite:
-            raise RunDirError(f"{run_dir} already holds a run; pass --overwrite to replace it, -o DIR for a new one, "
-                              f"or `finetune resume {run_dir}` to continue it")
-        shutil.rmtree(run_dir)
-    if is_rank0:
-        write_resolved(cfg, run_dir)
-    _start(cfg, resolved)
+    lock = None
+    if _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory
+        lock = rundir.create(run_dir, overwrite=overwrite, protected=_protected(cfg, composed),
+                             command=f"finetune run {recipe}")
+        rundir.write_resolved(cfg, run_dir)
+    _start(cfg, resolved, lock)
 
 
 def _effective_settings(cfg: RecipeConfig) -> str:
@@ -112,19 +114,27 @@ def _peft_summary(cfg: RecipeConfig) -> str:
     return "\n".join(f"# {line}" for line in text.splitlines())
 
 
-def _start(cfg: RecipeConfig, resolved: Path, resume_from: Path | None = None, allow_change: bool = False) -> None:
+def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resume_from: Path | None = None,
+           allow_change: bool = False) -> None:
     """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
-    running the worker on every rank."""
+    running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
+    launcher across exec until every rank has exited."""
     from finetune import launch
 
     if launch.in_process(cfg):
-        from finetune.worker import execute
+        from finetune.worker import run_worker
 
-        execute(cfg, resume_from, allow_change)
+        try:
+            run_worker(cfg, resume_from, allow_change)
+        finally:
+            if lock is not None:
+                lock.release()
         return
     worker_args = ["--resume", str(resume_from)] if resume_from else []
     worker_args += ["--allow-config-change"] if allow_change else []
     argv = launch.launch_argv(cfg, resolved, worker_args)
+    if lock is not None:
+        lock.inherit()
     sys.stdout.flush()
     os.execvp(argv[0], argv)
 
@@ -149,25 +159,35 @@ def resume(
         "--allow-config-change", help="continue although the recipe, data or tokenizer changed (logged)")] = False,
     accelerate_config: Annotated[str | None, typer.Option(help="name in accelerate_configs/ or a path")] = None,
     num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
+    trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe."""
     from finetune import resume as resume_plan
-    from finetune.tracking import TRAIN_LOG_FILE, truncate_metrics
 
     flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
-    plan = resume_plan.plan(run_dir, [*(overrides or []), *extra], from_, allow_config_change)
-    resolved = run_dir / RESOLVED_NAME
-    if os.environ.get("RANK", "0") == "0":
-        step = plan.checkpoint.step or 0
-        dropped = truncate_metrics(run_dir, step)
-        notes = [f"resume from {plan.checkpoint.path.name} (step {step}); dropped {dropped} metrics rows logged "
-                 "after it", *(f"resume: changed {c} (allowed)" for c in plan.changes),
-                 *(f"resume: layout {c}" for c in plan.layout_changes)]
-        with (run_dir / TRAIN_LOG_FILE).open("a", encoding="utf-8") as log:
-            log.writelines(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n" for note in notes)
-        write_resolved(plan.cfg, run_dir)
-    _start(plan.cfg, resolved, plan.checkpoint.path, allow_config_change)
+    lock = None
+    if _is_rank0():
+        lock, run_id = rundir.open_existing(run_dir, f"finetune resume {run_dir}")
+    else:
+        run_id = rundir.run_id(run_dir)
+    try:
+        plan = resume_plan.plan(run_dir, run_id, [*(overrides or []), *extra], from_, allow_config_change,
+                                trust_remote_code)
+        for note in plan.skipped:
+            typer.echo(f"warning: {note}", err=True)
+        if _is_rank0():
+            notes = [*plan.skipped, f"resume from {plan.checkpoint.path.name} (step {plan.checkpoint.step})",
+                     *(f"resume: changed {c} (allowed)" for c in plan.changes),
+                     *(f"resume: layout {c}" for c in plan.layout_changes)]
+            with (run_dir / rundir.TRAIN_LOG).open("a", encoding="utf-8") as log:
+                log.writelines(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n" for note in notes)
+            rundir.write_resolved(plan.cfg, run_dir, rundir.RESUMING)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change)
 
 
 @app.command("ls")
@@ -175,23 +195,27 @@ def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<n
     """List a run's checkpoints: step, samples seen, resumable (and why not), size, time."""
     from finetune import checkpoint
 
-    root = run_dir / checkpoint.CHECKPOINTS
-    if not (run_dir / RESOLVED_NAME).is_file():
-        raise RunDirError(f"{run_dir}: not a run directory (no {RESOLVED_NAME})")
-    paths = sorted(root.glob("step-*")) if root.is_dir() else []
-    if not paths:
-        typer.echo(f"{run_dir}: no checkpoints")
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: not a run directory (no such folder)")
+    if not (run_dir / rundir.RESOLVED).is_file():
+        raise RunDirError(f"{run_dir}: not a run directory (no {rundir.RESOLVED})")
+    complete, stale = rundir.checkpoint_dirs(run_dir), rundir.stale_checkpoint_dirs(run_dir)
+    root = run_dir / rundir.CHECKPOINTS
+    others = sorted(set(root.iterdir()) - set(complete) - set(stale)) if root.is_dir() else []
+    if not complete and not stale:
+        typer.echo(f"{run_dir}: no checkpoints" + (f" ({len(others)} other entries in {root})" if others else ""))
         return
     typer.echo(f"{'checkpoint':<18} {'step':>8} {'samples':>10}  {'resumable':<40} {'size':>9}  created")
-    for path in paths:
-        if path.name.endswith(".tmp"):
-            typer.echo(f"{path.name:<18} {'-':>8} {'-':>10}  {'no (incomplete write, ignored)':<40}")
-            continue
+    for path in stale:
+        typer.echo(f"{path.name:<18} {'-':>8} {'-':>10}  {'no (incomplete write, ignored)':<40}")
+    for path in complete:
         info = checkpoint.inspect(path)
         status = "yes" if info.resumable else f"no ({info.reason})"
         typer.echo(f"{path.name:<18} {info.step if info.step is not None else '-':>8} "
                    f"{info.samples_seen if info.samples_seen is not None else '-':>10}  {status:<40} "
                    f"{info.size_bytes / 2**20:>7.1f}MB  {info.created or '-'}")
+    for path in others:
+        typer.echo(f"{path.name:<18} not a checkpoint (ignored)")
 
 
 @app.command("eval")
@@ -199,11 +223,12 @@ def eval_(
     target: Annotated[Path, typer.Argument(help="a run dir, a checkpoint dir, or an exported model dir")],
     as_json: Annotated[bool, typer.Option("--json", help="print the metrics as one JSON object")] = False,
     overrides: Overrides = None,
+    trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Evaluate a run's final model, a checkpoint, or an exported model on the recipe's eval set."""
     from finetune.evaluation import evaluate_target
 
-    metrics = evaluate_target(target, overrides or [])
+    metrics = evaluate_target(target, overrides or [], trust_remote_code)
     if as_json:
         typer.echo(json.dumps(metrics, sort_keys=True))
     else:
@@ -215,12 +240,13 @@ def eval_(
 def merge(
     target: Annotated[Path, typer.Argument(help="a LoRA run dir, its final/ adapter, or an adapter checkpoint")],
     output: Annotated[Path, typer.Option("-o", "--output", help="where the merged model is written")],
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing output dir")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace what a previous merge wrote there")] = False,
+    trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Merge a LoRA adapter into its base model (safetensors), verifying the logits before keeping it."""
     from finetune.merge import merge as merge_adapter
 
-    merge_adapter(target, output, overwrite, log=typer.echo)
+    merge_adapter(target, output, overwrite, trust_remote_code=trust_remote_code, log=typer.echo)
 
 
 def _render_provenance(data: Any, provenance: dict[str, str], prefix: str = "", indent: int = 0) -> list[str]:
@@ -288,21 +314,23 @@ def recipes() -> None:
         typer.echo(f"{path.relative_to(root)!s:<36} {_describe(path)}")
 
 
-def main() -> None:
-    """Console entry point: FinetuneError -> one line per problem on stderr, exit code 2."""
-    from finetune.signals import Interrupted
+def _app() -> None:
+    """The Typer app, with usage mistakes (an unknown flag or command, a missing argument, a value of the wrong type)
+    as one FinetuneError line instead of Click's usage box."""
+    from typer.exceptions import TyperException
 
     try:
-        app()
-    except Interrupted as exc:
-        _echo_err(str(exc))
-        sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        _echo_err("aborted (second interrupt): no checkpoint written for the current step")
-        sys.exit(130)
-    except FinetuneError as exc:
-        if os.environ.get("FINETUNE_DEBUG"):
-            raise
-        for line in str(exc).splitlines():
-            _echo_err(f"error: {line}")
-        sys.exit(exc.exit_code)
+        result = app(standalone_mode=False, prog_name="finetune")
+    except TyperException as exc:
+        context = getattr(exc, "ctx", None)
+        command = getattr(context, "command_path", None) or "finetune"
+        message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+        if not message.strip():  # `finetune` alone: the help was printed
+            sys.exit(getattr(exc, "exit_code", 2))
+        raise FinetuneError(f"{command}: {message.strip()} (see `{command} --help`)") from None
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+def main() -> None:
+    """Console entry point: every failure is one line per problem on stderr and its exit code (finetune.errors)."""
+    run_main(_app)

@@ -1,11 +1,22 @@
-"""User-facing errors.
+"""User-facing errors, and the one place that turns an exception into a message and an exit code.
 
-Everything a user can get wrong raises a :class:`FinetuneError`. The CLI prints its message (one line per
-problem, naming the key, file or flag and the fix) and exits with code 2; tracebacks are shown only with
-``FINETUNE_DEBUG=1``. ``assert`` is reserved for our own invariants.
+Everything a user can get wrong raises a :class:`FinetuneError`: one line per problem, naming the key, file, row or
+flag and the fix. :func:`run_main` (used by the ``finetune`` CLI and by the worker on every rank) prints those lines
+as ``error: ...`` and exits with the error's code; tracebacks are shown only with ``FINETUNE_DEBUG=1``. ``assert``
+is reserved for our own invariants.
+
+Exit codes: 0 done; 1 an internal error or a failed verification (e.g. ``finetune merge``'s logit check);
+2 a user mistake (recipe, data, run dir, flags, I/O such as a full disk); 3 training diverged (non-finite loss or
+gradients); 130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint.
 """
 
 from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
 
 
 class FinetuneError(Exception):
@@ -23,4 +34,68 @@ class DataError(FinetuneError):
 
 
 class RunDirError(FinetuneError):
-    """A run or checkpoint directory is missing, incomplete, or would be overwritten."""
+    """A run or checkpoint directory is missing, incomplete, in use, or would be overwritten."""
+
+
+class NonFiniteError(FinetuneError):
+    """Training diverged: the loss or the gradients stayed non-finite; nothing was exported."""
+
+    exit_code = 3
+
+
+class Interrupted(Exception):
+    """Training stopped on a signal after saving a checkpoint; ``exit_code`` is 128 + signal."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+# OSErrors that mean "this file or folder cannot be read or written here": the user can fix them (free space,
+# permissions, another path), so they are one line with exit code 2 like any other user mistake.
+_IO_ERRNOS = {errno.ENOSPC: "no space left on the device; free some space", errno.EDQUOT: "disk quota exceeded",
+              errno.EACCES: "permission denied", errno.EPERM: "operation not permitted",
+              errno.EROFS: "read-only file system", errno.ENOENT: "no such file or folder",
+              errno.ENOTDIR: "a part of the path is not a folder", errno.EISDIR: "it is a folder",
+              errno.ENAMETOOLONG: "the name is too long", errno.EEXIST: "it already exists",
+              errno.ENOTEMPTY: "the folder is not empty", errno.ELOOP: "too many symbolic links",
+              errno.EMFILE: "too many open files", errno.EIO: "input/output error"}
+
+
+def describe(exc: BaseException) -> tuple[int, list[str]]:
+    """The exit code and the lines to print for an exception that ends a command."""
+    if isinstance(exc, Interrupted):
+        return exc.exit_code, [str(exc)]
+    if isinstance(exc, BrokenPipeError):  # the reader of our output went away (`finetune ls x | head`): say nothing
+        return 141, []
+    if isinstance(exc, KeyboardInterrupt):
+        return 130, ["aborted (second interrupt): no checkpoint written for the current step"]
+    if isinstance(exc, FinetuneError):
+        return exc.exit_code, [f"error: {line}" for line in str(exc).splitlines() or [type(exc).__name__]]
+    if isinstance(exc, OSError) and exc.errno in _IO_ERRNOS:
+        where = exc.filename or "a file"
+        return 2, [f"error: cannot use {where}: {_IO_ERRNOS[exc.errno]}"]
+    if isinstance(exc, MemoryError):
+        return 1, ["error: out of memory; lower train.micro_batch_size or data.max_seq_len"]
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return 1, [f"error: internal error: {type(exc).__name__}: {first} (FINETUNE_DEBUG=1 shows the traceback; "
+               "please report it)"]
+
+
+def run_main(fn: Callable[[], Any]) -> None:
+    """Run a command; every way it can fail ends here as one message per problem and its exit code."""
+    try:
+        fn()
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        if os.environ.get("FINETUNE_DEBUG") and not isinstance(exc, Interrupted):
+            raise
+        code, lines = describe(exc)
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (the interpreter flushes stdout again at exit)
+        for line in lines:
+            print(line, file=sys.stderr)
+        sys.exit(code)

@@ -1,6 +1,9 @@
 """``finetune eval``: run :func:`finetune.loop.evaluate` alone on a run, a checkpoint or an exported model.
 
-The target's recipe says which eval set, metrics and batch size to use (overrides may change them):
+Before anything is loaded the target is verified against its manifest (sha256 of every file); loading is data only
+(safetensors, no pickles), and the model folder's own code runs only with ``--trust-remote-code`` on this command
+line, never because the run's recipe says so. The target's recipe says which eval set, metrics and batch size to
+use (overrides may change them):
 - a run dir (``runs/x``): its ``final/`` export;
 - a checkpoint dir (``runs/x/checkpoints/step-000100``): the recipe's model with the checkpoint's weights (or adapter);
 - an exported dir: a full model (``final/`` or ``finetune merge`` output), or a PEFT adapter on the recipe's base.
@@ -8,13 +11,15 @@ The target's recipe says which eval set, metrics and batch size to use (override
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.config import RESOLVED_NAME, RecipeConfig, compose, validate
-from finetune.errors import RunDirError
+from finetune import rundir
+from finetune.config import RecipeConfig, compose, validate
+from finetune.errors import ConfigError, RunDirError
+
+REMOTE_CODE_KEY = "model.trust_remote_code"
 
 
 @dataclass
@@ -25,24 +30,42 @@ class Target:
     full_model: Path | None = None  # config.json + weights
     adapter: Path | None = None  # adapter_config.json + adapter weights
     checkpoint: Path | None = None
+    step: int | None = None  # the checkpoint's step, from its verified manifest
 
 
 def locate(target: Path) -> Target:
     """Classify ``target`` (a run, a checkpoint, a full export or an adapter export)."""
     if not target.is_dir():
         raise RunDirError(f"{target}: not a directory (give a run dir, a checkpoint dir or an exported model dir)")
-    if (target / "final").is_dir() and (target / RESOLVED_NAME).is_file():
-        target = target / "final"
-    if (target / RESOLVED_NAME).is_file():
+    if (target / rundir.FINAL).is_dir() and (target / rundir.RESOLVED).is_file():
+        target = target / rundir.FINAL
+    if (target / rundir.RESOLVED).is_file():
+        recipe = target / rundir.RESOLVED
+        if (target / rundir.TRAIN_STATE).is_file():
+            return Target(recipe, checkpoint=target)
         if (target / "config.json").is_file():
-            return Target(target / RESOLVED_NAME, full_model=target)
+            return Target(recipe, full_model=target)
         if (target / "adapter_config.json").is_file():
-            return Target(target / RESOLVED_NAME, adapter=target)
-        if (target / "manifest.json").is_file():
-            return Target(target / RESOLVED_NAME, checkpoint=target)
+            return Target(recipe, adapter=target)
         raise RunDirError(f"{target}: the run has no final/ model yet; evaluate a checkpoint "
                           f"({target}/checkpoints/step-...) or finish it with `finetune resume {target}`")
-    raise RunDirError(f"{target}: no {RESOLVED_NAME} here; expected a run dir, a checkpoint dir or an exported model")
+    raise RunDirError(f"{target}: no {rundir.RESOLVED} here; expected a run dir, a checkpoint dir or an exported "
+                      "model")
+
+
+def open_target(target: Path, overrides: list[str], trust_remote_code: bool) -> tuple[Target, RecipeConfig]:
+    """Locate and verify ``target`` and compose its recipe, with ``trust_remote_code`` from the command line only.
+    Verification comes first: nothing of the target is read beyond its manifest until its hashes match."""
+    from finetune.checkpoint import verify
+
+    where = locate(target)
+    manifest = verify(where.recipe.parent, None)
+    if where.checkpoint is not None:
+        where.step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
+    if any(item.split("=", 1)[0].strip() == REMOTE_CODE_KEY for item in overrides):
+        raise ConfigError(f"{REMOTE_CODE_KEY} cannot be overridden here; pass --trust-remote-code")
+    remote = f"{REMOTE_CODE_KEY}={str(trust_remote_code).lower()}"
+    return where, validate(compose(where.recipe, [*overrides, remote]))
 
 
 def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quantized: bool = True) -> Any:
@@ -50,7 +73,7 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
     False (merge: the full-precision base)."""
     from finetune import peft as lora
     from finetune import registry
-    from finetune.modeling import build_base, build_model
+    from finetune.modeling import build_base, build_model, loading
 
     row = registry.get_model(cfg.model.type)
     if where.full_model is not None:
@@ -60,16 +83,18 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
     if where.adapter is not None:
         from peft import PeftModel
 
-        return PeftModel.from_pretrained(base, str(where.adapter))
+        with loading("adapter", str(where.adapter), key="eval"):
+            return PeftModel.from_pretrained(base, str(where.adapter))
     assert where.checkpoint is not None
     weights = where.checkpoint / "model.safetensors"
     if not weights.is_file():
-        manifest = json.loads((where.checkpoint / "manifest.json").read_text())
+        manifest = rundir.read_manifest(where.checkpoint)
         raise RunDirError(f"{where.checkpoint}: written by {manifest.get('backend')} as sharded state; evaluate the "
                           "run's final/ export (or resume the run to produce one)")
     from safetensors.torch import load_file
 
-    state = load_file(str(weights))
+    with loading("checkpoint weights", str(weights), key="eval"):
+        state = load_file(str(weights))
     if lora.enabled(cfg.peft):
         from peft import set_peft_model_state_dict
 
@@ -84,10 +109,12 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
     return base
 
 
-def evaluate_target(target: Path, overrides: list[str]) -> dict[str, Any]:
+def evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool = False) -> dict[str, Any]:
     """Metrics of ``target`` on its recipe's eval set (one process)."""
-    where = locate(target)
-    cfg = validate(compose(where.recipe, overrides))
+    from finetune.checkpoint import forbid_unpickling
+
+    forbid_unpickling()
+    where, cfg = open_target(target, overrides, trust_remote_code)
     if not cfg.data.eval:
         raise RunDirError(f"{where.recipe}: data.eval is not set; pass data.eval=path/to/eval.jsonl")
 
@@ -108,8 +135,7 @@ def evaluate_target(target: Path, overrides: list[str]) -> dict[str, Any]:
     model = accelerator.prepare(load_model(cfg, where, data.labels))
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
     state = TrainState()
-    if where.checkpoint is not None and (where.checkpoint / "train_state.json").is_file():
-        state.load_state_dict(json.loads((where.checkpoint / "train_state.json").read_text()))
+    state.step = where.step or 0
     trainer = loop.Trainer(cfg, accelerator, model, None, None, Precision(cfg.train.mixed_precision,
                            accelerator.device.type), task, tokenizer, NullTracker(), state, Path(cfg.output_dir or "."),
                            state.step)

@@ -15,6 +15,31 @@ from finetune.config.validate import accelerate_config_path
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
 
 
+def isolate_sys_path() -> None:
+    """``python -m finetune`` (and ``-m finetune.worker`` under accelerate launch) put the current folder first on
+    ``sys.path``; the ``finetune`` console script does not. Drop it, so that a module named by a recipe
+    (``model.plugin``) is imported only from what is installed or on PYTHONPATH, never from whatever folder, such as
+    a run directory, the command happens to run in."""
+    here = os.getcwd()
+    if sys.path and sys.path[0] in ("", here):
+        del sys.path[0]
+
+
+def die_with_launcher() -> None:
+    """A rank started by ``accelerate launch`` dies with it (Linux ``PR_SET_PDEATHSIG``). The launcher holds the
+    run's lock; ranks that outlived a SIGKILLed launcher would go on writing an unlocked run dir."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: nothing to arm
+        return
+    if os.getppid() == 1:  # the launcher died before the signal was armed
+        os._exit(1)
+
+
 def under_launcher(env: dict[str, str] | None = None) -> bool:
     """True when a launcher (accelerate launch, torchrun, SLURM via torchrun) already started this process."""
     env = dict(os.environ) if env is None else env

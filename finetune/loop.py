@@ -22,6 +22,7 @@ from finetune import checkpoint, hooks
 from finetune.backends import Backend
 from finetune.config import RecipeConfig
 from finetune.data.batching import count_label_tokens
+from finetune.errors import NonFiniteError
 from finetune.precision import Precision
 from finetune.signals import Interrupted, StopRequest
 from finetune.state import TrainState
@@ -50,6 +51,8 @@ class Trainer:
     max_steps: int
     backend: Backend = field(default_factory=lambda: Backend("single"))
     stop: StopRequest = field(default_factory=StopRequest)
+    run_id: str = ""
+    objects: dict[str, Any] = field(default_factory=dict)  # checkpointed state besides model/optimizer/TrainState
 
 
 @dataclass
@@ -60,6 +63,7 @@ class StepStats:
     tokens: int
     skipped: bool
     stop: bool = False
+    nonfinite: bool = False
 
 
 def _due(step: int, every: int | None) -> bool:
@@ -78,18 +82,23 @@ def train(t: Trainer) -> TrainState:
         t.tracker.log_eval(evaluate(t))
     started = time.perf_counter() - state.elapsed_s
     t.model.train()
+    nonfinite_streak = 0
     while state.step < t.max_steps:
         stats = train_step(t, [next(batches) for _ in range(cfg.grad_accum)])
         state.advance(micro_steps=cfg.grad_accum, samples=cfg.train.global_batch_size, tokens=stats.tokens)
         state.elapsed_s = time.perf_counter() - started
+        nonfinite_streak = nonfinite_streak + 1 if stats.nonfinite else 0
         last = state.step == t.max_steps
-        if _due(state.step, cfg.logging.every_steps) or last:
+        if _due(state.step, cfg.logging.every_steps) or last or stats.nonfinite:
             t.tracker.log_train(_train_row(t, stats))
+        if stats.nonfinite:
+            _nonfinite(t, stats, nonfinite_streak)  # raises NonFiniteError after max_nonfinite_steps in a row
         if cfg.data.eval and (_due(state.step, cfg.eval.every_steps) or last):
             t.tracker.log_eval(evaluate(t))
         saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
         if saved or stats.stop:
-            path = checkpoint.save(t.accelerator, cfg, state, t.tokenizer, t.run_dir, t.backend.name)
+            path = checkpoint.save(t.accelerator, cfg, state, t.objects, t.tokenizer, t.run_dir, t.backend.name,
+                                   t.run_id)
             t.tracker.info(f"saved checkpoint {path.name}")
         hooks.fire("after_step", trainer=t)
         if stats.stop and not last:
@@ -99,7 +108,8 @@ def train(t: Trainer) -> TrainState:
 
 
 def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
-    """One optimizer step over this rank's micro-batches of the accumulation window."""
+    """One optimizer step over this rank's micro-batches of the accumulation window; skipped (no update) when the
+    window's loss or gradient norm is not finite."""
     acc, device = t.accelerator, t.accelerator.device
     local_tokens = torch.tensor(float(sum(count_label_tokens(b) for b in window)), device=device)  # counted on host
     window = [_to_device(b, device) for b in window]
@@ -118,17 +128,33 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     assert acc.sync_gradients, "a window is exactly gradient_accumulation_steps micro-steps"
     t.precision.scaler.unscale_(t.optimizer)
     max_norm = t.cfg.train.max_grad_norm or math.inf
-    grad_norm = acc.clip_grad_norm_(t.model.parameters(), max_norm)
-    stepped = t.precision.step(t.optimizer)
-    lr = t.scheduler.get_last_lr()[0]  # the lr this step used
-    t.scheduler.step()
-    t.optimizer.zero_grad(set_to_none=True)
+    grad_norm = float(acc.clip_grad_norm_(t.model.parameters(), max_norm))  # sync
     # sync: the window's loss over all ranks, and whether any rank was asked to stop (all stop after this step)
     flag = torch.tensor(float(t.stop.requested), device=device, dtype=torch.float64)
     summed = acc.reduce(torch.stack([loss_sum_local, flag]), reduction="sum")
-    loss = summed[0] / total_tokens.clamp(min=1.0).double()
-    return StepStats(loss=float(loss), lr=lr, grad_norm=float(grad_norm), tokens=int(total_tokens),
-                     skipped=not stepped, stop=bool(summed[1] > 0))
+    loss = float(summed[0] / total_tokens.clamp(min=1.0).double())
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the same on every rank: both are all-reduced
+    stepped = t.precision.step(t.optimizer, apply=finite)  # (DeepSpeed's engine skips such a step itself)
+    lr = t.scheduler.get_last_lr()[0]  # the lr this step used
+    t.scheduler.step()
+    t.optimizer.zero_grad(set_to_none=True)
+    # an fp16 overflow that the dynamic loss scale explains is the scaler's business, not a divergence
+    nonfinite = not finite and not (math.isfinite(loss) and t.precision.absorbs_overflow())
+    return StepStats(loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(total_tokens), skipped=not stepped,
+                     stop=bool(summed[1] > 0), nonfinite=nonfinite)
+
+
+def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
+    """Log a skipped non-finite step; stop the run (NonFiniteError, nothing exported) after too many in a row."""
+    limit, step = t.cfg.train.max_nonfinite_steps, t.state.step
+    t.tracker.info(f"step {step}: loss {stats.loss} / grad_norm {stats.grad_norm} is not finite: update skipped "
+                   f"({streak} in a row; the run stops at train.max_nonfinite_steps={limit})")
+    if streak >= limit:
+        raise NonFiniteError(
+            f"training diverged: {streak} steps in a row up to step {step} had a non-finite loss or gradient norm "
+            f"(loss {stats.loss}, grad_norm {stats.grad_norm}); nothing was exported. Try a lower optim.lr (now "
+            f"{t.cfg.optim.lr:g}), train.mixed_precision=bf16, or gradient clipping (train.max_grad_norm); a "
+            f"checkpoint continues with `finetune resume {t.run_dir} optim.lr=... --allow-config-change`")
 
 
 def _train_row(t: Trainer, stats: StepStats) -> dict[str, Any]:
@@ -138,7 +164,10 @@ def _train_row(t: Trainer, stats: StepStats) -> dict[str, Any]:
     }
     if t.precision.loss_scale is not None:
         row["loss_scale"] = t.precision.loss_scale
+    if t.precision.loss_scale is not None or stats.skipped:
         row["skipped"] = stats.skipped
+    if stats.nonfinite:
+        row["nonfinite"] = True
     return row
 
 

@@ -4,19 +4,23 @@ The check compares logits on fixed inputs, three ways:
 1. base + adapter (as loaded now) vs the reference the training run recorded in ``final/merge_check.safetensors``
    (catches a tampered or mismatched adapter, or a different base);
 2. the merged model, saved and loaded back from disk, vs base + adapter (catches a bad merge or save).
-The merged model is written to ``<out>.tmp`` and renamed only when every check passes, so a failed merge leaves
-nothing behind. A QLoRA adapter is merged into the full-precision (dequantized) base, and the output says so.
+The merged model is written to a fresh ``.tmp`` folder beside ``<out>`` and renamed only when every check passes, so
+a failed merge leaves nothing behind. ``-o`` may not overlap the source (the adapter or its run), the source run is
+locked while it is read, and ``--overwrite`` replaces only a model an earlier merge wrote (its manifest lists every
+file). A QLoRA adapter is merged into the full-precision (dequantized) base, and the output says so.
 """
 
 from __future__ import annotations
 
-import shutil
+import contextlib
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from finetune.config import RESOLVED_NAME, compose, to_yaml, validate
+from finetune import rundir
+from finetune.config import to_yaml
 from finetune.errors import FinetuneError, RunDirError
 
 
@@ -34,23 +38,47 @@ def tolerance(dtype: str, quantized: bool = False) -> float:
     return 1e-4 if dtype == "float32" else 5e-2
 
 
-def merge(target: Path, out: Path, overwrite: bool = False, log: Any = print) -> dict[str, Any]:
+def check_output(out: Path, sources: list[Path], overwrite: bool) -> None:
+    """Refuse an ``out`` that overlaps a source or a protected place, or that holds anything but an earlier merge."""
+    target = out.resolve()
+    for source in sources:
+        source = source.resolve()
+        if target == source or source in target.parents or target in source.parents:
+            raise RunDirError(f"-o {out}: overlaps the source {source}; write the merged model somewhere else, "
+                              "e.g. -o runs/<name>-merged")
+    rundir.check_location(out, sources)
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise RunDirError(f"{out} exists; pass --overwrite to replace a model an earlier merge wrote there, or "
+                              "choose another -o")
+        rundir.check_replaceable_export(out)
+
+
+def merge(target: Path, out: Path, overwrite: bool = False, trust_remote_code: bool = False,
+          log: Any = print) -> dict[str, Any]:
     """Merge the adapter of ``target`` (a LoRA run, its final/ or an adapter checkpoint) into its base at ``out``."""
-    from finetune.evaluation import locate
+    from finetune.checkpoint import forbid_unpickling
+    from finetune.evaluation import open_target
 
-    where = locate(target)
-    cfg = validate(compose(where.recipe))
-    if cfg.peft.method == "none" or where.full_model is not None:
-        raise RunDirError(f"{target}: not a LoRA run or adapter (peft.method is {cfg.peft.method}); nothing to merge")
-    if out.exists() and not overwrite:
-        raise RunDirError(f"{out} exists; pass --overwrite to replace it or choose another -o")
+    forbid_unpickling()
+    run_dir = rundir.enclosing_run(target)
+    lock = rundir.RunLock.acquire(run_dir, f"finetune merge {target}") if run_dir else contextlib.nullcontext()
+    with lock:
+        where, cfg = open_target(target, [], trust_remote_code)
+        if cfg.peft.method == "none" or where.full_model is not None:
+            raise RunDirError(f"{target}: not a LoRA run or adapter (peft.method is {cfg.peft.method}); nothing to "
+                              "merge")
+        check_output(out, [p for p in (target, where.recipe.parent, run_dir) if p is not None], overwrite)
+        return _merge(where, cfg, out, log)
 
+
+def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
     import torch
     import transformers
     from safetensors.torch import load_file
 
     from finetune import registry
-    from finetune.checkpoint import MERGE_CHECK
+    from finetune.checkpoint import export_manifest
     from finetune.data import load_splits
     from finetune.evaluation import load_model
     from finetune.modeling import build_tokenizer
@@ -59,38 +87,41 @@ def merge(target: Path, out: Path, overwrite: bool = False, log: Any = print) ->
     tokenizer = build_tokenizer(cfg.model, row, source=str(where.adapter) if where.adapter else None)
     labels = load_splits(cfg.data, tokenizer, need_train=False).labels if row.task == "classification" else None
     model = load_model(cfg, where, labels).eval()
-    check_file = (where.adapter or where.checkpoint or target) / MERGE_CHECK
+    check_file = where.recipe.parent / rundir.MERGE_CHECK
     reference = load_file(str(check_file)) if check_file.is_file() else None
     probe = _probe(reference, tokenizer)
     tol = tolerance(cfg.model.dtype, quantized=cfg.peft.method == "qlora")
-    with torch.no_grad():
-        live = model(**probe).logits.float()
-        report: dict[str, Any] = {"tolerance": tol, "probe_tokens": int(probe["attention_mask"].sum())}
-        if reference is not None:
-            report["adapter_vs_recorded"] = float((live - reference["logits"]).abs().max())
-        if cfg.peft.method == "qlora":  # merge into the full-precision base; report the 4-bit gap, do not gate on it
-            quantized_live = live
-            model = load_model(cfg, where, labels, quantized=False).eval()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=rundir.TMP, dir=out.parent))
+    try:
+        with torch.no_grad():
             live = model(**probe).logits.float()
-            report["quantization_gap"] = float((live - quantized_live).abs().max())
-        merged = model.merge_and_unload()
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        merged.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        plain = yaml.safe_load(to_yaml(cfg))
-        plain["peft"] = {"method": "none"}  # the merged model is a full model: evaluate it as one
-        (tmp / RESOLVED_NAME).write_text(yaml.safe_dump(plain, sort_keys=False))
-        reloaded = getattr(transformers, row.auto_class).from_pretrained(tmp).eval()
-        report["merged_vs_adapter"] = float((reloaded(**probe).logits.float() - live).abs().max())
-    bad = {k: v for k, v in report.items() if k.endswith(("_recorded", "_adapter")) and not v <= tol}
-    if bad:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise MergeCheckError(f"merge check failed: max |delta logit| {bad} > tolerance {tol:g}; nothing written "
-                              "(a tampered or mismatched adapter, or a different base model)")
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+            report: dict[str, Any] = {"tolerance": tol, "probe_tokens": int(probe["attention_mask"].sum())}
+            if reference is not None:
+                report["adapter_vs_recorded"] = float((live - reference["logits"]).abs().max())
+            if cfg.peft.method == "qlora":  # merge into the full-precision base; report the 4-bit gap
+                quantized_live = live
+                model = load_model(cfg, where, labels, quantized=False).eval()
+                live = model(**probe).logits.float()
+                report["quantization_gap"] = float((live - quantized_live).abs().max())
+            merged = model.merge_and_unload()
+            merged.save_pretrained(tmp, safe_serialization=True)
+            tokenizer.save_pretrained(tmp)
+            plain = yaml.safe_load(to_yaml(cfg))
+            plain["peft"] = {"method": "none"}  # the merged model is a full model: evaluate it as one
+            (tmp / rundir.RESOLVED).write_text(yaml.safe_dump(plain, sort_keys=False))
+            reloaded = getattr(transformers, row.auto_class).from_pretrained(tmp).eval()
+            report["merged_vs_adapter"] = float((reloaded(**probe).logits.float() - live).abs().max())
+        bad = {k: v for k, v in report.items() if k.endswith(("_recorded", "_adapter")) and not v <= tol}
+        if bad:
+            raise MergeCheckError(f"merge check failed: max |delta logit| {bad} > tolerance {tol:g}; nothing written "
+                                  "(a tampered or mismatched adapter, or a different base model)")
+        rundir.write_manifest(tmp, export_manifest(None, where.step))
+        rundir.publish(tmp, out, Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", suffix=rundir.TMP,
+                                                       dir=out.parent)))
+    finally:
+        if tmp.exists():
+            rundir.remove_scratch(tmp)
     dequantized = (f" (QLoRA: merged into the full-precision base, not the 4-bit training copy; max |delta logit| "
                    f"4-bit vs full precision {report['quantization_gap']:.2e})") if cfg.peft.method == "qlora" else ""
     checks = ", ".join(f"{k} {v:.2e}" for k, v in report.items() if k.endswith(("_recorded", "_adapter")))

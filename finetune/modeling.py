@@ -7,8 +7,10 @@ builds its tiny config and the tokenizer bundled in ``finetune/assets`` (no down
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +18,12 @@ import torch
 import transformers
 
 from finetune.config.schema import ModelConfig
-from finetune.errors import ConfigError
-from finetune.registry import SupportedModel
+from finetune.errors import ConfigError, FinetuneError
+from finetune.registry import SupportedModel, model_type_problem
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")  # learned absolute positions (BERT, GPT-2, OPT)
 
 
 def resolve_model_path(path: str) -> str:
@@ -30,16 +33,35 @@ def resolve_model_path(path: str) -> str:
     module_name, _, sub = path.removeprefix("pkg://").partition("/")
     if importlib.util.find_spec(module_name) is None:
         raise ConfigError(f"model.path: package {module_name!r} is not installed")
-    module = importlib.import_module(module_name)
-    root = Path(module.get_model_path()) if hasattr(module, "get_model_path") and not sub else \
-        Path(module.__file__).parent  # type: ignore[arg-type]
+    with loading("package", module_name):
+        module = importlib.import_module(module_name)
+        root = Path(module.get_model_path()) if hasattr(module, "get_model_path") and not sub else \
+            Path(module.__file__).parent  # type: ignore[arg-type]
     return str(root / sub) if sub else str(root)
+
+
+@contextlib.contextmanager
+def loading(what: str, where: str, key: str = "model.path") -> Iterator[None]:
+    """Turn whatever loading ``what`` from ``where`` raises (missing or broken files, a hub id offline, code that
+    needs trust_remote_code, corrupt weights) into one ConfigError line naming ``key`` and the folder."""
+    try:
+        yield
+    except (FinetuneError, MemoryError):
+        raise
+    except Exception as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:240]
+        hint = ("; pass --trust-remote-code (or set model.trust_remote_code) only if you trust its code"
+                if "trust_remote_code" in str(exc) else "")
+        raise ConfigError(f"{key}: cannot load the {what} from {where} ({type(exc).__name__}: {first}){hint}") \
+            from exc
 
 
 def build_tokenizer(cfg: ModelConfig, row: SupportedModel, source: str | None = None) -> Any:
     """The tokenizer of ``source`` (an exported model), else the model's, else the row's bundled one."""
     where = source or (resolve_model_path(cfg.path) if cfg.path else str(ASSETS / (row.tokenizer or "")))
-    tokenizer = transformers.AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+    with loading("tokenizer", where):
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # decoders without a pad token: padding is masked anyway
     return tokenizer
@@ -49,8 +71,13 @@ def build_config(cfg: ModelConfig, row: SupportedModel, source: str | None = Non
                  labels: list[str] | None = None) -> Any:
     """The HF config: from ``source``/``model.path`` or the row's tiny config, plus ``model.config_overrides``."""
     if source or cfg.path:
-        config = transformers.AutoConfig.from_pretrained(source or resolve_model_path(cfg.path or ""),
-                                                         trust_remote_code=cfg.trust_remote_code)
+        where = source or resolve_model_path(cfg.path or "")
+        with loading("model config", where):
+            config = transformers.AutoConfig.from_pretrained(
+                where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
+        problem = model_type_problem(row, getattr(config, "model_type", None), where)
+        if problem:
+            raise ConfigError(problem)
     else:
         config = getattr(transformers, row.config_class)(**row.tiny_config)
     for key, value in cfg.config_overrides.items():
@@ -76,13 +103,39 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
         if quantization is not None:  # 4-bit weights are placed at load time and cannot be moved afterwards
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
             extra = {"quantization_config": quantization, "device_map": {"": device}}
-        model = auto.from_pretrained(where, config=config, dtype=dtype, trust_remote_code=cfg.trust_remote_code,
-                                     **extra)
+        with loading("model weights", where):
+            model = auto.from_pretrained(where, config=config, dtype=dtype, **extra,
+                                         trust_remote_code=cfg.trust_remote_code)  # safe: as above
     else:
         if quantization is not None:
             raise ConfigError("peft.method=qlora quantizes pretrained weights; set model.path")
-        model = auto.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+        with loading("model", "its config (model.config_overrides)", key="model.config_overrides"):
+            model = auto.from_config(config, dtype=dtype,
+                                     trust_remote_code=cfg.trust_remote_code)  # safe: as above
     return model
+
+
+def check_fits(model: Any, tokenizer: Any, max_seq_len: int) -> None:
+    """Refuse a model that cannot take what the data will feed it, before training fails deep inside a forward pass:
+    token ids beyond its embedding, or sequences longer than its absolute position embeddings."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ConfigError(f"model: the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} "
+                          "rows; use the model's own tokenizer, or raise model.config_overrides.vocab_size")
+    config = model.config
+    heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
+    hidden, head_dim = getattr(config, "hidden_size", None), getattr(config, "head_dim", None)
+    if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:
+        raise ConfigError(f"model.config_overrides: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv_heads}")
+    if isinstance(heads, int) and isinstance(hidden, int) and head_dim in (None, hidden // heads) and hidden % heads:
+        raise ConfigError(f"model.config_overrides: hidden_size={hidden} is not a multiple of "
+                          f"num_attention_heads={heads}")
+    absolute = min((m.num_embeddings for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+                    and name.rsplit(".", 1)[-1] in POSITION_TABLES), default=None)
+    if absolute is not None and max_seq_len > absolute:
+        raise ConfigError(f"data.max_seq_len={max_seq_len} is longer than the {absolute} positions this model can "
+                          f"embed; set data.max_seq_len to at most {absolute}")
 
 
 def build_base(cfg: ModelConfig, row: SupportedModel, seed: int, labels: list[str] | None = None,

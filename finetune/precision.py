@@ -58,12 +58,20 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype)
 
-    def step(self, optimizer: Any) -> bool:
-        """Optimizer step through the scaler; False when fp16 overflowed and the step was skipped."""
+    def step(self, optimizer: Any, apply: bool = True) -> bool:
+        """Optimizer step through the scaler (none when ``apply`` is False: the gradients are not finite); False
+        when no update was made (not applied, or fp16 overflowed and the scaler skipped it)."""
         before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        return not self.scaler.get_scale() < before
+        if apply:
+            self.scaler.step(optimizer)
+        self.scaler.update()  # also after a skip: an fp16 overflow halves the scale
+        return apply and not self.scaler.get_scale() < before
+
+    def absorbs_overflow(self) -> bool:
+        """Whether fp16's dynamic loss scale explains a non-finite gradient: the scaler (ours, or DeepSpeed's when
+        the engine owns precision) skips the step and lowers the scale. Once our scale is below 1 the gradients
+        overflow without any scaling, which is a divergence."""
+        return self.mode == "fp16" and (self.loss_scale is None or self.loss_scale >= 1.0)
 
     @property
     def loss_scale(self) -> float | None:

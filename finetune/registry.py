@@ -45,6 +45,7 @@ class SupportedModel:
     capabilities: frozenset[str]
     tiny_config: Mapping[str, Any]
     head_modules: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()  # the HF config ``model_type`` values this row can load (empty: any)
     debug_build: bool = False
     tokenizer: str | None = None
     description: str = ""
@@ -70,17 +71,17 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "llama": SupportedModel(
         name="llama", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
         decoder_layer="LlamaDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
-        tiny_config=_TINY_DECODER, description="Llama 2/3 and compatible decoders",
+        tiny_config=_TINY_DECODER, model_types=("llama",), description="Llama 2/3 and compatible decoders",
     ),
     "qwen2": SupportedModel(
         name="qwen2", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="Qwen2Config",
         decoder_layer="Qwen2DecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
-        tiny_config=_TINY_DECODER, description="Qwen2 / Qwen2.5 decoders",
+        tiny_config=_TINY_DECODER, model_types=("qwen2",), description="Qwen2 / Qwen2.5 decoders",
     ),
     "mistral": SupportedModel(
         name="mistral", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="MistralConfig",
         decoder_layer="MistralDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
-        tiny_config=_TINY_DECODER, description="Mistral decoders",
+        tiny_config=_TINY_DECODER, model_types=("mistral",), description="Mistral decoders",
     ),
     "gpt2": SupportedModel(
         name="gpt2", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="GPT2Config",
@@ -93,7 +94,7 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         # GPT-2 uses absolute position embeddings and ignores position_ids resets: no packing.
         capabilities=frozenset({"gradient_checkpointing", "generation"}),
         tiny_config={"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 512},
-        description="GPT-2 family",
+        model_types=("gpt2",), description="GPT-2 family",
     ),
     "bert": SupportedModel(
         name="bert", task="classification", auto_class="AutoModelForSequenceClassification",
@@ -106,13 +107,13 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         capabilities=frozenset({"gradient_checkpointing"}),
         tiny_config={"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                      "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 512},
-        head_modules=("classifier",),
+        head_modules=("classifier",), model_types=("bert",),
         description="BERT encoders for sequence classification (e.g. all-MiniLM-L6-v2)",
     ),
     "tiny-llama": SupportedModel(
         name="tiny-llama", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
         decoder_layer="LlamaDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
-        tiny_config=_TINY_DECODER, debug_build=True, tokenizer="tiny-llama-tokenizer",
+        tiny_config=_TINY_DECODER, model_types=("llama",), debug_build=True, tokenizer="tiny-llama-tokenizer",
         description="debug: 2-layer Llama built from a config + bundled tokenizer (no download)",
     ),
 }
@@ -120,7 +121,11 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
 
 def register(row: SupportedModel) -> None:
     """Add (or replace) a row; called by user plugin modules named in ``model.plugin``."""
-    unknown = row.capabilities - CAPABILITIES
+    if not isinstance(row, SupportedModel) or not isinstance(row.name, str) or not row.name:
+        raise ConfigError(f"model.plugin: register() takes a SupportedModel with a name, got {row!r:.80}")
+    if row.task not in TASK_METRICS:
+        raise ConfigError(f"SupportedModel {row.name!r}: unknown task {row.task!r}; known: {sorted(TASK_METRICS)}")
+    unknown = frozenset(row.capabilities) - CAPABILITIES
     if unknown:
         raise ConfigError(f"SupportedModel {row.name!r}: unknown capabilities {sorted(unknown)}; "
                           f"known: {sorted(CAPABILITIES)}")
@@ -128,12 +133,28 @@ def register(row: SupportedModel) -> None:
 
 
 def load_plugin(module: str) -> None:
-    """Import a user module that calls :func:`register` (``model.plugin``)."""
+    """Import a user module that calls :func:`register` (``model.plugin``); whatever it raises is one line."""
     try:
         importlib.import_module(module)
+    except ConfigError:
+        raise
     except ImportError as exc:
         raise ConfigError(f"model.plugin: cannot import {module!r} ({exc}); "
-                          "install it or put it on PYTHONPATH") from exc
+                          "install it or put it on PYTHONPATH") from None
+    except Exception as exc:  # the plugin's own code failed: name it, not our stack
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"model.plugin: importing {module!r} failed ({type(exc).__name__}: {first}); fix the "
+                          "plugin module") from None
+
+
+def model_type_problem(row: SupportedModel, model_type: object, where: str) -> str | None:
+    """A one-line error when the weights at ``where`` (config ``model_type``) are not what ``row`` builds."""
+    if not row.model_types or model_type in row.model_types:
+        return None
+    fits = sorted(r.name for r in SUPPORTED_MODELS.values() if model_type in r.model_types and not r.debug_build)
+    hint = f"set model.type to {' or '.join(fits)}" if fits else "add a row for it with model.plugin"
+    return (f"model.type: {row.name} expects a {'/'.join(row.model_types)} model, but {where} holds a "
+            f"{model_type!r} model; {hint}")
 
 
 def get_model(name: str) -> SupportedModel:

@@ -1,11 +1,13 @@
 """Planning a resume in the front process (no torch): which checkpoint, and what changed since it was written.
 
-A resume continues the same run, so any difference between the checkpoint's recipe and the present one, or
-between the data files then and now, is refused (listing every difference) unless the user passes
-``--allow-config-change``; then the differences are written to train.log. Keys that change how the work is laid
-out but not the math (process count, accelerate config, micro-batch size, progress bar) are always allowed: the
-data cursor and the token-weighted loss do not depend on them. The tokenizer is compared in the worker, which
-loads it anyway.
+The checkpoint must belong to this run (its manifest's run id) and pass verification (the sha256 of every file)
+before anything is loaded or any log is touched. A resume continues the same run, so any difference between the
+checkpoint's recipe and the present one, or between the data files then and now, is refused (listing every
+difference) unless the user passes ``--allow-config-change``; then the differences are written to train.log. Keys
+that change how the work is laid out but not the math (process count, accelerate config, micro-batch size, progress
+bar) are always allowed: the data cursor and the token-weighted loss do not depend on them. ``trust_remote_code``
+comes only from this command line (``--trust-remote-code``), never from the run's files. The tokenizer is compared
+in the worker, which loads it anyway.
 """
 
 from __future__ import annotations
@@ -14,15 +16,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from finetune import checkpoint
-from finetune.config import RESOLVED_NAME, RecipeConfig, compose, validate
+from finetune import checkpoint, rundir
+from finetune.config import RecipeConfig, compose, validate
 from finetune.config.compose import flatten
-from finetune.errors import FinetuneError, RunDirError
+from finetune.errors import ConfigError, FinetuneError, RunDirError
 
 LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "train.micro_batch_size", "logging.progress",
-               "output_dir")
+               "output_dir", "model.trust_remote_code")
+REMOTE_CODE_KEY = "model.trust_remote_code"
 
 
 @dataclass
@@ -33,6 +34,7 @@ class ResumePlan:
     checkpoint: checkpoint.CheckpointInfo
     changes: list[str] = field(default_factory=list)
     layout_changes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # newer checkpoints that are not resumable, and why
 
 
 def recipe_changes(before: dict[str, Any], after: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -58,20 +60,28 @@ def data_changes(cfg: RecipeConfig, manifest: dict[str, Any]) -> list[str]:
     return lines
 
 
-def plan(run_dir: Path, overrides: list[str], from_name: str | None, allow_change: bool) -> ResumePlan:
-    """Pick the checkpoint and compose the recipe to continue with; refuse changes unless allowed."""
-    if not (run_dir / RESOLVED_NAME).is_file():
-        raise RunDirError(f"{run_dir}: not a run directory (no {RESOLVED_NAME}); start one with `finetune run`")
+def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None, allow_change: bool,
+         trust_remote_code: bool = False) -> ResumePlan:
+    """Pick and verify the checkpoint, and compose the recipe to continue with; refuse changes unless allowed."""
+    if any(item.split("=", 1)[0].strip() == REMOTE_CODE_KEY for item in overrides):
+        raise ConfigError(f"{REMOTE_CODE_KEY} cannot be overridden here; pass --trust-remote-code")
     info = checkpoint.find(run_dir, from_name)
-    stored = info.path / RESOLVED_NAME
-    cfg = validate(compose(stored, [*overrides, f"output_dir={run_dir.resolve()}"]))
+    complete = rundir.checkpoint_dirs(run_dir)
+    newer = complete[complete.index(info.path) + 1:] if from_name is None and info.path in complete else []
+    skipped = [f"{p.name} is not resumable ({checkpoint.inspect(p).reason}); resuming from {info.path.name}"
+               for p in newer]
+    checkpoint.verify(info.path, run_id)
+    stored = info.path / rundir.RESOLVED
+    tail = [f"output_dir={run_dir.resolve()}", f"{REMOTE_CODE_KEY}={str(trust_remote_code).lower()}"]
+    cfg = validate(compose(stored, [*overrides, *tail]))
+    composed = compose(stored, tail[:1])
     try:  # the stored recipe under today's schema: keys added since then hold their defaults, not "changes"
-        before = validate(compose(stored, [f"output_dir={run_dir.resolve()}"])).model_dump(mode="json")
+        before = validate(composed).model_dump(mode="json")
     except FinetuneError:
-        before = yaml.safe_load(stored.read_text())
+        before = composed.data
     changes, layout = recipe_changes(before, cfg.model_dump(mode="json"))
     changes += data_changes(cfg, info.manifest or {})
     if changes and not allow_change:
         raise RunDirError("\n".join([f"resume refused: the run changed since {info.path.name}:", *changes,
                                      "pass --allow-config-change to continue anyway (the changes are logged)"]))
-    return ResumePlan(cfg, info, changes, layout)
+    return ResumePlan(cfg, info, changes, layout, skipped)

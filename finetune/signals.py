@@ -13,13 +13,9 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
+from finetune.errors import Interrupted
 
-class Interrupted(Exception):
-    """Training stopped on a signal after saving a checkpoint; ``exit_code`` is 128 + signal."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
+__all__ = ["Interrupted", "StopRequest"]
 
 
 class StopRequest:

@@ -23,15 +23,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from finetune import rundir
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError, RunDirError
 
 Row = Mapping[str, Any]
 """A train or eval row: metric name -> number (``step`` always present)."""
 
-METRICS_FILE = "metrics.jsonl"
-TRAIN_LOG_FILE = "train.log"
-WANDB_RUN_ID_FILE = "wandb_run_id.txt"
 
 # Eval keys printed first, in this order, with these formats; every other eval_* key is a metric.
 _EVAL_HEAD = {"eval_loss": ".4f", "eval_ppl": ".2f"}
@@ -133,7 +131,7 @@ class JsonlTracker:
     """
 
     def __init__(self, run_dir: Path) -> None:
-        self._file = _LineFile(Path(run_dir) / METRICS_FILE)
+        self._file = _LineFile(Path(run_dir) / rundir.METRICS)
 
     def log_train(self, row: dict[str, float | int]) -> None:
         """Append the row with ``kind: train``."""
@@ -160,7 +158,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
     A truncated last line (a run killed mid-write) is skipped; a bad line anywhere else is an error.
     """
-    path = Path(run_dir) / METRICS_FILE
+    path = Path(run_dir) / rundir.METRICS
     if not path.is_file():
         raise RunDirError(f"{path} not found: {run_dir} is not a run directory, or no metrics were logged yet")
     lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
@@ -177,20 +175,33 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
-    """Drop rows logged after ``step`` (by a process that died or stopped after its last checkpoint).
+    """Drop the rows logged after ``step`` (by a process that died or stopped after its last checkpoint).
 
-    A resumed run re-logs those steps, so metrics.jsonl ends up with every step exactly once. Rewritten atomically;
-    returns the number of rows dropped.
+    A resumed run re-logs those steps, so metrics.jsonl ends up with every step exactly once. The file is cut in
+    place at the first row after ``step`` (rows are appended in step order), so a tracker that already holds it
+    open for appending keeps writing to the same file. Called only once the checkpoint has loaded. Returns the
+    number of rows dropped.
     """
-    path = Path(run_dir) / METRICS_FILE
+    path = Path(run_dir) / rundir.METRICS
     if not path.is_file():
         return 0
-    rows = read_metrics(run_dir)
-    kept = [row for row in rows if row.get("step", 0) <= step]
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept), encoding="utf-8")
-    tmp.replace(path)
-    return len(rows) - len(kept)
+    read_metrics(run_dir)  # a corrupted file (not just a torn last line) is an error before anything is cut
+    with path.open("r+b") as handle:
+        offset, cut, dropped = 0, None, 0
+        for line in handle:
+            if cut is None:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    row = None  # a torn last line
+                if row is None or not isinstance(row, dict) or row.get("step", 0) > step:
+                    cut = offset
+            if cut is not None and line.strip():
+                dropped += 1
+            offset += len(line)
+        if cut is not None:
+            handle.truncate(cut)
+    return dropped
 
 
 class Throughput:
@@ -238,7 +249,9 @@ def format_train_line(row: Row, *, max_steps: int | None, tokens_per_s: float | 
         parts.append(f"tok/s {tokens_per_s:.0f}")
     if row.get("loss_scale") is not None:
         parts.append(f"loss_scale {float(row['loss_scale']):.0f}")
-    if row.get("skipped"):
+    if row.get("nonfinite"):
+        parts.append("skipped (non-finite)")
+    elif row.get("skipped"):
         parts.append("skipped (overflow)")
     return " | ".join(parts)
 
@@ -289,7 +302,7 @@ class TrainLogTracker:
 
     def __init__(self, run_dir: Path, max_steps: int | None) -> None:
         self.max_steps = max_steps
-        self._file = _LineFile(Path(run_dir) / TRAIN_LOG_FILE)
+        self._file = _LineFile(Path(run_dir) / rundir.TRAIN_LOG)
         self._throughput = Throughput()
 
     def log_train(self, row: dict[str, float | int]) -> None:
@@ -408,7 +421,7 @@ def wandb_run_id(run_dir: Path) -> str:
 
     Persisting it is what makes a resumed run continue the same wandb run instead of starting a new one.
     """
-    path = Path(run_dir) / WANDB_RUN_ID_FILE
+    path = Path(run_dir) / rundir.WANDB_RUN_ID
     if path.is_file() and (saved := path.read_text(encoding="utf-8").strip()):
         return saved
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
@@ -427,7 +440,7 @@ class WandbTracker:
 
     def __init__(self, cfg: RecipeConfig, run_dir: Path) -> None:
         run_dir = Path(run_dir)
-        wandb_dir = run_dir / "wandb"
+        wandb_dir = run_dir / rundir.WANDB
         wandb_dir.mkdir(parents=True, exist_ok=True)
         # WANDB_DIR is the folder wandb creates its "wandb/" in, so the run dir itself (as dir= below).
         os.environ.update({
@@ -483,7 +496,7 @@ class TensorboardTracker:
         except ImportError as exc:
             raise ConfigError("logging.tensorboard is true but tensorboard is not installed: pip install "
                               "tensorboard, or set logging.tensorboard: false") from exc
-        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / "tensorboard"))
+        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / rundir.TENSORBOARD))
 
     def log_train(self, row: dict[str, float | int]) -> None:
         """Add a ``train/<key>`` scalar per numeric key."""

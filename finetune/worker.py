@@ -7,14 +7,14 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune import rundir
 from finetune.config import RecipeConfig, load_resolved
-from finetune.errors import ConfigError, FinetuneError
+from finetune.errors import ConfigError, RunDirError, run_main
 from finetune.signals import Interrupted
 
 if TYPE_CHECKING:
@@ -31,20 +31,22 @@ def total_steps(cfg: RecipeConfig, train_size: int) -> int:
 
 def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker."""
-    from finetune import loop, registry
+    from finetune import checkpoint, loop, registry
     from finetune import peft as lora
     from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
     from finetune.data import load_splits
-    from finetune.modeling import build_base, build_tokenizer
+    from finetune.modeling import build_base, build_tokenizer, check_fits
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.precision import Precision
     from finetune.state import TrainState
     from finetune.tasks import build_task
     from finetune.tracking import build_tracker
 
+    run_id = rundir.run_id(run_dir)
     row = registry.get_model(cfg.model.type)
     lora.check_hardware(cfg.peft)
     accelerator, backend = make_accelerator(cfg, row)
+    checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
     if accelerator.num_processes != cfg.launch.num_processes:  # grad_accum (and so the global batch) depends on it
         raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
                           f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
@@ -54,12 +56,19 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     assert data.train is not None
     max_steps = total_steps(cfg, len(data.train.dataset))
     tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, max_steps=max_steps)
+    if cfg.scheduler.warmup_steps > max_steps:
+        warning = (f"warning: scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than the run "
+                   f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")
+        tracker.info(warning)
+        if accelerator.is_main_process:
+            print(warning, file=sys.stderr)
     for split in (data.train, data.eval):
         if split is not None and (split.truncated or split.dropped or split.no_answer):
             tracker.info(f"data: {split.truncated} truncated, {split.dropped} dropped (longer than "
                          f"data.max_seq_len={cfg.data.max_seq_len}), {split.no_answer} without answer tokens skipped")
     with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
         model = build_base(cfg.model, row, cfg.train.seed, data.labels, lora.quantization_config(cfg.peft))
+    check_fits(model, tokenizer, cfg.data.max_seq_len)
     if cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -76,10 +85,9 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend.engine_owns_precision)
     state = TrainState(train_size=len(data.train.dataset))
-    # accelerate saves model/optimizer/RNG itself; these are ours (the scheduler is not prepared: accelerate
-    # would step it once per process)
-    accelerator.register_for_checkpointing(scheduler, state, precision.scaler,
-                                           *extra_checkpoint_state(backend, model, optimizer))
+    # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
+    # scheduler is not prepared: accelerate would step it once per process.
+    objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
                       lockstep=backend.shards_parameters)
     tracker.info(f"training {cfg.name}: {max_steps} steps, global batch {cfg.train.global_batch_size} "
@@ -87,7 +95,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
                  f"process(es)), backend {backend.name} ({accelerator.distributed_type}), "
                  f"{len(data.train.dataset)} train samples")
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
-                        run_dir, max_steps, backend)
+                        run_dir, max_steps, backend, run_id=run_id, objects=objects)
 
 
 def probe_batch(trainer: Trainer, rows: int = 4, length: int = 32) -> dict[str, Any]:
@@ -116,14 +124,13 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any] | None:
 
 
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
-    """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer."""
-    import json
+    """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer and the
+    layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes."""
+    from finetune import checkpoint
+    from finetune.tracking import truncate_metrics
 
-    from finetune.checkpoint import MANIFEST, tokenizer_fingerprint
-    from finetune.errors import RunDirError
-
-    manifest = json.loads((ckpt / MANIFEST).read_text())
-    if tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
+    manifest = rundir.read_manifest(ckpt)
+    if checkpoint.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
         if not allow_config_change:
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
                               "pass --allow-config-change to continue anyway")
@@ -135,12 +142,18 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
         raise RunDirError(f"resume refused: {ckpt.name} was written by {world} process(es) under {saved_by}, whose "
                           f"checkpoint holds per-rank shards; resume it with --num-processes {world} and "
                           f"--accelerate-config {saved_by} (only single/ddp checkpoints move between world sizes)")
-    train_size = trainer.state.train_size
-    trainer.accelerator.load_state(str(ckpt))  # model, optimizer, scheduler, TrainState, scaler, RNG of this rank
-    trainer.state.train_size = train_size
+    try:  # model, optimizer, scheduler, TrainState, scaler, RNG of this rank
+        checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # whatever a library raises on bad bytes (DCP's CheckpointException is no Exception)
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise RunDirError(f"{ckpt}: cannot be loaded ({type(exc).__name__}: {detail}); the run dir is unchanged: "
+                          "resume from another checkpoint with --from") from exc
     state = trainer.state
+    dropped = truncate_metrics(trainer.run_dir, state.step) if trainer.accelerator.is_main_process else 0
     trainer.tracker.info(f"resumed from {ckpt.name}: step {state.step}, epoch {state.epoch}, "
-                         f"{state.samples_seen} samples seen")
+                         f"{state.samples_seen} samples seen; dropped {dropped} metrics rows logged after it")
 
 
 def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
@@ -157,12 +170,21 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
     trainer = build_trainer(cfg, Path(cfg.output_dir or "."))
     try:
         if resume_from is not None:
-            resume_state(trainer, Path(resume_from), allow_config_change)
+            main = trainer.accelerator.is_main_process
+            try:
+                resume_state(trainer, Path(resume_from), allow_config_change)
+            except BaseException:
+                if main:
+                    rundir.adopt_resumed(None, trainer.run_dir)
+                raise
+            if main:
+                rundir.adopt_resumed(cfg, trainer.run_dir)
         with trainer.stop.installed():
             loop.train(trainer)
         if cfg.checkpoint.save_final:
             out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg, trainer.run_dir,
-                                          trainer.backend, probe=probe_batch(trainer), rebuild=clean_copy(trainer))
+                                          trainer.backend, trainer.run_id, trainer.state.step,
+                                          probe=probe_batch(trainer), rebuild=clean_copy(trainer))
             trainer.tracker.info(f"exported {out}")
     except Interrupted as exc:
         trainer.tracker.info(str(exc))
@@ -174,19 +196,8 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
 def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
             allow_config_change: bool = False) -> None:
-    """:func:`run_worker` with the CLI's exit codes: a FinetuneError prints one line per problem and exits 2; a stop
-    on a signal exits 130/143 after its checkpoint."""
-    try:
-        run_worker(recipe, resume_from, allow_config_change)
-    except Interrupted as exc:
-        print(str(exc), file=sys.stderr)
-        sys.exit(exc.exit_code)
-    except FinetuneError as exc:
-        if os.environ.get("FINETUNE_DEBUG"):
-            raise
-        for line in str(exc).splitlines():
-            print(f"error: {line}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+    """:func:`run_worker` with the CLI's messages and exit codes (finetune.errors.run_main)."""
+    run_main(lambda: run_worker(recipe, resume_from, allow_config_change))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -202,4 +213,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    from finetune.launch import die_with_launcher, isolate_sys_path
+
+    isolate_sys_path()
+    die_with_launcher()
     main()

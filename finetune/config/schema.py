@@ -7,15 +7,22 @@ no torch: the CLI validates recipes without loading the training stack.
 
 from __future__ import annotations
 
-from typing import Literal
+import math
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# One path component that cannot climb out of runs/ or name a hidden or special folder ("", ".", "..", "a/b").
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class Section(BaseModel):
-    """Base of every recipe section: unknown keys are errors, values are validated on assignment too."""
+    """Base of every recipe section: unknown keys are errors, values are validated on assignment too, and no
+    number may be inf or nan (a non-finite lr or eps trains garbage without failing)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(Section):
@@ -35,6 +42,18 @@ class ModelConfig(Section):
         description="keys set on the HF model config before building (e.g. attention_dropout: 0.1)",
     )
 
+    @field_validator("config_overrides", mode="before")
+    @classmethod
+    def _scalar_overrides(cls, value: object) -> object:
+        """One clear line per bad value (a union type would report one line per member type)."""
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(item, float) and not math.isfinite(item):
+                    raise ValueError(f"{key}: {item} is not a finite number")
+                if not isinstance(item, int | float | str | bool | None):
+                    raise ValueError(f"{key}: must be a number, text, true/false or null, got {type(item).__name__}")
+        return value
+
 
 class DataConfig(Section):
     """Training and evaluation data."""
@@ -50,14 +69,15 @@ class DataConfig(Section):
     packing: bool = False
     train_on_prompt: bool = False
     labels: list[str] | None = Field(
-        default=None, description="classification label names in id order; null = sorted names found in train"
+        default=None, min_length=2,
+        description="classification label names in id order (at least two); null = sorted names found in train",
     )
 
 
 class TrainConfig(Section):
     """Batch arithmetic, length of training, precision."""
 
-    seed: int = 42
+    seed: int = Field(default=42, ge=0, lt=2**32)
     micro_batch_size: int = Field(default=8, ge=1)
     global_batch_size: int = Field(default=32, ge=1)
     max_steps: int | None = Field(default=None, ge=1)
@@ -65,6 +85,10 @@ class TrainConfig(Section):
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     gradient_checkpointing: bool = False
+    max_nonfinite_steps: int = Field(
+        default=3, ge=1,
+        description="a step with a non-finite loss or gradient norm is skipped; this many in a row stop the run",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
@@ -79,7 +103,7 @@ class OptimConfig(Section):
     name: Literal["adamw", "sgd"] = "adamw"
     lr: float = Field(default=3.0e-4, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
     eps: float = Field(default=1.0e-8, gt=0)
     momentum: float = Field(default=0.0, ge=0, description="sgd only")
 
@@ -155,7 +179,7 @@ class LaunchConfig(Section):
 class RecipeConfig(Section):
     """A whole recipe, as written to <output_dir>/recipe.resolved.yaml."""
 
-    name: str
+    name: str = Field(description="one path component (runs/<name>): letters, digits, . _ + -")
     output_dir: str | None = Field(default=None, description="null: runs/<name>")
     model: ModelConfig
     data: DataConfig
@@ -167,6 +191,14 @@ class RecipeConfig(Section):
     peft: PeftConfig = Field(default_factory=PeftConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, value: str) -> str:
+        if not re.fullmatch(NAME_PATTERN, value):
+            raise ValueError("must be one folder name (it becomes runs/<name>): up to 100 letters, digits, '.', '_', "
+                             "'+' or '-', starting with a letter or digit")
+        return value
 
     @model_validator(mode="after")
     def _batch_arithmetic(self) -> RecipeConfig:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                   for key, cap, on in flags if on and cap not in row.capabilities]
         if cfg.model.path is None and not row.debug_build:
             lines.append(f"model.path: required for model type {row.name} (a hub id, a local folder or pkg://module)")
+        lines += _model_folder_lines(cfg.model.path, row)
     if cfg.model is not None and cfg.model.path and cfg.model.path.startswith("pkg://"):
         module = cfg.model.path.removeprefix("pkg://").split("/", 1)[0]
         if importlib.util.find_spec(module) is None:
@@ -178,6 +180,37 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                          f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
                          "use a multi-process config such as launch.accelerate_config=ddp")
     return lines
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
+
+
+def _model_folder_lines(path: str | None, row: registry.SupportedModel) -> list[str]:
+    """Problems of a local model folder, found before anything launches: missing, not a folder, no or a broken
+    config.json, weights of another model family, no weights. Hub ids and pkg:// paths are checked on load."""
+    if not path or "://" in path:
+        return []
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        looks_local = folder.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1
+        return [f"model.path: folder not found: {path}"] if looks_local else []  # else: a hub id, org/name
+    if not folder.is_dir():
+        return [f"model.path: {path} is a file; give the model folder (config.json + weights)"]
+    config = folder / "config.json"
+    try:
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return [f"model.path: {path} has no config.json; give a Hugging Face model folder"]
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return [f"model.path: {config} cannot be read ({str(exc).splitlines()[0] if str(exc) else exc!r})"]
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        return [f"model.path: {config} has no model_type; it is not a Hugging Face model config"]
+    problem = registry.model_type_problem(row, data["model_type"], path)
+    if problem:
+        return [problem]
+    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
+        return [f"model.path: {path} holds no weights (model.safetensors or pytorch_model.bin)"]
+    return []
 
 
 def validate(composed: Composed) -> RecipeConfig:

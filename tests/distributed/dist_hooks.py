@@ -1,6 +1,7 @@
 """Hooks for 2-process tests, loaded on every rank through FINETUNE_HOOKS=tests.distributed.dist_hooks.
 
-- Always: after the first optimizer step each rank writes <run_dir>/rank-<i>.json with what really runs
+- Always: after the first optimizer step each rank writes <run_dir>.rank-<i>.json (beside the run dir, which is
+  finetune's alone) with what really runs
   (process count, distributed type, ZeRO stage / FSDP version, whether parameters are sharded), because a wrong
   set-up on CPU does not fail: it silently trains two independent single-process jobs, or DDP.
 - FINETUNE_TERM_AT_STEP=N: rank 0 sends itself SIGTERM after step N (all ranks then stop after step N+1).
@@ -16,6 +17,7 @@ import time
 from typing import Any
 
 from finetune import hooks
+from tests.distributed.paths import side_file
 
 
 def _local_param_numel(model: Any) -> int:
@@ -41,12 +43,12 @@ def _after_step(trainer: Any) -> None:
             "fsdp_version": getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", None),
             "local_param_numel": _local_param_numel(trainer.model),
         }
-        (trainer.run_dir / f"rank-{acc.process_index}.json").write_text(json.dumps(facts))
+        side_file(trainer.run_dir, f"rank-{acc.process_index}.json").write_text(json.dumps(facts))
     if os.environ.get("FINETUNE_TERM_AT_STEP") == str(step) and acc.process_index == 0:
         os.kill(os.getpid(), signal.SIGTERM)
     kill = os.environ.get("FINETUNE_KILL_RANK")
     if kill and kill == f"{acc.process_index}:{step}":
-        (trainer.run_dir / "killed-at").write_text(repr(time.time()))
+        side_file(trainer.run_dir, "killed-at").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
 

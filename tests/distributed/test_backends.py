@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from finetune.tracking import read_metrics
+from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
 
 pytestmark = pytest.mark.distributed
@@ -95,7 +96,7 @@ def _assert_really_distributed(run: Path, backend: str, reference: Path) -> None
     distributed_type, shards = EXPECTED[backend]
     total = sum(t.numel() for t in final_weights(reference).values())
     for rank in (0, 1):
-        facts = json.loads((run / f"rank-{rank}.json").read_text())
+        facts = json.loads(side_file(run, f"rank-{rank}.json").read_text())
         assert facts["num_processes"] == 2 and facts["rank"] == rank
         assert facts["distributed_type"] == distributed_type and facts["backend"] == backend
         if shards:
@@ -177,7 +178,7 @@ def test_a_dead_rank_fails_the_job_quickly(workdir: Path) -> None:
                      FINETUNE_KILL_RANK="1:5")
     ended = time.time()
     assert done.returncode != 0
-    assert ended - float((run / "killed-at").read_text()) < 60
+    assert ended - float(side_file(run, "killed-at").read_text()) < 60
     assert inspect(run / "checkpoints" / "step-000004").resumable
     assert not (run / "final").exists()
 
@@ -202,7 +203,7 @@ def test_lora_parity_complete_adapter_and_reload(workdir: Path, lora_reference: 
 
     run, done = _run(workdir, f"lora-{backend}", "--accelerate-config", backend, "--num-processes", "2", *LORA)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((run / "rank-1.json").read_text())["distributed_type"] == EXPECTED[backend][0]
+    assert json.loads(side_file(run, "rank-1.json").read_text())["distributed_type"] == EXPECTED[backend][0]
     assert _losses(run) == pytest.approx(_losses(lora_reference), rel=1e-4)
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
     reference = load_file(str(lora_reference / "final" / "adapter_model.safetensors"))
@@ -224,3 +225,92 @@ def test_worker_refuses_a_world_size_the_recipe_did_not_plan(reference: Path) ->
     )
     assert done.returncode != 0
     assert "error: launch.num_processes=1 but 2 process(es) are running" in done.stderr
+
+
+# --- safety under a launcher ---------------------------------------------------------------------------------------
+
+
+def _ranks_alive(run: Path, launcher: int) -> list[int]:
+    """Pids of processes (but the launcher) whose command line runs the worker on ``run``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "finetune.worker" in cmdline and str(run) in cmdline and int(proc.name) != launcher:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_the_launcher_holds_the_lock_and_its_ranks_die_with_it(workdir: Path) -> None:
+    """`finetune run` execs `accelerate launch`, which keeps the run's flock: while the 2 ranks train, resume and
+    run --overwrite refuse with its pid. A SIGKILL of the launcher takes its ranks down too (they must not go on
+    writing an unlocked run), and the run then resumes."""
+    import signal
+
+    run = workdir / "locked"
+    live = subprocess.Popen([sys.executable, "-m", "finetune", "run", str(workdir / "recipe.yaml"), "-o", str(run),
+                             "--accelerate-config", "ddp", "--num-processes", "2", "train.max_steps=400",
+                             "checkpoint.every_steps=2"], env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        while not (run / "checkpoints" / "step-000002").is_dir():
+            assert live.poll() is None and time.monotonic() < deadline, "the run ended before the test"
+            time.sleep(0.2)
+        for args in (["resume", str(run)], ["run", str(workdir / "recipe.yaml"), "-o", str(run), "--overwrite"]):
+            refused = _finetune(*args, timeout=120)
+            assert refused.returncode == 2 and f"in use by pid {live.pid} " in refused.stderr, refused.stderr[-2000:]
+        assert len(_ranks_alive(run, live.pid)) == 2
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()
+    deadline = time.monotonic() + 30
+    while _ranks_alive(run, live.pid):
+        assert time.monotonic() < deadline, "ranks outlived their launcher"
+        time.sleep(0.2)
+    resumed = _finetune("resume", str(run), "train.max_steps=4", "--allow-config-change", "--accelerate-config", "ddp",
+                        "--num-processes", "2")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+
+
+class _Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize(("backend", "pattern"), [("fsdp2", "pytorch_model_fsdp_0/.metadata"),
+                                                  ("fsdp2", "optimizer_0/__0_0.distcp"),
+                                                  ("zero2", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                                                  ("zero3", "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt")])
+def test_a_payload_in_a_sharded_checkpoint_never_runs(workdir: Path, backend: str, pattern: str) -> None:
+    """The sharded formats' own files (DCP metadata and shards, DeepSpeed's torch.save files) with a payload, the
+    manifest fixed up: the 2-process resume fails (DCP's metadata reader and torch.load are restricted), and
+    nothing runs."""
+    import pickle
+    import shutil
+
+    from finetune import rundir
+
+    source = _straight_run(workdir, backend)
+    run = workdir / f"payload-{backend}-{Path(pattern).name}"
+    shutil.copytree(source, run)
+    ckpt = run / "checkpoints" / "step-000004"
+    marker = workdir / f"PWNED-{run.name}"
+    target = ckpt / pattern
+    assert target.is_file(), sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
+    if target.suffix == ".pt":
+        torch.save(_Payload(marker), target)
+    else:
+        target.write_bytes(pickle.dumps(_Payload(marker), protocol=4))
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = rundir.inventory(ckpt)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    done = _finetune("resume", str(run), "--from", "step-000004", timeout=300)
+    assert not marker.exists(), f"the payload in {pattern} ran"
+    assert done.returncode != 0
+    assert "cannot be loaded" in done.stderr, done.stderr[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,16 +52,67 @@ def write_recipe(tmp_path: Path) -> Callable[..., Path]:
     return write
 
 
+def cli_exit_code(*args: str) -> int:
+    """``finetune ARGS`` in this process through the real entry point (:func:`finetune.cli.main`, which turns
+    errors and signal stops into exit codes); returns the exit code."""
+    from finetune.cli import main
+
+    argv = sys.argv
+    sys.argv = ["finetune", *args]
+    try:
+        main()
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    finally:
+        sys.argv = argv
+    return 0
+
+
+def recipe_file(folder: Path, name: str, **sections: Any) -> Path:
+    """``folder/<name>.yaml``: :func:`tiny_recipe` with ``sections``, training into ``folder/<name>``."""
+    recipe = {**tiny_recipe(**sections), "name": name, "output_dir": str(folder / name)}
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
+def trained_run(folder: Path, name: str, **sections: Any) -> Path:
+    """A finished run of :func:`recipe_file` (trained in this process through ``finetune run``); its run dir."""
+    code = cli_exit_code("run", str(recipe_file(folder, name, **sections)))
+    assert code == 0, f"`finetune run` of {name} exited {code}"
+    return folder / name
+
+
+def new_trainer(cfg: Any) -> Any:
+    """A built Trainer on a fresh run dir (created as `finetune run` does), for tests that drive the loop."""
+    from finetune import rundir
+    from finetune.worker import build_trainer
+
+    run_dir = Path(cfg.output_dir or "")
+    rundir.create(run_dir, overwrite=False).release()
+    return build_trainer(cfg, run_dir)
+
+
+def run_in_process(cfg: Any) -> Path:
+    """Train a validated recipe in this process as `finetune run` does: create and lock the run dir (marker, run
+    id), write the resolved recipe, train; returns the run dir."""
+    from finetune import rundir
+    from finetune.worker import run_worker
+
+    run_dir = Path(cfg.output_dir or "")
+    with rundir.create(run_dir, overwrite=False):
+        run_worker(rundir.write_resolved(cfg, run_dir))
+    return run_dir
+
+
 @pytest.fixture
 def train_recipe(write_recipe: Callable[..., Path]) -> Callable[..., Path]:
     """Compose, write the resolved recipe and train in this process, as `finetune run` does; returns the run dir."""
-    from finetune.config import load_recipe, write_resolved
-    from finetune.worker import run_worker
+    from finetune.config import load_recipe
 
     def train(recipe: dict[str, Any], overrides: list[str] | None = None) -> Path:
         cfg, _ = load_recipe(write_recipe(recipe), overrides)
-        run_worker(write_resolved(cfg, cfg.output_dir or ""))
-        return Path(cfg.output_dir or "")
+        return run_in_process(cfg)
 
     return train
 

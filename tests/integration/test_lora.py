@@ -4,23 +4,22 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
-from typer.testing import CliRunner
 
-from finetune import hooks
-from finetune.cli import app, main
+from finetune import hooks, rundir
 from finetune.tracking import read_metrics
-from tests.integration.conftest import DATA, tiny_recipe
+from tests.cli_helpers import main_exit
+from tests.integration.conftest import DATA, cli_exit_code, new_trainer, run_in_process, tiny_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -43,30 +42,14 @@ def _write(tmp: Path, recipe: dict) -> Path:
 
 def _train(tmp: Path, recipe: dict) -> Path:
     """Compose, write the resolved recipe and train in this process (as `finetune run` does); the run dir."""
-    from finetune.config import load_recipe, write_resolved
-    from finetune.worker import run_worker
+    from finetune.config import load_recipe
 
     cfg, _ = load_recipe(_write(tmp, recipe))
-    run_worker(write_resolved(cfg, cfg.output_dir or ""))
-    return Path(cfg.output_dir or "")
+    return run_in_process(cfg)
 
 
 def _cli(*args: str) -> int:
-    """A command that succeeds or stops on a signal, through Typer's runner (exceptions propagate)."""
-    result = CliRunner().invoke(app, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code
-
-
-def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """:func:`finetune.cli.main` in-process (user errors become exit codes): (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["finetune", *args])
-    capsys.readouterr()  # drop what earlier calls printed
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    return int(info.value.code or 0), out, err
+    return cli_exit_code(*args)
 
 
 def _train_losses(run: Path) -> list[float]:
@@ -97,10 +80,9 @@ def lora_run(tmp_path_factory) -> Path:
 def test_lora_trains_only_the_adapter(tmp_path: Path) -> None:
     from finetune.config import load_recipe
     from finetune.loop import train_step
-    from finetune.worker import build_trainer
 
     cfg, _ = load_recipe(_write(tmp_path, lora_recipe("only")))
-    trainer = build_trainer(cfg, Path(cfg.output_dir or ""))
+    trainer = new_trainer(cfg)
     try:
         before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
         adapter = {k for k in before if "lora_" in k}
@@ -179,7 +161,7 @@ def test_merge_causal_lm(lora_run: Path, tmp_path: Path, monkeypatch, capsys) ->
     from finetune.evaluation import evaluate_target
 
     out = tmp_path / "merged"
-    code, stdout, err = _main(monkeypatch, capsys, "merge", str(lora_run), "-o", str(out))
+    code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(lora_run), "-o", str(out))
     assert code == 0, err
     assert "merge check passed" in stdout
     _assert_plain_model(out)
@@ -190,14 +172,14 @@ def test_merge_causal_lm(lora_run: Path, tmp_path: Path, monkeypatch, capsys) ->
     assert merged["eval_loss"] == pytest.approx(adapter["eval_loss"], abs=1e-5)
     assert merged["eval_token_accuracy_correct"] == adapter["eval_token_accuracy_correct"]
 
-    code, stdout, err = _main(monkeypatch, capsys, "merge", str(lora_run), "-o", str(out))
+    code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(lora_run), "-o", str(out))
     assert code == 2 and "--overwrite" in err and err.startswith("error:"), err
-    assert _main(monkeypatch, capsys, "merge", str(lora_run), "-o", str(out), "--overwrite")[0] == 0
+    assert main_exit(monkeypatch, capsys, "merge", str(lora_run), "-o", str(out), "--overwrite")[0] == 0
 
 
 def test_merge_refuses_a_full_fine_tune(tmp_path: Path, monkeypatch, capsys) -> None:
     run = _train(tmp_path, lora_recipe("plain", peft={"method": "none"}, train={"max_steps": 1}))
-    code, _, err = _main(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "m"))
+    code, _, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "m"))
     assert code == 2 and "not a LoRA run" in err, err
     assert not (tmp_path / "m").exists()
 
@@ -213,11 +195,16 @@ def test_merge_tampered_adapter_fails_and_writes_nothing(lora_run: Path, tmp_pat
     tensors[key] = tensors[key] + 0.1 * torch.randn(tensors[key].shape, generator=generator)
     save_file(tensors, str(path))
     out = tmp_path / "merged"
-    code, stdout, err = _main(monkeypatch, capsys, "merge", str(run), "-o", str(out))
+    code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(out))
+    assert code == 2 and "final failed verification: adapter_model.safetensors" in err, (stdout, err)
+    manifest = json.loads((run / "final" / "manifest.json").read_text())  # an attacker also fixes the manifest:
+    manifest["files"] = rundir.inventory(run / "final")  # the recorded logits still catch the changed adapter
+    (run / "final" / "manifest.json").write_text(json.dumps(manifest))
+    code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(out))
     assert code == 1, (stdout, err)
     assert "merge check failed" in err
     assert "merge check passed" not in stdout
-    assert not out.exists() and not out.with_name("merged.tmp").exists()
+    assert not out.exists() and list(tmp_path.glob("*.tmp")) == []
 
 
 def test_merge_classification_minilm(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -235,7 +222,7 @@ def test_merge_classification_minilm(tmp_path: Path, monkeypatch, capsys) -> Non
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
     assert any("classifier" in k for k in adapter), "the classification head is saved with the adapter"
     out = tmp_path / "merged"
-    code, stdout, err = _main(monkeypatch, capsys, "merge", str(run), "-o", str(out))
+    code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(out))
     assert code == 0, err
     assert "merge check passed" in stdout
     _assert_plain_model(out)
@@ -255,7 +242,7 @@ def test_dora_trains_exports_and_merges(tmp_path: Path, monkeypatch, capsys) -> 
     config = json.loads((run / "final" / "adapter_config.json").read_text())
     assert config["use_dora"] is True and config["peft_type"] == "LORA"
     assert any("lora_magnitude_vector" in k for k in load_file(str(run / "final" / "adapter_model.safetensors")))
-    code, stdout, err = _main(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged"))
+    code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged"))
     assert code == 0 and "merge check passed" in stdout, err
     _assert_plain_model(tmp_path / "merged")
 

@@ -5,18 +5,17 @@ from __future__ import annotations
 import pytest
 
 from finetune.tracking import read_metrics
-from tests.integration.conftest import REPO
+from tests.integration.conftest import REPO, run_in_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def _run(recipe: str, tmp_path, *overrides: str) -> list[dict]:
-    from finetune.config import load_recipe, write_resolved
-    from finetune.worker import run_worker
+    from finetune.config import load_recipe
 
     cfg, _ = load_recipe(REPO / "recipes" / recipe, [f"output_dir={tmp_path / 'run'}", "checkpoint.every_steps=null",
                                                     *overrides])
-    run_worker(write_resolved(cfg, cfg.output_dir or ""))
+    run_in_process(cfg)
     return [r for r in read_metrics(tmp_path / "run") if r["kind"] == "eval"]
 
 

@@ -19,12 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
 
 from finetune import hooks
-from finetune.cli import app
 from finetune.tracking import read_metrics
-from tests.integration.conftest import DATA, final_weights, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -58,10 +56,7 @@ def _write(tmp_path: Path, recipe: dict, name: str) -> Path:
 
 
 def _cli(*args: str) -> int:
-    result = CliRunner().invoke(app, list(args))
-    if result.exception and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return result.exit_code
+    return cli_exit_code(*args)
 
 
 def _sigterm_after(step: int) -> None:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from finetune.tracking import read_metrics
-from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
+from tests.integration.conftest import DATA, final_weights, max_rel_diff, new_trainer, tiny_recipe
 
 pytestmark = pytest.mark.integration
 
@@ -78,10 +78,9 @@ def test_fp16_scales_and_skips_overflowed_steps(write_recipe) -> None:
     """fp16 really runs with a dynamic loss scale: an overflowing scale skips the step and halves."""
     from finetune.config import load_recipe
     from finetune.loop import train_step
-    from finetune.worker import build_trainer
 
     cfg, _ = load_recipe(write_recipe(tiny_recipe(train={"mixed_precision": "fp16"}, data={"eval": None})))
-    trainer = build_trainer(cfg, Path(cfg.output_dir or ""))
+    trainer = new_trainer(cfg)
     trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # scaled loss ~1e8 > fp16 max: overflow
     batches = iter(trainer.task.build_dataloader("train"))
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}

@@ -18,8 +18,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from finetune.cli import app, main
+from finetune.cli import app
 from finetune.registry import SUPPORTED_MODELS
+from tests.cli_helpers import assert_user_error, main_exit
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -45,26 +46,6 @@ def cli(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedProcess
 def invoke(*args: str):
     """Typer's in-process runner (for the commands that succeed)."""
     return CliRunner().invoke(app, list(args), catch_exceptions=False)
-
-
-def main_exit(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """Run :func:`finetune.cli.main` in-process: (exit code, stdout, stderr)."""
-    monkeypatch.setattr(sys, "argv", ["finetune", *args])
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    return info.value.code, out, err
-
-
-def assert_user_error(code: int, out: str, err: str, *needles: str) -> list[str]:
-    """Exit code 2, nothing on stdout, only ``error: ...`` lines on stderr, no traceback; return those lines."""
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert lines and all(line.startswith("error: ") for line in lines), err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return lines
 
 
 # --- no heavy imports --------------------------------------------------------------------------------------------
@@ -235,6 +216,7 @@ def test_invalid_yaml_names_the_line(tmp_path, monkeypatch, capsys):
 def test_existing_run_dir_is_not_touched_without_overwrite(tmp_path, monkeypatch):
     run_dir = tmp_path / "run"
     (run_dir / "checkpoints" / "step-000001").mkdir(parents=True)
+    (run_dir / "finetune-run.json").write_text(json.dumps({"run_id": "previous"}) + "\n")
     (run_dir / "recipe.resolved.yaml").write_text("name: previous-run\n")
     (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
     before = {p: p.read_bytes() if p.is_file() else None for p in run_dir.rglob("*")}

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from finetune import registry
-from finetune.config import compose, load_recipe, load_resolved, validate, write_resolved
+from finetune.config import compose, load_recipe, load_resolved, validate
 from finetune.config.compose import parse_override
 from finetune.errors import ConfigError
+from finetune.rundir import write_resolved
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -467,6 +468,7 @@ def test_output_dir_defaults_to_runs_name_absolute(write_recipe, tmp_path, monke
 def test_resolved_recipe_round_trips(write_recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg, _ = load_recipe(write_recipe(), ["optim.lr=1e-5", "data.eval=eval.jsonl", "eval.metrics=[exact_match]"])
+    (tmp_path / "run").mkdir()
     resolved = write_resolved(cfg, tmp_path / "run")
     monkeypatch.chdir(REPO)  # the resolved recipe holds absolute paths: any cwd works
     assert load_resolved(resolved) == cfg

@@ -361,12 +361,15 @@ def test_a_later_bad_csv_row_names_its_line(tmp_path: Path, tok: Any, fmt: str, 
     one_line(excinfo, f"{path}:3: ", expected)
 
 
-@pytest.mark.parametrize(("content", "prefix", "expected"), [
-    ("text,label\na,x\nb,y,z\nc,x\n", ":3: ", "3 fields but the header has 2"),
-    ("text,label\n", ": ", "no rows"),
+@pytest.mark.parametrize(("name", "content", "prefix", "expected"), [
+    ("train.csv", "text,label\na,x\nb,y,z\nc,x\n", ":3: ", "3 fields but the header has 2"),  # pandas can't
+    ("train.csv", "text,label\n", ": ", "no rows"),
+    ("train.json", '[{"text": "a"},\n {"text": "b"},\n 7]', " (row 3)", "expected a JSON object, got a number"),
+    ("train.json", '[{"text": "a"},\n {"text": }]', ":2", "invalid JSON"),  # a JSON list with a bad item
 ])
-def test_csv_that_pandas_cannot_read(tmp_path: Path, content: str, prefix: str, expected: str) -> None:
-    path = tmp_path / "train.csv"
+def test_csv_or_json_list_that_cannot_be_read(tmp_path: Path, name: str, content: str, prefix: str,
+                                              expected: str) -> None:
+    path = tmp_path / name
     path.write_text(content)
     with pytest.raises(DataError) as excinfo:
         load_raw(str(path))
@@ -404,16 +407,6 @@ def test_json_that_is_not_a_list_of_objects(tmp_path: Path, content: str, expect
     one_line(excinfo, str(path), expected)
 
 
-@pytest.mark.parametrize(("content", "prefix", "expected"), [
-    ('[{"text": "a"},\n {"text": "b"},\n 7]', " (row 3)", "expected a JSON object, got a number"),
-    ('[{"text": "a"},\n {"text": }]', ":2", "invalid JSON"),
-])
-def test_json_list_with_a_bad_item(tmp_path: Path, content: str, prefix: str, expected: str) -> None:
-    path = tmp_path / "train.json"
-    path.write_text(content)
-    with pytest.raises(DataError) as excinfo:
-        load_raw(str(path))
-    one_line(excinfo, f"{path}{prefix}", expected)
 
 
 @pytest.mark.parametrize(("content", "line"), [

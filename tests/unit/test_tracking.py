@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from finetune import rundir
 from finetune.config.schema import RecipeConfig
 from finetune.errors import RunDirError
 from finetune.tracking import (
-    WANDB_RUN_ID_FILE,
     JsonlTracker,
     MultiTracker,
     NullTracker,
@@ -204,14 +204,14 @@ def test_wandb_offline_logs_and_reuses_run_id(tmp_path: Path, monkeypatch: pytes
     tracker.log_train(TRAIN_ROW)
     tracker.log_eval(EVAL_ROW)
     tracker.close()
-    run_id = (run_dir / WANDB_RUN_ID_FILE).read_text(encoding="utf-8").strip()
+    run_id = (run_dir / rundir.WANDB_RUN_ID).read_text(encoding="utf-8").strip()
     assert run_id
     assert list((run_dir / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
 
     resumed = build_tracker(cfg, run_dir, is_main=True, start_step=50)
     resumed.log_train({**TRAIN_ROW, "step": 60})
     resumed.close()
-    assert (run_dir / WANDB_RUN_ID_FILE).read_text(encoding="utf-8").strip() == run_id
+    assert (run_dir / rundir.WANDB_RUN_ID).read_text(encoding="utf-8").strip() == run_id
     assert len(list((run_dir / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1
     assert not home.exists()  # everything wandb wrote stayed in the run dir
 

@@ -17,13 +17,12 @@ import signal
 import sys
 import time
 import tracemalloc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from finetune.cli import main
 from finetune.config.compose import (
     MAX_ALIASES,
     MAX_DEPTH,
@@ -35,6 +34,7 @@ from finetune.config.compose import (
     parse_override,
 )
 from finetune.errors import ConfigError
+from tests.cli_helpers import assert_user_error, main_exit
 
 compose_module = importlib.import_module("finetune.config.compose")  # the package's ``compose`` is the function
 
@@ -75,26 +75,6 @@ def override_error(item: str) -> str:
     message = str(info.value)
     assert "\n" not in message, message
     return message
-
-
-def main_exit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    """Run :func:`finetune.cli.main` in-process: (exit code, stdout, stderr). Copied from test_cli.py."""
-    monkeypatch.setattr(sys, "argv", ["finetune", *args])
-    with pytest.raises(SystemExit) as info:
-        main()
-    out, err = capsys.readouterr()
-    return info.value.code, out, err
-
-
-def assert_user_error(code: int, out: str, err: str, *needles: str) -> list[str]:
-    """Exit code 2, nothing on stdout, only ``error: ...`` lines on stderr, no traceback; return those lines."""
-    assert code == 2, (code, out, err)
-    assert "Traceback" not in err and "internal error" not in err, err
-    lines = err.strip().splitlines()
-    assert lines and all(line.startswith("error: ") for line in lines), err
-    for needle in needles:
-        assert needle in err, (needle, err)
-    return lines
 
 
 @contextmanager
@@ -178,17 +158,21 @@ def test_same_key_in_different_mappings_and_merge_keys_are_not_duplicates(tmp_pa
 # --- 2. aliases: bombs, too many, cycles, depth through aliases -----------------------------------------------------
 
 
-def test_billion_laughs_fails_fast_in_little_memory(tmp_path):
-    path = write(tmp_path, laughs())
-    assert path.stat().st_size < 700  # a few hundred bytes that would expand to 10**9 strings and lists
+def measured(fn: Callable[[], str]) -> tuple[str, float, int]:
+    """``fn()``'s result, the seconds it took and the peak of memory traced meanwhile."""
     tracemalloc.start()
     start = time.perf_counter()
     try:
-        message = compose_error(path)
-        elapsed = time.perf_counter() - start
-        peak = tracemalloc.get_traced_memory()[1]
+        result = fn()
+        return result, time.perf_counter() - start, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def test_billion_laughs_fails_fast_in_little_memory(tmp_path):
+    path = write(tmp_path, laughs())
+    assert path.stat().st_size < 700  # a few hundred bytes that would expand to 10**9 strings and lists
+    message, elapsed, peak = measured(lambda: compose_error(path))
     # lol5 is the first anchor over the bound: 1 + 10 * (1 + 10 * (...)) = 111111 values
     assert message == (f"{path}:6: this value expands to more than {MAX_NODES} values once its aliases (*name) are "
                        f"expanded; {ALIAS_HINT}")
@@ -522,14 +506,7 @@ OVERRIDE_BOMB += "]"
 
 
 def test_override_alias_bomb_fails_fast_in_little_memory():
-    tracemalloc.start()
-    start = time.perf_counter()
-    try:
-        message = override_error(OVERRIDE_BOMB)
-        elapsed = time.perf_counter() - start
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    message, elapsed, peak = measured(lambda: override_error(OVERRIDE_BOMB))
     assert message == (f"override {shown(OVERRIDE_BOMB)}: this value expands to more than {MAX_NODES} values once "
                        f"its aliases (*name) are expanded; {ALIAS_HINT}")
     assert elapsed < 2 and peak < 50 * 2**20, (elapsed, peak)
@@ -617,3 +594,4 @@ def test_cli_override_alias_bomb(tmp_path, monkeypatch, capsys):
     lines = assert_user_error(*main_exit(monkeypatch, capsys, "config", str(path), OVERRIDE_BOMB),
                               f"expands to more than {MAX_NODES} values")
     assert len(lines) == 1 and lines[0].startswith("error: override 'x=[&a"), lines
+

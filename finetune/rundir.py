@@ -1,0 +1,436 @@
+"""The run directory is finetune's, and only finetune's.
+
+This module owns its layout (every file and folder name finetune writes), every deletion in it, the lock that
+keeps one live process per run, the content inventories (size and sha256 of every file) of checkpoints and
+exports, and the rules for where a run directory may be. Nothing else in the package names a run-dir entry or
+removes one.
+
+What may be deleted: only entries of the layout below, and inside ``checkpoints/`` and ``final/`` only files that
+the folder's own ``manifest.json`` lists. Everything else is the user's: ``--overwrite`` refuses, listing it.
+No torch here: the CLI uses this module before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.errors import RunDirError
+
+if TYPE_CHECKING:
+    from finetune.config import RecipeConfig
+
+# --- the layout -----------------------------------------------------------------------------------------------
+MARKER = "finetune-run.json"  # the run id: what makes a folder a finetune run
+LOCK = "finetune.lock"  # flock'ed by the one live process of the run; holds its pid
+RESOLVED = "recipe.resolved.yaml"
+RESUMING = "recipe.resuming.yaml"  # a resume's recipe until its checkpoint has loaded, then it becomes RESOLVED
+METRICS = "metrics.jsonl"
+TRAIN_LOG = "train.log"
+WANDB_RUN_ID = "wandb_run_id.txt"
+WANDB = "wandb"
+TENSORBOARD = "tensorboard"
+CHECKPOINTS = "checkpoints"
+FINAL = "final"
+TMP = ".tmp"
+FINAL_TMP = FINAL + TMP  # an export being written
+FINAL_OLD = FINAL + ".old" + TMP  # the previous export, while the new one replaces it
+MANIFEST = "manifest.json"  # in every checkpoint and export: run id, and size + sha256 of every other file
+TRAIN_STATE = "train_state.json"
+MERGE_CHECK = "merge_check.safetensors"
+
+_FILES = frozenset({MARKER, MARKER + TMP, LOCK, RESOLVED, RESOLVED + TMP, RESUMING, RESUMING + TMP, METRICS,
+                    TRAIN_LOG, WANDB_RUN_ID})
+_TREES = frozenset({WANDB, TENSORBOARD, FINAL_TMP, FINAL_OLD})  # written whole by finetune (or a sink for it)
+_STEP = re.compile(r"step-(\d{6,})")
+_HASH_BLOCK = 1 << 20
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    """``<run_dir>/checkpoints/step-000400``."""
+    return run_dir / CHECKPOINTS / f"step-{step:06d}"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoint folders (``step-N``, renamed from ``step-N.tmp``), oldest first; anything else in
+    ``checkpoints/`` (a stray file, a symlink, a crashed ``.tmp``) is not a checkpoint."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir() or root.is_symlink():
+        return []
+    found = [p for p in root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+
+
+def stale_checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """``step-N.tmp`` folders: writes that never completed (a crash), never resumed from."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir() or root.is_symlink():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.endswith(TMP) and _STEP.fullmatch(p.name.removesuffix(TMP))
+                  and p.is_dir() and not p.is_symlink())
+
+
+# --- inventories: what a checkpoint or export holds -------------------------------------------------------------
+
+
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(_HASH_BLOCK), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _walk(folder: Path) -> Iterator[tuple[str, os.DirEntry[str]]]:
+    """Every entry under ``folder`` by relative path, never following symlinks."""
+    stack = [(folder, "")]
+    while stack:
+        here, prefix = stack.pop()
+        with os.scandir(here) as entries:
+            for entry in entries:
+                rel = prefix + entry.name
+                yield rel, entry
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append((Path(entry.path), rel + "/"))
+
+
+def inventory(folder: Path) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of every regular file under ``folder`` except its manifest (what the manifest records)."""
+    return {rel: {"size": entry.stat(follow_symlinks=False).st_size, "sha256": sha256_file(Path(entry.path))}
+            for rel, entry in sorted(_walk(folder)) if entry.is_file(follow_symlinks=False) and rel != MANIFEST}
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """The folder's manifest; a RunDirError saying what is wrong when it is missing or not a manifest."""
+    path = folder / MANIFEST
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{folder}: no {MANIFEST}") from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise RunDirError(f"{path} is corrupted ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") \
+            from None
+    files = data.get("files") if isinstance(data, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
+        raise RunDirError(f"{path} is corrupted (no file inventory)")
+    return data
+
+
+def inventory_problems(folder: Path, manifest: dict[str, Any], *, hashes: bool) -> list[str]:
+    """What differs between ``folder`` and its manifest's inventory: missing, resized or (with ``hashes``) changed
+    files, and files or links it does not list. Empty when the folder is exactly what was written."""
+    listed: dict[str, dict[str, Any]] = manifest["files"]
+    present = {rel: entry for rel, entry in _walk(folder) if not entry.is_dir(follow_symlinks=False)}
+    problems = []
+    for rel, expected in listed.items():
+        entry = present.get(rel)
+        if entry is None or not entry.is_file(follow_symlinks=False):
+            problems.append(f"{rel} is missing")
+        elif entry.stat(follow_symlinks=False).st_size != expected.get("size"):
+            problems.append(f"{rel} has the wrong size")
+        elif hashes and sha256_file(Path(entry.path)) != expected.get("sha256"):
+            problems.append(f"{rel} was modified (sha256 differs)")
+    problems += [f"{rel} is not part of it" for rel in sorted(present) if rel not in listed and rel != MANIFEST]
+    return problems
+
+
+def write_manifest(folder: Path, data: dict[str, Any]) -> None:
+    """Write ``data`` plus the inventory of ``folder`` as its manifest (the last file written into it)."""
+    (folder / MANIFEST).write_text(json.dumps({**data, "files": inventory(folder)}, indent=2), encoding="utf-8")
+
+
+# --- what is finetune's ----------------------------------------------------------------------------------------
+
+
+def _foreign_in_listed(folder: Path, label: str) -> list[str]:
+    """Entries of a checkpoint or export folder that its manifest does not list (all of it, without one)."""
+    try:
+        listed = read_manifest(folder)["files"]
+    except RunDirError:
+        return [f"{label}/ (no readable {MANIFEST}: not written by finetune)"]
+    return [f"{label}/{rel}" for rel, entry in sorted(_walk(folder))
+            if rel != MANIFEST and rel not in listed and not (entry.is_dir(follow_symlinks=False)
+                                                               and any(k.startswith(rel + "/") for k in listed))]
+
+
+def foreign_entries(run_dir: Path) -> list[str]:
+    """Everything in ``run_dir`` that finetune did not write (relative paths); empty for a pure run dir."""
+    foreign: list[str] = []
+    with os.scandir(run_dir) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            name, path = entry.name, Path(entry.path)
+            is_dir = entry.is_dir(follow_symlinks=False)
+            if entry.is_symlink():
+                foreign.append(name)
+            elif (name in _FILES and entry.is_file(follow_symlinks=False)) or (name in _TREES and is_dir):
+                continue
+            elif name == FINAL and is_dir:
+                foreign += _foreign_in_listed(path, FINAL)
+            elif name == CHECKPOINTS and is_dir:
+                foreign += _foreign_in_checkpoints(path)
+            else:
+                foreign.append(name)
+    return foreign
+
+
+def _foreign_in_checkpoints(root: Path) -> list[str]:
+    foreign: list[str] = []
+    for entry in sorted(root.iterdir()):
+        label = f"{CHECKPOINTS}/{entry.name}"
+        ours = _STEP.fullmatch(entry.name.removesuffix(TMP)) and entry.is_dir() and not entry.is_symlink()
+        if not ours:
+            foreign.append(label)
+        elif not entry.name.endswith(TMP):
+            foreign += _foreign_in_listed(entry, label)
+    return foreign
+
+
+def _listing(names: list[str], most: int = 6) -> str:
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
+def check_replaceable_export(folder: Path) -> None:
+    """Refuse to replace ``folder`` unless finetune wrote all of it (an export whose manifest lists every file)."""
+    foreign = _foreign_in_listed(folder, folder.name)
+    if foreign:
+        raise RunDirError(f"{folder}: --overwrite refused: it holds files finetune did not write "
+                          f"({_listing(foreign)}); nothing was deleted; choose another -o")
+
+
+def _clear(run_dir: Path) -> None:
+    """Remove every entry of a pure run dir except the lock (held by the caller). Refuses if anything foreign."""
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        raise RunDirError(f"{run_dir} holds files finetune did not write ({_listing(foreign)}); nothing was deleted")
+    for entry in run_dir.iterdir():
+        if entry.name == LOCK:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete one checkpoint folder (complete or a crashed ``.tmp``) of a run."""
+    if path.parent.name != CHECKPOINTS or not _STEP.fullmatch(path.name.removesuffix(TMP)) or path.is_symlink():
+        raise AssertionError(f"not a checkpoint folder: {path}")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_scratch(path: Path) -> None:
+    """Delete a ``.tmp`` folder that this process created (an export or merge being written)."""
+    if not path.name.endswith(TMP) or path.is_symlink():
+        raise AssertionError(f"not a scratch folder: {path}")
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def publish(tmp: Path, out: Path, old: Path) -> None:
+    """Put the completed folder ``tmp`` at ``out``. A previous ``out`` is moved to ``old`` first and deleted only
+    once the new one is in place, so a crash at any moment leaves a complete export at ``out`` or at ``old``."""
+    if old.exists():
+        remove_scratch(old)
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    if old.exists():
+        remove_scratch(old)
+
+
+# --- where a run dir may be ------------------------------------------------------------------------------------
+
+
+def _is_at_or_above(folder: Path, other: Path) -> bool:
+    return folder == other or folder in other.parents
+
+
+def check_location(run_dir: Path, protected: Iterable[Path | str] = ()) -> None:
+    """Refuse run dirs that would mix a run into, or let ``--overwrite`` reach, what is not the run's: ``/``, the
+    home folder, the current folder (or a folder above them), a folder that holds the recipe, the data, the model
+    or finetune itself, and a path that is a file."""
+    target = run_dir.resolve()
+    places: list[tuple[Path, str]] = [(Path.cwd().resolve(), "the current folder")]
+    with contextlib.suppress(RuntimeError, KeyError):  # no home folder known: nothing to protect there
+        places.append((Path.home().resolve(), "your home folder"))
+    places.append((Path(__file__).resolve().parent, "the finetune package"))
+    places += [(Path(p).resolve(), str(p)) for p in protected if p]
+    why = "it is the root folder" if target.parent == target else next(
+        (f"{what} is in it" if where != target else f"it is {what}" for where, what in places
+         if _is_at_or_above(target, where)), None)
+    if why is None and target.exists() and not target.is_dir():
+        why = "it is a file"
+    enclosing = enclosing_run(target.parent) if why is None else None
+    if enclosing is not None:
+        why = f"it lies inside the run {enclosing}"
+    if why:
+        raise RunDirError(f"{run_dir}: cannot be a run directory ({why}); choose another output_dir / -o, "
+                          "e.g. runs/<name>")
+
+
+# --- the lock --------------------------------------------------------------------------------------------------
+
+
+class RunLock:
+    """An exclusive ``flock`` on ``<run_dir>/finetune.lock`` for the life of the process that holds it.
+
+    The kernel drops it when the process ends in any way (SIGKILL included), so it never goes stale. The file
+    holds the holder's pid and command for the refusal message. ``inherit()`` keeps it across ``exec`` (the
+    ``accelerate launch`` that replaces the front process holds it until every rank has exited).
+    """
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
+
+    @staticmethod
+    def _take(fd: int, run_dir: Path) -> None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "another process"
+            os.close(fd)
+            raise RunDirError(f"{run_dir} is in use by {holder}; wait for it to finish or stop it, then try again") \
+                from None
+
+    @classmethod
+    def check_free(cls, run_dir: Path) -> None:
+        """Raise like :meth:`acquire` when a live process holds the run, without creating or keeping anything."""
+        try:
+            fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        cls._take(fd, run_dir)
+        os.close(fd)
+
+    @classmethod
+    def acquire(cls, run_dir: Path, command: str) -> RunLock:
+        """Take the run's lock, or raise a RunDirError naming the live process that holds it."""
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        cls._take(fd, run_dir)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} (`{command}`, since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
+        return cls(fd, run_dir / LOCK)
+
+    def inherit(self) -> None:
+        """Keep the lock in a program this process ``exec``s."""
+        os.set_inheritable(self.fd, True)
+
+    def release(self) -> None:
+        """Drop the lock (idempotent)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+# --- creating and opening runs ---------------------------------------------------------------------------------
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``path`` through ``path.tmp`` + rename, so a reader never sees half a file."""
+    tmp = path.with_name(path.name + TMP)
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+
+
+def write_resolved(cfg: RecipeConfig, run_dir: Path, name: str = RESOLVED) -> Path:
+    """Write ``<run_dir>/recipe.resolved.yaml`` atomically: from here on the single source of truth of the run.
+    A resume writes ``recipe.resuming.yaml`` instead, which :func:`adopt_resumed` makes the run's recipe once the
+    checkpoint has loaded (a resume that fails leaves the run's recipe as it was)."""
+    from finetune.config import to_yaml
+
+    path = run_dir / name
+    write_text_atomic(path, to_yaml(cfg))
+    return path
+
+
+def adopt_resumed(cfg: RecipeConfig | None, run_dir: Path) -> None:
+    """The resume's recipe becomes the run's recipe (its checkpoint loaded), or is dropped (``cfg`` None: the
+    checkpoint did not load, and the run keeps the recipe it had)."""
+    if cfg is not None:
+        write_resolved(cfg, run_dir)
+    (run_dir / RESUMING).unlink(missing_ok=True)
+
+
+def run_id(run_dir: Path) -> str:
+    """The run's id from its marker; a RunDirError when ``run_dir`` is not a finetune run."""
+    try:
+        data = json.loads((run_dir / MARKER).read_text(encoding="utf-8"))
+        return str(data["run_id"])
+    except FileNotFoundError:
+        raise RunDirError(f"{run_dir}: not a finetune run directory (no {MARKER}; runs made by finetune before "
+                          "0.2 have none); start a run with `finetune run`") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise RunDirError(f"{run_dir / MARKER} is corrupted; this run cannot be verified") from None
+
+
+def _visible(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
+
+
+def create(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = (), command: str = "finetune run"
+           ) -> RunLock:
+    """Make ``run_dir`` a new, empty run and lock it (the caller releases the lock when the run ends).
+
+    Allowed: a folder that does not exist or is empty; with ``overwrite``, a finetune run that holds nothing but
+    what finetune wrote (those entries are deleted). Refused: a run without ``overwrite``, a run that holds
+    anything else, any other non-empty folder, a run another process is using, and the places
+    :func:`check_location` protects.
+    """
+    check_location(run_dir, protected)
+    if run_dir.is_dir() and _visible(run_dir):
+        if not (run_dir / MARKER).is_file():
+            raise RunDirError(f"{run_dir} exists and is not a finetune run (it holds {_listing(_visible(run_dir))}); "
+                              "finetune never writes into or deletes such a folder: choose another output_dir / -o")
+        RunLock.check_free(run_dir)
+        if not overwrite:
+            raise RunDirError(f"{run_dir} already holds a run; pass --overwrite to replace it (only what finetune "
+                              f"wrote is deleted), -o DIR for a new one, or `finetune resume {run_dir}` to continue it")
+        lock = RunLock.acquire(run_dir, command)
+        try:
+            foreign = foreign_entries(run_dir)
+            if foreign:
+                raise RunDirError(f"{run_dir}: --overwrite refused: it holds files finetune did not write "
+                                  f"({_listing(foreign)}); move them away or choose another -o; nothing was deleted")
+            _clear(run_dir)
+        except BaseException:
+            lock.release()
+            raise
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = RunLock.acquire(run_dir, command)
+    from finetune import __version__
+
+    write_text_atomic(run_dir / MARKER, json.dumps({"run_id": uuid.uuid4().hex, "finetune": __version__,
+                                                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")
+    return lock
+
+
+def open_existing(run_dir: Path, command: str) -> tuple[RunLock, str]:
+    """Lock an existing run for a command that writes it (resume); returns the lock and the run id."""
+    if not run_dir.is_dir():
+        raise RunDirError(f"{run_dir}: not a run directory (no such folder); start one with `finetune run`")
+    rid = run_id(run_dir)
+    return RunLock.acquire(run_dir, command), rid
+
+
+def enclosing_run(path: Path) -> Path | None:
+    """The run directory that ``path`` is (or lies in), if any: the nearest folder at or above it with a marker."""
+    path = path.resolve()
+    return next((p for p in (path, *path.parents) if (p / MARKER).is_file()), None)

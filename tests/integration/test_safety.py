@@ -1,0 +1,322 @@
+"""Safe by default, proved on real runs: a checkpoint is data (a payload planted in any file never runs), every file
+is verified before anything is loaded or logged rows are dropped, a run resumes only from its own checkpoints, remote
+code runs only when this command line asks, a diverging run stops (exit 3) without replacing a good export, a full
+disk loses nothing, and a live run cannot be replaced, resumed or merged by a second command."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from finetune import hooks, rundir
+from finetune.tracking import read_metrics
+from tests.cli_helpers import main_exit
+from tests.integration.conftest import DATA, REPO, recipe_file, trained_run
+
+pytestmark = pytest.mark.integration
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+
+
+def one_error_line(err: str) -> str:
+    """The single ``error:`` line a refused command prints (no traceback, nothing else)."""
+    lines = [line for line in err.strip().splitlines() if not line.startswith("[")]  # deepspeed's import notice
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+SHORT = {"train": {"max_steps": 4}, "checkpoint": {"every_steps": 2, "keep_last": 3}, "data": {"eval": None}}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """A finished 4-step run with checkpoints at steps 2 and 4 and a final export (copied by each test)."""
+    return trained_run(tmp_path_factory.mktemp("trained"), "pristine", **SHORT)
+
+
+def copy_run(trained: Path, tmp_path: Path, name: str = "run") -> Path:
+    run = tmp_path / name
+    shutil.copytree(trained, run, ignore=shutil.ignore_patterns(rundir.LOCK))
+    return run
+
+
+class Payload:
+    """Unpickling this runs ``touch <marker>``: what an attacker plants."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def plant(path: Path, marker: Path) -> None:
+    """Replace ``path`` with a payload in the form its loader would unpickle (torch.save zip or a raw pickle)."""
+    if path.suffix in (".bin", ".pt", ".pkl", ".pth"):
+        torch.save(Payload(marker), path)
+    else:
+        path.write_bytes(pickle.dumps(Payload(marker)))
+
+
+def fix_manifest(folder: Path) -> None:
+    """Recompute the manifest's inventory, as an attacker who can write the run dir would."""
+    data = json.loads((folder / rundir.MANIFEST).read_text())
+    data["files"] = rundir.inventory(folder)
+    (folder / rundir.MANIFEST).write_text(json.dumps(data))
+
+
+def test_a_payload_in_any_checkpoint_file_never_runs(trained: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """Every file of a checkpoint (and an extra custom_checkpoint_0.pkl, accelerate's pickle path) in turn holds a
+    payload, with the manifest fixed up to match: resume and eval refuse or ignore it, and nothing runs."""
+    names = [*sorted(p.name for p in rundir.step_dir(trained, 2).iterdir()), "custom_checkpoint_0.pkl"]
+    assert {"model.safetensors", "optimizer.bin", "scheduler.json", "rng_state_0.json", "train_state.json",
+            "random_states_0.pkl", rundir.MANIFEST, rundir.RESOLVED} <= set(names)
+    outcomes = {}
+    for name in names:
+        run = copy_run(trained, tmp_path, f"run-{name}")
+        ckpt = rundir.step_dir(run, 2)
+        marker = tmp_path / f"PWNED-{name}"
+        plant(ckpt / name, marker)
+        if name != rundir.MANIFEST:
+            fix_manifest(ckpt)
+        rows_before = (run / rundir.METRICS).read_bytes()
+        for command in (["resume", str(run), "--from", "step-000002"], ["eval", str(ckpt), "data.eval=" +
+                                                                          str(DATA / "reverse_eval.jsonl")]):
+            code, _, err = main_exit(monkeypatch, capsys, *command)
+            assert not marker.exists(), f"payload in {name} ran during {command[0]}"
+            assert code in (0, 2), (name, command[0], code, err)
+            if code == 2:
+                one_error_line(err)
+                if command[0] == "resume":
+                    assert (run / rundir.METRICS).read_bytes() == rows_before, "rows dropped before a failed load"
+            outcomes[(name, command[0])] = code
+    # resume reads every file but accelerate's RNG pickle (its failed load is ignored; our JSON RNG state is used),
+    # and accelerate refuses an unregistered custom_checkpoint_0.pkl without opening it; eval reads the manifest, the
+    # recipe and the weights
+    ignored = {"random_states_0.pkl"}
+    read_by_eval = {rundir.MANIFEST, rundir.RESOLVED, "model.safetensors"}
+    assert outcomes == {**{(n, "resume"): 0 if n in ignored else 2 for n in names},
+                        **{(n, "eval"): 2 if n in read_by_eval else 0 for n in names}}
+
+
+def test_changed_bytes_of_the_same_size_are_refused_before_anything_is_touched(trained: Path, tmp_path: Path,
+                                                                               monkeypatch, capsys) -> None:
+    run = copy_run(trained, tmp_path)
+    weights = rundir.step_dir(run, 4) / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0xFF  # one tensor byte: same size, a valid file, different weights
+    weights.write_bytes(bytes(data))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(run), "train.max_steps=6", "--allow-config-change")
+    assert code == 2 and "model.safetensors was modified (sha256 differs)" in one_error_line(err)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != rundir.LOCK} == \
+        {p: b for p, b in before.items() if p.name != rundir.LOCK}
+    code, _, err = main_exit(monkeypatch, capsys, "eval", str(weights.parent),
+                             f"data.eval={DATA / 'reverse_eval.jsonl'}")
+    assert code == 2 and "failed verification" in one_error_line(err)
+
+
+def test_from_refuses_a_checkpoint_of_another_run(trained: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    mine = tmp_path / "mine"
+    code, _, _ = main_exit(monkeypatch, capsys, "run", str(recipe_file(tmp_path, "mine", **SHORT)))
+    assert code == 0
+    other = copy_run(trained, tmp_path, "other")  # same recipe and data, but another run
+    rows = (mine / rundir.METRICS).read_bytes()
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(mine), "--from", str(rundir.step_dir(other, 2)))
+    assert code == 2 and "belongs to another run" in one_error_line(err)
+    assert (mine / rundir.METRICS).read_bytes() == rows
+
+
+EVIL_MODELING = """
+from pathlib import Path
+Path({marker!r}).write_text("remote code ran")
+from transformers import LlamaForCausalLM as EvilForCausalLM
+"""
+
+
+def test_remote_code_runs_only_with_the_flag_on_this_command_line(trained: Path, tmp_path: Path, monkeypatch,
+                                                                  capsys) -> None:
+    """Someone else's run: its recipe says trust_remote_code: true and its final/ ships modeling code."""
+    run = copy_run(trained, tmp_path)
+    final, marker = run / rundir.FINAL, tmp_path / "REMOTE-CODE-RAN"
+    config = json.loads((final / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (final / "config.json").write_text(json.dumps(config))
+    (final / "modeling_evil.py").write_text(EVIL_MODELING.format(marker=str(marker)))
+    for recipe in (final / rundir.RESOLVED, run / rundir.RESOLVED, rundir.step_dir(run, 4) / rundir.RESOLVED):
+        data = yaml.safe_load(recipe.read_text())
+        data["model"]["trust_remote_code"] = True
+        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    fix_manifest(final)
+    fix_manifest(rundir.step_dir(run, 4))
+    evaluation = ["eval", str(run), f"data.eval={DATA / 'reverse_eval.jsonl'}", "eval.metrics=[]"]
+    code, _, err = main_exit(monkeypatch, capsys, *evaluation)
+    assert code == 0 and not marker.exists(), err
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(run), "--from", "step-000004")
+    assert code == 0 and not marker.exists(), err
+    assert yaml.safe_load((run / rundir.RESOLVED).read_text())["model"]["trust_remote_code"] is False
+    code, _, err = main_exit(monkeypatch, capsys, *evaluation[:2], "model.trust_remote_code=true")
+    assert code == 2 and "--trust-remote-code" in one_error_line(err)
+    (final / "config.json").write_text(json.dumps(config))
+    (final / "modeling_evil.py").write_text(EVIL_MODELING.format(marker=str(marker)))
+    fix_manifest(final)
+    trusted = subprocess.run([sys.executable, "-m", "finetune", *evaluation, "--trust-remote-code"], env=ENV,
+                             capture_output=True, text=True, timeout=300)  # its own process: the code really runs
+    assert marker.exists(), f"the flag on this command line is honoured: {trusted.stderr[-2000:]}"
+
+
+def _poison_after(step: int) -> None:
+    """After optimizer step ``step``, set one weight of the final norm to NaN: every later loss is NaN."""
+    def poison(trainer) -> None:
+        if trainer.state.step == step:
+            norm = next(p for name, p in trainer.model.named_parameters() if name.endswith("model.norm.weight"))
+            with torch.no_grad():
+                norm[0] = float("nan")
+
+    hooks.register("after_step", poison)
+
+
+@pytest.fixture
+def _no_hooks():
+    hooks.clear()
+    yield
+    hooks.clear()
+
+
+@pytest.mark.usefixtures("_no_hooks")
+def test_a_diverging_run_stops_with_exit_3_and_keeps_the_good_export(trained: Path, tmp_path: Path, monkeypatch,
+                                                                    capsys) -> None:
+    """From step 6 on every loss is NaN: steps 6-8 are skipped and logged, the run stops after the third with exit
+    3 and one line that suggests a fix; the good final/ of the earlier run is untouched."""
+    run = copy_run(trained, tmp_path)
+    good = {p.name: p.read_bytes() for p in (run / rundir.FINAL).iterdir()}
+    _poison_after(5)
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(run), "train.max_steps=12", "--allow-config-change")
+    line = one_error_line(err)
+    assert code == 3 and "training diverged: 3 steps in a row up to step 8" in line, err
+    assert "optim.lr" in line and "bf16" in line and "max_grad_norm" in line
+    assert {p.name: p.read_bytes() for p in (run / rundir.FINAL).iterdir()} == good
+    rows = [r for r in read_metrics(run) if r["kind"] == "train"]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows if r.get("nonfinite")] == [6, 7, 8] and all(r["skipped"] for r in rows[5:])
+    assert "step 6: loss nan" in (run / rundir.TRAIN_LOG).read_text()
+
+
+@pytest.mark.usefixtures("_no_hooks")
+def test_non_finite_weights_are_never_exported(trained: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A run allowed more skipped steps than it has left reaches the export with NaN weights: refused (exit 3), and
+    the previous final/ stays."""
+    run = copy_run(trained, tmp_path)
+    good = {p.name: p.read_bytes() for p in (run / rundir.FINAL).iterdir()}
+    _poison_after(5)
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(run), "train.max_steps=6",
+                             "train.max_nonfinite_steps=5", "--allow-config-change")
+    assert code == 3 and "the trained weights hold inf or nan" in one_error_line(err)
+    assert {p.name: p.read_bytes() for p in (run / rundir.FINAL).iterdir()} == good
+    assert not (run / rundir.FINAL_TMP).exists()
+
+
+def test_a_nonfinite_step_is_skipped_and_does_not_touch_the_weights(tmp_path: Path) -> None:
+    from finetune.config import load_recipe
+    from finetune.loop import train_step
+    from tests.integration.conftest import new_trainer
+
+    cfg, _ = load_recipe(recipe_file(tmp_path, "skip", data={"eval": None}))
+    trainer = new_trainer(cfg)
+    batches = iter(trainer.task.build_dataloader("train"))
+    final_norm = next(p for name, p in trainer.model.named_parameters() if name.endswith("model.norm.weight"))
+    with torch.no_grad():
+        final_norm[0] = float("nan")  # every token's hidden state: the loss and every gradient
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    stats = train_step(trainer, [next(batches) for _ in range(cfg.grad_accum)])
+    assert stats.nonfinite and stats.skipped
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) or torch.isnan(before[k]).any() for k in before)
+    assert trainer.optimizer.state_dict()["state"] == {}  # Adam never saw the step
+
+
+def _mount_small_disk(folder: Path, megabytes: int) -> bool:
+    folder.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}M", "tmpfs", str(folder)],
+                          capture_output=True, check=False)
+    return done.returncode == 0
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint_resumable(tmp_path: Path) -> None:
+    """A real ENOSPC (a small tmpfs) during the second checkpoint: one line, exit 2, the partial checkpoint removed,
+    the first one resumable, and the run resumes once there is room. Where no tmpfs can be mounted, a file-size
+    limit makes the real write fail the same way (EFBIG) and the first checkpoint is the one that fails."""
+    disk = tmp_path / "disk"
+    mounted = _mount_small_disk(disk, 3)
+    try:
+        data = {"format": "completion", "train": str(DATA / "tiny_completion.jsonl"), "eval": None}
+        recipe = recipe_file(tmp_path, "full", data=data, **{k: v for k, v in SHORT.items() if k != "data"})
+        run = disk / "run"
+        limit = None if mounted else 800_000  # bytes per file: the 1.1 MB optimizer state cannot be written
+
+        def preexec() -> None:
+            if limit:
+                import resource
+
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+                resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+        done = subprocess.run([sys.executable, "-m", "finetune", "run", str(recipe), "-o", str(run)], env=ENV,
+                              capture_output=True, text=True, timeout=300, preexec_fn=preexec)
+        line = one_error_line(done.stderr)
+        assert done.returncode == 2 and "cannot write checkpoint step-00000" in line and "partial write was removed" \
+            in line, done.stderr
+        assert not rundir.stale_checkpoint_dirs(run)
+        if not mounted:
+            assert rundir.checkpoint_dirs(run) == []
+            return
+        assert "step-000002 stays the newest resumable checkpoint" in line
+        assert [p.name for p in rundir.checkpoint_dirs(run)] == ["step-000002"]
+        subprocess.run(["mount", "-o", "remount,size=64M", str(disk)], check=True)
+        resumed = subprocess.run([sys.executable, "-m", "finetune", "resume", str(run)], env=ENV, capture_output=True,
+                                 text=True, timeout=300)
+        assert resumed.returncode == 0, resumed.stderr
+        assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == [1, 2, 3, 4]
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=False)
+
+
+def test_a_live_run_cannot_be_replaced_resumed_merged_or_rerun(tmp_path: Path) -> None:
+    """Two processes: while `finetune run` trains, every command that would write its run dir refuses with its pid;
+    once it is SIGKILLed the kernel drops the lock and the run resumes."""
+    recipe = recipe_file(tmp_path, "live", model={"type": "tiny-llama", "config_overrides": {"hidden_size": 256,
+                          "intermediate_size": 1024, "num_hidden_layers": 4}}, peft={"method": "lora"},
+                          train={"max_steps": 400}, checkpoint={"every_steps": 1, "keep_last": 1},
+                          data={"eval": None})
+    run = tmp_path / "live"
+    live = subprocess.Popen([sys.executable, "-m", "finetune", "run", str(recipe)], env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not rundir.checkpoint_dirs(run):
+            assert live.poll() is None and time.monotonic() < deadline, "the run ended before the test"
+            time.sleep(0.1)
+        for args in (["run", str(recipe), "--overwrite"], ["run", str(recipe)], ["resume", str(run)],
+                     ["merge", str(rundir.checkpoint_dirs(run)[-1]), "-o", str(tmp_path / "merged")]):
+            done = subprocess.run([sys.executable, "-m", "finetune", *args], env=ENV, capture_output=True, text=True,
+                                  timeout=120)
+            line = one_error_line(done.stderr)
+            assert done.returncode == 2 and f"is in use by pid {live.pid} (`finetune run" in line, (args, line)
+        assert live.poll() is None and (run / rundir.MARKER).is_file()
+    finally:
+        live.send_signal(signal.SIGKILL)
+        live.wait()
+    resumed = subprocess.run([sys.executable, "-m", "finetune", "resume", str(run), "train.max_steps=1",
+                              "--allow-config-change"], env=ENV, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr

@@ -1,0 +1,46 @@
+"""The one place where an exception becomes messages and an exit code (finetune.errors.run_main)."""
+
+from __future__ import annotations
+
+import errno
+
+import pytest
+
+from finetune.errors import ConfigError, Interrupted, NonFiniteError, RunDirError, describe, run_main
+
+
+@pytest.mark.parametrize(("exc", "code", "lines"), [
+    (ConfigError("a: bad\nb: worse"), 2, ["error: a: bad", "error: b: worse"]),
+    (RunDirError("runs/x is in use by pid 7"), 2, ["error: runs/x is in use by pid 7"]),
+    (NonFiniteError("training diverged"), 3, ["error: training diverged"]),
+    (Interrupted("stopped by signal after step 4", 143), 143, ["stopped by signal after step 4"]),
+    (KeyboardInterrupt(), 130, ["aborted (second interrupt): no checkpoint written for the current step"]),
+    (OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"), 2,
+     ["error: cannot use /runs/x/metrics.jsonl: no space left on the device; free some space"]),
+    (PermissionError(errno.EACCES, "Permission denied", "/runs"), 2, ["error: cannot use /runs: permission denied"]),
+    (OSError(errno.EROFS, "Read-only file system", "/ro/run"), 2, ["error: cannot use /ro/run: read-only file system"]),
+    (BrokenPipeError(errno.EPIPE, "Broken pipe"), 141, []),
+    (MemoryError(), 1, ["error: out of memory; lower train.micro_batch_size or data.max_seq_len"]),
+])
+def test_each_way_a_command_ends_has_its_code_and_lines(exc: BaseException, code: int, lines: list[str]) -> None:
+    assert describe(exc) == (code, lines)
+
+
+def test_an_unexpected_exception_is_one_line_that_says_how_to_see_more() -> None:
+    code, lines = describe(ValueError("first line\nsecond line"))
+    assert code == 1 and len(lines) == 1
+    assert lines[0].startswith("error: internal error: ValueError: first line") and "FINETUNE_DEBUG=1" in lines[0]
+
+
+def test_run_main_prints_and_exits(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("FINETUNE_DEBUG", raising=False)
+
+    def fail() -> None:
+        raise RunDirError("runs/x: nothing to resume")
+
+    with pytest.raises(SystemExit) as done:
+        run_main(fail)
+    assert done.value.code == 2 and capsys.readouterr().err == "error: runs/x: nothing to resume\n"
+    monkeypatch.setenv("FINETUNE_DEBUG", "1")
+    with pytest.raises(RunDirError):  # the traceback is shown
+        run_main(fail)
