@@ -261,10 +261,14 @@ _DCP_METADATA_GLOBALS = {
      ("collections", "OrderedDict")}
 
 
-def allow_checkpoint_records(backend: Backend) -> None:
-    """The plain records a backend's own checkpoint holds besides tensors, allowed for ``weights_only`` loads (which
-    every ``torch.load`` is, see finetune.checkpoint.forbid_unpickling). DeepSpeed's optimizer files hold its ZeRO
-    stage enum, its loss scaler's settings and fragment addresses: data classes that run no code when rebuilt."""
+def restrict_checkpoint_loading(backend: Backend) -> None:
+    """Data-only loading of the backend's own checkpoint format, on top of ``weights_only`` for every ``torch.load``
+    (finetune.checkpoint.forbid_unpickling). FSDP: DCP's ``.metadata`` pickle goes through
+    :func:`restrict_dcp_metadata`. DeepSpeed: its optimizer files hold its ZeRO stage enum, its loss scaler's
+    settings and fragment addresses, data classes that run no code when rebuilt: they are allowed. (Each is set up
+    only for its own backend: importing torch.distributed.checkpoint alone costs half a second.)"""
+    if backend.kind == "fsdp":
+        restrict_dcp_metadata()
     if backend.kind != "deepspeed":
         return
     import torch

@@ -348,18 +348,15 @@ def forbid_unpickling(backend: Backend | None = None) -> None:
     """Make every checkpoint load in this process data-only, whatever library does it.
 
     ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns every ``torch.load`` into ``weights_only=True`` (DeepSpeed and
-    torch.distributed.checkpoint pass ``weights_only=False``), with the backend's plain checkpoint records allowed
-    (:func:`finetune.backends.allow_checkpoint_records`); DCP's ``.metadata`` is read with a plain ``pickle.load``,
-    which is replaced by an unpickler that constructs only DCP's own metadata classes
-    (:func:`finetune.backends.restrict_dcp_metadata`)."""
+    torch.distributed.checkpoint pass ``weights_only=False``); the backend's own format is restricted by
+    :func:`finetune.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
     import os
 
-    from finetune.backends import allow_checkpoint_records, restrict_dcp_metadata
-
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
-    restrict_dcp_metadata()
     if backend is not None:
-        allow_checkpoint_records(backend)
+        from finetune.backends import restrict_checkpoint_loading
+
+        restrict_checkpoint_loading(backend)
 
 
 def _all_finite(state_dict: dict[str, Any] | None) -> bool:

@@ -42,11 +42,12 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     from finetune.tasks import build_task
     from finetune.tracking import build_tracker
 
-    run_id = rundir.run_id(run_dir)
     row = registry.get_model(cfg.model.type)
     lora.check_hardware(cfg.peft)
     accelerator, backend = make_accelerator(cfg, row)
     checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
+    accelerator.wait_for_everyone()  # under a user's launcher, rank 0 has created the run dir once it gets here
+    run_id = rundir.run_id(run_dir)
     if accelerator.num_processes != cfg.launch.num_processes:  # grad_accum (and so the global batch) depends on it
         raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
                           f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
