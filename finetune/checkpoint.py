@@ -103,12 +103,10 @@ def inspect(path: Path) -> CheckpointInfo:
     try:
         data = rundir.read_manifest(path)
         step, samples = int(data["step"]), int(data["samples_seen"])
-    except RunDirError as exc:
-        reason = "no manifest.json" if not (path / rundir.MANIFEST).is_file() else f"manifest.json is corrupted " \
-            f"({str(exc).rsplit('(', 1)[-1].rstrip(')')})"
-        return CheckpointInfo(path, None, None, False, reason, size, None, None)
+    except rundir.ManifestError as exc:
+        return CheckpointInfo(path, None, None, False, exc.reason, size, None, None)
     except (KeyError, TypeError, ValueError):
-        return CheckpointInfo(path, None, None, False, "manifest.json is corrupted (no step)", size, None, None)
+        return CheckpointInfo(path, None, None, False, f"{rundir.MANIFEST} is corrupted (no step)", size, None, None)
     problems = rundir.inventory_problems(path, data, hashes=False)
     reason = None if data.get("resumable", False) else str(data.get("reason"))
     if problems:

@@ -16,10 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune import rundir
-from finetune.config import RecipeConfig, compose, validate
-from finetune.errors import ConfigError, RunDirError
-
-REMOTE_CODE_KEY = "model.trust_remote_code"
+from finetune.config import RecipeConfig, compose, remote_code_from_flag, validate
+from finetune.errors import RunDirError
 
 
 @dataclass
@@ -62,10 +60,7 @@ def open_target(target: Path, overrides: list[str], trust_remote_code: bool) -> 
     manifest = verify(where.recipe.parent, None)
     if where.checkpoint is not None:
         where.step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
-    if any(item.split("=", 1)[0].strip() == REMOTE_CODE_KEY for item in overrides):
-        raise ConfigError(f"{REMOTE_CODE_KEY} cannot be overridden here; pass --trust-remote-code")
-    remote = f"{REMOTE_CODE_KEY}={str(trust_remote_code).lower()}"
-    return where, validate(compose(where.recipe, [*overrides, remote]))
+    return where, validate(compose(where.recipe, remote_code_from_flag(overrides, trust_remote_code)))
 
 
 def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quantized: bool = True) -> Any:

@@ -17,13 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from finetune import checkpoint, rundir
-from finetune.config import RecipeConfig, compose, validate
+from finetune.config import REMOTE_CODE_KEY, RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import flatten
-from finetune.errors import ConfigError, FinetuneError, RunDirError
+from finetune.errors import FinetuneError, RunDirError
 
 LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "train.micro_batch_size", "logging.progress",
-               "output_dir", "model.trust_remote_code")
-REMOTE_CODE_KEY = "model.trust_remote_code"
+               "output_dir", REMOTE_CODE_KEY)
 
 
 @dataclass
@@ -63,8 +62,7 @@ def data_changes(cfg: RecipeConfig, manifest: dict[str, Any]) -> list[str]:
 def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None, allow_change: bool,
          trust_remote_code: bool = False) -> ResumePlan:
     """Pick and verify the checkpoint, and compose the recipe to continue with; refuse changes unless allowed."""
-    if any(item.split("=", 1)[0].strip() == REMOTE_CODE_KEY for item in overrides):
-        raise ConfigError(f"{REMOTE_CODE_KEY} cannot be overridden here; pass --trust-remote-code")
+    overrides = remote_code_from_flag(overrides, trust_remote_code)
     info = checkpoint.find(run_dir, from_name)
     complete = rundir.checkpoint_dirs(run_dir)
     newer = complete[complete.index(info.path) + 1:] if from_name is None and info.path in complete else []
@@ -72,9 +70,9 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
                for p in newer]
     checkpoint.verify(info.path, run_id)
     stored = info.path / rundir.RESOLVED
-    tail = [f"output_dir={run_dir.resolve()}", f"{REMOTE_CODE_KEY}={str(trust_remote_code).lower()}"]
-    cfg = validate(compose(stored, [*overrides, *tail]))
-    composed = compose(stored, tail[:1])
+    here = f"output_dir={run_dir.resolve()}"
+    cfg = validate(compose(stored, [*overrides, here]))
+    composed = compose(stored, [here])
     try:  # the stored recipe under today's schema: keys added since then hold their defaults, not "changes"
         before = validate(composed).model_dump(mode="json")
     except FinetuneError:

@@ -111,19 +111,26 @@ def inventory(folder: Path) -> dict[str, dict[str, Any]]:
             for rel, entry in sorted(_walk(folder)) if entry.is_file(follow_symlinks=False) and rel != MANIFEST}
 
 
+class ManifestError(RunDirError):
+    """A folder's manifest is missing or is not a manifest; ``reason`` says which, without the path."""
+
+    def __init__(self, folder: Path, reason: str) -> None:
+        super().__init__(f"{folder}: {reason}")
+        self.reason = reason
+
+
 def read_manifest(folder: Path) -> dict[str, Any]:
-    """The folder's manifest; a RunDirError saying what is wrong when it is missing or not a manifest."""
-    path = folder / MANIFEST
+    """The folder's manifest; a ManifestError saying what is wrong when it is missing or not a manifest."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise RunDirError(f"{folder}: no {MANIFEST}") from None
+        raise ManifestError(folder, f"no {MANIFEST}") from None
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise RunDirError(f"{path} is corrupted ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") \
-            from None
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ManifestError(folder, f"{MANIFEST} is corrupted ({detail})") from None
     files = data.get("files") if isinstance(data, dict) else None
     if not isinstance(files, dict) or not all(isinstance(v, dict) for v in files.values()):
-        raise RunDirError(f"{path} is corrupted (no file inventory)")
+        raise ManifestError(folder, f"{MANIFEST} is corrupted (no file inventory)")
     return data
 
 
@@ -157,7 +164,7 @@ def _foreign_in_listed(folder: Path, label: str) -> list[str]:
     """Entries of a checkpoint or export folder that its manifest does not list (all of it, without one)."""
     try:
         listed = read_manifest(folder)["files"]
-    except RunDirError:
+    except ManifestError:
         return [f"{label}/ (no readable {MANIFEST}: not written by finetune)"]
     return [f"{label}/{rel}" for rel, entry in sorted(_walk(folder))
             if rel != MANIFEST and rel not in listed and not (entry.is_dir(follow_symlinks=False)
