@@ -92,14 +92,11 @@ class CheckpointInfo:
     manifest: dict[str, Any] | None
 
 
-def _size(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and not f.is_symlink())
-
-
 def inspect(path: Path) -> CheckpointInfo:
     """Read a checkpoint's manifest and check that every file it lists is there with its size (cheap; the content
     hashes are checked by :func:`verify` before a resume or an eval loads it)."""
-    size = _size(path) if path.is_dir() else 0
+    present = rundir.entries(path) if path.is_dir() else {}
+    size = sum(e.stat(follow_symlinks=False).st_size for e in present.values() if e.is_file(follow_symlinks=False))
     try:
         data = rundir.read_manifest(path)
         step, samples = int(data["step"]), int(data["samples_seen"])
@@ -107,7 +104,7 @@ def inspect(path: Path) -> CheckpointInfo:
         return CheckpointInfo(path, None, None, False, exc.reason, size, None, None)
     except (KeyError, TypeError, ValueError):
         return CheckpointInfo(path, None, None, False, f"{rundir.MANIFEST} is corrupted (no step)", size, None, None)
-    problems = rundir.inventory_problems(path, data, hashes=False)
+    problems = rundir.inventory_problems(path, data, hashes=False, present=present)
     reason = None if data.get("resumable", False) else str(data.get("reason"))
     if problems:
         reason = "; ".join(problems[:3]) + (" ..." if len(problems) > 3 else "")

@@ -61,23 +61,29 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step-{step:06d}"
 
 
-def checkpoint_dirs(run_dir: Path) -> list[Path]:
-    """Complete checkpoint folders (``step-N``, renamed from ``step-N.tmp``), oldest first; anything else in
-    ``checkpoints/`` (a stray file, a symlink, a crashed ``.tmp``) is not a checkpoint."""
+def _is_step_folder(path: Path, *, tmp: bool) -> bool:
+    """A real folder (not a link) named ``step-N`` (``tmp``: ``step-N.tmp``, a write in progress or crashed)."""
+    name = path.name.removesuffix(TMP) if tmp else path.name
+    return path.name.endswith(TMP) == tmp and bool(_STEP.fullmatch(name)) and path.is_dir() and not path.is_symlink()
+
+
+def _step_folders(run_dir: Path, *, tmp: bool) -> list[Path]:
     root = run_dir / CHECKPOINTS
     if not root.is_dir() or root.is_symlink():
         return []
-    found = [p for p in root.iterdir() if _STEP.fullmatch(p.name) and p.is_dir() and not p.is_symlink()]
-    return sorted(found, key=lambda p: int(p.name.removeprefix("step-")))
+    return sorted((p for p in root.iterdir() if _is_step_folder(p, tmp=tmp)),
+                  key=lambda p: int(_STEP.fullmatch(p.name.removesuffix(TMP)).group(1)))  # type: ignore[union-attr]
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoint folders (``step-N``, renamed from ``step-N.tmp``), oldest first; anything else in
+    ``checkpoints/`` (a stray file, a symlink, a crashed ``.tmp``) is not a checkpoint."""
+    return _step_folders(run_dir, tmp=False)
 
 
 def stale_checkpoint_dirs(run_dir: Path) -> list[Path]:
     """``step-N.tmp`` folders: writes that never completed (a crash), never resumed from."""
-    root = run_dir / CHECKPOINTS
-    if not root.is_dir() or root.is_symlink():
-        return []
-    return sorted(p for p in root.iterdir() if p.name.endswith(TMP) and _STEP.fullmatch(p.name.removesuffix(TMP))
-                  and p.is_dir() and not p.is_symlink())
+    return _step_folders(run_dir, tmp=True)
 
 
 # --- inventories: what a checkpoint or export holds -------------------------------------------------------------
@@ -134,11 +140,18 @@ def read_manifest(folder: Path) -> dict[str, Any]:
     return data
 
 
-def inventory_problems(folder: Path, manifest: dict[str, Any], *, hashes: bool) -> list[str]:
+def entries(folder: Path) -> dict[str, os.DirEntry[str]]:
+    """Every file and link under ``folder`` by relative path (folders left out), from one walk."""
+    return {rel: entry for rel, entry in _walk(folder) if not entry.is_dir(follow_symlinks=False)}
+
+
+def inventory_problems(folder: Path, manifest: dict[str, Any], *, hashes: bool,
+                       present: dict[str, os.DirEntry[str]] | None = None) -> list[str]:
     """What differs between ``folder`` and its manifest's inventory: missing, resized or (with ``hashes``) changed
-    files, and files or links it does not list. Empty when the folder is exactly what was written."""
+    files, and files or links it does not list. Empty when the folder is exactly what was written. ``present``:
+    the folder's :func:`entries`, when the caller has them already."""
     listed: dict[str, dict[str, Any]] = manifest["files"]
-    present = {rel: entry for rel, entry in _walk(folder) if not entry.is_dir(follow_symlinks=False)}
+    present = entries(folder) if present is None else present
     problems = []
     for rel, expected in listed.items():
         entry = present.get(rel)
@@ -195,11 +208,10 @@ def _foreign_in_checkpoints(root: Path) -> list[str]:
     foreign: list[str] = []
     for entry in sorted(root.iterdir()):
         label = f"{CHECKPOINTS}/{entry.name}"
-        ours = _STEP.fullmatch(entry.name.removesuffix(TMP)) and entry.is_dir() and not entry.is_symlink()
-        if not ours:
-            foreign.append(label)
-        elif not entry.name.endswith(TMP):
+        if _is_step_folder(entry, tmp=False):
             foreign += _foreign_in_listed(entry, label)
+        elif not _is_step_folder(entry, tmp=True):
+            foreign.append(label)
     return foreign
 
 
@@ -217,10 +229,12 @@ def check_replaceable_export(folder: Path) -> None:
 
 
 def _clear(run_dir: Path) -> None:
-    """Remove every entry of a pure run dir except the lock (held by the caller). Refuses if anything foreign."""
+    """Remove every entry of a pure run dir except the lock (held by the caller); refuse, deleting nothing, when it
+    holds anything finetune did not write."""
     foreign = foreign_entries(run_dir)
     if foreign:
-        raise RunDirError(f"{run_dir} holds files finetune did not write ({_listing(foreign)}); nothing was deleted")
+        raise RunDirError(f"{run_dir}: --overwrite refused: it holds files finetune did not write "
+                          f"({_listing(foreign)}); move them away or choose another -o; nothing was deleted")
     for entry in run_dir.iterdir():
         if entry.name == LOCK:
             continue
@@ -232,7 +246,7 @@ def _clear(run_dir: Path) -> None:
 
 def remove_checkpoint(path: Path) -> None:
     """Delete one checkpoint folder (complete or a crashed ``.tmp``) of a run."""
-    if path.parent.name != CHECKPOINTS or not _STEP.fullmatch(path.name.removesuffix(TMP)) or path.is_symlink():
+    if path.parent.name != CHECKPOINTS or not (_is_step_folder(path, tmp=False) or _is_step_folder(path, tmp=True)):
         raise AssertionError(f"not a checkpoint folder: {path}")
     shutil.rmtree(path, ignore_errors=True)
 
@@ -411,10 +425,6 @@ def create(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = 
                               f"wrote is deleted), -o DIR for a new one, or `finetune resume {run_dir}` to continue it")
         lock = RunLock.acquire(run_dir, command)
         try:
-            foreign = foreign_entries(run_dir)
-            if foreign:
-                raise RunDirError(f"{run_dir}: --overwrite refused: it holds files finetune did not write "
-                                  f"({_listing(foreign)}); move them away or choose another -o; nothing was deleted")
             _clear(run_dir)
         except BaseException:
             lock.release()
