@@ -1,10 +1,10 @@
 """THE shared training loop: no model-specific code, every task and backend goes through here.
 
 Semantics (DESIGN.md): a *step* is one optimizer update, a *micro-step* one forward/backward. The training loss
-of a step is the sum of per-token losses over its whole accumulation window and all ranks, divided by the number
-of label tokens in that window; that division happens in one place (:func:`train_step`), and the logged loss is
-that number. Eval accuracy is ``sum(correct) / sum(total)`` over all ranks and all eval samples.
-Host syncs are marked ``# sync``.
+of a step is the sum of per-target losses over its whole accumulation window and all ranks, divided by the number
+of targets in that window (label tokens for causal LM, samples for classification: the task counts them); that
+division happens in one place (:func:`train_step`), and the logged loss is that number. Eval accuracy is
+``sum(correct) / sum(total)`` over all ranks and all eval samples. Host syncs are marked ``# sync``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 from finetune import checkpoint, hooks
 from finetune.backends import Backend
 from finetune.config import RecipeConfig
-from finetune.data.batching import count_label_tokens
 from finetune.errors import NonFiniteError
 from finetune.precision import Precision
 from finetune.signals import Interrupted, StopRequest
@@ -111,7 +110,7 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     """One optimizer step over this rank's micro-batches of the accumulation window; skipped (no update) when the
     window's loss or gradient norm is not finite."""
     acc, device = t.accelerator, t.accelerator.device
-    local_tokens = torch.tensor(float(sum(count_label_tokens(b) for b in window)), device=device)  # counted on host
+    local_tokens = torch.tensor(float(sum(map(t.task.count_targets, window))), device=device)  # counted on host
     window = [_to_device(b, device) for b in window]
     total_tokens = acc.reduce(local_tokens, reduction="sum")  # sync: the window's label tokens on all ranks
     # The one division: sum(loss over window and ranks) / total_tokens. Data-parallel backends average gradients
@@ -122,7 +121,7 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     for batch in window:
         with acc.accumulate(t.model):  # no gradient sync (and no DeepSpeed step) until the window's last micro-step
             with t.precision.autocast():
-                loss_sum, _ = t.task.train_output(t.model, batch)
+                loss_sum = t.task.train_output(t.model, batch)
             acc.backward(t.precision.scaler.scale(loss_sum / denominator))
         loss_sum_local += loss_sum.detach().double()
     assert acc.sync_gradients, "a window is exactly gradient_accumulation_steps micro-steps"

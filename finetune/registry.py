@@ -129,6 +129,9 @@ def register(row: SupportedModel) -> None:
     if unknown:
         raise ConfigError(f"SupportedModel {row.name!r}: unknown capabilities {sorted(unknown)}; "
                           f"known: {sorted(CAPABILITIES)}")
+    if "packing" in row.capabilities and row.task != "causal_lm":
+        raise ConfigError(f"SupportedModel {row.name!r}: packing is a causal_lm capability (a {row.task} row packs "
+                          "no next-token targets); remove it from capabilities")
     SUPPORTED_MODELS[row.name] = row
 
 

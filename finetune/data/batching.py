@@ -7,6 +7,10 @@ micro-batches. The position is one integer, ``samples consumed``; any position i
 permutation per epoch, no replay of consumed batches), and the global order does not depend on the number of
 processes or the micro-batch size. Evaluation shards the eval set by stride with no padding and no duplicates,
 so every eval sample is counted exactly once.
+
+A training micro-batch is collated padded (:class:`Collator`) or packed (:class:`PackingCollator`, for
+``data.packing``): the same samples either way, so the data cursor, the global batch (a number of samples) and
+the set of target tokens do not depend on the choice.
 """
 
 from __future__ import annotations
@@ -103,8 +107,28 @@ class Collator:
         return batch
 
 
-def count_label_tokens(batch: dict[str, Any]) -> int:
-    """Label tokens the loss is averaged over (classification: one per sample)."""
-    if "labels" in batch:
-        return int((batch["labels"][:, 1:] != IGNORE).sum())
-    return int(batch["label"].numel())
+class PackingCollator:
+    """Padding-free packing: concatenate a micro-batch's samples into one row ``[1, total]``.
+
+    ``position_ids`` restart at 0 for every sample and no ``attention_mask`` is passed: transformers then derives
+    the sample boundaries from the position ids (flash-attention varlen on GPU, a block-diagonal mask with sdpa
+    and eager), so no token attends across a boundary; tests/unit/test_packing.py proves it for every row that
+    claims the ``packing`` capability. The first label of every sample is IGNORE: in a padded batch the first
+    token of a sample is never a target, and here it would otherwise be the target of the previous sample's last
+    token. So the targets (and their count) are exactly those of the padded batch.
+    """
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        ids: list[int] = []
+        positions: list[int] = []
+        labels: list[int] = []
+        for row in filter(lambda r: r["input_ids"], rows):
+            ids.extend(row["input_ids"])
+            positions.extend(range(len(row["input_ids"])))
+            labels.append(IGNORE)
+            labels.extend(row["labels"][1:])
+        return {
+            "input_ids": torch.tensor([ids], dtype=torch.long),
+            "position_ids": torch.tensor([positions], dtype=torch.long),
+            "labels": torch.tensor([labels], dtype=torch.long),
+        }

@@ -2,7 +2,10 @@
 
 The loop owns everything else (accumulation, precision, clipping, stepping, logging, checkpoints). A task
 returns *sums* and *counts*, never means, so the loop can divide once over the whole accumulation window and
-all ranks (token-weighted loss) and sum eval counts over ranks exactly.
+all ranks (token-weighted loss) and sum eval counts over ranks exactly. What a "target" is belongs to the task
+(a next token, a class label, a preference pair): the loop asks the task to count the targets of each
+micro-batch on the host before the forward passes, because the division must be known before the first
+backward.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import DataBundle
-from finetune.data.batching import Collator, StreamSampler, eval_shard
+from finetune.data.batching import Collator, PackingCollator, StreamSampler, eval_shard
 
 
 @dataclass
@@ -35,7 +38,13 @@ class Task(Protocol):
 
     def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]: ...
 
-    def train_output(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def count_targets(self, batch: dict[str, Any]) -> int:
+        """The number of targets :meth:`train_output` sums its loss over (host tensors, before the forward)."""
+        ...
+
+    def train_output(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """The loss summed over the micro-batch's targets (a 0-d tensor with grad)."""
+        ...
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts: ...
 
@@ -59,9 +68,9 @@ class TaskData:
                 micro_batch=self.cfg.train.micro_batch_size, rank=self.rank, world=self.world,
                 seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle, start_sample=start_sample,
             )
+            collate = PackingCollator() if self.cfg.data.packing else Collator(self.pad_id)
             # own generator: creating the iterator must not draw from the global RNG (exact resume of dropout)
-            return DataLoader(dataset, batch_sampler=sampler, collate_fn=Collator(self.pad_id),
-                              generator=torch.Generator())
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator())
         assert split == "eval" and self.data.eval is not None
         full = self.data.eval.dataset
         collate = Collator(self.pad_id, with_prompts=self.with_prompts)

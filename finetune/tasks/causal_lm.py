@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from finetune.data.tokenize import IGNORE
 from finetune.tasks.base import EvalCounts, TaskData
+from finetune.tasks.losses import summed_cross_entropy
 
 
 def normalize(text: str) -> str:
@@ -22,13 +23,23 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The target of every position: the next label, IGNORE at the end. The labels are shifted rather than the
+    logits, so the ``[tokens x vocab]`` logits are never sliced into a copy."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def count_next_token_targets(labels: torch.Tensor) -> int:
+    """Target tokens of a batch: labels after the first position that are not IGNORE."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
 def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy (fp32), the number of target tokens, and the target mask."""
-    logits, targets = logits[:, :-1].float(), labels[:, 1:]
-    mask = targets != IGNORE
-    loss_sum = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE,
-                               reduction="sum")
-    return loss_sum, mask.sum(), mask
+    """Summed next-token cross-entropy (fp32 arithmetic, one chunk of the logits at a time: see
+    :mod:`finetune.tasks.losses`), the number of target tokens, and the targets (IGNORE where none)."""
+    targets = next_token_targets(labels)
+    loss_sum = summed_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return loss_sum, (targets != IGNORE).sum(), targets
 
 
 @torch.no_grad()
@@ -63,19 +74,25 @@ class CausalLMTask(TaskData):
         self.tokenizer = tokenizer
 
     def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+        """A padded batch has an attention mask; a packed one (data.packing) position ids and no mask. Never a KV
+        cache: with one, transformers skips the packed-sequence detection and samples attend to each other."""
+        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                     position_ids=batch.get("position_ids"), use_cache=False).logits
 
-    def train_output(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        loss_sum, num_tokens, _ = shifted_loss(self._logits(model, batch), batch["labels"])
-        return loss_sum, num_tokens
+    def count_targets(self, batch: dict[str, Any]) -> int:
+        """Next-token targets (a packed batch marks each sample's first label IGNORE, so the count is the same)."""
+        return count_next_token_targets(batch["labels"])
+
+    def train_output(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        return shifted_loss(self._logits(model, batch), batch["labels"])[0]
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
         logits = self._logits(model, batch)
-        loss_sum, num_tokens, mask = shifted_loss(logits, batch["labels"])
+        loss_sum, num_tokens, targets = shifted_loss(logits, batch["labels"])
         counts = EvalCounts(loss_sum, num_tokens)
         metrics = self.cfg.eval.metrics
         if "token_accuracy" in metrics:
-            hits = (logits[:, :-1].argmax(-1) == batch["labels"][:, 1:]) & mask
+            hits = (logits.argmax(-1) == targets) & (targets != IGNORE)
             counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits.sum(), num_tokens
         if "exact_match" in metrics:
             counts.correct["exact_match"] = torch.tensor(self._exact_matches(model, batch), device=logits.device)

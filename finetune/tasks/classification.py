@@ -16,10 +16,12 @@ class ClassificationTask(TaskData):
     def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         return model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
 
-    def train_output(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = self._logits(model, batch)
-        loss_sum = F.cross_entropy(logits, batch["label"], reduction="sum")
-        return loss_sum, torch.tensor(batch["label"].numel(), device=logits.device)
+    def count_targets(self, batch: dict[str, Any]) -> int:
+        """One target per sample."""
+        return int(batch["label"].numel())
+
+    def train_output(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        return F.cross_entropy(self._logits(model, batch), batch["label"], reduction="sum")
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
         logits = self._logits(model, batch)

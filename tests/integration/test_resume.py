@@ -86,7 +86,7 @@ def _no_hooks():
     hooks.clear()
 
 
-@pytest.mark.parametrize("case", ["mid_epoch", "across_epoch_boundary", "fp16"])
+@pytest.mark.parametrize("case", ["mid_epoch", "across_epoch_boundary", "fp16", "packing"])
 def test_straight_equals_sigterm_and_resume(tmp_path: Path, case: str) -> None:
     """12 straight steps == 6 steps, SIGTERM (checkpoint, exit 143), `finetune resume`, 6 more; bit-identical."""
     sections: dict = {}
@@ -95,6 +95,8 @@ def test_straight_equals_sigterm_and_resume(tmp_path: Path, case: str) -> None:
                     "train": {"micro_batch_size": 5, "global_batch_size": 10, "max_steps": 12}}
     if case == "fp16":
         sections = {"train": {"mixed_precision": "fp16"}}
+    if case == "packing":
+        sections = {"data": {"packing": True}}
     recipe = resume_recipe(**sections)
     assert _cli("run", str(_write(tmp_path, recipe, "straight"))) == 0
 

@@ -34,6 +34,7 @@ def test_golden_losses(train_recipe) -> None:
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("optim,tolerance", [
     # SGD passes gradients through linearly: this is the accumulation math itself (measured ~2e-7).
     ({"name": "sgd", "lr": 0.5, "momentum": 0.9}, 1e-5),
@@ -41,13 +42,15 @@ def test_golden_losses(train_recipe) -> None:
     # summation order) grow to ~1.5e-5 after 3 steps, so the bound is looser; a mean-of-means bug is ~1e-2.
     ({"name": "adamw", "lr": 1e-3}, 1e-4),
 ])
-def test_accumulation_invariance(train_recipe, optim: dict, tolerance: float) -> None:
-    """micro 8 x accum 1, 2 x 4 and 1 x 8 on rows of very different lengths give the same weights."""
+def test_accumulation_invariance(train_recipe, optim: dict, tolerance: float, packing: bool) -> None:
+    """micro 8 x accum 1, 2 x 4 and 1 x 8 on rows of very different lengths give the same weights, padded or
+    packed (data.packing)."""
     weights = {}
     for micro in (8, 2, 1):
         recipe = tiny_recipe(
             name=f"acc{micro}", optim=optim,
-            data={"format": "completion", "train": str(DATA / "tiny_completion.jsonl"), "eval": None},
+            data={"format": "completion", "train": str(DATA / "tiny_completion.jsonl"), "eval": None,
+                  "packing": packing},
             train={"micro_batch_size": micro, "global_batch_size": 8, "max_steps": 3},
         )
         weights[micro] = final_weights(train_recipe(recipe))
@@ -55,14 +58,31 @@ def test_accumulation_invariance(train_recipe, optim: dict, tolerance: float) ->
     assert max_rel_diff(weights[8], weights[1]) <= tolerance
 
 
+def test_packed_and_padded_runs_take_the_same_steps(train_recipe) -> None:
+    """data.packing changes how a micro-batch is laid out, not what is trained: the same per-step losses and
+    weights (<= 1e-5) as the padded run, with no pad token fed to the model."""
+    runs = {}
+    for packing in (False, True):
+        recipe = tiny_recipe(name=f"packing-{packing}", optim={"name": "sgd", "lr": 0.5},
+                             data={"format": "completion", "train": str(DATA / "tiny_completion.jsonl"),
+                                   "eval": None, "packing": packing},
+                             train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 3})
+        runs[packing] = train_recipe(recipe)
+    assert _train_losses(runs[True]) == pytest.approx(_train_losses(runs[False]), rel=1e-5, abs=0)
+    assert max_rel_diff(final_weights(runs[False]), final_weights(runs[True])) <= 1e-5
+    tokens = [[r["tokens"] for r in read_metrics(run) if r["kind"] == "train"] for run in runs.values()]
+    assert tokens[0] == tokens[1]  # the same targets counted
+
+
 def test_micro_batches_carry_different_token_counts() -> None:
     """The invariance test is only meaningful if micro-batches differ in label tokens (mean-of-means would differ)."""
     from finetune.config import RecipeConfig
-    from finetune.data.batching import Collator, StreamSampler, count_label_tokens
+    from finetune.data.batching import Collator, StreamSampler
     from finetune.data.loading import load_raw
     from finetune.data.tokenize import tokenize_rows
     from finetune.modeling import build_tokenizer
     from finetune.registry import get_model
+    from finetune.tasks.causal_lm import count_next_token_targets
 
     cfg = RecipeConfig.model_validate(tiny_recipe(data={"format": "completion"}))
     tokenizer = build_tokenizer(cfg.model, get_model("tiny-llama"))
@@ -70,7 +90,8 @@ def test_micro_batches_carry_different_token_counts() -> None:
                     max_len=64, overlong="truncate").dataset
     sampler = StreamSampler(len(data), global_batch=8, micro_batch=2, rank=0, world=1, seed=7, shuffle=True)
     indices = sampler.step_indices(0)
-    counts = [count_label_tokens(Collator(0)([data[i] for i in indices[j:j + 2]])) for j in range(0, 8, 2)]
+    counts = [count_next_token_targets(Collator(0)([data[i] for i in indices[j:j + 2]])["labels"])
+              for j in range(0, 8, 2)]
     assert len(set(counts)) > 1
 
 

@@ -65,3 +65,11 @@ def test_register_rejects_unknown_capabilities() -> None:
     with pytest.raises(ConfigError, match="unknown capabilities"):
         registry.register(bad)
     assert "bad" not in SUPPORTED_MODELS
+
+
+def test_register_rejects_packing_for_a_classifier() -> None:
+    row = SUPPORTED_MODELS["bert"]
+    bad = registry.SupportedModel(**{**row.__dict__, "name": "bad", "capabilities": frozenset({"packing"})})
+    with pytest.raises(ConfigError, match="packing is a causal_lm capability"):
+        registry.register(bad)
+    assert "bad" not in SUPPORTED_MODELS

@@ -19,7 +19,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from finetune.data import DataBundle
-from finetune.data.batching import Collator, count_label_tokens
+from finetune.data.batching import Collator
 from finetune.data.tokenize import IGNORE, Tokenized, tokenize_rows
 from finetune.tasks.causal_lm import CausalLMTask, greedy_generate, normalize
 from finetune.tasks.classification import ClassificationTask
@@ -40,7 +40,7 @@ def make_cfg(metrics: list[str] | None = None, max_new_tokens: int = 8, **train:
     return SimpleNamespace(
         eval=SimpleNamespace(metrics=metrics or [], max_new_tokens=max_new_tokens, batch_size=2),
         train=SimpleNamespace(**{"global_batch_size": 4, "micro_batch_size": 2, "seed": 0, **train}),
-        data=SimpleNamespace(shuffle=True),
+        data=SimpleNamespace(shuffle=True, packing=False),
     )
 
 
@@ -73,10 +73,10 @@ def batch(tokenized: Tokenized) -> dict[str, Any]:
 def test_causal_train_output_matches_hf_loss(llama: Any, batch: dict[str, Any], tok: Any) -> None:
     task = CausalLMTask(make_cfg(), None, 0, 0, 1, tokenizer=tok)
     with torch.no_grad():
-        loss_sum, num_tokens = task.train_output(llama, batch)
+        loss_sum, num_tokens = task.train_output(llama, batch), task.count_targets(batch)
         hf = llama(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
     expected_tokens = int((batch["labels"][:, 1:] != IGNORE).sum())
-    assert int(num_tokens) == expected_tokens == count_label_tokens(batch)
+    assert num_tokens == expected_tokens
     # every answer token + eos of every row is a target; no pad, no prompt
     assert expected_tokens == sum(len(tok(r["output"], add_special_tokens=False)["input_ids"]) + 1 for r in ROWS)
     assert loss_sum.dtype == torch.float32 and loss_sum.ndim == 0
@@ -87,11 +87,12 @@ def test_causal_train_output_ignores_padding_rows(llama: Any, batch: dict[str, A
     """Sum over a batch == sum of the per-sample sums (padding adds nothing): what token weighting relies on."""
     task = CausalLMTask(make_cfg(), None, 0, 0, 1, tokenizer=tok)
     with torch.no_grad():
-        whole, whole_n = task.train_output(llama, batch)
-        parts = [task.train_output(llama, {k: batch[k][i:i + 1] for k in ("input_ids", "attention_mask", "labels")})
-                 for i in range(batch["input_ids"].size(0))]
+        whole, whole_n = task.train_output(llama, batch), task.count_targets(batch)
+        rows = [{k: batch[k][i:i + 1] for k in ("input_ids", "attention_mask", "labels")}
+                for i in range(batch["input_ids"].size(0))]
+        parts = [(task.train_output(llama, row), task.count_targets(row)) for row in rows]
     torch.testing.assert_close(whole, sum(p[0] for p in parts), rtol=1e-5, atol=1e-5)
-    assert int(whole_n) == sum(int(p[1]) for p in parts)
+    assert whole_n == sum(p[1] for p in parts)
 
 
 def test_classification_train_output_matches_cross_entropy() -> None:
@@ -103,11 +104,11 @@ def test_classification_train_output_matches_cross_entropy() -> None:
                                 {"input_ids": [1, 60, 61, 2], "label": 1}])
     task = ClassificationTask(make_cfg(["accuracy"]), None, 0, 0, 1)
     with torch.no_grad():
-        loss_sum, n = task.train_output(model, batch)
+        loss_sum, n = task.train_output(model, batch), task.count_targets(batch)
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         counts = task.eval_output(model, batch)
     torch.testing.assert_close(loss_sum, F.cross_entropy(logits, batch["label"], reduction="sum"))
-    assert int(n) == 3 == count_label_tokens(batch)
+    assert n == 3
     torch.testing.assert_close(counts.loss_sum, loss_sum)
     assert int(counts.num_tokens) == 3
     assert int(counts.correct["accuracy"]) == int((logits.argmax(-1) == batch["label"]).sum())
@@ -247,7 +248,7 @@ def test_token_accuracy_counts_shifted_label_tokens(llama: Any, tok: Any, batch:
     assert int(counts.total["token_accuracy"]) == int(counts.num_tokens) == targets
     hits = (logits[:, :-1].argmax(-1) == labels[:, 1:]) & (labels[:, 1:] != IGNORE)
     assert int(counts.correct["token_accuracy"]) == int(hits.sum())
-    train_sum, _ = task.train_output(llama, batch)
+    train_sum = task.train_output(llama, batch)
     torch.testing.assert_close(counts.loss_sum, train_sum)
     # a model that predicts every next label perfectly gets total/total; predicting position 0 is not counted
     perfect = torch.zeros(*labels.shape, 512)
