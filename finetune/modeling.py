@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.util
+import re
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,11 @@ from finetune.registry import SupportedModel, model_type_problem
 ASSETS = Path(__file__).resolve().parent / "assets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")  # learned absolute positions (BERT, GPT-2, OPT)
+# transformers' methods that accept or refuse an attention implementation while a model is built: an exception
+# raised inside one of them is a refusal of model.attn_implementation, not a problem of the weights
+ATTENTION_CHECKS = frozenset({"_check_and_adjust_attn_implementation", "get_correct_attn_implementation",
+                              "_flash_attn_can_dispatch", "_flash_attn_import_error", "_sdpa_can_dispatch",
+                              "set_attn_implementation"})
 
 
 def resolve_model_path(path: str) -> str:
@@ -53,6 +60,43 @@ def loading(what: str, where: str, key: str = "model.path") -> Iterator[None]:
         hint = ("; pass --trust-remote-code (or set model.trust_remote_code) only if you trust its code"
                 if "trust_remote_code" in str(exc) else "")
         raise ConfigError(f"{key}: cannot load the {what} from {where} ({type(exc).__name__}: {first}){hint}") \
+            from exc
+
+
+def flash_attn_installed() -> bool:
+    """Whether the flash_attn package can be imported (looked up, not imported: importing loads CUDA kernels)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def check_attention(cfg: ModelConfig) -> None:
+    """Refuse, in one line, a ``model.attn_implementation`` this machine cannot run, before anything is built.
+
+    The recipe validator already refuses flash_attention_2 without flash_attn and in fp32 without autocast; the
+    CUDA device can only be checked where the model runs (flash-attn has no CPU kernels)."""
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    if not flash_attn_installed():
+        raise ConfigError("model.attn_implementation: flash_attention_2 needs the flash_attn package, which is not "
+                          "installed; pip install flash-attn on a CUDA machine, or use model.attn_implementation=sdpa")
+    if not torch.cuda.is_available():
+        raise ConfigError("model.attn_implementation: flash_attention_2 needs a CUDA device and none is available "
+                          "here; use model.attn_implementation=sdpa (or null) on this machine")
+
+
+@contextlib.contextmanager
+def attention_support(cfg: ModelConfig, row: SupportedModel) -> Iterator[None]:
+    """Turn transformers' refusal of ``model.attn_implementation`` for this model class (it raises ValueError or
+    ImportError from its attention checks while the model is built) into one ConfigError line naming the key."""
+    try:
+        yield
+    except (ValueError, ImportError) as exc:
+        refused = any(frame.f_code.co_name in ATTENTION_CHECKS for frame, _ in traceback.walk_tb(exc.__traceback__))
+        if cfg.attn_implementation is None or not refused:
+            raise
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        sentence = re.split(r"(?<=\.)\s", first, maxsplit=1)[0][:240]  # transformers' first sentence says why
+        raise ConfigError(f"model.attn_implementation: {row.name} cannot use {cfg.attn_implementation} "
+                          f"({sentence}); choose another model.attn_implementation or null (the model's default)") \
             from exc
 
 
@@ -93,24 +137,28 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
                 labels: list[str] | None = None, quantization: Any = None) -> Any:
     """Instantiate the row's auto class: pretrained weights from ``source``/``model.path``, else from config.
 
-    ``quantization`` (QLoRA's 4-bit config) needs pretrained weights."""
+    ``quantization`` (QLoRA's 4-bit config) needs pretrained weights. ``model.attn_implementation``, when set, is
+    passed to transformers on both paths (null keeps the model's default)."""
+    check_attention(cfg)
     auto = getattr(transformers, row.auto_class)
     config = build_config(cfg, row, source, labels)
     dtype = DTYPES[cfg.dtype]
+    attention = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     if source or cfg.path:
         where = source or resolve_model_path(cfg.path or "")
         extra: dict[str, Any] = {}
         if quantization is not None:  # 4-bit weights are placed at load time and cannot be moved afterwards
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
             extra = {"quantization_config": quantization, "device_map": {"": device}}
-        with loading("model weights", where):
-            model = auto.from_pretrained(where, config=config, dtype=dtype, **extra,
+        with loading("model weights", where), attention_support(cfg, row):
+            model = auto.from_pretrained(where, config=config, dtype=dtype, **extra, **attention,
                                          trust_remote_code=cfg.trust_remote_code)  # safe: as above
     else:
         if quantization is not None:
             raise ConfigError("peft.method=qlora quantizes pretrained weights; set model.path")
-        with loading("model", "its config (model.config_overrides)", key="model.config_overrides"):
-            model = auto.from_config(config, dtype=dtype,
+        with loading("model", "its config (model.config_overrides)", key="model.config_overrides"), \
+                attention_support(cfg, row):
+            model = auto.from_config(config, dtype=dtype, **attention,
                                      trust_remote_code=cfg.trust_remote_code)  # safe: as above
     return model
 
@@ -146,3 +194,44 @@ def build_base(cfg: ModelConfig, row: SupportedModel, seed: int, labels: list[st
 
     set_seed(seed)
     return build_model(cfg, row, labels=labels, quantization=quantization)
+
+
+@contextlib.contextmanager
+def compile_failures(enabled: bool) -> Iterator[None]:
+    """With ``train.compile`` on, turn a failed torch.compile into one ConfigError line naming the key.
+
+    torch compiles lazily: a missing or broken C++ compiler, an unsupported Python or an operator inductor cannot
+    lower surfaces at the first forward or backward pass (or later, at a recompile for new shapes), deep inside the
+    loop. The innermost exception (BackendCompilerFailed wraps the backend's own) is the one that says why."""
+    if not enabled:
+        yield
+        return
+    from torch._dynamo.exc import TorchDynamoException
+    from torch._inductor import exc as inductor
+
+    try:
+        yield
+    except (TorchDynamoException, inductor.CppCompileError, inductor.InvalidCxxCompiler,
+            inductor.OperatorIssue) as exc:
+        cause: BaseException = exc
+        while isinstance(getattr(cause, "inner_exception", None), BaseException):
+            cause = cause.inner_exception  # type: ignore[attr-defined]
+        first = (str(cause).strip().splitlines() or [""])[0][:240]
+        raise ConfigError(f"train.compile: torch.compile failed ({type(cause).__name__}: {first}); set "
+                          "train.compile=false to train without it") from exc
+
+
+def compile_model(model: torch.nn.Module) -> None:
+    """Compile ``model`` in place (``nn.Module.compile``) for ``train.compile``.
+
+    In place, not ``torch.compile(model)``: the module keeps its class and its state_dict keys (no ``_orig_mod.``
+    prefix), so checkpoints, exports, LoRA adapters and accelerate's unwrap_model see the model they always did.
+    Called after LoRA is applied (the adapters are part of the compiled graph) and before accelerate.prepare (which
+    wraps it for DDP/FSDP; accelerate's own dynamo plugin is not used). The compilation itself happens at the first
+    forward pass; :func:`compile_failures` turns its failure into a ConfigError."""
+    try:
+        model.compile()
+    except RuntimeError as exc:  # torch.compile refuses up front on a Python version dynamo does not support
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
+        raise ConfigError(f"train.compile: torch.compile is not available here ({first}); set "
+                          "train.compile=false") from exc

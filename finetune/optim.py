@@ -8,10 +8,38 @@ from typing import Any
 import torch
 
 from finetune.config.schema import OptimConfig, SchedulerConfig
+from finetune.errors import ConfigError
 
 
-def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW or SGD; weight decay applies to matrices only (not biases or norm weights), as is usual."""
+def fused_adamw_available(device_type: str) -> bool:
+    """Whether this torch has a fused AdamW kernel for ``device_type``, asked through the public API: one fused step
+    on a one-element parameter there (torch checks the device at the first step, not at construction)."""
+    try:
+        param = torch.zeros(1, device=device_type, requires_grad=True)
+        param.grad = torch.zeros_like(param)
+        torch.optim.AdamW([param], fused=True).step()
+    except (RuntimeError, AssertionError):  # no kernel; or no such device in this build ("not compiled with CUDA")
+        return False
+    return True
+
+
+def use_fused(choice: bool | None, device_type: str) -> bool:
+    """``optim.fused`` on ``device_type``: null means fused on CUDA only (on CPU the plain AdamW stays, so CPU runs
+    and their golden losses are unchanged), true requires the kernel, false never uses it."""
+    if choice is None:
+        return device_type == "cuda" and fused_adamw_available(device_type)
+    if choice and not fused_adamw_available(device_type):
+        raise ConfigError(f"optim.fused=true: torch {torch.__version__} has no fused AdamW kernel for device "
+                          f"{device_type!r}; set optim.fused to null (fused where available) or false")
+    return choice
+
+
+def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, device_type: str | None = None) -> torch.optim.Optimizer:
+    """AdamW or SGD; weight decay applies to matrices only (not biases or norm weights), as is usual.
+
+    ``device_type`` is where training runs (``accelerator.device.type``): the optimizer is built before
+    ``accelerator.prepare`` moves the parameters there, so their current device may not be it. None: the device of
+    the parameters now. It decides whether AdamW uses torch's fused kernel (``optim.fused``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
@@ -20,7 +48,10 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module) -> torch.optim.Opt
     groups = [g for g in groups if g["params"]]
     if cfg.name == "sgd":
         return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    device = device_type or (params[0].device.type if params else "cpu")
+    if use_fused(cfg.fused, device):
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)  # not fused=False: as it always was
 
 
 def lr_factor(step: int, cfg: SchedulerConfig, total_steps: int) -> float:

@@ -35,7 +35,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     from finetune import peft as lora
     from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
     from finetune.data import load_splits
-    from finetune.modeling import build_base, build_tokenizer, check_fits
+    from finetune.modeling import build_base, build_tokenizer, check_fits, compile_model
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.precision import Precision
     from finetune.state import TrainState
@@ -81,7 +81,9 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
         tracker.info(f"{cfg.peft.method}: {trainable} of {total} parameters trainable "
                      f"({100 * trainable / total:.3f}%), targets {', '.join(lora.target_modules(cfg.peft, row))}")
         lora.register_adapter_checkpointing(accelerator)
-    optimizer = build_optimizer(cfg.optim, model)
+    if cfg.train.compile:  # in place, after LoRA, before prepare: see modeling.compile_model
+        compile_model(model)
+    optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend.engine_owns_precision)
@@ -166,6 +168,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
     Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
     from finetune import checkpoint, loop
+    from finetune.modeling import compile_failures
 
     cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe)
     trainer = build_trainer(cfg, Path(cfg.output_dir or "."))
@@ -180,12 +183,13 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
                 raise
             if main:
                 rundir.adopt_resumed(cfg, trainer.run_dir)
-        with trainer.stop.installed():
+        with trainer.stop.installed(), compile_failures(cfg.train.compile):  # torch compiles at first use
             loop.train(trainer)
         if cfg.checkpoint.save_final:
-            out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg, trainer.run_dir,
-                                          trainer.backend, trainer.run_id, trainer.state.step,
-                                          probe=probe_batch(trainer), rebuild=clean_copy(trainer))
+            with compile_failures(cfg.train.compile):  # a LoRA export runs the (compiled) model on its probe
+                out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
+                                              trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
+                                              probe=probe_batch(trainer), rebuild=clean_copy(trainer))
             trainer.tracker.info(f"exported {out}")
     except Interrupted as exc:
         trainer.tracker.info(str(exc))

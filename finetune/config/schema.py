@@ -11,7 +11,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 # One path component that cannot climb out of runs/ or name a hidden or special folder ("", ".", "..", "a/b").
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
@@ -40,6 +40,12 @@ class ModelConfig(Section):
     config_overrides: dict[str, int | float | str | bool | None] = Field(
         default_factory=dict,
         description="keys set on the HF model config before building (e.g. attention_dropout: 0.1)",
+    )
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = Field(
+        default=None,
+        description="attention kernel passed to transformers; null: the model's own default (sdpa where supported). "
+        "flash_attention_2 needs the flash-attn package, a CUDA device and half precision "
+        "(model.dtype bfloat16/float16 or train.mixed_precision bf16/fp16)",
     )
 
     @field_validator("config_overrides", mode="before")
@@ -93,6 +99,11 @@ class TrainConfig(Section):
         default=3, ge=1,
         description="a step with a non-finite loss or gradient norm is skipped; this many in a row stop the run",
     )
+    compile: bool = Field(
+        default=False,
+        description="compile the model in place with torch.compile (nn.Module.compile: parameter names, checkpoints "
+        "and exports are unchanged); the first steps are slower while it compiles",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:
@@ -110,6 +121,21 @@ class OptimConfig(Section):
     betas: tuple[Beta, Beta] = (0.9, 0.999)
     eps: float = Field(default=1.0e-8, gt=0)
     momentum: float = Field(default=0.0, ge=0, description="sgd only")
+    fused: bool | None = Field(
+        default=None,
+        description="adamw only: torch's fused AdamW kernel. null: fused on CUDA, plain elsewhere; true: require it "
+        "(an error where the device has none); false: never",
+    )
+
+    @field_validator("fused")
+    @classmethod
+    def _fused_needs_adamw(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        """``name`` is validated before ``fused`` (field order), so the line can name this key."""
+        name = info.data.get("name")
+        if value and name not in (None, "adamw"):  # None: name itself is invalid and reported
+            raise ValueError(f"true needs optim.name=adamw (the fused kernel used here is AdamW's), got {name}; "
+                             "set optim.fused to null or false")
+        return value
 
 
 class SchedulerConfig(Section):

