@@ -131,9 +131,10 @@ def test_checks_refuse_a_variant_that_did_other_work(name: str, feeds: list, los
 
 def test_table_has_ratios_and_error_rows() -> None:
     bench = _bench(SAMPLES)
-    rows = [bt.Row("raw_padded", tok_s=100.0, non_pad=0.5), bt.Row("raw_packed", tok_s=200.0, non_pad=1.0),
+    rows = [bt.Row("raw_padded", tok_s=100.0, non_pad=0.5, rounds=[90.0, 100.0]),
+            bt.Row("raw_packed", tok_s=200.0, non_pad=1.0, rounds=[200.0]),
             bt.Row("finetune_packed", error="data.packing: not available")]
     table = bt.markdown_table(rows, bench, "peak RSS growth MiB").splitlines()
-    assert table[2].startswith("| raw_padded | 100 | 1.00x | 0.50x | 0.500 |")
-    assert table[3].startswith("| raw_packed | 200 | 2.00x | 1.00x | 1.000 |")
+    assert table[2].startswith("| raw_padded | 100 | 90 / 100 | 1.00x | 0.50x | 0.500 |")
+    assert table[3].startswith("| raw_packed | 200 | 200 | 2.00x | 1.00x | 1.000 |")
     assert table[4].startswith("| finetune_packed | error: data.packing: not available |")
