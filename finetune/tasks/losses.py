@@ -41,10 +41,10 @@ def default_chunk_rows(vocab_size: int) -> int:
     return max(1, CHUNK_BYTES // (4 * max(1, vocab_size)))
 
 
-def _fp32_log_softmax(chunk: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+def _fp32_log_softmax(chunk: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
     """fp32 log-softmax of one chunk: fp32 logits are written into ``buffer`` (no fresh allocation per chunk: on
     CPU a fresh large tensor costs page faults), half-precision ones upcast this chunk only."""
-    if chunk.dtype != torch.float32:
+    if buffer is None:
         return torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
     out = buffer[: chunk.size(0)]
     torch._log_softmax(chunk, -1, False, out=out)
@@ -60,7 +60,7 @@ class _SummedCrossEntropy(torch.autograd.Function):
         # float64 accumulator over chunks: the chunk sums add up in a different order than one fused reduction,
         # and a wider accumulator keeps that difference far below fp32 rounding of the result.
         total = torch.zeros((), dtype=torch.float64, device=logits.device)
-        buffer = logits.new_empty((min(n, chunk_rows), vocab)) if logits.dtype == torch.float32 else logits
+        buffer = logits.new_empty((min(n, chunk_rows), vocab)) if logits.dtype == torch.float32 else None
         for start in range(0, n, chunk_rows):
             target = targets[start:start + chunk_rows]
             valid = target != IGNORE
