@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.data.tokenize import IGNORE
-from finetune.tasks.losses import CHUNK_BYTES, default_chunk_rows, summed_cross_entropy
+from finetune.tasks.losses import CHUNK_BYTES, default_chunk_rows, summed_cross_entropy, target_segments
 
 N, V = 12, 40
 RTOL = 1e-6
@@ -229,3 +229,79 @@ def test_never_creates_full_fp32_tensor_for_bf16_logits(impl: str) -> None:
         assert mode.largest >= BIG_N * BIG_V
     else:
         assert mode.largest <= CHUNK * BIG_V  # one fp32 chunk at a time, never [N, V]
+
+
+# ---- only rows with targets are computed: the segments --------------------------------------------------------
+
+
+def padded_targets(lengths: list[int], width: int, prompt: int, vocab: int) -> torch.Tensor:
+    """Next-token targets of a right-padded batch: per row a masked prompt, the answer, then padding."""
+    gen = torch.Generator().manual_seed(4)
+    targets = torch.full((len(lengths), width), IGNORE, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        targets[row, prompt:length - 1] = torch.randint(0, vocab, (length - 1 - prompt,), generator=gen)
+    return targets
+
+
+@pytest.mark.parametrize("mask", ["padded", "alternating", "none", "all", "single_rows"])
+@pytest.mark.parametrize("chunk_rows", [1, 16, 1000])
+def test_target_segments_cover_every_target_and_skip_long_ignored_runs(mask: str, chunk_rows: int) -> None:
+    n = 600
+    if mask == "padded":
+        valid = padded_targets([150, 40, 9, 100], 150, 5, 10).reshape(-1) != IGNORE
+    else:
+        valid = {"alternating": torch.arange(n) % 2 == 0, "none": torch.zeros(n, dtype=torch.bool),
+                 "all": torch.ones(n, dtype=torch.bool), "single_rows": torch.arange(n) % 97 == 3}[mask]
+    segments = target_segments(valid, chunk_rows, gap_rows=32)
+    if not bool(valid.any()):
+        assert segments == []
+        return
+    first, last = int(valid.nonzero()[0]), int(valid.nonzero()[-1])
+    covered = torch.zeros_like(valid)
+    previous_end = 0
+    for start, end in segments:
+        assert previous_end <= start < end <= valid.numel() and end - start <= chunk_rows
+        covered[start:end] = True
+        previous_end = end
+    assert bool(covered[valid].all())  # every target is computed
+    # what is left out is ignored rows only, and only in runs of at least gap_rows
+    left_out = (~covered).to(torch.int8)
+    edges = torch.diff(left_out, prepend=left_out.new_zeros(1), append=left_out.new_zeros(1))
+    runs = zip((edges == 1).nonzero().squeeze(1).tolist(), (edges == -1).nonzero().squeeze(1).tolist(), strict=True)
+    for start, end in runs:
+        assert not bool(valid[start:end].any())
+        assert end - start >= 32 or start < first or end > last  # a short gap between targets is computed
+    assert len(segments) <= valid.numel() // 32 + valid.numel() // chunk_rows + 2
+    if mask == "padded":  # most of a padded batch's rows are padding or prompt: they are not computed
+        assert covered.sum() < 0.6 * valid.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [7, None])
+def test_padded_batch_matches_and_computes_only_target_rows(dtype: torch.dtype, chunk_rows: int | None) -> None:
+    """A right-padded batch with masked prompts: same value and gradient as F.cross_entropy over every row,
+    while the softmax kernels see only the rows of the segments (the test fails if every row is computed)."""
+    vocab = 97
+    targets = padded_targets([200, 60, 12, 130, 200, 33], 200, 8, vocab)
+    logits = (torch.randn(*targets.shape, vocab, generator=torch.Generator().manual_seed(5)) * 3).to(dtype)
+    loss, grad = value_and_grad(lambda x, t: summed_cross_entropy(x, t, chunk_rows), logits, targets)
+    ref_loss, ref_grad = value_and_grad(reference, logits.float(), targets)
+    assert abs(loss.item() - ref_loss.item()) <= RTOL * abs(ref_loss.item())
+    assert_grad_close(grad, ref_grad)
+
+    class SoftmaxRows(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func.overloadpacket in (torch.ops.aten._log_softmax, torch.ops.aten._softmax):
+                self.rows += args[0].numel() // vocab
+            return func(*args, **(kwargs or {}))
+
+    x = logits.detach().requires_grad_()
+    with SoftmaxRows() as counter:
+        summed_cross_entropy(x, targets, chunk_rows).backward()
+    total_rows = targets.numel()
+    assert 0 < counter.rows < 2 * 0.7 * total_rows  # forward + backward over well under all rows
+    assert counter.rows >= 2 * int((targets != IGNORE).sum())
