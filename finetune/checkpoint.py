@@ -314,12 +314,53 @@ def _write_failure(what: str, exc: Exception, run_dir: Path) -> str:
             f"{kept}; free space or fix permissions")
 
 
+KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""Optimizer param-group keys that choose HOW this machine computes a step, not what the step is."""
+
+
+def _torch_optimizers(candidates: list[Any]) -> list[Any]:
+    """The torch optimizers among ``candidates`` (accelerate's wrappers are unwrapped; DeepSpeed's own optimizers,
+    which are not torch optimizers, keep their own rules)."""
+    import torch
+
+    found = []
+    for candidate in candidates:
+        inner = getattr(candidate, "optimizer", candidate)
+        if isinstance(inner, torch.optim.Optimizer) and all(inner is not seen for seen in found):
+            found.append(inner)
+    return found
+
+
+def keep_kernel_choice(optimizer: Any, choice: list[dict[str, Any]]) -> None:
+    """Put back this build's kernel choice (``choice``: per param group, the :data:`KERNEL_KEYS` it had before
+    the load) after ``load_state_dict``, which copies every group key from the checkpoint.
+
+    Why: a checkpoint written on CPU (plain AdamW) and resumed on CUDA, where ``optim.fused: null`` means fused,
+    would otherwise stay unfused (and one from CUDA resumed on CPU would turn fused), against the recipe. The
+    optimizer's ``step`` counters move to where that kernel keeps them (the parameter's device as fp32 for fused
+    or capturable, the host otherwise); their values are integers, so nothing of the math changes."""
+    if len(choice) != len(optimizer.param_groups):
+        return
+    for group, keys in zip(optimizer.param_groups, choice, strict=True):
+        group.update(keys)
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if step is not None and hasattr(step, "to"):
+                device = param.device if on_device else "cpu"
+                optimizer.state[param]["step"] = step.to(device=device, dtype=step.dtype)
+
+
 def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any]) -> None:
     """Load a verified checkpoint into the built objects on this rank. Model and optimizer come through accelerate
     (safetensors, ``weights_only`` loads, or the backend's sharded format); the rest from our JSON/safetensors."""
+    optimizers = _torch_optimizers([*getattr(accelerator, "_optimizers", []), *objects.values()])
+    kernels = [[{k: group[k] for k in KERNEL_KEYS if k in group} for group in opt.param_groups] for opt in optimizers]
     accelerator.load_state(str(ckpt))
     for name, obj in objects.items():
         obj.load_state_dict(read_state(ckpt, name))
+    for opt, choice in zip(optimizers, kernels, strict=True):
+        keep_kernel_choice(opt, choice)
     rng = ckpt / f"{_rng_name(accelerator.process_index)}.json"
     if rng.is_file():  # a checkpoint of fewer ranks has no state for this rank: it keeps its own seed
         set_rng_state(read_state(ckpt, _rng_name(accelerator.process_index)))

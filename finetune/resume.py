@@ -5,9 +5,10 @@ before anything is loaded or any log is touched. A resume continues the same run
 checkpoint's recipe and the present one, or between the data files then and now, is refused (listing every
 difference) unless the user passes ``--allow-config-change``; then the differences are written to train.log. Keys
 that change how the work is laid out but not the math (process count, accelerate config, micro-batch size, progress
-bar) are always allowed: the data cursor and the token-weighted loss do not depend on them. ``trust_remote_code``
-comes only from this command line (``--trust-remote-code``), never from the run's files. The tokenizer is compared
-in the worker, which loads it anyway.
+bar, and the kernels: attention implementation, torch.compile, fused AdamW) are always allowed: the data cursor and
+the token-weighted loss do not depend on them. ``trust_remote_code`` comes only from this command line
+(``--trust-remote-code``), never from the run's files. The tokenizer is compared in the worker, which loads it
+anyway.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from finetune.config.compose import flatten
 from finetune.errors import FinetuneError, RunDirError
 
 LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "train.micro_batch_size", "logging.progress",
-               "output_dir", REMOTE_CODE_KEY)
+               "output_dir", REMOTE_CODE_KEY,
+               # kernels: the same function computed another way (a resume on a GPU machine may switch them on)
+               "model.attn_implementation", "train.compile", "optim.fused")
 
 
 @dataclass

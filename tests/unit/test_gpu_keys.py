@@ -281,3 +281,16 @@ def test_without_compile_errors_pass_through() -> None:
         raise TorchRuntimeError("not ours to translate")
     with pytest.raises(ValueError), compile_failures(True):  # not a compile failure: left alone
         raise ValueError("a bug elsewhere")
+
+
+def test_kernel_keys_are_layout_changes_on_resume() -> None:
+    """Switching a kernel on resume (a run moved to a GPU machine) is logged, not refused; a math key is refused."""
+    from finetune.resume import recipe_changes
+
+    before = {"model": {"attn_implementation": None}, "train": {"compile": False}, "optim": {"fused": None, "lr": 1e-3}}
+    after = {"model": {"attn_implementation": "flash_attention_2"}, "train": {"compile": True},
+             "optim": {"fused": True, "lr": 1e-3}}
+    changes, layout = recipe_changes(before, after)
+    assert changes == [] and len(layout) == 3
+    changes, _ = recipe_changes(before, {**after, "optim": {"fused": True, "lr": 2e-3}})
+    assert changes == ["optim.lr: 0.001 -> 0.002"]
