@@ -10,9 +10,9 @@ On top of it this module supplies what the recipe and the SupportedModel row kno
   weights from the same seed; the option raises on CPU).
 - DeepSpeed: the whole DeepSpeed config generated from the recipe (global/micro batch, accumulation, clipping,
   precision, ZeRO stage and offload), so the two can never disagree.
-- CPU-only machines (ENV-NOTES.md): DDP needs ``Accelerator(cpu=True)`` (gloo); DeepSpeed needs a gloo process
-  group and must NOT get ``cpu=True`` (it would silently run DDP); FSDP needs the shared PartialState marked as a
-  multi-device run before the Accelerator exists, else accelerate silently falls back to DDP.
+- CPU-only machines (docs/platform-notes.md): DDP needs ``Accelerator(cpu=True)`` (gloo); DeepSpeed needs a gloo
+  process group and must NOT get ``cpu=True`` (it would silently run DDP); FSDP needs the shared PartialState marked
+  as a multi-device run before the Accelerator exists, else accelerate silently falls back to DDP.
 
 Mixed precision stays ours (finetune.precision) except under DeepSpeed, whose engine owns it.
 """
@@ -141,8 +141,8 @@ def deepspeed_config(cfg: RecipeConfig, backend: Backend, pin_memory: bool = Fal
 
 
 def _mark_cpu_run_as_multi_device() -> None:
-    """FSDP on CPU (ENV-NOTES.md): accelerate only builds FSDP for a multi-device state, so create the shared
-    PartialState on the CPU and mark it as one before the Accelerator reads it."""
+    """FSDP on CPU (docs/platform-notes.md): accelerate only builds FSDP for a multi-device state, so create the
+    shared PartialState on the CPU and mark it as one before the Accelerator reads it."""
     import torch
     from accelerate import PartialState
     from accelerate.utils import DistributedType
@@ -306,9 +306,9 @@ def restrict_dcp_metadata() -> None:
 def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str, Any] | None:
     """The whole model's state dict on rank 0 (None elsewhere may occur); a collective: call on every rank.
 
-    FSDP1's default full-state-dict gather offloads to CPU and segfaults on a CPU-only run (ENV-NOTES.md), so it is
-    gathered on the compute device (rank 0 only) there; ZeRO-3 needs ``stage3_gather_16bit_weights_on_model_save``,
-    which the generated DeepSpeed config always sets.
+    FSDP1's default full-state-dict gather offloads to CPU and segfaults on a CPU-only run (docs/platform-notes.md),
+    so it is gathered on the compute device (rank 0 only) there; ZeRO-3 needs
+    ``stage3_gather_16bit_weights_on_model_save``, which the generated DeepSpeed config always sets.
     """
     if backend.kind == "fsdp" and backend.fsdp_version == 1:
         import torch

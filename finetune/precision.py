@@ -1,8 +1,8 @@
 """Mixed precision owned by us, identical on CPU and GPU.
 
-accelerate's ``fp16`` on CPU silently trains in fp32 (see ENV-NOTES.md), so the loop uses ``torch.autocast`` and,
-for fp16, a real ``torch.amp.GradScaler`` with dynamic loss scaling. ``bf16`` and ``no`` get a no-op scaler, so
-the loop has no precision branches.
+accelerate's ``fp16`` on CPU silently trains in fp32 (see docs/platform-notes.md), so the loop uses
+``torch.autocast`` and, for fp16, a real ``torch.amp.GradScaler`` with dynamic loss scaling. ``bf16`` and ``no``
+get a no-op scaler, so the loop has no precision branches.
 """
 
 from __future__ import annotations
