@@ -314,6 +314,15 @@ def recipes() -> None:
         typer.echo(f"{path.relative_to(root)!s:<36} {_describe(path)}")
 
 
+@app.command()
+def schema() -> None:
+    """Print the JSON Schema of recipe files, for completion and checking in YAML editors
+    (e.g. `finetune schema > recipe.schema.json`, then `# yaml-language-server: $schema=recipe.schema.json`)."""
+    from finetune.config.schema import recipe_file_schema
+
+    typer.echo(json.dumps(recipe_file_schema(), indent=2))
+
+
 def _app() -> None:
     """The Typer app, with usage mistakes (an unknown flag or command, a missing argument, a value of the wrong type)
     as one FinetuneError line instead of Click's usage box."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
@@ -256,3 +256,31 @@ def batch_hint(global_bs: int, micro_bs: int, procs: int) -> str:
         f"{procs} process(es) = {per_step}; use global_batch_size {' or '.join(map(str, sorted({lower, upper})))}, "
         f"or micro_batch_size one of {micro_txt}"
     )
+
+
+def recipe_file_schema() -> dict[str, Any]:
+    """The JSON Schema of a recipe *file*, for editors (``finetune schema``; yaml-language-server, VS Code, PyCharm).
+
+    It is :class:`RecipeConfig`'s own schema (every key, type, range, enum, default and description; unknown keys
+    are errors), with two differences that make it right for a file rather than for a composed recipe:
+    ``extends:`` is allowed at the top, and nothing is required, because a file may be a preset or a fragment that
+    its bases, the shipped defaults or dotted overrides complete. ``finetune config FILE`` checks the whole.
+    The batch arithmetic and the checks against the model table and the file system stay in finetune."""
+    schema = RecipeConfig.model_json_schema()
+
+    def optional(node: Any) -> None:
+        if isinstance(node, dict):
+            node.pop("required", None)
+            for child in node.values():
+                optional(child)
+        elif isinstance(node, list):
+            for child in node:
+                optional(child)
+
+    optional(schema)
+    schema["properties"]["extends"] = {
+        "description": "recipe files this one builds on, applied in order before this file's keys (paths relative "
+                       "to this file, or shipped names such as presets/lora.yaml)",
+        "anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}],
+    }
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema, "title": "finetune recipe file"}
