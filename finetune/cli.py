@@ -17,9 +17,8 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from finetune import rundir
+from finetune import resources, rundir
 from finetune.config import Composed, load_recipe, to_yaml
-from finetune.config.compose import recipes_dir
 from finetune.config.schema import RecipeConfig
 from finetune.errors import FinetuneError, RunDirError, run_main
 
@@ -31,16 +30,17 @@ app = typer.Typer(
 )
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. train.max_steps=50")]
+RECIPE_HELP = "recipe YAML, or the name of a shipped recipe (see `finetune recipes`), e.g. quickstart"
 TrustRemoteCode = Annotated[bool, typer.Option(
     "--trust-remote-code", help="run the model folder's own Python code (never taken from a run's files)")]
 
 
-def _recipe_with_flags(recipe: Path, overrides: list[str] | None, **flags: Any) -> tuple[RecipeConfig, Any]:
+def _recipe_with_flags(recipe: str, overrides: list[str] | None, **flags: Any) -> tuple[RecipeConfig, Any]:
     """Compose + validate; CLI flags are applied as the overrides they stand for (after the positional ones)."""
     mapping = {"output_dir": "output_dir", "accelerate_config": "launch.accelerate_config",
                "num_processes": "launch.num_processes"}
     extra = [f"{mapping[k]}={v}" for k, v in flags.items() if v is not None]
-    return load_recipe(recipe, [*(overrides or []), *extra])
+    return load_recipe(resources.resolve_recipe(recipe), [*(overrides or []), *extra])
 
 
 def _protected(cfg: RecipeConfig, composed: Composed) -> list[Path | str]:
@@ -55,7 +55,7 @@ def _is_rank0() -> bool:
 
 @app.command()
 def run(
-    recipe: Annotated[Path, typer.Argument(help="recipe YAML")],
+    recipe: Annotated[str, typer.Argument(help=RECIPE_HELP)],
     overrides: Overrides = None,
     output_dir: Annotated[str | None, typer.Option("-o", "--output-dir", help="run directory")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing run directory")] = False,
@@ -81,6 +81,9 @@ def run(
         typer.echo(f"# would run: {plan}")
         typer.echo(_effective_settings(cfg))
         typer.echo(_peft_summary(cfg))
+        from finetune.plan import plan_in_subprocess  # computed in a child process: this one never imports torch
+
+        typer.echo(plan_in_subprocess(cfg))
         return
     lock = None
     if _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory
@@ -88,6 +91,22 @@ def run(
                              command=f"finetune run {recipe}")
         rundir.write_resolved(cfg, run_dir)
     _start(cfg, resolved, lock)
+
+
+@app.command()
+def plan(
+    recipe: Annotated[str, typer.Argument(help=RECIPE_HELP)],
+    overrides: Overrides = None,
+    accelerate_config: Annotated[str | None, typer.Option(help="name in accelerate_configs/ or a path")] = None,
+    num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan's figures as one JSON object")] = False,
+) -> None:
+    """Print the per-rank memory plan (parameters, gradients, optimizer states, activations) before launching."""
+    from finetune.plan import build_plan, render, to_json
+
+    cfg, _ = _recipe_with_flags(recipe, overrides, accelerate_config=accelerate_config, num_processes=num_processes)
+    memory = build_plan(cfg)
+    typer.echo(to_json(memory) if as_json else render(memory))
 
 
 def _effective_settings(cfg: RecipeConfig) -> str:
@@ -266,12 +285,12 @@ def _render_provenance(data: Any, provenance: dict[str, str], prefix: str = "", 
 
 @app.command()
 def config(
-    recipe: Annotated[Path, typer.Argument(help="recipe YAML")],
+    recipe: Annotated[str, typer.Argument(help=RECIPE_HELP)],
     overrides: Overrides = None,
     provenance: Annotated[bool, typer.Option("--provenance", help="say which file/override set each key")] = False,
 ) -> None:
     """Print the composed, validated recipe (defaults included)."""
-    cfg, composed = load_recipe(recipe, overrides)
+    cfg, composed = load_recipe(resources.resolve_recipe(recipe), overrides)
     if not provenance:
         typer.echo(to_yaml(cfg), nl=False)
         if cfg.peft.method != "none":
@@ -309,7 +328,7 @@ def _describe(path: Path) -> str:
 @app.command()
 def recipes() -> None:
     """List the shipped recipes and presets, one line each."""
-    root = recipes_dir()
+    root = resources.recipes_dir()
     for path in sorted(root.glob("*.yaml")) + sorted(root.glob("presets/*.yaml")):
         typer.echo(f"{path.relative_to(root)!s:<36} {_describe(path)}")
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import codecs
 import copy
-import os
 import re
 import stat
 import types
@@ -28,15 +27,10 @@ from pydantic import BaseModel
 
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
+from finetune.resources import recipes_dir
 
 PATH_KEYS = ("data.train", "data.eval", "model.path")
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
-
-
-def recipes_dir() -> Path:
-    """The shipped recipes/ folder (``FINETUNE_RECIPES_DIR`` overrides it)."""
-    env = os.environ.get("FINETUNE_RECIPES_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "recipes"
 
 
 @dataclass
@@ -389,7 +383,8 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 
 def _resolve_extends(entry: Any, owner: Path, where: str) -> Path:
-    """The recipe file an ``extends:`` entry names: next to ``owner`` first, then in the shipped recipes folder.
+    """The recipe file an ``extends:`` entry names: next to ``owner`` first, then in the shipped recipes folder
+    (found by :func:`finetune.resources.recipes_dir`, so ``extends: presets/smoke.yaml`` works from an installed wheel).
 
     ``where`` is ``owner:line`` of the ``extends:`` key, for messages. A directory or special file of that name is
     reported as such (not as "not found") unless a regular file is found in the other place.

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from finetune import registry
+from finetune import registry, resources
 from finetune.config.compose import DATA_SUFFIXES, Composed
 from finetune.config.schema import DataConfig, EvalConfig, LaunchConfig, ModelConfig, RecipeConfig, TrainConfig
 from finetune.errors import ConfigError
@@ -86,9 +86,14 @@ def _pydantic_lines(exc: ValidationError, composed: Composed) -> list[str]:
 
 
 def accelerate_config_path(name: str) -> Path | None:
-    """An accelerate config by name (accelerate_configs/<name>.yaml) or by path; None if it does not exist."""
-    candidates = [Path(name), Path(__file__).resolve().parents[2] / "accelerate_configs" / f"{name}.yaml"]
-    return next((p.resolve() for p in candidates if p.is_file()), None)
+    """An accelerate config by path (an existing file wins) or by the name of a shipped one (``zero2``, found by
+    :mod:`finetune.resources` in a checkout or an installed wheel alike); None if neither exists."""
+    try:
+        local = Path(name).is_file()
+    except (OSError, ValueError):  # a name the OS refuses (too long): not a file
+        local = False
+    found = Path(name) if local else resources.shipped_accelerate_config(name)
+    return found.resolve() if found is not None else None
 
 
 def _single_process_config(path: Path) -> bool:
@@ -180,8 +185,8 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
     if cfg.launch is not None:
         config_path = accelerate_config_path(cfg.launch.accelerate_config)
         if config_path is None:
-            lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a name in "
-                         "accelerate_configs/ nor a file")
+            lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a file nor a "
+                         f"shipped accelerate config; use a path or one of {resources.accelerate_config_names()}")
         elif cfg.launch.num_processes > 1 and _single_process_config(config_path):
             lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
                          f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
