@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -181,31 +180,12 @@ def resume(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe."""
-    from finetune import resume as resume_plan
+    from finetune.resume import begin
 
     flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
-    lock = None
-    if _is_rank0():
-        lock, run_id = rundir.open_existing(run_dir, f"finetune resume {run_dir}")
-    else:
-        run_id = rundir.run_id(run_dir)
-    try:
-        plan = resume_plan.plan(run_dir, run_id, [*(overrides or []), *extra], from_, allow_config_change,
-                                trust_remote_code)
-        for note in plan.skipped:
-            typer.echo(f"warning: {note}", err=True)
-        if _is_rank0():
-            notes = [*plan.skipped, f"resume from {plan.checkpoint.path.name} (step {plan.checkpoint.step})",
-                     *(f"resume: changed {c} (allowed)" for c in plan.changes),
-                     *(f"resume: layout {c}" for c in plan.layout_changes)]
-            with (run_dir / rundir.TRAIN_LOG).open("a", encoding="utf-8") as log:
-                log.writelines(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n" for note in notes)
-            rundir.write_resolved(plan.cfg, run_dir, rundir.RESUMING)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
+    plan, lock = begin(run_dir, [*(overrides or []), *extra], from_, allow_config_change, trust_remote_code,
+                       is_main=_is_rank0(), warn=lambda note: typer.echo(f"warning: {note}", err=True))
     _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change)
 
 

@@ -13,6 +13,8 @@ anyway.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,3 +88,32 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
         raise RunDirError("\n".join([f"resume refused: the run changed since {info.path.name}:", *changes,
                                      "pass --allow-config-change to continue anyway (the changes are logged)"]))
     return ResumePlan(cfg, info, changes, layout, skipped)
+
+
+def begin(run_dir: Path, overrides: list[str], from_name: str | None, allow_change: bool, trust_remote_code: bool,
+          *, is_main: bool, warn: Callable[[str], None]) -> tuple[ResumePlan, rundir.RunLock | None]:
+    """Everything the front process does to resume a run, in order: lock the run (the main process only; other
+    ranks under a launcher just read its id), plan (checkpoint, verification, recipe and data changes), say which
+    newer checkpoints are skipped (``warn``), append what happens to train.log and write recipe.resuming.yaml.
+
+    Returns the plan and the held lock (None on other ranks), which the caller hands to the launch. On any failure
+    the lock is released and nothing in the run dir has changed. The per-rank part (tokenizer and layout checks,
+    loading, dropping the metrics rows after the checkpoint) is :func:`finetune.worker.resume_state`."""
+    lock, run_id = rundir.open_existing(run_dir, f"finetune resume {run_dir}") if is_main else (None, "")
+    try:
+        run_id = run_id or rundir.run_id(run_dir)
+        resume = plan(run_dir, run_id, overrides, from_name, allow_change, trust_remote_code)
+        for note in resume.skipped:
+            warn(note)
+        if is_main:
+            notes = [*resume.skipped, f"resume from {resume.checkpoint.path.name} (step {resume.checkpoint.step})",
+                     *(f"resume: changed {c} (allowed)" for c in resume.changes),
+                     *(f"resume: layout {c}" for c in resume.layout_changes)]
+            with (run_dir / rundir.TRAIN_LOG).open("a", encoding="utf-8") as log:
+                log.writelines(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n" for note in notes)
+            rundir.write_resolved(resume.cfg, run_dir, rundir.RESUMING)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return resume, lock
