@@ -248,6 +248,20 @@ def merge(
     merge_adapter(target, output, overwrite, trust_remote_code=trust_remote_code, log=typer.echo)
 
 
+@app.command()
+def plot(
+    runs: Annotated[list[Path], typer.Argument(help="run directories (runs/<name>); several are overlaid")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="the PNG to write")] = Path("plot.png"),
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing -o file")] = False,
+) -> None:
+    """Plot loss, lr, grad norm and every eval metric against step into one PNG, one colour per run."""
+    from finetune.plot import plot_runs
+
+    panels = plot_runs(runs, output, overwrite=overwrite)
+    typer.echo(f"wrote {output}: {len(panels)} panels ({', '.join(p.key for p in panels)}) for "
+               f"{len(runs)} run(s)")
+
+
 def _render_provenance(data: Any, provenance: dict[str, str], prefix: str = "", indent: int = 0) -> list[str]:
     lines = []
     for key, value in data.items():

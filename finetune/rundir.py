@@ -38,6 +38,7 @@ RESUMING = "recipe.resuming.yaml"  # a resume's recipe until its checkpoint has 
 METRICS = "metrics.jsonl"
 TRAIN_LOG = "train.log"
 WANDB_RUN_ID = "wandb_run_id.txt"
+PLOTS = "plots.png"  # loss, lr, grad norm and eval metrics against step, redrawn at the end of every run
 WANDB = "wandb"
 TENSORBOARD = "tensorboard"
 CHECKPOINTS = "checkpoints"
@@ -50,7 +51,7 @@ TRAIN_STATE = "train_state.json"
 MERGE_CHECK = "merge_check.safetensors"
 
 _FILES = frozenset({MARKER, MARKER + TMP, LOCK, RESOLVED, RESOLVED + TMP, RESUMING, RESUMING + TMP, METRICS,
-                    TRAIN_LOG, WANDB_RUN_ID})
+                    TRAIN_LOG, WANDB_RUN_ID, PLOTS, PLOTS + TMP})
 _TREES = frozenset({WANDB, TENSORBOARD, FINAL_TMP, FINAL_OLD})  # written whole by finetune (or a sink for it)
 _STEP = re.compile(r"step-(\d{6,})")
 _HASH_BLOCK = 1 << 20

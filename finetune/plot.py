@@ -1,0 +1,333 @@
+"""Plots of runs' metrics: ``finetune plot RUN [RUN ...]`` and ``<run>/plots.png`` at the end of every run.
+
+One PNG holds a grid of panels against step: train loss, learning rate and gradient norm, then every eval metric
+(``eval_loss``, ``eval_ppl``, ``eval_<metric>``), each in its own panel. Several runs are overlaid, one colour per
+run, named by folder in one legend. Counts (``eval_samples``, ``eval_correct`` / ``eval_total``,
+``eval_<metric>_correct`` / ``_total``) are not metrics: the metric's value is plotted, not its counts.
+
+The work is split so that what gets drawn is plain data: :func:`load_runs` reads and checks the runs (through
+:func:`finetune.tracking.read_metrics`), :func:`plan_panels` decides the panels and their series, and only
+:func:`draw` / :func:`render` touch matplotlib. matplotlib is imported inside them (the CLI stays light) and draws on
+its Agg canvas without pyplot: no window, no global figure state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import secrets
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune import rundir
+from finetune.errors import FinetuneError, RunDirError
+from finetune.tracking import read_metrics
+
+# The train panels, in order: (row key, panel title, y-axis label).
+TRAIN_PANELS = (("loss", "train loss", "loss"), ("lr", "learning rate", "lr"),
+                ("grad_norm", "gradient norm", "grad_norm"))
+# Eval keys drawn first, in this order; every other eval_* key that is not a count follows in first-logged order.
+EVAL_FIRST = ("eval_loss", "eval_ppl")
+# Eval keys that are counts, not metrics.
+EVAL_COUNTS = frozenset({"eval_samples", "eval_correct", "eval_total"})
+COUNT_SUFFIXES = ("_correct", "_total")
+PNG_SUFFIX = ".png"
+# A panel whose series have at most this many points marks each point, so a single eval is visible.
+_MARKER_POINTS = 30
+
+
+@dataclass(frozen=True)
+class RunMetrics:
+    """One run to plot: its legend label (the folder name), its folder, and its metrics.jsonl rows."""
+
+    label: str
+    path: Path
+    rows: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Series:
+    """One run's line in one panel: finite or NaN values (NaN leaves a gap, e.g. a skipped non-finite step)."""
+
+    run: str
+    steps: tuple[float, ...]
+    values: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot: the metric key it shows, its title and y label, and one series per run that logged it."""
+
+    key: str
+    title: str
+    ylabel: str
+    series: tuple[Series, ...]
+
+
+def is_eval_metric(key: str) -> bool:
+    """Whether an eval row's key is a metric to plot (``eval_loss``, ``eval_exact_match``), not a count."""
+    return key.startswith("eval_") and key not in EVAL_COUNTS and not key.endswith(COUNT_SUFFIXES)
+
+
+def _number(value: Any) -> float | None:
+    """A plottable float from a row value: ints and floats (non-finite ones become NaN, a gap); None otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    number = float(value)
+    return number if math.isfinite(number) else math.nan
+
+
+def _finite(value: float | None) -> bool:
+    """Whether a :func:`_number` result is a real, finite number (a usable step)."""
+    return value is not None and not math.isnan(value)
+
+
+def _kind(row: dict[str, Any]) -> str:
+    """``train`` or ``eval``: the row's tag, else guessed from its keys."""
+    kind = row.get("kind")
+    if kind in ("train", "eval"):
+        return str(kind)
+    return "eval" if any(key.startswith("eval_") for key in row) else "train"
+
+
+# --- reading and checking the runs ---------------------------------------------------------------------------
+
+
+def _read_run(path: Path) -> list[dict[str, Any]]:
+    """The rows of one run with a numeric step; a RunDirError (one line naming the run) when it cannot be plotted."""
+    if not path.exists():
+        raise RunDirError(f"{path}: no such folder; give a run directory made by `finetune run` (runs/<name>)")
+    if not path.is_dir():
+        raise RunDirError(f"{path}: not a run directory (it is a file); give a folder made by `finetune run`")
+    if not (path / rundir.MARKER).is_file():
+        raise RunDirError(f"{path}: not a finetune run directory (no {rundir.MARKER}); give a folder made by "
+                          "`finetune run`")
+    if not (path / rundir.METRICS).is_file():
+        raise RunDirError(f"{path}: no metrics yet (no {rundir.METRICS}); plot it once it has logged a step "
+                          "(see logging.every_steps)")
+    try:
+        rows = read_metrics(path)
+    except OSError as exc:
+        raise RunDirError(f"{path / rundir.METRICS}: cannot be read ({exc.strerror or type(exc).__name__})") from None
+    rows = [row for row in rows if isinstance(row, dict) and _finite(_number(row.get("step")))]
+    if not rows:
+        raise RunDirError(f"{path}: no metrics yet ({rundir.METRICS} holds no rows); plot it once it has logged a "
+                          "step (see logging.every_steps)")
+    return rows
+
+
+def _labels(paths: Sequence[Path]) -> list[str]:
+    """Legend labels: each run's folder name, or the path as given where two runs share a folder name."""
+    names = [path.resolve().name or str(path) for path in paths]
+    return [name if names.count(name) == 1 else str(path) for name, path in zip(names, paths, strict=True)]
+
+
+def load_runs(paths: Sequence[Path]) -> list[RunMetrics]:
+    """Read every run; every run that cannot be plotted is reported at once, one line each (RunDirError)."""
+    problems: list[str] = []
+    runs: list[RunMetrics] = []
+    seen: dict[Path, Path] = {}
+    for path, label in zip(paths, _labels(paths), strict=True):
+        resolved = path.resolve()
+        if resolved in seen:
+            also = f" (also as {seen[resolved]})" if str(seen[resolved]) != str(path) else ""
+            problems.append(f"{path}: given twice{also}; give each run once")
+            continue
+        seen[resolved] = path
+        try:
+            runs.append(RunMetrics(label, path, _read_run(path)))
+        except FinetuneError as exc:
+            problems.extend(str(exc).splitlines())
+    if problems:
+        raise RunDirError("\n".join(problems))
+    return runs
+
+
+# --- what is drawn --------------------------------------------------------------------------------------------
+
+
+def _series(run: RunMetrics, kind: str, key: str) -> Series | None:
+    """The run's (step, value) points of ``key`` in its ``kind`` rows, sorted by step; None when it has none."""
+    points = sorted((float(row["step"]), value) for row in run.rows
+                    if _kind(row) == kind and (value := _number(row.get(key))) is not None)
+    if not points:
+        return None
+    steps, values = zip(*points, strict=True)
+    return Series(run.label, tuple(steps), tuple(values))
+
+
+def _eval_keys(runs: Iterable[RunMetrics]) -> list[str]:
+    """Every eval metric any run logged: eval_loss and eval_ppl first, then the others in first-logged order."""
+    found: dict[str, None] = {}
+    for run in runs:
+        for row in run.rows:
+            if _kind(row) == "eval":
+                found.update((key, None) for key, value in row.items()
+                             if is_eval_metric(key) and _number(value) is not None)
+    return [key for key in EVAL_FIRST if key in found] + [key for key in found if key not in EVAL_FIRST]
+
+
+def plan_panels(runs: Sequence[RunMetrics]) -> list[Panel]:
+    """The panels to draw, in order: loss, lr, grad_norm, then each eval metric. A panel holds one series per run
+    that logged its key and is left out when no run did (a run without eval rows gets train panels only)."""
+    wanted = [("train", key, title, ylabel) for key, title, ylabel in TRAIN_PANELS]
+    wanted += [("eval", key, "eval " + key.removeprefix("eval_"), key) for key in _eval_keys(runs)]
+    panels = []
+    for kind, key, title, ylabel in wanted:
+        series = tuple(s for run in runs if (s := _series(run, kind, key)) is not None)
+        if series:
+            panels.append(Panel(key, title, ylabel, series))
+    if not panels:
+        names = ", ".join(str(run.path) for run in runs)
+        raise RunDirError(f"{names}: {rundir.METRICS} holds no loss, lr, grad_norm or eval metric to plot yet")
+    return panels
+
+
+def panel_summary(panels: Iterable[Panel]) -> dict[str, list[tuple[str, int]]]:
+    """Panel key -> [(run label, number of points)]: what a plot shows, as data (for tests and messages)."""
+    return {panel.key: [(s.run, len(s.steps)) for s in panel.series] for panel in panels}
+
+
+def draw(panels: Sequence[Panel], labels: Sequence[str]) -> Any:
+    """A matplotlib Figure (on the Agg canvas) with the panels as a grid: a title and step / metric axis labels on
+    each, one colour per run (``labels``, in order) and one legend above the grid naming every run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
+    ncols = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3
+    nrows = math.ceil(len(panels) / ncols)
+    fig = Figure(figsize=(5.2 * ncols, 3.4 * nrows + 0.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    colours = _colours(len(labels))
+    colour = dict(zip(labels, colours, strict=True))
+    axes = fig.subplots(nrows, ncols, squeeze=False).flatten()
+    steps = [step for panel in panels for series in panel.series for step in series.steps]
+    pad = max(0.5, 0.03 * (max(steps) - min(steps)))  # one step range on every panel: train and eval line up
+    for ax, panel in zip(axes, panels, strict=False):
+        marker = "o" if max(len(s.steps) for s in panel.series) <= _MARKER_POINTS else None  # alike for all runs
+        for series in panel.series:
+            ax.plot(series.steps, series.values, color=colour[series.run], marker=marker, markersize=3.5,
+                    linewidth=1.4)
+        ax.set_title(panel.title)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        ax.set_xlim(min(steps) - pad, max(steps) + pad)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
+    for ax in axes[len(panels):]:
+        ax.set_visible(False)
+    handles = [Line2D([], [], color=colour[label], linewidth=2) for label in labels]
+    fig.legend(handles, list(labels), loc="outside upper center", ncols=min(len(labels), 4), frameon=False)
+    return fig
+
+
+def render(panels: Sequence[Panel], labels: Sequence[str]) -> bytes:
+    """The PNG bytes of :func:`draw`'s figure."""
+    fig = draw(panels, labels)
+    buffer = io.BytesIO()  # the file is written only once the whole PNG exists
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def _colours(count: int) -> list[Any]:
+    """``count`` distinct colours: matplotlib's tab10 (then tab20) palette, evenly spaced turbo beyond 20 runs."""
+    from matplotlib import colormaps
+
+    if count <= 10:
+        return [colormaps["tab10"](i) for i in range(count)]
+    if count <= 20:
+        return [colormaps["tab20"](i) for i in range(count)]
+    return [colormaps["turbo"](i / (count - 1)) for i in range(count)]
+
+
+# --- writing ------------------------------------------------------------------------------------------------------
+
+
+def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
+    """Write ``data`` to ``tmp`` (default: a fresh hidden file beside ``path``), then rename it onto ``path``, so
+    ``path`` is never half written and nothing is left behind on failure."""
+    if tmp is None:  # created here (O_EXCL: never someone else's file), with the umask's usual permissions
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{rundir.TMP}")
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def _output_problem(output: Path, overwrite: bool) -> str | None:
+    """Why ``-o output`` cannot be written (one line naming it and the fix), or None."""
+    if output.suffix.lower() != PNG_SUFFIX:
+        return f"-o {output}: the plot is a PNG; give a file name ending in {PNG_SUFFIX} (e.g. -o plot.png)"
+    if output.is_dir():
+        return f"-o {output} is a folder; give a file name ending in {PNG_SUFFIX}"
+    run = rundir.enclosing_run(output.parent)
+    if run is not None and output.resolve() != run / rundir.PLOTS:
+        return (f"-o {output} lies inside the run {run}, which holds only what finetune writes; write the plot "
+                f"elsewhere, or to {run / rundir.PLOTS}")
+    if (output.exists() or output.is_symlink()) and not overwrite:
+        return f"-o {output} already exists; pass --overwrite to replace it, or choose another -o"
+    return None
+
+
+def plot_runs(paths: Sequence[Path], output: Path, *, overwrite: bool = False) -> list[Panel]:
+    """``finetune plot``: check ``-o`` and every run (all problems at once), draw them overlaid into ``output``
+    (replacing an existing file only with ``overwrite``), and return the panels drawn."""
+    problem = _output_problem(output, overwrite)
+    try:
+        runs = load_runs(paths)
+    except RunDirError as exc:
+        raise RunDirError("\n".join([*([problem] if problem else []), str(exc)])) from None
+    if problem:
+        raise FinetuneError(problem)
+    panels = plan_panels(runs)
+    data = render(panels, [run.label for run in runs])
+    output.parent.mkdir(parents=True, exist_ok=True)
+    run = rundir.enclosing_run(output.parent)
+    _write_atomic(output, data, output.with_name(rundir.PLOTS + rundir.TMP) if run is not None else None)
+    return panels
+
+
+def write_run_plot(run_dir: Path, log: Callable[[dict[str, str]], None] | None = None) -> Path | None:
+    """Write ``<run_dir>/plots.png`` at the end of a run (rank 0) and return its path, or None when it failed.
+
+    Never raises an Exception: a run whose model is exported must not fail over a plot, so a failure is one warning
+    line. ``log`` takes info rows as the run's tracker does (``{"message": ...}``, plus ``"level": "warning"`` for a
+    failure, which the tracker shows on stderr and keeps in train.log); without ``log``, or when ``log`` itself
+    fails, the warning is printed to stderr here.
+    """
+    path = run_dir / rundir.PLOTS
+    try:
+        runs = load_runs([run_dir])
+        _write_atomic(path, render(plan_panels(runs), [runs[0].label]), run_dir / (rundir.PLOTS + rundir.TMP))
+    except Exception as exc:  # any failure, matplotlib's included, is a warning: the run itself is complete
+        detail = (str(exc).strip().splitlines() or [""])[0][:200]
+        what = detail if isinstance(exc, FinetuneError) else f"{type(exc).__name__}: {detail}"
+        warning = f"warning: could not write {path} ({what}); the run itself is complete"
+        if not _logged(log, {"level": "warning", "message": warning}):
+            print(warning, file=sys.stderr)
+        return None
+    _logged(log, {"message": f"plotted {path}"})
+    return path
+
+
+def _logged(log: Callable[[dict[str, str]], None] | None, row: dict[str, str]) -> bool:
+    """Hand ``row`` to ``log``; False when there is none or it failed (a plot's message never fails a run)."""
+    if log is None:
+        return False
+    try:
+        log(row)
+    except Exception:  # the tracker's own failure surfaces when the run closes it; here the caller prints instead
+        return False
+    return True

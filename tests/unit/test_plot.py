@@ -1,0 +1,254 @@
+"""``finetune plot`` and ``finetune.plot``: which panels and series a plot holds, the PNG it writes, and the user
+mistakes (one line, exit 2, nothing written). Runs are made by hand: a run dir created as ``finetune run`` does, with
+metrics.jsonl rows written as the tracker writes them. Nothing here trains."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from finetune import plot, rundir
+from tests.cli_helpers import assert_user_error, main_exit
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TRAIN_KEYS = ["loss", "lr", "grad_norm"]
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test runs in its own current folder (the default -o is ./plot.png), with no debug tracebacks."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FINETUNE_DEBUG", raising=False)
+
+
+def make_run(folder: Path, *, train_steps: int, eval_every: int | None, metrics: tuple[str, ...] = ("exact_match",),
+             nonfinite_at: int | None = None) -> Path:
+    """A finetune run dir (marker + lock, as `finetune run` creates it) whose metrics.jsonl holds a train row per
+    step and, every ``eval_every`` steps, an eval row shaped like loop.evaluate's: loss, ppl, samples, and each
+    metric with its _correct/_total counts (plus eval_correct/eval_total of the first)."""
+    rundir.create(folder, overwrite=False).release()
+    for step in range(1, train_steps + 1):
+        loss = math.inf if step == nonfinite_at else 3.0 / math.sqrt(step)
+        log_row(folder, "train", {"step": step, "loss": loss, "lr": 1e-3 * min(1.0, step / 3),
+                                  "grad_norm": 1.0 / step, "tokens": 64 * step, "elapsed_s": 0.1 * step})
+        if eval_every and step % eval_every == 0:
+            row: dict[str, float | int] = {"step": step, "eval_loss": 2.0 / step, "eval_ppl": math.exp(2.0 / step),
+                                           "eval_samples": 40}
+            for index, name in enumerate(metrics):
+                correct = min(40, 4 * step + index)
+                row.update({f"eval_{name}": correct / 40, f"eval_{name}_correct": correct, f"eval_{name}_total": 40})
+            row["eval_correct"], row["eval_total"] = row[f"eval_{metrics[0]}_correct"], 40
+            log_row(folder, "eval", row)
+    return folder
+
+
+def log_row(run: Path, kind: str, row: dict[str, float | int]) -> None:
+    """Append one row to the run's metrics.jsonl as the tracker writes it: a JSON object tagged with its ``kind``
+    (Infinity / NaN as Python's json writes them), read back by finetune.tracking.read_metrics."""
+    with (run / rundir.METRICS).open("a", encoding="utf-8") as handle:
+        handle.write(json.dumps({"kind": kind, **row}) + "\n")
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's signature and IHDR chunk; fails on anything that is not a PNG."""
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, data[:16]
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def summary(*runs: Path) -> dict[str, list[tuple[str, int]]]:
+    return plot.panel_summary(plot.plan_panels(plot.load_runs(list(runs))))
+
+
+# --- what is plotted ----------------------------------------------------------------------------------------------
+
+
+def test_two_runs_are_overlaid_in_every_panel_and_counts_are_not_plotted(tmp_path, monkeypatch, capsys) -> None:
+    a = make_run(tmp_path / "runs" / "alpha", train_steps=12, eval_every=4, metrics=("exact_match", "token_accuracy"))
+    b = make_run(tmp_path / "runs" / "beta", train_steps=7, eval_every=3, metrics=("exact_match", "token_accuracy"))
+    code, out, err = main_exit(monkeypatch, capsys, "plot", str(a), str(b), "-o", "cmp.png")
+    assert code == 0, err
+    assert "cmp.png" in out and err == ""
+    width, height = png_size(tmp_path / "cmp.png")
+    assert (tmp_path / "cmp.png").stat().st_size > 20_000 and width > 500 and height > 300
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cmp.png", "runs"]  # no temporary file left behind
+
+    planned = summary(a, b)
+    assert list(planned) == [*TRAIN_KEYS, "eval_loss", "eval_ppl", "eval_exact_match", "eval_token_accuracy"]
+    for key in TRAIN_KEYS:
+        assert planned[key] == [("alpha", 12), ("beta", 7)], key
+    for key in ("eval_loss", "eval_ppl", "eval_exact_match", "eval_token_accuracy"):
+        assert planned[key] == [("alpha", 12 // 4), ("beta", 7 // 3)], key
+    assert not [key for key in planned if key.endswith(("_correct", "_total")) or key == "eval_samples"]
+    assert [line for line in out.splitlines() if "panels" in line] == [
+        f"wrote cmp.png: {len(planned)} panels ({', '.join(planned)}) for 2 run(s)"]
+
+
+def test_series_hold_the_logged_values_sorted_by_step_and_nonfinite_ones_are_gaps(tmp_path) -> None:
+    run = make_run(tmp_path / "r", train_steps=6, eval_every=2, nonfinite_at=4)
+    log_row(run, "train", {"step": 0, "loss": 9.0, "lr": 0.0, "grad_norm": 0.0})  # a row logged out of step order
+    panels = {panel.key: panel for panel in plot.plan_panels(plot.load_runs([run]))}
+    (loss,) = panels["loss"].series
+    assert loss.steps == (0, 1, 2, 3, 4, 5, 6) and loss.values[0] == 9.0
+    assert math.isnan(loss.values[4]) and loss.values[5] == pytest.approx(3.0 / math.sqrt(5))
+    (match,) = panels["eval_exact_match"].series
+    assert match.steps == (2, 4, 6) and match.values == pytest.approx((8 / 40, 16 / 40, 24 / 40))
+    assert plot.render(list(panels.values()), ["r"]).startswith(PNG_SIGNATURE)  # a gap does not break drawing
+
+
+def test_figure_is_a_titled_labelled_grid_with_one_legend_entry_per_run(tmp_path) -> None:
+    a = make_run(tmp_path / "x" / "same", train_steps=5, eval_every=5)
+    b = make_run(tmp_path / "y" / "same", train_steps=5, eval_every=None)  # same folder name: labelled by path
+    c = make_run(tmp_path / "third", train_steps=5, eval_every=5)
+    runs = plot.load_runs([a, b, c])
+    assert [run.label for run in runs] == [str(a), str(b), "third"]
+    panels = plot.plan_panels(runs)
+    fig = plot.draw(panels, [run.label for run in runs])
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert [ax.get_title() for ax in visible] == [panel.title for panel in panels]
+    assert all(ax.get_xlabel() == "step" and ax.get_ylabel() for ax in visible)
+    assert len({round(ax.get_position().x0, 3) for ax in visible}) > 1  # a grid, not one column of panels
+    (legend,) = fig.legends
+    assert [text.get_text() for text in legend.get_texts()] == [str(a), str(b), "third"]
+    colours = {line.get_color() for ax in visible for line in ax.get_lines()}
+    assert len(colours) == 3  # one colour per run, the same in every panel
+    eval_ax = visible[[panel.key for panel in panels].index("eval_exact_match")]
+    assert len(eval_ax.get_lines()) == 2  # the run without eval rows is absent from eval panels only
+
+
+def test_run_with_train_rows_only_plots_train_panels(tmp_path, monkeypatch, capsys) -> None:
+    run = make_run(tmp_path / "runs" / "noeval", train_steps=9, eval_every=None)
+    code, out, err = main_exit(monkeypatch, capsys, "plot", str(run))
+    assert code == 0, err
+    assert out.startswith("wrote plot.png: 3 panels")
+    png_size(tmp_path / "plot.png")  # the default -o, in the current folder
+    assert summary(run) == {key: [("noeval", 9)] for key in TRAIN_KEYS}
+
+
+def test_overwrite_replaces_the_output_and_r_plots_png_is_allowed(tmp_path, monkeypatch, capsys) -> None:
+    run = make_run(tmp_path / "runs" / "a", train_steps=4, eval_every=2)
+    out_file = tmp_path / "plot.png"
+    out_file.write_bytes(b"old")
+    assert main_exit(monkeypatch, capsys, "plot", str(run), "--overwrite")[0] == 0
+    png_size(out_file)
+    code, _, err = main_exit(monkeypatch, capsys, "plot", str(run), "-o", str(run / rundir.PLOTS))
+    assert code == 0, err
+    png_size(run / rundir.PLOTS)
+    assert rundir.foreign_entries(run) == []  # plots.png is one of finetune's own run-dir files
+    rundir.create(run, overwrite=True).release()  # so --overwrite of the run removes it, refusing nothing
+    assert not (run / rundir.PLOTS).exists()
+
+
+# --- mistakes -------------------------------------------------------------------------------------------------
+
+
+def _not_a_run(tmp: Path) -> list[str]:
+    (tmp / "notes").mkdir()
+    (tmp / "notes" / "todo.md").write_text("mine")
+    return ["notes"]
+
+
+def _no_metrics(tmp: Path) -> list[str]:
+    rundir.create(tmp / "fresh", overwrite=False).release()
+    return ["fresh"]
+
+
+def _empty_metrics(tmp: Path) -> list[str]:
+    rundir.create(tmp / "fresh", overwrite=False).release()
+    (tmp / "fresh" / rundir.METRICS).write_text("\n")
+    return ["fresh"]
+
+
+def _existing_output(tmp: Path) -> list[str]:
+    make_run(tmp / "ok", train_steps=3, eval_every=None)
+    (tmp / "plot.png").write_bytes(b"keep me")
+    return ["ok"]
+
+
+def _bad_suffix(tmp: Path) -> list[str]:
+    make_run(tmp / "ok", train_steps=3, eval_every=None)
+    return ["ok", "-o", "plot.jpg"]
+
+
+def _inside_a_run(tmp: Path) -> list[str]:
+    make_run(tmp / "ok", train_steps=3, eval_every=None)
+    return ["ok", "-o", "ok/mine.png"]
+
+
+def _twice(tmp: Path) -> list[str]:
+    make_run(tmp / "ok", train_steps=3, eval_every=None)
+    return ["ok", "ok"]
+
+
+@pytest.mark.parametrize(("setup", "needles"), [
+    (lambda tmp: ["missing"], ["missing: no such folder"]),
+    (_not_a_run, ["notes: not a finetune run directory", rundir.MARKER]),
+    (_no_metrics, ["fresh: no metrics yet", rundir.METRICS]),
+    (_empty_metrics, ["fresh: no metrics yet"]),
+    (_existing_output, ["plot.png already exists", "--overwrite"]),
+    (_bad_suffix, ["plot.jpg", ".png"]),
+    (_inside_a_run, ["ok/mine.png lies inside the run", rundir.PLOTS]),
+    (_twice, ["ok: given twice"]),
+], ids=["no-such-dir", "not-a-run", "no-metrics", "empty-metrics", "existing-output", "bad-suffix", "inside-run",
+        "twice"])
+def test_mistakes_are_one_line_exit_2_and_write_nothing(tmp_path, monkeypatch, capsys, setup, needles) -> None:
+    args = setup(tmp_path)
+    before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    code, out, err = main_exit(monkeypatch, capsys, "plot", *args)
+    assert len(assert_user_error(code, out, err, *needles)) == 1, err
+    assert {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+
+
+def test_several_mistakes_are_reported_at_once(tmp_path, monkeypatch, capsys) -> None:
+    _not_a_run(tmp_path)
+    code, out, err = main_exit(monkeypatch, capsys, "plot", "missing", "notes", "-o", "p.svg")
+    lines = assert_user_error(code, out, err, "missing", "notes", "p.svg")
+    assert len(lines) == 3
+
+
+# --- at the end of a run, and import cost ---------------------------------------------------------------------
+
+
+def test_write_run_plot_writes_plots_png_and_logs_it(tmp_path, capsys) -> None:
+    run = make_run(tmp_path / "r", train_steps=5, eval_every=5)
+    logged: list[dict[str, str]] = []
+    assert plot.write_run_plot(run, log=logged.append) == run / rundir.PLOTS
+    png_size(run / rundir.PLOTS)
+    assert logged == [{"message": f"plotted {run / rundir.PLOTS}"}] and capsys.readouterr().err == ""
+
+
+def test_write_run_plot_failure_is_one_warning_line_and_never_raises(tmp_path, monkeypatch, capsys) -> None:
+    run = make_run(tmp_path / "r", train_steps=5, eval_every=5)
+
+    def broken(*_args: object) -> bytes:
+        raise RuntimeError("no backend")
+
+    monkeypatch.setattr(plot, "render", broken)
+    logged: list[dict[str, str]] = []
+    assert plot.write_run_plot(run, log=logged.append) is None  # to the tracker only: it shows warnings on stderr
+    assert capsys.readouterr().err == ""
+    (row,) = logged
+    assert row["level"] == "warning" and row["message"].startswith(f"warning: could not write {run / rundir.PLOTS}")
+    assert "no backend" in row["message"] and "\n" not in row["message"]
+
+    def broken_log(_row: dict[str, str]) -> None:
+        raise OSError("log gone")
+
+    for log in (None, broken_log):  # no tracker, or a broken one: the one warning line is printed here
+        assert plot.write_run_plot(run, log=log) is None
+        assert capsys.readouterr().err.splitlines() == [row["message"]]
+    assert sorted(p.name for p in run.iterdir()) == sorted([rundir.MARKER, rundir.LOCK, rundir.METRICS])
+
+
+def test_importing_the_cli_and_plot_module_loads_no_matplotlib(tmp_path) -> None:
+    code = "import sys, finetune.cli, finetune.plot; print(sorted(m for m in sys.modules if 'matplotlib' in m))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
