@@ -11,12 +11,14 @@ use (overrides may change them):
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune import rundir
 from finetune.config import RecipeConfig, compose, remote_code_from_flag, validate
+from finetune.config.compose import apply_overrides
 from finetune.errors import RunDirError
 
 
@@ -60,7 +62,38 @@ def open_target(target: Path, overrides: list[str], trust_remote_code: bool) -> 
     manifest = verify(where.recipe.parent, None)
     if where.checkpoint is not None:
         where.step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
-    return where, validate(compose(where.recipe, remote_code_from_flag(overrides, trust_remote_code)))
+    composed = compose(where.recipe, remote_code_from_flag(overrides, trust_remote_code))
+    machine, notes = portable_overrides(composed.data)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    return where, validate(apply_overrides(composed, machine))
+
+
+def portable_overrides(recipe: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """The overrides that let a run's recipe load on THIS machine for eval and merge, and a note for each change a
+    user should know about.
+
+    A recipe records how the run was trained: its launcher (an accelerate config that may have been a file on
+    another machine, several processes) and an attention kernel that may not exist here (flash_attention_2 needs
+    the flash_attn package and a CUDA device). Eval and merge always run one process, and every attention
+    implementation computes the same function, so neither may stop them: the launch section becomes one process
+    with the shipped ``cpu`` config (never used by them, only validated), and flash_attention_2 falls back to the
+    model's default attention (noted: the numbers can differ from the run's by kernel rounding)."""
+    overrides = ["launch.accelerate_config=cpu", "launch.num_processes=1"]
+    notes: list[str] = []
+    model = recipe.get("model") if isinstance(recipe.get("model"), dict) else {}
+    if model.get("attn_implementation") == "flash_attention_2":
+        import torch
+
+        from finetune.modeling import flash_attn_installed
+
+        missing = ("the flash_attn package is not installed" if not flash_attn_installed()
+                   else "no CUDA device is available" if not torch.cuda.is_available() else None)
+        if missing:
+            overrides.append("model.attn_implementation=null")
+            notes.append(f"model.attn_implementation: the run used flash_attention_2, but {missing} here; using the "
+                         "model's default attention instead (same function; rounding may differ slightly)")
+    return overrides, notes
 
 
 def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quantized: bool = True) -> Any:
