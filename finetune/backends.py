@@ -152,6 +152,28 @@ def _mark_cpu_run_as_multi_device() -> None:
     state.device = torch.device("cpu")
 
 
+def _unwrap_without_importing_deepspeed() -> None:
+    """Keep a backend that is not DeepSpeed from importing DeepSpeed.
+
+    accelerate's ``unwrap_model`` (behind ``get_state_dict``, checkpoint and export saves, peft's adapter hooks)
+    imports deepspeed whenever the package is installed, only to ask ``isinstance(model, DeepSpeedEngine)``. That
+    import costs seconds and prints "Setting accelerator to CPU" on stdout. A model can only be a DeepSpeedEngine
+    once deepspeed has been imported, so accelerate's "is deepspeed installed?" is narrowed, for that check only,
+    to "is deepspeed imported?": the same answer, without the import. DeepSpeed backends import it themselves.
+    """
+    import sys
+
+    from accelerate.utils import other
+
+    current = getattr(other, "is_deepspeed_available", None)
+    if current is not None and current.__name__ != "_deepspeed_imported":  # (a newer accelerate may not have it)
+
+        def _deepspeed_imported() -> bool:
+            return "deepspeed" in sys.modules
+
+        other.is_deepspeed_available = _deepspeed_imported
+
+
 def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | None = None) -> tuple[Any, Backend]:
     """An Accelerator for this rank, and the backend it runs.
 
@@ -181,6 +203,7 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
         if on_cpu:  # not cpu=True: that silently turns DeepSpeed into DDP
             kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
         return Accelerator(**kwargs), backend
+    _unwrap_without_importing_deepspeed()
     if backend.kind == "fsdp":
         from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig
 

@@ -25,7 +25,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    help="Config-driven fine-tuning of Hugging Face models. Start with: finetune run recipes/quickstart.yaml",
+    help="Config-driven fine-tuning of Hugging Face models. Start with: finetune run quickstart",
 )
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. train.max_steps=50")]
@@ -231,8 +231,10 @@ def eval_(
     if as_json:
         typer.echo(json.dumps(metrics, sort_keys=True))
     else:
-        for key, value in metrics.items():
-            typer.echo(f"{key:>24}  {value:.4f}" if isinstance(value, float) else f"{key:>24}  {value}")
+        from finetune.tracking import format_metrics
+
+        for line in format_metrics(metrics):  # each metric once: `eval_exact_match 198/200 = 0.9900`
+            typer.echo(line)
 
 
 @app.command()

@@ -26,7 +26,7 @@ from finetune.precision import Precision
 from finetune.signals import Interrupted, StopRequest
 from finetune.state import TrainState
 from finetune.tasks import Task
-from finetune.tracking import Tracker
+from finetune.tracking import Throughput, Tracker
 
 # An fp16 step skipped for overflow still advances the schedule (a step is a step); torch warns about exactly that.
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)
@@ -78,8 +78,9 @@ def train(t: Trainer) -> TrainState:
     cfg, state = t.cfg, t.state
     batches = iter(t.task.build_dataloader("train", start_sample=state.samples_seen))
     if cfg.eval.at_start and state.step == 0 and cfg.data.eval:
-        t.tracker.log_eval(evaluate(t))
+        t.tracker.log("eval", evaluate(t))
     started = time.perf_counter() - state.elapsed_s
+    throughput = Throughput(state.tokens_seen, state.elapsed_s)  # from where this process starts (a resume: its ckpt)
     t.model.train()
     nonfinite_streak = 0
     while state.step < t.max_steps:
@@ -89,16 +90,16 @@ def train(t: Trainer) -> TrainState:
         nonfinite_streak = nonfinite_streak + 1 if stats.nonfinite else 0
         last = state.step == t.max_steps
         if _due(state.step, cfg.logging.every_steps) or last or stats.nonfinite:
-            t.tracker.log_train(_train_row(t, stats))
+            t.tracker.log("train", _train_row(t, stats, throughput))
         if stats.nonfinite:
             _nonfinite(t, stats, nonfinite_streak)  # raises NonFiniteError after max_nonfinite_steps in a row
         if cfg.data.eval and (_due(state.step, cfg.eval.every_steps) or last):
-            t.tracker.log_eval(evaluate(t))
+            t.tracker.log("eval", evaluate(t))
         saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
         if saved or stats.stop:
             path = checkpoint.save(t.accelerator, cfg, state, t.objects, t.tokenizer, t.run_dir, t.backend.name,
                                    t.run_id)
-            t.tracker.info(f"saved checkpoint {path.name}")
+            t.tracker.log("info", {"message": f"saved checkpoint {path.name}"})
         hooks.fire("after_step", trainer=t)
         if stats.stop and not last:
             raise Interrupted(f"stopped by signal after step {state.step}; checkpoint {path.name} saved; continue with "
@@ -146,8 +147,9 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
 def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
     """Log a skipped non-finite step; stop the run (NonFiniteError, nothing exported) after too many in a row."""
     limit, step = t.cfg.train.max_nonfinite_steps, t.state.step
-    t.tracker.info(f"step {step}: loss {stats.loss} / grad_norm {stats.grad_norm} is not finite: update skipped "
-                   f"({streak} in a row; the run stops at train.max_nonfinite_steps={limit})")
+    t.tracker.log("info", {"message": f"step {step}: loss {stats.loss} / grad_norm {stats.grad_norm} is not finite: "
+                                      f"update skipped ({streak} in a row; the run stops at "
+                                      f"train.max_nonfinite_steps={limit})"})
     if streak >= limit:
         raise NonFiniteError(
             f"training diverged: {streak} steps in a row up to step {step} had a non-finite loss or gradient norm "
@@ -156,10 +158,13 @@ def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
             f"checkpoint continues with `finetune resume {t.run_dir} optim.lr=... --allow-config-change`")
 
 
-def _train_row(t: Trainer, stats: StepStats) -> dict[str, Any]:
+def _train_row(t: Trainer, stats: StepStats, throughput: Throughput) -> dict[str, Any]:
+    """The logged train row; ``tokens_per_s`` (since the previous row) is computed here once, for every sink."""
+    rate = throughput.update(t.state.tokens_seen, t.state.elapsed_s)
     row: dict[str, Any] = {
         "step": t.state.step, "loss": stats.loss, "lr": stats.lr,
         "grad_norm": stats.grad_norm, "tokens": t.state.tokens_seen, "elapsed_s": round(t.state.elapsed_s, 3),
+        "tokens_per_s": round(rate, 1),
     }
     if t.precision.loss_scale is not None:
         row["loss_scale"] = t.precision.loss_scale

@@ -1,14 +1,18 @@
 """Metric sinks for the training loop.
 
-The loop hands every sink the same two kinds of rows (train and eval) plus plain event lines, through one
-:class:`Tracker` protocol. Each sink is a small class that does one thing; :class:`MultiTracker` fans out to
-several and :class:`NullTracker` stands in wherever nothing should happen (non-zero ranks, a progress bar
-without a terminal), so the loop never branches on "is this sink on?".
+Every sink implements the one :class:`Tracker` protocol, ``log(kind, row)`` and ``close()``, where ``kind`` is
+``"train"``, ``"eval"`` or ``"info"`` (see :data:`KINDS` for what each row holds). Each sink is a small class that
+does one thing; :class:`MultiTracker` fans out to several and :class:`NullTracker` stands in wherever nothing should
+happen (non-zero ranks), so the loop never branches on "is this sink on?".
 
 On rank 0 :func:`build_tracker` always writes ``metrics.jsonl`` (machine-readable, read back by
-:func:`read_metrics`) and ``train.log`` (human-readable), shows a rich progress bar on a terminal, and adds
-Weights & Biases and TensorBoard when the recipe enables them. wandb and tensorboard (which imports torch) are
-imported only when enabled, so importing this module stays cheap for the CLI.
+:func:`read_metrics`) and ``train.log`` (human-readable), shows progress on stdout (:class:`ProgressTracker`: a rich
+bar on a terminal, else one line per row), and adds Weights & Biases and TensorBoard when the recipe enables them.
+wandb and tensorboard (which imports torch) are imported only when enabled, so importing this module stays cheap
+for the CLI.
+
+Tokens per second is computed once per train row, by the loop's :class:`Throughput`, and travels in the row as
+``tokens_per_s``; every sink that shows it reads it from there.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import secrets
 import string
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
@@ -28,66 +32,55 @@ from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError, RunDirError
 
 Row = Mapping[str, Any]
-"""A train or eval row: metric name -> number (``step`` always present)."""
+"""A row: name -> value. Train and eval rows always hold ``step``; an info row holds ``message``."""
 
+KINDS: tuple[str, ...] = ("train", "eval", "info")
+"""The kinds of row a tracker is given:
 
-# Eval keys printed first, in this order, with these formats; every other eval_* key is a metric.
-_EVAL_HEAD = {"eval_loss": ".4f", "eval_ppl": ".2f"}
+- ``train``: step, loss, lr, grad_norm, tokens (cumulative), elapsed_s (cumulative), tokens_per_s (since the
+  previous train row of this process), and optionally loss_scale, skipped, nonfinite;
+- ``eval``: step, eval_loss, eval_ppl, eval_samples, eval_<metric> with eval_<metric>_correct / _total, and
+  eval_correct / eval_total (the first metric's counts);
+- ``info``: an event, ``{"message": "saved checkpoint step-000100"}``; ``"level": "warning"`` marks one the user
+  must see (the console sends it to stderr when it is not drawing a bar).
+"""
+
 _COUNT_SUFFIXES = ("_correct", "_total")
+_NOT_METRICS = ("eval_loss", "eval_ppl", "eval_samples", "eval_correct", "eval_total")
 
 
 class Tracker(Protocol):
     """Where the training loop sends metrics and events."""
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """A train row: step, loss, lr, grad_norm, tokens (cumulative), elapsed_s, optionally loss_scale, skipped."""
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """An eval row: step, eval_loss, eval_ppl, eval_<metric> (+ eval_correct / eval_total counts)."""
-
-    def info(self, message: str) -> None:
-        """A plain event line, e.g. ``saved checkpoint step-000100``."""
+    def log(self, kind: str, row: Row) -> None:
+        """One row of ``kind`` (one of :data:`KINDS`)."""
 
     def close(self) -> None:
         """Flush and release whatever the sink holds; called once at the end of the run."""
 
 
 class NullTracker:
-    """A sink that does nothing: what non-zero ranks get, and what disabled sinks delegate to."""
+    """A sink that does nothing: what non-zero ranks get."""
 
-    def log_train(self, row: dict[str, float | int]) -> None:
+    def log(self, kind: str, row: Row) -> None:
         """Ignore the row."""
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Ignore the row."""
-
-    def info(self, message: str) -> None:
-        """Ignore the message."""
 
     def close(self) -> None:
         """Nothing to release."""
 
 
 class MultiTracker:
-    """Fans every call out to several trackers, in order; close() closes all of them even if one raises."""
+    """Fans every row out to several trackers, in order; close() closes all of them even if one raises."""
 
     def __init__(self, trackers: Sequence[Tracker]) -> None:
         self.trackers: list[Tracker] = list(trackers)
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """Send a train row to every tracker."""
+    def log(self, kind: str, row: Row) -> None:
+        """Send the row to every tracker; an unknown kind is a programming error (ValueError), caught here once."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown row kind {kind!r}; expected one of {', '.join(KINDS)}")
         for tracker in self.trackers:
-            tracker.log_train(row)
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Send an eval row to every tracker."""
-        for tracker in self.trackers:
-            tracker.log_eval(row)
-
-    def info(self, message: str) -> None:
-        """Send an event line to every tracker."""
-        for tracker in self.trackers:
-            tracker.info(message)
+            tracker.log(kind, row)
 
     def close(self) -> None:
         """Close every tracker, then re-raise the first error (a failing sink must not leak the others)."""
@@ -123,34 +116,26 @@ class _LineFile:
 
 
 class JsonlTracker:
-    """Appends one JSON object per row to ``<run_dir>/metrics.jsonl``, tagged ``"kind": "train"`` or ``"eval"``.
+    """Appends one JSON object per train or eval row to ``<run_dir>/metrics.jsonl``, tagged with its ``kind``.
 
-    This is the machine-readable record of a run (tests and the CLI read it with :func:`read_metrics`); event
-    lines are not metrics and go to train.log only. Non-finite floats are written as ``NaN`` / ``Infinity``,
-    which Python's json reads back.
+    This is the machine-readable record of a run (tests and the CLI read it with :func:`read_metrics`); info rows
+    are not metrics and go to train.log only. Non-finite floats are written as ``NaN`` / ``Infinity``, which
+    Python's json reads back.
     """
 
     def __init__(self, run_dir: Path) -> None:
         self._file = _LineFile(Path(run_dir) / rundir.METRICS)
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """Append the row with ``kind: train``."""
-        self._write("train", row)
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Append the row with ``kind: eval``."""
-        self._write("eval", row)
-
-    def info(self, message: str) -> None:
-        """Events are not metrics: nothing is written."""
+    def log(self, kind: str, row: Row) -> None:
+        """Append a train or eval row with its ``kind``; info rows are not written."""
+        if kind == "info":
+            return
+        record = {"kind": kind, **{key: value for key, value in row.items() if key != "kind"}}
+        self._file.write(json.dumps(record))
 
     def close(self) -> None:
         """Close metrics.jsonl."""
         self._file.close()
-
-    def _write(self, kind: str, row: Row) -> None:
-        record = {"kind": kind, **{key: value for key, value in row.items() if key != "kind"}}
-        self._file.write(json.dumps(record))
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
@@ -207,27 +192,51 @@ def truncate_metrics(run_dir: Path, step: int) -> int:
 class Throughput:
     """Tokens per second between successive train rows, from cumulative ``tokens`` and ``elapsed_s``.
 
-    A per-interval rate (not the run average) shows slowdowns as they happen. The first row has no predecessor,
-    so it is measured from the start: tokens / elapsed_s.
+    The one place tok/s is computed: the loop owns one and puts its rate into each train row as ``tokens_per_s``.
+    A per-interval rate (not the run average) shows slowdowns as they happen. The first row is measured from the
+    baseline, which is where this process started: zero for a new run, and the checkpoint's tokens and elapsed time
+    for a resumed one, so the resumed steps never count as tokens processed in no time.
     """
 
-    def __init__(self) -> None:
-        self._tokens = 0.0
-        self._elapsed = 0.0
+    def __init__(self, tokens: float = 0.0, elapsed_s: float = 0.0) -> None:
+        self._tokens = float(tokens)
+        self._elapsed = float(elapsed_s)
 
-    def update(self, row: Row) -> float | None:
-        """Rate since the previous row; None when the row lacks tokens or elapsed_s."""
-        tokens, elapsed = row.get("tokens"), row.get("elapsed_s")
-        if tokens is None or elapsed is None:
-            return None
-        seconds = elapsed - self._elapsed
+    def update(self, tokens: float, elapsed_s: float) -> float:
+        """Tokens per second since the previous call (or the baseline); 0.0 when no time has passed."""
+        seconds = elapsed_s - self._elapsed
         rate = (tokens - self._tokens) / seconds if seconds > 0 else 0.0
-        self._tokens, self._elapsed = float(tokens), float(elapsed)
+        self._tokens, self._elapsed = float(tokens), float(elapsed_s)
         return rate
 
 
+class Eta:
+    """Seconds left in the run, at this process's own pace.
+
+    The pace is measured from the first train row this process logs to the latest one, by their ``elapsed_s``
+    (the loop's clock): steps restored from a checkpoint, and the start-up before the first step, are never taken
+    for work done in no time. None until two rows have been seen (or when the run's length is unknown).
+    """
+
+    def __init__(self, max_steps: int | None) -> None:
+        self.max_steps = max_steps
+        self._first: tuple[int, float] | None = None
+
+    def update(self, step: int, elapsed_s: float) -> float | None:
+        """The estimate after the train row of ``step`` logged at ``elapsed_s``."""
+        if self.max_steps is None:
+            return None
+        if self._first is None:
+            self._first = (step, elapsed_s)
+            return None
+        first_step, first_elapsed = self._first
+        if step <= first_step or elapsed_s <= first_elapsed:
+            return None
+        return max(0, self.max_steps - step) * (elapsed_s - first_elapsed) / (step - first_step)
+
+
 def _number(value: Any, spec: str = ".4f") -> str:
-    """Ints (and bools) as integers, floats with ``spec``."""
+    """Ints (and bools) as integers, floats with ``spec``, anything else as text."""
     if isinstance(value, bool | int):
         return str(int(value))
     if isinstance(value, float):
@@ -235,18 +244,19 @@ def _number(value: Any, spec: str = ".4f") -> str:
     return str(value)
 
 
-def format_train_line(row: Row, *, max_steps: int | None, tokens_per_s: float | None) -> str:
+def format_train_line(row: Row, *, max_steps: int | None) -> str:
     """``step 10/200 | loss 2.3141 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120`` (+ loss_scale, skipped).
 
     Fields missing from the row (or None) are left out; ``/max_steps`` is left out when the length is unknown.
+    tok/s is the row's ``tokens_per_s`` (see :class:`Throughput`).
     """
     total = f"/{max_steps}" if max_steps is not None else ""
     parts = [f"step {row['step']}{total}"]
     for key, spec in (("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".2f")):
         if row.get(key) is not None:
             parts.append(f"{key} {format(float(row[key]), spec)}")
-    if tokens_per_s is not None:
-        parts.append(f"tok/s {tokens_per_s:.0f}")
+    if row.get("tokens_per_s") is not None:
+        parts.append(f"tok/s {float(row['tokens_per_s']):.0f}")
     if row.get("loss_scale") is not None:
         parts.append(f"loss_scale {float(row['loss_scale']):.0f}")
     if row.get("nonfinite"):
@@ -256,36 +266,39 @@ def format_train_line(row: Row, *, max_steps: int | None, tokens_per_s: float | 
     return " | ".join(parts)
 
 
-def format_eval_line(row: Row) -> str:
-    """``eval step 50 | eval_loss 1.2345 | eval_ppl 3.44 | eval_exact_match 0.8125 (26/32)``.
+def format_metrics(row: Row, *, skip: Collection[str] = ()) -> list[str]:
+    """Each value of ``row`` once, in row order: ``name correct/total = value`` for a metric with counts
+    (``eval_exact_match 198/200 = 0.9900``), ``name = value`` for the rest (``eval_loss = 1.2345``).
 
-    Every eval_<metric> is listed with its counts: ``eval_<metric>_correct`` / ``_total`` when the row has them,
-    else the row's ``eval_correct`` / ``eval_total`` when there is exactly one metric to attribute them to
-    (otherwise they are shown on their own as ``correct 26/32``).
+    A metric's counts are ``<name>_correct`` / ``<name>_total``; they are shown with it and not again on their own.
+    ``eval_correct`` / ``eval_total`` are the first metric's counts: not shown again when a metric shows counts;
+    given to the only metric when it has none of its own (rows without per-metric counts); else listed as they
+    are. Floats get 4 decimals. Keys in ``skip`` are left out. Used by ``finetune eval`` and train.log alike.
     """
-    parts = [f"eval step {row['step']}"]
-    parts += [f"{key} {_number(float(row[key]), spec)}" for key, spec in _EVAL_HEAD.items()
-              if row.get(key) is not None]
-    if row.get("eval_samples") is not None:
-        parts.append(f"samples {int(row['eval_samples'])}")
-    metrics = [key for key in row if key.startswith("eval_") and key not in _EVAL_HEAD
-               and key not in ("eval_correct", "eval_total", "eval_samples") and not key.endswith(_COUNT_SUFFIXES)]
-    generic = _counts(row, "eval")
-    own = {key: _counts(row, key) for key in metrics}
-    for key in metrics:
-        counts = own[key] or (generic if len(metrics) == 1 else None)
-        parts.append(f"{key} {_number(row[key])}" + (f" ({counts})" if counts else ""))
-    if generic and len(metrics) != 1 and not any(own.values()):  # counts no metric line already shows
-        parts.append(f"correct {generic}")
-    return " | ".join(parts)
+    keys = [key for key in row if key not in skip]
+    counted = {key for key in keys if f"{key}_correct" in row and f"{key}_total" in row}
+    metrics = [key for key in keys if key.startswith("eval_") and key not in _NOT_METRICS
+               and not key.endswith(_COUNT_SUFFIXES)]
+    generic = "eval_correct" in row and "eval_total" in row
+    adopter = metrics[0] if generic and len(metrics) == 1 and not counted else None
+    hidden = {f"{key}{suffix}" for key in counted for suffix in _COUNT_SUFFIXES}
+    if generic and (counted or adopter):
+        hidden |= {"eval_correct", "eval_total"}
+    lines = []
+    for key in keys:
+        if key in hidden:
+            continue
+        prefix = key if key in counted else ("eval" if key == adopter else None)
+        counts = (f" {_number(row[f'{prefix}_correct'], '.0f')}/{_number(row[f'{prefix}_total'], '.0f')}"
+                  if prefix else "")
+        lines.append(f"{key}{counts} = {_number(row[key])}")
+    return lines
 
 
-def _counts(row: Row, prefix: str) -> str | None:
-    """``correct/total`` from ``<prefix>_correct`` and ``<prefix>_total``, or None when either is missing."""
-    correct, total = row.get(f"{prefix}_correct"), row.get(f"{prefix}_total")
-    if correct is None or total is None:
-        return None
-    return f"{_number(correct, '.0f')}/{_number(total, '.0f')}"
+def format_eval_line(row: Row) -> str:
+    """``eval step 50 | eval_loss = 1.2345 | eval_ppl = 3.4364 | eval_samples = 32 | eval_exact_match 26/32 =
+    0.8125``: every value once, as :func:`format_metrics` shows it."""
+    return " | ".join([f"eval step {row['step']}", *format_metrics(row, skip=("step",))])
 
 
 def _timestamp() -> str:
@@ -296,33 +309,26 @@ def _timestamp() -> str:
 class TrainLogTracker:
     """Appends human-readable, timestamped lines to ``<run_dir>/train.log``: one per train row, eval row and event.
 
-    ``max_steps`` is the run's length (shown as ``step 10/200``; None when not known). tok/s is computed here
-    from successive rows, see :class:`Throughput`.
+    ``max_steps`` is the run's length (shown as ``step 10/200``; None when not known).
     """
 
     def __init__(self, run_dir: Path, max_steps: int | None) -> None:
         self.max_steps = max_steps
         self._file = _LineFile(Path(run_dir) / rundir.TRAIN_LOG)
-        self._throughput = Throughput()
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """Write ``step 10/200 | loss ... | tok/s ...``."""
-        self._line(format_train_line(row, max_steps=self.max_steps, tokens_per_s=self._throughput.update(row)))
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Write ``eval step 50 | eval_loss ... | eval_<metric> value (correct/total)``."""
-        self._line(format_eval_line(row))
-
-    def info(self, message: str) -> None:
-        """Write the message as it is."""
-        self._line(message)
+    def log(self, kind: str, row: Row) -> None:
+        """Write the row's line: :func:`format_train_line`, :func:`format_eval_line`, or the message as it is."""
+        if kind == "train":
+            text = format_train_line(row, max_steps=self.max_steps)
+        elif kind == "eval":
+            text = format_eval_line(row)
+        else:
+            text = str(row["message"])
+        self._file.write(f"{_timestamp()} {text}")
 
     def close(self) -> None:
         """Close train.log."""
         self._file.close()
-
-    def _line(self, text: str) -> None:
-        self._file.write(f"{_timestamp()} {text}")
 
 
 def _is_terminal(stream: TextIO) -> bool:
@@ -333,42 +339,45 @@ def _is_terminal(stream: TextIO) -> bool:
         return False
 
 
+def _duration(seconds: float | None) -> str:
+    """``1:02:03`` (hours:minutes:seconds), or ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
 class _RichBar:
     """The live rich progress bar behind :class:`ProgressTracker` (only built when it will be seen)."""
 
     def __init__(self, max_steps: int | None, start_step: int, stream: TextIO) -> None:
         from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
         self._progress = Progress(
             BarColumn(bar_width=20),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tok_s]} tok/s  eta"),
-            TimeRemainingColumn(),
+            TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tok_s]} tok/s  "
+                       "eta {task.fields[eta]}"),
             console=Console(file=stream),
         )
-        # The resumed part counts as done without being a "sample", so the ETA reflects this process's speed.
+        # A resumed run's bar starts at its checkpoint's step: those steps are done, not to come.
         self._task = self._progress.add_task("train", total=max_steps, completed=start_step,
-                                             loss="-", lr="-", tok_s="-")
-        self._throughput = Throughput()
+                                             loss="-", lr="-", tok_s="-", eta="-")
         self._progress.start()
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """Move the bar to the row's step and show its loss, lr and tok/s."""
-        rate = self._throughput.update(row)
+    def update(self, row: Row, eta_s: float | None) -> None:
+        """Move the bar to the row's step and show its loss, lr and tok/s, and the ETA."""
         fields = {key: f"{float(row[key]):{spec}}" for key, spec in (("loss", ".4f"), ("lr", ".2e"))
                   if row.get(key) is not None}
-        if rate is not None:
-            fields["tok_s"] = f"{rate:.0f}"
-        self._progress.update(self._task, completed=row["step"], **fields)
+        if row.get("tokens_per_s") is not None:
+            fields["tok_s"] = f"{float(row['tokens_per_s']):.0f}"
+        self._progress.update(self._task, completed=row["step"], eta=_duration(eta_s), **fields)
 
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Print the eval line above the bar."""
-        self.info(format_eval_line(row))
-
-    def info(self, message: str) -> None:
-        """Print the message above the bar, verbatim (no rich markup, so ``[...]`` in it is kept)."""
-        self._progress.console.print(message, markup=False, highlight=False)
+    def print(self, text: str) -> None:
+        """Print a line above the bar, verbatim (no rich markup, so ``[...]`` in it is kept)."""
+        self._progress.console.print(text, markup=False, highlight=False)
 
     def close(self) -> None:
         """Stop the live display, leaving the final bar on screen."""
@@ -376,38 +385,55 @@ class _RichBar:
 
 
 class ProgressTracker:
-    """A rich progress bar (step/max_steps, loss, lr, tok/s, ETA) with event lines printed above it.
+    """What a run shows on stdout: a live bar on a terminal, else exactly one line per row.
 
-    Shown only when ``enabled`` and ``stream`` (default: stderr) is a terminal; otherwise every call is a no-op,
-    so logs piped to a file carry no bar redraws. ``start_step`` is where a resumed run begins.
+    On a terminal (and with ``bar``, i.e. ``logging.progress``), a rich bar shows step/max_steps, loss, lr, tok/s
+    and the ETA (:class:`Eta`), with eval and event lines printed above it. Otherwise (a pipe, a file, or
+    ``logging.progress: false``) every train row is one line, as in train.log without the timestamp, and so is
+    every eval row and event; warnings (info rows with ``"level": "warning"``) go to stderr. ``start_step`` is
+    where a resumed run begins: the bar starts there.
     """
 
-    def __init__(self, max_steps: int | None, start_step: int = 0, *, enabled: bool = True,
-                 stream: TextIO | None = None) -> None:
-        stream = sys.stderr if stream is None else stream
-        self._impl: Tracker = (_RichBar(max_steps, start_step, stream) if enabled and _is_terminal(stream)
-                               else NullTracker())
+    def __init__(self, max_steps: int | None, start_step: int = 0, *, bar: bool = True,
+                 stream: TextIO | None = None, warn_stream: TextIO | None = None) -> None:
+        self.max_steps = max_steps
+        self.completed = start_step  # the last step shown: start_step until the first train row
+        self.eta_s: float | None = None  # seconds left, as last shown: None until the pace is known
+        self._eta = Eta(max_steps)
+        self._out = sys.stdout if stream is None else stream
+        self._err = sys.stderr if warn_stream is None else warn_stream
+        self._bar = _RichBar(max_steps, start_step, self._out) if bar and _is_terminal(self._out) else None
 
     @property
     def active(self) -> bool:
-        """Whether a bar is being shown."""
-        return not isinstance(self._impl, NullTracker)
+        """Whether a live bar is being shown."""
+        return self._bar is not None
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """Advance the bar."""
-        self._impl.log_train(row)
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Print the eval line above the bar."""
-        self._impl.log_eval(row)
-
-    def info(self, message: str) -> None:
-        """Print the message above the bar."""
-        self._impl.info(message)
+    def log(self, kind: str, row: Row) -> None:
+        """Advance the bar (or print the train line); print eval and event lines."""
+        if kind == "train":
+            self.completed = int(row["step"])
+            if row.get("elapsed_s") is not None:
+                self.eta_s = self._eta.update(self.completed, float(row["elapsed_s"]))
+            if self._bar is not None:
+                self._bar.update(row, self.eta_s)
+            else:
+                self._line(format_train_line(row, max_steps=self.max_steps))
+        elif kind == "eval":
+            self._line(format_eval_line(row))
+        else:
+            self._line(str(row["message"]), warning=row.get("level") == "warning")
 
     def close(self) -> None:
-        """Stop the bar."""
-        self._impl.close()
+        """Stop the bar (the lines need nothing)."""
+        if self._bar is not None:
+            self._bar.close()
+
+    def _line(self, text: str, warning: bool = False) -> None:
+        if self._bar is not None:
+            self._bar.print(text)
+        else:
+            print(text, file=self._err if warning else self._out, flush=True)
 
 
 def _prefixed(prefix: str, row: Row) -> dict[str, float | int]:
@@ -468,16 +494,10 @@ class WandbTracker:
             config=cfg.model_dump(mode="json"),
         )
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """Log the row under ``train/``."""
-        self._run.log(_prefixed("train", row), step=int(row["step"]))
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Log the row under ``eval/``."""
-        self._run.log(_prefixed("eval", row), step=int(row["step"]))
-
-    def info(self, message: str) -> None:
-        """Events are not sent to wandb (train.log has them)."""
+    def log(self, kind: str, row: Row) -> None:
+        """Log a train or eval row under ``train/`` or ``eval/``; events are not sent (train.log has them)."""
+        if kind != "info":
+            self._run.log(_prefixed(kind, row), step=int(row["step"]))
 
     def close(self) -> None:
         """Finish the wandb run (offline: writes it to disk for a later ``wandb sync``)."""
@@ -498,34 +518,27 @@ class TensorboardTracker:
                               "tensorboard, or set logging.tensorboard: false") from exc
         self._writer = SummaryWriter(log_dir=str(Path(run_dir) / rundir.TENSORBOARD))
 
-    def log_train(self, row: dict[str, float | int]) -> None:
-        """Add a ``train/<key>`` scalar per numeric key."""
-        self._add("train", row)
-
-    def log_eval(self, row: dict[str, float | int]) -> None:
-        """Add an ``eval/<key>`` scalar per numeric key."""
-        self._add("eval", row)
-
-    def info(self, message: str) -> None:
-        """Events are not sent to TensorBoard (train.log has them)."""
+    def log(self, kind: str, row: Row) -> None:
+        """Add a ``train/<key>`` or ``eval/<key>`` scalar per numeric key; events are not sent (train.log has them)."""
+        if kind == "info":
+            return
+        step = int(row["step"])
+        for tag, value in _prefixed(kind, row).items():
+            self._writer.add_scalar(tag, float(value), global_step=step)
 
     def close(self) -> None:
         """Flush and close the event file."""
         self._writer.close()
 
-    def _add(self, prefix: str, row: Row) -> None:
-        step = int(row["step"])
-        for tag, value in _prefixed(prefix, row).items():
-            self._writer.add_scalar(tag, float(value), global_step=step)
-
 
 def build_tracker(cfg: RecipeConfig, run_dir: Path, *, is_main: bool, start_step: int = 0,
                   max_steps: int | None = None) -> Tracker:
-    """Rank 0: jsonl + train.log + progress (+ wandb, tensorboard per cfg.logging); other ranks: NullTracker.
+    """Rank 0: jsonl + train.log + progress on stdout (+ wandb, tensorboard per cfg.logging); other ranks:
+    NullTracker.
 
     ``max_steps`` is the run's length when the caller knows better than the recipe (a recipe that sets
     ``train.epochs`` has no ``train.max_steps``); by default ``cfg.train.max_steps``. ``start_step`` is where a
-    resumed run begins (the progress bar starts there).
+    resumed run begins (its checkpoint's step): the progress bar starts there.
     """
     if not is_main:
         return NullTracker()
@@ -537,11 +550,13 @@ def build_tracker(cfg: RecipeConfig, run_dir: Path, *, is_main: bool, start_step
     if cfg.logging.tensorboard:
         trackers.append(TensorboardTracker(run_dir))
     # Last, so a sink that fails to start does not leave a live bar behind.
-    trackers.append(ProgressTracker(steps, start_step, enabled=cfg.logging.progress))
+    trackers.append(ProgressTracker(steps, start_step, bar=cfg.logging.progress))
     return MultiTracker(trackers)
 
 
 __all__ = [
+    "KINDS",
+    "Eta",
     "JsonlTracker",
     "MultiTracker",
     "NullTracker",
@@ -553,8 +568,9 @@ __all__ = [
     "WandbTracker",
     "build_tracker",
     "format_eval_line",
+    "format_metrics",
     "format_train_line",
     "read_metrics",
+    "truncate_metrics",
     "wandb_run_id",
 ]
-

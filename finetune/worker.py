@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,8 +28,9 @@ def total_steps(cfg: RecipeConfig, train_size: int) -> int:
     return max(1, math.ceil(cfg.train.epochs * train_size / cfg.train.global_batch_size))
 
 
-def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
-    """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker."""
+def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trainer:
+    """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
+    ``start_step``: the step a resumed run continues from (its progress display starts there)."""
     from finetune import checkpoint, loop, registry
     from finetune import peft as lora
     from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
@@ -56,17 +56,17 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
         data = load_splits(cfg.data, tokenizer)
     assert data.train is not None
     max_steps = total_steps(cfg, len(data.train.dataset))
-    tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, max_steps=max_steps)
-    if cfg.scheduler.warmup_steps > max_steps:
-        warning = (f"warning: scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than the run "
-                   f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")
-        tracker.info(warning)
-        if accelerator.is_main_process:
-            print(warning, file=sys.stderr)
+    tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, start_step=start_step,
+                            max_steps=max_steps)
+    if cfg.scheduler.warmup_steps > max_steps:  # a warning: train.log, and stderr unless a progress bar shows it
+        tracker.log("info", {"level": "warning", "message": (
+            f"warning: scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than the run "
+            f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")})
     for split in (data.train, data.eval):
         if split is not None and (split.truncated or split.dropped or split.no_answer):
-            tracker.info(f"data: {split.truncated} truncated, {split.dropped} dropped (longer than "
-                         f"data.max_seq_len={cfg.data.max_seq_len}), {split.no_answer} without answer tokens skipped")
+            tracker.log("info", {"message": f"data: {split.truncated} truncated, {split.dropped} dropped (longer "
+                                            f"than data.max_seq_len={cfg.data.max_seq_len}), {split.no_answer} "
+                                            "without answer tokens skipped"})
     with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
         model = build_base(cfg.model, row, cfg.train.seed, data.labels, lora.quantization_config(cfg.peft))
     check_fits(model, tokenizer, cfg.data.max_seq_len)
@@ -78,8 +78,9 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need input grads
         model = lora.apply(model, cfg.peft, row)
         trainable, total = lora.parameter_counts(model)
-        tracker.info(f"{cfg.peft.method}: {trainable} of {total} parameters trainable "
-                     f"({100 * trainable / total:.3f}%), targets {', '.join(lora.target_modules(cfg.peft, row))}")
+        tracker.log("info", {"message": f"{cfg.peft.method}: {trainable} of {total} parameters trainable "
+                                        f"({100 * trainable / total:.3f}%), targets "
+                                        f"{', '.join(lora.target_modules(cfg.peft, row))}"})
         lora.register_adapter_checkpointing(accelerator)
     if cfg.train.compile:  # in place, after LoRA, before prepare: see modeling.compile_model
         compile_model(model)
@@ -93,10 +94,11 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path) -> Trainer:
     objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
                       lockstep=backend.shards_parameters)
-    tracker.info(f"training {cfg.name}: {max_steps} steps, global batch {cfg.train.global_batch_size} "
-                 f"(micro {cfg.train.micro_batch_size} x accum {cfg.grad_accum} x {accelerator.num_processes} "
-                 f"process(es)), backend {backend.name} ({accelerator.distributed_type}), "
-                 f"{len(data.train.dataset)} train samples")
+    tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
+                                    f"{cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size} x accum "
+                                    f"{cfg.grad_accum} x {accelerator.num_processes} process(es)), backend "
+                                    f"{backend.name} ({accelerator.distributed_type}), {len(data.train.dataset)} "
+                                    "train samples"})
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
                         run_dir, max_steps, backend, run_id=run_id, objects=objects)
 
@@ -137,7 +139,7 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
         if not allow_config_change:
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
                               "pass --allow-config-change to continue anyway")
-        trainer.tracker.info("resume: tokenizer changed since the checkpoint (allowed)")
+        trainer.tracker.log("info", {"message": "resume: tokenizer changed since the checkpoint (allowed)"})
     saved_by, world = manifest.get("backend", "single"), manifest.get("world_size", 1)
     backend, now = trainer.backend, trainer.accelerator.num_processes
     same_format = {saved_by, backend.name} <= {"single", "ddp"} or saved_by == backend.name
@@ -155,8 +157,21 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
                           "resume from another checkpoint with --from") from exc
     state = trainer.state
     dropped = truncate_metrics(trainer.run_dir, state.step) if trainer.accelerator.is_main_process else 0
-    trainer.tracker.info(f"resumed from {ckpt.name}: step {state.step}, epoch {state.epoch}, "
-                         f"{state.samples_seen} samples seen; dropped {dropped} metrics rows logged after it")
+    trainer.tracker.log("info", {"message": f"resumed from {ckpt.name}: step {state.step}, epoch {state.epoch}, "
+                                            f"{state.samples_seen} samples seen; dropped {dropped} metrics rows "
+                                            "logged after it"})
+
+
+def resumed_step(checkpoint_dir: str | Path | None) -> int:
+    """The step a resume continues from (its checkpoint's manifest), for the progress display; 0 for a new run, or
+    when the manifest cannot tell (loading the checkpoint then reports what is wrong with it)."""
+    if checkpoint_dir is None:
+        return 0
+    try:
+        step = rundir.read_manifest(Path(checkpoint_dir)).get("step")
+    except rundir.ManifestError:
+        return 0
+    return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
 
 
 def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
@@ -171,7 +186,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
     from finetune.modeling import compile_failures
 
     cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe)
-    trainer = build_trainer(cfg, Path(cfg.output_dir or "."))
+    trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(resume_from))
     try:
         if resume_from is not None:
             main = trainer.accelerator.is_main_process
@@ -190,9 +205,13 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
                 out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
                                               trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
                                               probe=probe_batch(trainer), rebuild=clean_copy(trainer))
-            trainer.tracker.info(f"exported {out}")
+            trainer.tracker.log("info", {"message": f"exported {out}"})
+        if trainer.accelerator.is_main_process:  # <run>/plots.png; a failure is one warning line, never a failed run
+            from finetune.plot import write_run_plot
+
+            write_run_plot(trainer.run_dir, log=lambda row: trainer.tracker.log("info", row))
     except Interrupted as exc:
-        trainer.tracker.info(str(exc))
+        trainer.tracker.log("info", {"message": str(exc)})
         raise
     finally:
         trainer.tracker.close()

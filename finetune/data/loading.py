@@ -16,6 +16,8 @@ import json
 import logging
 import math
 import re
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -303,16 +305,42 @@ def raw_values(source: str, field: str) -> Iterator[Any]:
 
 
 @contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Silence ``datasets``' own log while it loads: it logs a failure before raising, and the failure is
-    reported once, as a DataError line."""
+def quiet_datasets(level: int = logging.WARNING) -> Iterator[None]:
+    """Inside: no ``datasets`` progress bars ("Generating train split", "Map", "Filter") and none of its log
+    records below ``level`` (its info lines), whatever the user's datasets verbosity; both are restored after.
+
+    finetune reports its own data work instead (see :func:`finetune.data.tokenize.tokenize_rows`). Warnings still
+    show by default; loading passes CRITICAL because ``datasets`` logs a failure before raising it, and the failure
+    is reported once, as a DataError line. ``HF_DATASETS_DISABLE_PROGRESS_BARS=0`` (bars asked for) is respected.
+    """
+    from datasets import config
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+
     logger = logging.getLogger("datasets")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    previous = logger.level
+    logger.setLevel(max(level, logger.getEffectiveLevel()))
+    hide_bars = not are_progress_bars_disabled() and config.HF_DATASETS_DISABLE_PROGRESS_BARS is None
+    if hide_bars:
+        disable_progress_bars()
     try:
         yield
     finally:
-        logger.setLevel(level)
+        logger.setLevel(previous)
+        if hide_bars:
+            enable_progress_bars()
+
+
+@contextmanager
+def say_if_slow(text: str, after_s: float = 5.0) -> Iterator[None]:
+    """Print ``text`` on stderr once if the block is still running after ``after_s`` seconds, so long work (a big
+    file read into the ``datasets`` cache for the first time) is never silent, while quick work (a cache hit) is."""
+    timer = threading.Timer(after_s, lambda: print(text, file=sys.stderr, flush=True))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def error_detail(exc: BaseException) -> str:
@@ -343,7 +371,7 @@ def load_raw(source: str) -> Dataset:
         elif suffix == ".json":
             _check_json_top(source)
         try:
-            with _quiet_datasets():
+            with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."):
                 return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train")
         except Exception as exc:  # datasets wraps parse errors in several exception types
             # find the offending line (only on failure: a full parse costs seconds per 1M rows)
@@ -357,7 +385,7 @@ def load_raw(source: str) -> Dataset:
     if Path(source).exists():
         raise DataError(f"{source}: unsupported data file type; use one of {', '.join(BUILDERS)}")
     try:
-        with _quiet_datasets():
+        with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."):
             return datasets.load_dataset(source, split="train")
     except Exception as exc:
         raise DataError(f"{source}: not a local file and cannot be loaded from the hub ({error_detail(exc)})") from None

@@ -8,6 +8,9 @@ never reuses a stale cache.
 The output columns get explicit types (:func:`output_features`): left to itself, ``map`` keeps the source
 column's type for an output column of the same name, so a csv's text ``label`` column turned the label ids back
 into strings. With fixed types the tokenized split is the same whatever file type it came from.
+
+``datasets``' own progress bars and info lines are off while it works (:func:`finetune.data.loading.quiet_datasets`);
+a tokenization pass that really runs (not a cache hit) says so on stderr instead (:class:`Progress`).
 """
 
 from __future__ import annotations
@@ -15,14 +18,25 @@ from __future__ import annotations
 import hashlib
 import math
 import re
+import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
 from finetune.data.formats import render
-from finetune.data.loading import check_columns, check_row, error_detail, label_error, line_of, raw_values
+from finetune.data.loading import (
+    check_columns,
+    check_row,
+    error_detail,
+    label_error,
+    line_of,
+    quiet_datasets,
+    raw_values,
+)
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -32,6 +46,55 @@ IGNORE = -100
 MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
                                        for name in ("formats.py", "tokenize.py"))).hexdigest()[:16]
+
+
+class Progress:
+    """Progress of one tokenization pass, as plain lines on stderr (``datasets``' bars are off).
+
+    ``map`` calls the row function only when its cache misses, so the first row tick is the moment real work
+    starts: one line then says what is being tokenized, a line every ``every_s`` seconds gives the count and
+    rate, and, if the pass was long enough to report progress, a last line gives its total time. A cache hit
+    prints nothing. The row functions reach the active pass through the module-level :data:`_ACTIVE`, because
+    ``datasets`` hashes them (for the cache key) by name, so they cannot carry this object as an argument.
+    """
+
+    def __init__(self, source: str, total: int, *, every_s: float = 30.0, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.source, self.total, self.every_s = source, total, every_s
+        self.done = 0
+        self._stream, self._clock = stream, clock
+        self._started = 0.0
+        self._next = 0.0
+        self._reported = False
+
+    def tick(self) -> None:
+        """One row tokenized."""
+        now = self._clock()
+        if self.done == 0:
+            self._started, self._next = now, now + self.every_s
+            self._say(f"tokenizing {self.source}: {self.total} rows (cached for later runs)")
+        self.done += 1
+        if now >= self._next:
+            rate = self.done / max(now - self._started, 1e-9)
+            self._say(f"tokenizing {self.source}: {self.done}/{self.total} rows ({100 * self.done / self.total:.0f}%), "
+                      f"{rate:.0f} rows/s")
+            self._next, self._reported = now + self.every_s, True
+
+    def finish(self) -> None:
+        """Say how long a pass that reported progress took."""
+        if self._reported:
+            self._say(f"tokenized {self.source}: {self.done} rows in {self._clock() - self._started:.0f}s")
+
+    def _say(self, text: str) -> None:
+        print(text, file=self._stream or sys.stderr, flush=True)
+
+
+_ACTIVE: list[Progress] = []  # the pass in progress (at most one), see Progress
+
+
+def _tick() -> None:
+    if _ACTIVE:
+        _ACTIVE[-1].tick()
 
 
 @dataclass
@@ -47,6 +110,7 @@ class Tokenized:
 def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
                 source: str, code_version: str = "") -> dict:
     # code_version is unused here: it is part of the map cache key (see the module docstring)
+    _tick()
     check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
     try:
         out = render(row, fmt, tokenizer, train_on_prompt)
@@ -73,6 +137,7 @@ def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, ma
 
 def _classification_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len: int,
                         label_ids: dict[str, int], source: str, code_version: str = "") -> dict:
+    _tick()
     check_row(row, index, "classification", source)
     full = tokenizer(row["text"], truncation=False)["input_ids"]
     overlong = len(full) > max_len
@@ -197,9 +262,16 @@ def tokenize_rows(
     else:
         fn, kwargs = _causal_row, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
                                    "train_on_prompt": train_on_prompt}
-    mapped = dataset.map(fn, with_indices=True, fn_kwargs={**kwargs, "source": source, "code_version": CODE_VERSION},
-                         remove_columns=dataset.column_names, features=output_features(fmt),
-                         desc=f"tokenizing {source}")
+    progress = Progress(source, len(dataset))
+    _ACTIVE.append(progress)
+    try:
+        with quiet_datasets():
+            mapped = dataset.map(fn, with_indices=True,
+                                 fn_kwargs={**kwargs, "source": source, "code_version": CODE_VERSION},
+                                 remove_columns=dataset.column_names, features=output_features(fmt))
+    finally:
+        _ACTIVE.remove(progress)
+    progress.finish()
     over_mask = np.asarray(column(mapped, "overlong"), dtype=bool)
     answered = np.asarray(column(mapped, "n_labels")) > 0
     dropped_mask = over_mask if overlong == "drop" else np.zeros_like(over_mask)

@@ -1,0 +1,146 @@
+"""What `finetune run`, `resume` and `eval` print, through the real console script in subprocesses.
+
+Piped (not a terminal): stdout is exactly train.log without its timestamps, one line per logging step, eval and
+event; no third-party warning or progress bar, even when the datasets cache is cold. On a terminal (a pty): a live
+bar that a resumed run starts at its checkpoint's step; tok/s after a resume counts only the resumed process's work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from finetune.tracking import read_metrics
+from tests.integration.conftest import tiny_recipe
+
+pytestmark = pytest.mark.integration
+FINETUNE = [sys.executable, "-m", "finetune"]
+TIMESTAMP = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} ")
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
+NOISE = ("Setting accelerator", "Map:", "Map (", "Generating", "Filter", "[WARNING]", "Traceback")
+MAX_STEPS = 6
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    """Offline, with a cold datasets cache of the test's own (so datasets really generates and maps)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TERM": "xterm-256color",
+            "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets-cache"), "COLUMNS": "160"}
+
+
+@pytest.fixture(scope="module")
+def piped_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`finetune run` of a tiny recipe with stdout and stderr piped: logging every 2 steps, eval and checkpoints
+    every 3."""
+    tmp_path = tmp_path_factory.mktemp("console")
+    recipe = tiny_recipe(train={"max_steps": MAX_STEPS}, logging={"every_steps": 2, "progress": True},
+                         eval={"every_steps": 3, "metrics": ["exact_match"], "batch_size": 64,
+                               "max_new_tokens": 4},
+                         checkpoint={"every_steps": 3})
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    done = subprocess.run([*FINETUNE, "run", "r.yaml", "-o", "runs/r"], cwd=tmp_path, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return tmp_path / "runs" / "r", done
+
+
+def test_piped_run_prints_one_line_per_logging_step_and_no_third_party_noise(
+        piped_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    run, done = piped_run
+    for needle in NOISE:
+        assert needle not in done.stdout + done.stderr, needle
+    lines = done.stdout.splitlines()
+    train = [line for line in lines if re.match(rf"step \d+/{MAX_STEPS} \| loss ", line)]
+    assert [int(line.split()[1].split("/")[0]) for line in train] == [2, 4, 6]
+    assert all(" | tok/s " in line for line in train)
+    assert [line.split(" | ")[0] for line in lines if line.startswith("eval step ")] == ["eval step 3", "eval step 6"]
+    log = [TIMESTAMP.sub("", line) for line in (run / "train.log").read_text(encoding="utf-8").splitlines()]
+    assert lines == log  # every line once: train rows, eval rows and events, nothing else
+    assert "\x1b[" not in done.stdout  # no bar redraws in a pipe
+    # our own word on the (cold-cache) tokenization, on stderr
+    assert re.search(r"^tokenizing \S+reverse_train\.jsonl: 2000 rows", done.stderr, re.M), done.stderr
+
+
+def test_eval_prints_each_metric_once_with_its_counts(tmp_path: Path,
+                                                      piped_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    run, _ = piped_run
+    shown = subprocess.run([*FINETUNE, "eval", str(run)], env=_env(tmp_path), capture_output=True, text=True,
+                           timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    last = [row for row in read_metrics(run) if row["kind"] == "eval"][-1]
+    lines = shown.stdout.splitlines()
+    assert [line.split(" ")[0] for line in lines] == ["eval_loss", "eval_ppl", "eval_samples", "eval_exact_match",
+                                                      "target"]
+    counted = f"eval_exact_match {last['eval_exact_match_correct']}/{last['eval_exact_match_total']} = "
+    assert lines[3] == counted + f"{last['eval_exact_match']:.4f}"
+    assert last["eval_exact_match_total"] == 200
+    assert re.fullmatch(r"eval_loss = \d+\.\d{4}", lines[0]) and lines[2] == "eval_samples = 200"
+    assert not any(word in shown.stdout for word in ("_correct", "_total", "Setting accelerator"))
+
+
+def _run_on_a_pty(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300.0) -> tuple[int, str, str]:
+    """Run ``finetune ARGS`` with stdout on a pseudo-terminal (160 columns); its exit code, what the terminal
+    showed (ANSI codes removed) and stderr."""
+    import fcntl
+    import termios
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))
+    process = subprocess.Popen([*FINETUNE, *args], cwd=cwd, env=env, stdout=slave, stderr=subprocess.PIPE)
+    os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, "timed out"
+        ready, _, _ = select.select([master], [], [], 0.2)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif process.poll() is not None:
+            break
+    os.close(master)
+    stderr = process.stderr.read().decode() if process.stderr else ""
+    code = process.wait(timeout=60)
+    return code, ANSI.sub("\n", b"".join(chunks).decode(errors="replace")), stderr
+
+
+def test_resume_on_a_terminal_starts_the_bar_at_the_checkpoint_and_counts_only_its_own_tokens(
+        tmp_path: Path, piped_run: tuple[Path, subprocess.CompletedProcess]) -> None:
+    original, _ = piped_run
+    run = tmp_path / "r"
+    subprocess.run(["cp", "-a", str(original), str(run)], check=True)  # the module's run stays as it was
+    checkpoint = json.loads((run / "checkpoints" / "step-000003" / "train_state.json").read_text())
+    code, shown, stderr = _run_on_a_pty(["resume", str(run), "--from", "step-000003"], tmp_path, _env(tmp_path))
+    assert code == 0, (shown[-2000:], stderr[-2000:])
+    bars = re.findall(rf"\b(\d+)/{MAX_STEPS}\b", shown)
+    assert bars and int(bars[0]) == 3 and all(int(done) >= 3 for done in bars), bars  # starts at the checkpoint
+    assert int(bars[-1]) == MAX_STEPS
+    assert not re.search(rf"^step \d+/{MAX_STEPS} \|", shown, re.M)  # a bar, not lines
+    assert "resumed from step-000003" in shown
+    for needle in NOISE:
+        assert needle not in shown + stderr, needle
+
+    rows = [row for row in read_metrics(run) if row["kind"] == "train"]
+    assert [row["step"] for row in rows] == [2, 4, 6]
+    first = rows[1]
+    # tok/s of the first resumed row: the tokens of steps 4 over the time since the checkpoint (step 3), never the
+    # checkpoint's tokens or time taken as this process's work
+    expected = (first["tokens"] - checkpoint["tokens_seen"]) / (first["elapsed_s"] - checkpoint["elapsed_s"])
+    assert first["tokens_per_s"] == pytest.approx(expected, rel=0.02)
+    own_time = first["elapsed_s"] - checkpoint["elapsed_s"]
+    assert first["tokens_per_s"] < 0.5 * first["tokens"] / own_time  # 4 steps' tokens in 1 step's time: no

@@ -1,0 +1,126 @@
+"""A single-process run is quiet: DeepSpeed is never imported, ``datasets`` shows no bars or info lines while
+finetune loads and tokenizes, and a tokenization pass that really runs says so in our own words."""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from finetune.data.loading import load_raw, quiet_datasets
+from finetune.data.tokenize import Progress, tokenize_rows
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
+
+# What a single-process run imports and calls that could pull DeepSpeed in: the worker's modules, the accelerator,
+# and accelerate's unwrap_model (behind get_state_dict, checkpoint and export saves, peft's adapter hooks).
+SINGLE_PROCESS = textwrap.dedent("""
+    import json, sys
+    import torch
+    from finetune import checkpoint, cli, evaluation, loop, peft, registry, tracking, worker
+    from finetune.backends import Backend, full_state_dict, make_accelerator, restrict_checkpoint_loading
+    from finetune.config.schema import RecipeConfig
+
+    cfg = RecipeConfig.model_validate({"name": "t", "model": {"type": "tiny-llama"},
+                                       "data": {"format": "alpaca", "train": "x.jsonl"},
+                                       "train": {"max_steps": 1, "micro_batch_size": 1, "global_batch_size": 1}})
+    accelerator, backend = make_accelerator(cfg, registry.get_model("tiny-llama"), Backend("single"))
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    accelerator.unwrap_model(model)
+    full_state_dict(accelerator, model, backend)
+    from accelerate.utils.other import is_deepspeed_available
+    imported = sorted(name for name in sys.modules if name.split(".")[0] == "deepspeed")
+    print(json.dumps({"imported": imported, "seen": is_deepspeed_available()}), flush=True)
+    sys.stderr.flush()
+    restrict_checkpoint_loading(Backend("deepspeed", zero_stage=2))  # what a DeepSpeed run does: imports it
+    print(json.dumps({"imported": "deepspeed" in sys.modules, "seen": is_deepspeed_available()}))
+""")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+def test_a_single_process_run_never_imports_deepspeed() -> None:
+    """accelerate's unwrap_model imports deepspeed whenever it is installed; with a single-process accelerator it
+    must not, yet once a DeepSpeed backend has imported it, accelerate's check sees it again."""
+    done = subprocess.run([sys.executable, "-c", SINGLE_PROCESS], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    single = next(i for i, line in enumerate(lines) if line.startswith('{"imported": '))
+    assert json.loads(lines[single]) == {"imported": [], "seen": False}
+    assert "Setting accelerator" not in "\n".join(lines[:single])
+    assert json.loads(lines[-1]) == {"imported": True, "seen": True}
+
+
+def test_quiet_datasets_turns_bars_and_info_off_and_restores_them() -> None:
+    from datasets.utils import are_progress_bars_disabled
+
+    logger = logging.getLogger("datasets")
+    before_level, before_bars = logger.level, are_progress_bars_disabled()
+    logger.setLevel(logging.INFO)  # a user who asked datasets for its info lines
+    try:
+        with quiet_datasets():
+            assert are_progress_bars_disabled()
+            assert logger.getEffectiveLevel() == logging.WARNING  # warnings still show
+        assert logger.level == logging.INFO and are_progress_bars_disabled() == before_bars
+        with quiet_datasets(logging.CRITICAL):
+            assert logger.getEffectiveLevel() == logging.CRITICAL
+    finally:
+        logger.setLevel(before_level)
+
+
+def test_progress_says_what_it_tokenizes_and_reports_a_long_pass() -> None:
+    now = [100.0]
+    out = io.StringIO()
+    progress = Progress("data/big.jsonl", 1000, every_s=30.0, stream=out, clock=lambda: now[0])
+    for _ in range(400):  # 400 rows in the first 29 s: no progress line yet
+        progress.tick()
+        now[0] += 29.0 / 400
+    now[0] = 131.0
+    progress.tick()  # 31 s in
+    progress.finish()
+    assert out.getvalue().splitlines() == [
+        "tokenizing data/big.jsonl: 1000 rows (cached for later runs)",
+        "tokenizing data/big.jsonl: 401/1000 rows (40%), 13 rows/s",
+        "tokenized data/big.jsonl: 401 rows in 31s",
+    ]
+    quick = io.StringIO()
+    short = Progress("small.jsonl", 3, stream=quick)
+    for _ in range(3):
+        short.tick()
+    short.finish()
+    assert quick.getvalue() == "tokenizing small.jsonl: 3 rows (cached for later runs)\n"  # no progress, no total
+
+
+def test_tokenizing_prints_one_line_of_ours_then_nothing_on_a_cache_hit(tmp_path: Path, tok: Any, capfd) -> None:
+    """No datasets bar ("Generating train split", "Map", the tokenizing bar) reaches the terminal; the first pass
+    says what it does, the second (a cache hit) is silent."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"instruction": f"Reverse {i}.", "output": f"{i} x"}) + "\n"
+                            for i in range(40)))
+
+    def tokenize() -> tuple[str, str]:
+        tokenize_rows(load_raw(str(path)), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate",
+                      source=str(path))
+        return capfd.readouterr()
+
+    capfd.readouterr()
+    out, err = tokenize()
+    assert out == ""
+    assert err == f"tokenizing {path}: 40 rows (cached for later runs)\n"
+    assert tokenize() == ("", "")
