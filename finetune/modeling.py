@@ -31,6 +31,24 @@ POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")  # learned a
 ATTENTION_CHECKS = frozenset({"_check_and_adjust_attn_implementation", "get_correct_attn_implementation",
                               "_flash_attn_can_dispatch", "_flash_attn_import_error", "_sdpa_can_dispatch",
                               "set_attn_implementation"})
+BAR_DELAY_S = 5.0  # transformers' own bars (loading weights, writing shards) show only for work longer than this
+
+
+def _delayed_bar(factory: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """transformers' progress bars appear only once the work has lasted ``BAR_DELAY_S`` seconds (tqdm's
+    ``delay``): loading or saving a large model still shows its progress, the sub-second load or export of a small
+    one prints nothing. Hub downloads use huggingface_hub's own bars, which this does not touch."""
+    return factory(*args, **{"delay": BAR_DELAY_S, **kwargs})
+
+
+def _install_bar_hook() -> None:
+    """Install :func:`_delayed_bar` as transformers' tqdm hook, unless something else installed one first."""
+    previous = transformers.utils.logging.set_tqdm_hook(_delayed_bar)
+    if previous is not None:
+        transformers.utils.logging.set_tqdm_hook(previous)
+
+
+_install_bar_hook()  # every process that builds or saves a model imports this module first
 
 
 def resolve_model_path(path: str) -> str:

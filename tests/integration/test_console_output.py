@@ -28,7 +28,8 @@ pytestmark = pytest.mark.integration
 FINETUNE = [sys.executable, "-m", "finetune"]
 TIMESTAMP = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} ")
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
-NOISE = ("Setting accelerator", "Map:", "Map (", "Generating", "Filter", "[WARNING]", "Traceback")
+NOISE = ("Setting accelerator", "Map:", "Map (", "Generating", "Filter", "[WARNING]", "Traceback",
+         "Writing model shards", "Loading weights")  # transformers' bars: only for work longer than 5 s
 MAX_STEPS = 6
 
 
@@ -86,6 +87,7 @@ def test_eval_prints_each_metric_once_with_its_counts(tmp_path: Path,
     assert last["eval_exact_match_total"] == 200
     assert re.fullmatch(r"eval_loss = \d+\.\d{4}", lines[0]) and lines[2] == "eval_samples = 200"
     assert not any(word in shown.stdout for word in ("_correct", "_total", "Setting accelerator"))
+    assert not any(needle in shown.stdout + shown.stderr for needle in NOISE), shown.stderr
 
 
 def _run_on_a_pty(args: list[str], cwd: Path, env: dict[str, str], timeout: float = 300.0) -> tuple[int, str, str]:
