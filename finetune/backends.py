@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +63,18 @@ class Backend:
     def rank_bound_state(self) -> bool:
         """Checkpoints hold per-rank shards (ZeRO partitions, FSDP sharded state): resume on the same world size."""
         return self.kind in ("deepspeed", "fsdp")
+
+    def resume_problem(self, saved_by: str, saved_world: int, world: int) -> str | None:
+        """Why a checkpoint written by backend ``saved_by`` on ``saved_world`` processes cannot be loaded by this
+        backend on ``world`` processes, or None when it can. Single and DDP checkpoints hold whole tensors, so
+        they move between each other and any world size; a sharded backend reads only its own format, and only on
+        the world size that wrote it (its files are per-rank shards)."""
+        same_format = {saved_by, self.name} <= {"single", "ddp"} or saved_by == self.name
+        if same_format and not (self.rank_bound_state and saved_world != world):
+            return None
+        return (f"was written by {saved_world} process(es) under {saved_by}, whose checkpoint holds per-rank "
+                f"shards; resume it with --num-processes {saved_world} and --accelerate-config {saved_by} (only "
+                "single/ddp checkpoints move between world sizes)")
 
 
 def launcher_config_name(backend: Backend) -> str:
@@ -324,6 +336,23 @@ def restrict_dcp_metadata() -> None:
 
     dcp_fs.pickle = types.SimpleNamespace(  # type: ignore[attr-defined]
         load=lambda file, **_: MetadataUnpickler(file).load(), dump=pickle.dump, restricted=True)  # safe: restricted
+
+
+def export_module(accelerator: Any, model: Any, backend: Backend, state_dict: dict[str, Any] | None,
+                  rebuild: Callable[[], Any] | None) -> Any:
+    """The module whose ``save_pretrained(state_dict=...)`` writes the export, on rank 0: the unwrapped model.
+
+    FSDP1 renames the modules it wraps (``_fsdp_wrapped_module``), so peft, which looks its adapter up by module
+    name, finds none in the gathered state dict and saves an empty adapter. Under FSDP1 a PEFT model is therefore
+    saved from a fresh unwrapped copy (``rebuild()``) loaded with the gathered weights."""
+    unwrapped = accelerator.unwrap_model(model)
+    if not (backend.kind == "fsdp" and backend.fsdp_version == 1 and hasattr(unwrapped, "peft_config")):
+        return unwrapped
+    if rebuild is None or state_dict is None:
+        raise RuntimeError("an FSDP1 PEFT export needs a rebuild factory and the gathered state dict")
+    saver = rebuild()
+    saver.load_state_dict(state_dict)
+    return saver
 
 
 def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str, Any] | None:

@@ -410,12 +410,12 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     ``finetune merge`` must reproduce); always the tokenizer, the resolved recipe and a manifest.
 
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
-    finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a clean (unwrapped)
-    copy of the model on rank 0 to save from, for wrappers whose module names differ from the gathered state
-    dict's (FSDP1: peft would find no adapter and save an empty one)."""
+    finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
+    copy of the model (base and adapter) for a backend that must save from one (see
+    :func:`finetune.backends.export_module`)."""
     import torch
 
-    from finetune.backends import full_state_dict
+    from finetune.backends import export_module, full_state_dict
 
     out, tmp = run_dir / rundir.FINAL, run_dir / rundir.FINAL_TMP
     state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends
@@ -437,10 +437,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
 
         if tmp.exists():
             rundir.remove_scratch(tmp)
-        saver = accelerator.unwrap_model(model)
-        if rebuild is not None:
-            saver = rebuild()
-            saver.load_state_dict(state_dict)
+        saver = export_module(accelerator, model, backend, state_dict, rebuild)
         saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))

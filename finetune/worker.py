@@ -114,18 +114,22 @@ def probe_batch(trainer: Trainer, rows: int = 4, length: int = 32) -> dict[str, 
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
-def clean_copy(trainer: Trainer) -> Callable[[], Any] | None:
-    """A factory of an unwrapped model to save an FSDP1 LoRA adapter from (see checkpoint.export_final)."""
+def clean_copy(trainer: Trainer) -> Callable[[], Any]:
+    """A factory of a fresh, unwrapped copy of the trained model (base, and adapter for LoRA), built as this run
+    built it; a backend that cannot save from its wrapped model saves from one (backends.export_module)."""
     from finetune import peft as lora
     from finetune import registry
     from finetune.modeling import build_base
 
-    cfg, backend = trainer.cfg, trainer.backend
-    if not (lora.enabled(cfg.peft) and backend.kind == "fsdp" and backend.fsdp_version == 1):
-        return None
+    cfg = trainer.cfg
     row = registry.get_model(cfg.model.type)
     labels = trainer.task.data.labels
-    return lambda: lora.apply(build_base(cfg.model, row, cfg.train.seed, labels), cfg.peft, row)
+
+    def build() -> Any:
+        base = build_base(cfg.model, row, cfg.train.seed, labels)
+        return lora.apply(base, cfg.peft, row) if lora.enabled(cfg.peft) else base
+
+    return build
 
 
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
@@ -140,13 +144,10 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
                               "pass --allow-config-change to continue anyway")
         trainer.tracker.log("info", {"message": "resume: tokenizer changed since the checkpoint (allowed)"})
-    saved_by, world = manifest.get("backend", "single"), manifest.get("world_size", 1)
-    backend, now = trainer.backend, trainer.accelerator.num_processes
-    same_format = {saved_by, backend.name} <= {"single", "ddp"} or saved_by == backend.name
-    if not same_format or (backend.rank_bound_state and world != now):
-        raise RunDirError(f"resume refused: {ckpt.name} was written by {world} process(es) under {saved_by}, whose "
-                          f"checkpoint holds per-rank shards; resume it with --num-processes {world} and "
-                          f"--accelerate-config {saved_by} (only single/ddp checkpoints move between world sizes)")
+    problem = trainer.backend.resume_problem(manifest.get("backend", "single"), manifest.get("world_size", 1),
+                                             trainer.accelerator.num_processes)
+    if problem:
+        raise RunDirError(f"resume refused: {ckpt.name} {problem}")
     try:  # model, optimizer, scheduler, TrainState, scaler, RNG of this rank
         checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects)
     except (KeyboardInterrupt, SystemExit):
