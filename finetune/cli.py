@@ -1,7 +1,8 @@
 """The ``finetune`` command line.
 
-This module imports nothing heavy: ``--help``, ``config``, ``models``, ``recipes`` and ``run --dry-run`` never
-load torch. Training and evaluation import the worker lazily. Every user mistake raises a FinetuneError that
+This module imports nothing heavy: ``--help``, ``config``, ``models``, ``recipes`` and ``schema`` never load
+torch; ``run --dry-run`` and ``plan`` load it for the memory plan's meta-device build only. Training and evaluation
+import the worker lazily. Every user mistake raises a FinetuneError that
 :func:`main` prints as one line per problem with exit code 2 (``FINETUNE_DEBUG=1`` shows the traceback).
 """
 
@@ -80,9 +81,9 @@ def run(
         typer.echo(f"# would run: {plan}")
         typer.echo(_effective_settings(cfg))
         typer.echo(_peft_summary(cfg))
-        from finetune.plan import plan_in_subprocess  # computed in a child process: this one never imports torch
+        from finetune.plan import build_plan, render  # a meta-device build: the one dry-run step that loads torch
 
-        typer.echo(plan_in_subprocess(cfg))
+        typer.echo("\n".join(f"## {line}".rstrip() for line in render(build_plan(cfg)).splitlines()))
         return
     lock = None
     if _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory

@@ -56,9 +56,7 @@ import finetune.cli
 heavy = {heavy!r}
 after_import = sorted(m for m in sys.modules if m.split(".")[0] in heavy)
 commands = [["--help"], ["config", {q!r}], ["config", {q!r}, "--provenance"], ["models"], ["recipes"],
-            ["run", {q!r}, "--dry-run", "-o", {out!r}],
-            ["run", {q!r}, "--dry-run", "-o", {out!r}, "launch.num_processes=2", "launch.accelerate_config=ddp",
-             "train.micro_batch_size=16"]]
+            ["schema"]]  # run --dry-run and plan build the model on the meta device: they load torch
 codes = []
 for args in commands:
     with contextlib.redirect_stdout(io.StringIO()):
@@ -75,7 +73,7 @@ def test_cli_commands_import_no_heavy_modules(tmp_path):
     result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                             timeout=60, check=False)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "[] [] [0, 0, 0, 0, 0, 0, 0]", result.stdout
+    assert result.stdout.strip() == "[] [] [0, 0, 0, 0, 0, 0]", result.stdout
     assert not (tmp_path / "out").exists()
 
 

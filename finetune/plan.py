@@ -1,0 +1,708 @@
+"""``finetune plan``: the memory one rank will need, worked out before anything is launched.
+
+The model is built on the meta device (no weights are loaded, nothing is allocated) with the same helpers training
+uses (:func:`finetune.modeling.build_config`, :func:`finetune.peft.apply`), and the backend comes from
+:func:`finetune.backends.effective_settings` for ``launch.accelerate_config`` and ``launch.num_processes``. What is
+counted, per rank:
+
+* **parameters**: every parameter in the dtype training holds it in: ``model.dtype``; DeepSpeed with bf16/fp16 casts
+  the whole model to 16 bits; QLoRA keeps the quantized linear weights in 4-bit NF4 (packed bytes plus block
+  statistics, an estimate) and the other parameters in fp32 (peft's ``prepare_model_for_kbit_training``).
+* **gradients**: trainable parameters only, in their own dtype (autograd accumulates in the parameter's dtype).
+* **optimizer states**: torch creates AdamW's ``exp_avg`` and ``exp_avg_sq`` with ``zeros_like(param)`` and a float32
+  ``step`` scalar tensor per parameter; SGD keeps a ``momentum_buffer`` only when momentum is not 0. Under DeepSpeed
+  the optimizer steps on DeepSpeed's fp32 master partition, so its states are fp32 and it has one step tensor per
+  parameter group; **master weights** (that fp32 copy) are a line of their own.
+* **sharding** divides those three: single process and DDP by nothing; ZeRO-1 the optimizer states (and master
+  weights); ZeRO-2 also the gradients; ZeRO-3 also the parameters (except those DeepSpeed keeps whole on every rank:
+  fewer than ``stage3_param_persistence_threshold`` = 1e5 elements); FSDP per its sharding strategy (FULL_SHARD,
+  or FSDP2 ``reshard_after_forward: true``: all three; SHARD_GRAD_OP / ``reshard_after_forward: false``: gradients
+  and optimizer states, the parameters being gathered whole from forward to backward; NO_SHARD: nothing; HYBRID_*:
+  the same within one machine). Each rank's share is rounded up per tensor. Offload moves what it offloads to host
+  (CPU) memory: DeepSpeed ``offload_optimizer`` the optimizer states, master weights and an fp32 gradient
+  partition; ``offload_param`` the parameters; FSDP ``fsdp_offload_params`` parameters, gradients and optimizer
+  states. Where parameters are sharded, a rank also holds gathered ones while it computes (**gathered
+  parameters**: the parameters outside the decoder layers plus two decoder layers, the one computing and the one
+  prefetched). DDP keeps its gradient buckets, a second copy of the gradients (**DDP gradient buckets**). Under
+  autocast with fp32 weights, the 16-bit copies of the linear weights are saved for backward (**autocast weight
+  copies**).
+* **activations** (an ESTIMATE, from the model config): with ``T = micro_batch_size x max_seq_len`` tokens, hidden
+  size ``h``, query width ``q = heads x head_dim``, key/value width ``kv = kv_heads x head_dim``, intermediate size
+  ``f``, ``L`` layers, ``a`` heads, ``s`` tokens per attention row (``max_seq_len``; ``T`` when packed), ``r`` bytes
+  of the residual stream (the weights' dtype) and ``c`` bytes of the compute dtype (16-bit under autocast), what one
+  layer saves for backward per token is::
+
+      layer = r*4h + c*(2h + 3q + 2kv + m*f)     m = 4 for a gated MLP (SiLU(gate) * up), else 2
+              + a*s*(4 + c' + d)                  only where attention keeps its s x s scores: eager attention,
+                                                  or sdpa with attention dropout off CUDA (torch's CPU kernels
+                                                  fall back to the math path); 4 = the fp32 softmax, c' = its cast
+                                                  to c bytes (0 when c is 4), d = 1 + c with attention dropout
+                                                  (mask + dropped probabilities); flash/efficient kernels keep none
+              + 2h                                hidden dropout > 0: the masks of the two residual dropouts
+      final = r*2h + c*h                          the final norm and the LM head's input
+      lora  = (c + 1) * sum(in_features)          LoRA dropout > 0: each adapted module's dropped-out input + mask
+
+  and the estimate is ``T*(L*layer + final + lora)`` without gradient checkpointing and
+  ``T*(L*r*h + final) + T*(layer + lora/L)`` with it (each layer keeps only its input; one layer is recomputed at a
+  time). The two norms of a layer save their input, normalized value and 16-bit output (the ``r*4h + c*2h``);
+  attention saves q, k, v, its output and the output projection's input; the MLP its gate, up, activation and
+  product. It does not count gradients of activations in flight or allocator fragmentation; frozen linear layers
+  (LoRA) save somewhat less than it says.
+* **logits and loss**: the logits ``T x vocab`` in the compute dtype, saved for backward, and their gradient of the
+  same size (finetune's chunked loss never makes a full fp32 copy, see :mod:`finetune.tasks.losses`), plus one fp32
+  chunk of ``min(T, default_chunk_rows(vocab))`` rows; a classification head's logits are ``micro_batch_size x
+  labels``.
+
+The totals are per rank: device memory (a GPU, or the CPU's memory where the run trains on the CPU) and host
+memory (what offload puts in CPU memory). Where CUDA devices are visible, the device total is compared with the
+smallest one's memory. Not counted: the CUDA context and allocator caches, communication buckets of ZeRO, DoRA's
+per-forward weight-norm temporaries, the eval pass (its logits are noted when they exceed training's activations and
+logits) and the generation cache of ``exact_match``.
+
+Checked by ``tests/unit/test_plan.py``: parameters, gradients and optimizer states equal the bytes of a real model
+after a real training step (full, LoRA, DoRA, bf16 weights, SGD, BERT), QLoRA's 4-bit estimate is within 2% of a
+real bitsandbytes model, and the activation estimate is within 20% of what autograd really saves (Llama fp32, bf16
+autocast, eager attention, GQA; BERT fp32 and bf16).
+
+``run --dry-run`` ends with the same plan, each line commented as ``## `` so the output stays YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from finetune.config.schema import RecipeConfig
+from finetune.errors import ConfigError
+from finetune.registry import SupportedModel
+
+Where = Literal["device", "host"]
+ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (not set by us)
+NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
+FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+# --- what the plan is made of -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter tensor of the model built on the meta device."""
+
+    numel: int
+    element_size: int  # bytes per element as built (model.dtype; LoRA adapters may be fp32)
+    ndim: int
+    trainable: bool
+    layer: int | None  # index of the decoder layer (the FSDP wrap unit) that holds it; None outside the layers
+    linear_weight: bool  # the weight of a linear layer: autocast casts it to 16 bits for every forward
+    quantized: bool  # QLoRA: stored as 4-bit NF4
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model-config numbers the activation estimate uses."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    num_labels: int
+    gated_mlp: bool
+    attn_implementation: str
+    attention_dropout: float = 0.0
+    hidden_dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """Everything the plan needs from the model: its parameters, its shape, the LoRA-adapted inputs."""
+
+    task: str
+    params: tuple[ParamInfo, ...]
+    shape: ModelShape
+    adapted_in_features: int  # sum of in_features of LoRA-adapted modules (their dropout saves a copy)
+
+    @property
+    def total_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def trainable_params(self) -> int:
+        return sum(p.numel for p in self.params if p.trainable)
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How the backend splits parameters, gradients and optimizer states over the ranks, and what it offloads."""
+
+    backend: str  # single, ddp, fsdp1, fsdp2, zero1, zero2, zero3, zero3_offload, ...
+    kind: str  # single | ddp | fsdp | deepspeed
+    world: int
+    params: int  # divisor of the parameters
+    grads: int
+    optimizer: int
+    params_on_host: bool = False
+    grads_on_host: bool = False
+    optimizer_on_host: bool = False
+    gathers: bool = False  # sharded parameters are gathered layer by layer while a rank computes
+    zero_stage: int | None = None
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class Item:
+    """One line of the plan: a kind of memory, its size for the whole model, and one rank's share."""
+
+    key: str
+    label: str
+    per_rank_bytes: int
+    whole_bytes: int
+    shards: int
+    where: Where
+    note: str
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The activation estimate, with and without gradient checkpointing, and which one the recipe uses."""
+
+    tokens: int
+    micro_batch_size: int
+    max_seq_len: int
+    checkpointing: bool
+    checkpointing_reason: str
+    with_checkpointing: int
+    without_checkpointing: int
+    logits_bytes: int  # logits + their gradient + the loss's fp32 chunk
+    eval_logits_bytes: int  # one eval batch's logits (no grad), at another time than training
+
+    @property
+    def used(self) -> int:
+        return self.with_checkpointing if self.checkpointing else self.without_checkpointing
+
+
+@dataclass(frozen=True)
+class DeviceFit:
+    """Whether the device total fits the smallest visible CUDA device."""
+
+    visible: bool
+    device: str | None
+    device_bytes: int | None
+    fits: bool | None
+    message: str
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The per-rank memory plan of a recipe."""
+
+    recipe: str
+    model_type: str
+    peft_method: str
+    task: str
+    total_params: int
+    trainable_params: int
+    model_dtype: str
+    mixed_precision: str
+    compute_dtype: str
+    sharding: Sharding
+    activations: Activations
+    items: tuple[Item, ...]
+    fit: DeviceFit
+    notes: tuple[str, ...]
+
+    @property
+    def device_total(self) -> int:
+        return sum(i.per_rank_bytes for i in self.items if i.where == "device")
+
+    @property
+    def host_total(self) -> int:
+        return sum(i.per_rank_bytes for i in self.items if i.where == "host")
+
+    def item(self, key: str) -> Item | None:
+        """The line ``key`` (parameters, gradients, optimizer_states, ...), None when the plan has none."""
+        return next((i for i in self.items if i.key == key), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as JSON-ready data: every figure of the table, bytes as integers."""
+        data = dataclasses.asdict(self)
+        data["activations"]["used"] = self.activations.used
+        data["device_total_bytes"] = self.device_total
+        data["host_total_bytes"] = self.host_total
+        return data
+
+
+# --- the computation (from the facts: nothing is built) ---------------------------------------------------------------
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // max(1, b))
+
+
+def nf4_bytes(numel: int) -> int:
+    """Estimated bytes of one bitsandbytes 4-bit NF4 weight with double quantization: the packed 4-bit values, an
+    8-bit absmax per block of 64, their fp32 absmax per 256 blocks, and the two small code tables."""
+    blocks = _ceil_div(numel, NF4_BLOCK)
+    return _ceil_div(numel, 2) + blocks + 4 * _ceil_div(blocks, 256) + 4 * (16 + 256 + 1)
+
+
+def _fsdp_strategy(fsdp: Mapping[str, Any]) -> str:
+    """FSDP1's ``fsdp_sharding_strategy`` (a name or 1-5), else ``fsdp_reshard_after_forward`` (a bool for FSDP2, a
+    strategy name for FSDP1), as accelerate reads them; FULL_SHARD when neither is set."""
+    for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
+        value = fsdp.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            return "FULL_SHARD" if value else "SHARD_GRAD_OP"
+        text = str(value).strip().upper()
+        if text in ("TRUE", "FALSE"):
+            return "FULL_SHARD" if text == "TRUE" else "SHARD_GRAD_OP"
+        if text.isdigit() and 1 <= int(text) <= len(FSDP_STRATEGIES):
+            return FSDP_STRATEGIES[int(text) - 1]
+        if text in FSDP_STRATEGIES:
+            return text
+        raise ConfigError(f"launch.accelerate_config: {key}={value!r} is not an FSDP sharding strategy; use one of "
+                          f"{', '.join(FSDP_STRATEGIES)} (or true/false for fsdp_reshard_after_forward)")
+    return "FULL_SHARD"
+
+
+def resolve_sharding(settings: Mapping[str, Any], world: int, num_machines: int = 1,
+                     in_this_process: bool = False) -> Sharding:
+    """The sharding of ``settings`` (:func:`finetune.backends.effective_settings`) at ``world`` ranks.
+
+    ``in_this_process``: one process started without a launcher trains in the CLI's process with no backend at all
+    (:func:`finetune.launch.in_process`), whatever the accelerate config says."""
+    name = str(settings.get("backend", "single"))
+    if in_this_process or name == "single" or (name == "ddp" and world == 1):
+        why = " (one process trains in this process, so the accelerate config does not apply)" \
+            if in_this_process and name != "single" else ""
+        return Sharding("single", "single", 1, 1, 1, 1, description=f"single process: nothing sharded{why}")
+    if "deepspeed_config" in settings:
+        zero = settings["deepspeed_config"]["zero_optimization"]
+        stage = int(zero.get("stage") or 0)
+        off_opt = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() != "none"
+        off_param = stage == 3 and str((zero.get("offload_param") or {}).get("device", "none")).lower() != "none"
+        what = {1: "optimizer states", 2: "optimizer states and gradients",
+                3: "parameters, gradients and optimizer states"}.get(stage, "nothing")
+        offload = [w for w, on in (("optimizer states", off_opt), ("parameters", off_param)) if on]
+        return Sharding(name, "deepspeed", world, world if stage >= 3 else 1, world if stage >= 2 else 1,
+                        world if stage >= 1 else 1, params_on_host=off_param, optimizer_on_host=off_opt,
+                        gathers=stage >= 3, zero_stage=stage,
+                        description=f"DeepSpeed ZeRO-{stage}: {what} / {world}"
+                        + (f"; {' and '.join(offload)} offloaded to CPU memory" if offload else ""))
+    if "fsdp" in settings:
+        fsdp = settings["fsdp"]
+        strategy = _fsdp_strategy(fsdp)
+        group = max(1, world // max(1, num_machines)) if strategy.startswith("HYBRID") else world
+        full = strategy in ("FULL_SHARD", "HYBRID_SHARD")
+        shard = 1 if strategy == "NO_SHARD" else group
+        offload = str(fsdp.get("fsdp_offload_params", False)).lower() in ("true", "1", "yes")
+        what = "nothing sharded" if shard == 1 else (
+            ("parameters, gradients and optimizer states" if full else "gradients and optimizer states")
+            + f" / {shard}" + (" (within each machine)" if strategy.startswith("HYBRID") else "")
+            + ("" if full else "; parameters stay whole from forward to backward"))
+        return Sharding(name, "fsdp", world, shard if full else 1, shard, shard, params_on_host=offload,
+                        grads_on_host=offload, optimizer_on_host=offload, gathers=full and shard > 1,
+                        description=f"FSDP {strategy}: {what}"
+                        + ("; parameters, gradients and optimizer states offloaded to CPU memory" if offload else ""))
+    return Sharding(name, "ddp", world, 1, 1, 1, description=f"DDP over {world} processes: nothing sharded, "
+                    "gradient buckets hold a second copy of the gradients")
+
+
+def scores_materialized(shape: ModelShape, cuda: bool) -> bool:
+    """Whether attention keeps its ``s x s`` probabilities for backward: eager attention always; sdpa with attention
+    dropout off CUDA too (torch's CPU kernels fall back to the math path for dropout)."""
+    return shape.attn_implementation == "eager" or (
+        shape.attn_implementation == "sdpa" and shape.attention_dropout > 0 and not cuda)
+
+
+def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_len: int, packing: bool,
+                         residual_bytes: int, compute_bytes: int, lora_in_features: int,
+                         cuda: bool = False) -> tuple[int, int]:
+    """(without, with) gradient checkpointing: the bytes one rank keeps for backward (module docstring formula).
+    ``cuda``: the run trains on a CUDA device (sdpa then keeps no scores even with attention dropout)."""
+    h, r, c = shape.hidden, residual_bytes, compute_bytes
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    tokens = micro_batch_size * max_seq_len
+    row = tokens if packing else max_seq_len
+    layer = r * 4 * h + c * (2 * h + 3 * q + 2 * kv + (4 if shape.gated_mlp else 2) * shape.intermediate)
+    if scores_materialized(shape, cuda):
+        layer += shape.heads * row * (4 + (c if c != 4 else 0) + ((1 + c) if shape.attention_dropout > 0 else 0))
+    if shape.hidden_dropout > 0:
+        layer += 2 * h  # the bool masks of the two residual-branch dropouts
+    final = r * 2 * h + c * h
+    lora = (c + 1) * lora_in_features
+    without = tokens * (shape.layers * layer + final + lora)
+    with_checkpointing = tokens * (shape.layers * r * h + final) + tokens * (layer + lora / max(1, shape.layers))
+    return math.ceil(without), math.ceil(with_checkpointing)
+
+
+def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size: int, compute_bytes: int) -> int:
+    """Logits saved for backward + their gradient + the chunked loss's one fp32 chunk (causal LM), or the small
+    classification logits (fp32 copy and gradient)."""
+    if task == "classification":
+        return micro_batch_size * shape.num_labels * (compute_bytes + 4 + 4)
+    from finetune.tasks.losses import default_chunk_rows
+
+    return 2 * tokens * shape.vocab * compute_bytes + 4 * min(tokens, default_chunk_rows(shape.vocab)) * shape.vocab
+
+
+def check_fit(device_total: int, devices: Sequence[tuple[str, int]] | None) -> DeviceFit:
+    """Compare the per-rank device total with the smallest of ``devices`` ((name, bytes) of each visible CUDA
+    device; None or empty: none is visible)."""
+    if not devices:
+        return DeviceFit(False, None, None, None, "no CUDA device is visible here (torch.cuda.is_available() is "
+                         "False): the run would train on the CPU, in host memory")
+    name, size = min(devices, key=lambda d: d[1])
+    fits = device_total <= size
+    verdict = "fits" if fits else "does NOT fit"
+    hint = "" if fits else ("; shard more (ZeRO-3/FSDP, more processes), offload, enable "
+                            "train.gradient_checkpointing or lower train.micro_batch_size / data.max_seq_len")
+    return DeviceFit(True, name, size, fits, f"{verdict} in the smallest visible device, {name} with "
+                     f"{format_bytes(size)} ({100 * device_total / max(1, size):.1f}% used, before the CUDA "
+                     f"context and allocator overhead){hint}")
+
+
+@dataclass(frozen=True)
+class _Precision:
+    """The dtypes training will use: what each parameter is held in, and the bytes of activations."""
+
+    engine_half: bool  # DeepSpeed with bf16/fp16 casts the whole model to 16 bits
+    qlora: bool  # 4-bit quantized weights; peft upcasts the other parameters to fp32
+    residual: int  # bytes per element of the residual stream (the weights' dtype)
+    compute: int  # bytes per element of what the layers compute (16 bits under autocast)
+
+    @classmethod
+    def of(cls, cfg: RecipeConfig, sharding: Sharding) -> _Precision:
+        engine_half = sharding.kind == "deepspeed" and cfg.train.mixed_precision in ("bf16", "fp16")
+        qlora = cfg.peft.method == "qlora"
+        residual = 2 if engine_half else (4 if qlora else _DTYPE_BYTES[cfg.model.dtype])
+        return cls(engine_half, qlora, residual, 2 if cfg.train.mixed_precision in ("bf16", "fp16") else residual)
+
+    def held(self, p: ParamInfo) -> int:
+        """Bytes of ``p`` as training holds it (its gradient, when it has one, has the same dtype)."""
+        if p.quantized:
+            return nf4_bytes(p.numel)
+        if self.engine_half:
+            return 2 * p.numel
+        return p.numel * (4 if self.qlora else p.element_size)
+
+
+def _share(p: ParamInfo, nbytes: int, divisor: int, sharding: Sharding, is_param: bool = False) -> int:
+    """One rank's share of ``nbytes`` belonging to ``p``: rounded up; whole for the parameters ZeRO-3 persists."""
+    persistent = is_param and sharding.kind == "deepspeed" and p.numel < ZERO3_PERSISTENCE_THRESHOLD
+    return nbytes if divisor == 1 or persistent else _ceil_div(nbytes, divisor)
+
+
+def _state_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, prec: _Precision) -> list[Item]:
+    """Parameters, gradients, optimizer states and DeepSpeed's fp32 master weights (and offloaded gradients)."""
+    deepspeed = sharding.kind == "deepspeed"
+    params, trainable = facts.params, [p for p in facts.params if p.trainable]
+    dtypes = ("4-bit NF4 quantized linear weights (estimate), fp32 others" if prec.qlora
+              else "16-bit (DeepSpeed casts the model)" if prec.engine_half else cfg.model.dtype)
+    items = [
+        Item("parameters", "parameters", sum(_share(p, prec.held(p), sharding.params, sharding, True) for p in params),
+             sum(prec.held(p) for p in params), sharding.params, "host" if sharding.params_on_host else "device",
+             f"{dtypes}; {facts.total_params:,} parameters"),
+        Item("gradients", "gradients", sum(_share(p, prec.held(p), sharding.grads, sharding) for p in trainable),
+             sum(prec.held(p) for p in trainable), sharding.grads, "host" if sharding.grads_on_host else "device",
+             f"trainable parameters only ({facts.trainable_params:,}), in their dtype"),
+    ]
+    states = {"adamw": 2, "sgd": 1 if cfg.optim.momentum else 0}[cfg.optim.name]
+
+    def state_bytes(p: ParamInfo) -> int:  # DeepSpeed's optimizer steps on its fp32 master partition
+        return 4 * p.numel if deepspeed else prec.held(p)
+
+    groups = int(any(p.ndim >= 2 for p in trainable)) + int(any(p.ndim < 2 for p in trainable))
+    steps = (groups if deepspeed else len(trainable)) if cfg.optim.name == "adamw" else 0
+    what = {"adamw": "AdamW exp_avg + exp_avg_sq" + (" (fp32, on DeepSpeed's master copy)" if deepspeed
+                                                     else " (dtype of each parameter)")
+            + f" + {steps} float32 step tensor(s)",
+            "sgd": "SGD momentum_buffer" if states else "SGD without momentum: no state"}[cfg.optim.name]
+    where: Where = "host" if sharding.optimizer_on_host else "device"
+    items.append(Item("optimizer_states", "optimizer states",
+                      states * sum(_share(p, state_bytes(p), sharding.optimizer, sharding) for p in trainable)
+                      + 4 * steps, states * sum(state_bytes(p) for p in trainable) + 4 * steps, sharding.optimizer,
+                      where, what))
+    if deepspeed and (sharding.zero_stage in (1, 2) or prec.engine_half or sharding.optimizer_on_host):
+        master = sum(4 * p.numel for p in trainable)  # ZeRO-3 in fp32 on the device steps on its own flat params
+        master_rank = sum(_share(p, 4 * p.numel, sharding.optimizer, sharding) for p in trainable)
+        items.append(Item("master_weights", "master weights (fp32)", master_rank, master, sharding.optimizer, where,
+                          "DeepSpeed's fp32 copy of the trainable parameters"))
+        if sharding.optimizer_on_host:
+            items.append(Item("offload_gradients", "offloaded gradients (fp32)", master_rank, master,
+                              sharding.optimizer, "host", "DeepSpeed's fp32 gradient partition for the CPU step"))
+    return items
+
+
+def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, prec: _Precision) -> list[Item]:
+    """What backends and autocast hold besides: DDP's buckets, gathered parameters, autocast's weight copies."""
+    items = []
+    params = facts.params
+    if sharding.kind == "ddp":
+        grads = sum(prec.held(p) for p in params if p.trainable)
+        items.append(Item("ddp_buckets", "DDP gradient buckets", grads, grads, 1, "device",
+                          "gradient_as_bucket_view is off: the buckets are a second copy of the gradients"))
+    if sharding.gathers:
+        gathered = [p for p in params if _share(p, 1, 2, sharding, is_param=True) != 1]  # not persistent
+        layers: dict[int, int] = {}
+        for p in gathered:
+            if p.layer is not None:
+                layers[p.layer] = layers.get(p.layer, 0) + prec.held(p)
+        size = min(sum(prec.held(p) for p in gathered),
+                   sum(prec.held(p) for p in gathered if p.layer is None) + 2 * max(layers.values(), default=0))
+        items.append(Item("gathered_parameters", "gathered parameters", size, size, 1, "device",
+                          "transient, while computing: the parameters outside the decoder layers + 2 layers"))
+    if cfg.train.mixed_precision in ("bf16", "fp16") and sharding.kind != "deepspeed":
+        copies = [p for p in params if p.linear_weight and not p.quantized and prec.held(p) > 2 * p.numel]
+        if cfg.train.gradient_checkpointing or prec.qlora:  # the autocast cache (trainable) + the recomputed layer
+            layer_numel: dict[int, int] = {}
+            for p in copies:
+                if p.layer is not None:
+                    layer_numel[p.layer] = layer_numel.get(p.layer, 0) + p.numel
+            numel = sum(p.numel for p in copies if p.trainable) + max(layer_numel.values(), default=0)
+        else:
+            numel = sum(p.numel for p in copies)
+        if numel:
+            items.append(Item("autocast_copies", "autocast weight copies", 2 * numel, 2 * numel, 1, "device",
+                              f"{cfg.train.mixed_precision} copies of the fp32 linear weights, saved for backward"))
+    return items
+
+
+def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: bool) -> Activations:
+    """The activation, logits and eval-logits estimates of the module docstring."""
+    shape = facts.shape
+    mbs, seq = cfg.train.micro_batch_size, cfg.data.max_seq_len
+    checkpointing = cfg.train.gradient_checkpointing or prec.qlora
+    reason = ("train.gradient_checkpointing: true" if cfg.train.gradient_checkpointing else
+              "QLoRA: peft's prepare_model_for_kbit_training turns it on" if prec.qlora else
+              "train.gradient_checkpointing: false")
+    lora_in = facts.adapted_in_features if cfg.peft.method != "none" and cfg.peft.dropout > 0 else 0
+    without, with_ = estimate_activations(shape, micro_batch_size=mbs, max_seq_len=seq, packing=cfg.data.packing,
+                                          residual_bytes=prec.residual, compute_bytes=prec.compute,
+                                          lora_in_features=lora_in, cuda=cuda)
+    logits = estimate_logits(facts.task, shape, mbs * seq, mbs, prec.compute)
+    eval_logits = (cfg.eval.batch_size * seq * shape.vocab * prec.compute if facts.task == "causal_lm"
+                   else cfg.eval.batch_size * shape.num_labels * 4)
+    return Activations(mbs * seq, mbs, seq, checkpointing, reason, with_, without, logits, eval_logits)
+
+
+def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
+                    devices: Sequence[tuple[str, int]] | None) -> MemoryPlan:
+    """The plan of ``cfg`` for a model described by ``facts`` under ``sharding``; ``devices``: (name, bytes) of the
+    visible CUDA devices (none: the run trains on the CPU)."""
+    prec = _Precision.of(cfg, sharding)
+    items = _state_items(cfg, facts, sharding, prec) + _backend_items(cfg, facts, sharding, prec)
+    acts = _activations(cfg, facts, prec, cuda=bool(devices))
+    other = acts.without_checkpointing if acts.checkpointing else acts.with_checkpointing
+    items.append(Item("activations", "activations (estimate)", acts.used, acts.used, 1, "device",
+                      f"{acts.micro_batch_size} x {acts.max_seq_len} tokens, checkpointing "
+                      f"{'on' if acts.checkpointing else 'off'} ({'off' if acts.checkpointing else 'on'}: "
+                      f"{format_bytes(other)})"))
+    causal = facts.task == "causal_lm"
+    items.append(Item("logits_loss", "logits + loss", acts.logits_bytes, acts.logits_bytes, 1, "device",
+                      ("logits + their gradient + one fp32 loss chunk" if causal else "classification logits")
+                      + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
+    notes = []
+    if sharding.params > 1 and sharding.kind == "deepspeed" and \
+            any(p.numel < ZERO3_PERSISTENCE_THRESHOLD for p in facts.params):
+        notes.append("ZeRO-3 keeps parameters under 1e5 elements whole on every rank "
+                     "(stage3_param_persistence_threshold)")
+    if acts.eval_logits_bytes > acts.used + acts.logits_bytes:
+        notes.append(f"eval: one eval batch's logits ({cfg.eval.batch_size} x {acts.max_seq_len} tokens, no grad) "
+                     f"take {format_bytes(acts.eval_logits_bytes)}, more than training's activations + logits; "
+                     "lower eval.batch_size if it does not fit")
+    mixed = cfg.train.mixed_precision
+    compute_dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(mixed, "float32" if prec.qlora else cfg.model.dtype)
+    device_total = sum(i.per_rank_bytes for i in items if i.where == "device")
+    return MemoryPlan(recipe=cfg.name, model_type=cfg.model.type, peft_method=cfg.peft.method, task=facts.task,
+                      total_params=facts.total_params, trainable_params=facts.trainable_params,
+                      model_dtype=cfg.model.dtype, mixed_precision=mixed, compute_dtype=compute_dtype,
+                      sharding=sharding, activations=acts, items=tuple(items),
+                      fit=check_fit(device_total, devices), notes=tuple(notes))
+
+
+# --- the meta-device model and the visible devices (torch) ------------------------------------------------------------
+
+
+def _shape(config: Any, model: Any, attn_implementation: str | None) -> ModelShape:
+    from finetune.peft import linear_module_names
+
+    hidden = int(config.hidden_size)
+    heads = int(getattr(config, "num_attention_heads", None) or 1)
+    head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
+    intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    gated = any("gate" in name.rsplit(".", 1)[-1] for name in linear_module_names(model))
+    attention = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+
+    def first(*names: str) -> float:
+        return float(next((v for n in names if isinstance(v := getattr(config, n, None), int | float)), 0.0))
+
+    return ModelShape(hidden=hidden, intermediate=int(intermediate), layers=int(config.num_hidden_layers),
+                      heads=heads, kv_heads=int(getattr(config, "num_key_value_heads", None) or heads),
+                      head_dim=head_dim, vocab=int(config.vocab_size), num_labels=int(config.num_labels),
+                      gated_mlp=gated, attn_implementation=str(attention),
+                      attention_dropout=first("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"),
+                      hidden_dropout=first("hidden_dropout_prob", "resid_pdrop", "hidden_dropout"))
+
+
+def _quantized_modules(model: Any) -> set[str]:
+    """QLoRA: the linear layers bitsandbytes would quantize, that is every torch Linear except those transformers
+    keeps in full precision (the output embedding, tied weights, the last module)."""
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        skip = set(get_keys_to_not_convert(model))
+    except ImportError:  # another transformers layout: keep at least the output embedding
+        output = model.get_output_embeddings()
+        skip = {name for name, module in model.named_modules() if module is output}
+    return {name for name, module in model.named_modules() if type(module).__name__ == "Linear"
+            and not any(name == k or name.startswith(k + ".") for k in skip)}
+
+
+def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
+    """Build the recipe's model on the meta device (no weights loaded, nothing allocated), apply its PEFT method as
+    training does, and describe its parameters."""
+    import torch
+    import transformers
+
+    from finetune import peft as lora
+    from finetune.modeling import DTYPES, attention_support, build_config, loading
+
+    labels = lora._label_names(cfg) if row.task == "classification" else None
+    config = build_config(cfg.model, row, labels=labels)
+    # flash-attn may not be installed here; it keeps no s x s scores, like sdpa, which the meta model gets instead
+    impl = cfg.model.attn_implementation
+    attention = {"attn_implementation": impl} if impl and impl != "flash_attention_2" else {}
+    where = cfg.model.path or "its config (model.config_overrides)"
+    with loading("model", where, key="model.path" if cfg.model.path else "model.config_overrides"), \
+            attention_support(cfg.model, row), torch.device("meta"):
+        model = getattr(transformers, row.auto_class).from_config(
+            config, dtype=DTYPES[cfg.model.dtype], **attention,
+            trust_remote_code=cfg.model.trust_remote_code)  # safe: the recipe given, as `finetune run` does
+    quantized_modules = _quantized_modules(model) if cfg.peft.method == "qlora" else set()
+    quantized = {id(m.weight) for name, m in model.named_modules() if name in quantized_modules}
+    shape = _shape(model.config, model, impl)
+    if lora.enabled(cfg.peft):
+        model = lora.apply(model, cfg.peft, row)
+    layers = [name for name, m in model.named_modules() if type(m).__name__ == row.decoder_layer]
+    linear = {id(m._parameters["weight"]) for _, m in model.named_modules()
+              if type(m).__name__ in lora.LINEAR_TYPES and m._parameters.get("weight") is not None}
+
+    def layer_of(name: str) -> int | None:
+        return next((i for i, prefix in enumerate(layers) if name.startswith(prefix + ".")), None)
+
+    params = tuple(ParamInfo(numel=p.numel(), element_size=p.element_size(), ndim=p.ndim,
+                             trainable=p.requires_grad, layer=layer_of(name), linear_weight=id(p) in linear,
+                             quantized=id(p) in quantized) for name, p in model.named_parameters())
+    adapted = sum(int(getattr(m, "in_features", 0) or 0) for _, m in model.named_modules()
+                  if hasattr(m, "lora_A") and hasattr(m, "base_layer"))
+    return ModelFacts(task=row.task, params=params, shape=shape, adapted_in_features=adapted)
+
+
+def visible_devices() -> list[tuple[str, int]]:
+    """(name, total bytes) of every visible CUDA device; empty without one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return []
+    return [(f"cuda:{i} {torch.cuda.get_device_name(i)}", int(torch.cuda.get_device_properties(i).total_memory))
+            for i in range(torch.cuda.device_count())]
+
+
+def _accelerate_settings(cfg: RecipeConfig, row: SupportedModel) -> tuple[dict[str, Any], int]:
+    """:func:`finetune.backends.effective_settings` for the recipe's accelerate config, and its machine count."""
+    import yaml
+
+    from finetune.backends import effective_settings
+    from finetune.config.validate import accelerate_config_path
+
+    path = accelerate_config_path(cfg.launch.accelerate_config)
+    if path is None:
+        raise ConfigError(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a file nor a "
+                          "shipped accelerate config")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"launch.accelerate_config: {path} is not valid YAML ({str(exc).splitlines()[0]})") \
+            from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"launch.accelerate_config: {path} must hold a mapping of accelerate settings")
+    return effective_settings(cfg, row, data), int(data.get("num_machines") or 1)
+
+
+def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = None) -> MemoryPlan:
+    """The memory plan of a validated recipe: backend from its launch settings, model built on meta.
+    ``devices``: (name, bytes) of the devices to check against; None asks torch which CUDA devices are visible."""
+    from finetune import launch
+    from finetune.registry import get_model
+
+    row = get_model(cfg.model.type)
+    settings, machines = _accelerate_settings(cfg, row)
+    sharding = resolve_sharding(settings, cfg.launch.num_processes, machines,
+                                in_this_process=cfg.launch.num_processes == 1 and not launch.under_launcher())
+    facts = model_facts(cfg, row)
+    return plan_from_facts(cfg, facts, sharding, visible_devices() if devices is None else devices)
+
+
+# --- output -----------------------------------------------------------------------------------------------------------
+
+
+def format_bytes(n: int) -> str:
+    """1536 -> '1.50 KiB' (binary units)."""
+    if n < 1024:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        value /= 1024
+        if value < 1024 or unit == "PiB":
+            return f"{value:.2f} {unit}"
+    return f"{n} B"  # pragma: no cover
+
+
+def render(plan: MemoryPlan) -> str:
+    """The plan as an aligned plain-text table (no terminal needed)."""
+    s, a = plan.sharding, plan.activations
+    method = {"none": "full fine-tuning"}.get(plan.peft_method, plan.peft_method)
+    pct = 100 * plan.trainable_params / max(1, plan.total_params)
+    head = [
+        f"memory plan for {plan.recipe}: {plan.model_type} ({plan.task}), {method}, {s.world} process(es), "
+        f"backend {s.backend}",
+        f"  sharding: {s.description}",
+        f"  parameters: {plan.total_params:,} total, {plan.trainable_params:,} trainable ({pct:.2f}%)",
+        f"  precision: weights {plan.model_dtype}, mixed_precision {plan.mixed_precision}, compute "
+        f"{plan.compute_dtype}",
+        f"  batch: micro {a.micro_batch_size} x {a.max_seq_len} tokens per rank; gradient checkpointing "
+        f"{'on' if a.checkpointing else 'off'} ({a.checkpointing_reason})",
+        "",
+    ]
+    rows = [(i.label, format_bytes(i.per_rank_bytes), i.where, format_bytes(i.whole_bytes),
+             f"/{i.shards}" if i.shards > 1 else "-", i.note) for i in plan.items]
+    header = ("component", "per rank", "where", "whole model", "split", "what")
+    widths = [max(len(r[k]) for r in [header, *rows]) for k in range(5)]
+
+    def line(cells: Sequence[str]) -> str:
+        return (f"{cells[0]:<{widths[0]}}  {cells[1]:>{widths[1]}}  {cells[2]:<{widths[2]}}  "
+                f"{cells[3]:>{widths[3]}}  {cells[4]:>{widths[4]}}  {cells[5]}").rstrip()
+
+    rule = "-" * (sum(widths) + 10)
+    body = [line(header), rule, *(line(r) for r in rows), rule,
+            line(("device total per rank", format_bytes(plan.device_total), "device", "", "", "")),
+            line(("host total per rank", format_bytes(plan.host_total), "host", "", "", ""))]
+    tail = ["", f"fit: {plan.fit.message}", *(f"note: {n}" for n in plan.notes),
+            "note: activations are an estimate from the model config (formula: finetune/plan.py)"]
+    return "\n".join(head + body + tail)
+
+
+def to_json(plan: MemoryPlan) -> str:
+    """The plan's figures as one JSON object (``finetune plan --json``)."""
+    return json.dumps(plan.to_dict(), sort_keys=True)
