@@ -204,6 +204,18 @@ def check_fits(model: Any, tokenizer: Any, max_seq_len: int) -> None:
                           f"embed; set data.max_seq_len to at most {absolute}")
 
 
+def enable_checkpointing(model: Any) -> None:
+    """Recompute each decoder layer's activations in backward (``train.gradient_checkpointing``), with torch's
+    non-reentrant checkpoint (stated, so torch does not warn about its default) through the method transformers
+    keeps (``gradient_checkpointing_enable`` warns that it will be removed); no KV cache while training."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:  # transformers releases before the rename
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False
+
+
 def build_base(cfg: ModelConfig, row: SupportedModel, seed: int, labels: list[str] | None = None,
                quantization: Any = None) -> Any:
     """The model a run starts from: seeded first, so a config-built (debug) model is the same one every time -

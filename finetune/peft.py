@@ -8,6 +8,7 @@ import, so this module imports it only inside functions.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from finetune.config.schema import PeftConfig
@@ -85,16 +86,24 @@ def apply(model: Any, cfg: PeftConfig, row: SupportedModel) -> Any:
     import peft
 
     check_targets(model, cfg, row)
-    if cfg.method == "qlora":
-        model = peft.prepare_model_for_kbit_training(model)
+    with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing: not the user's
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        if cfg.method == "qlora":
+            model = peft.prepare_model_for_kbit_training(model)
+        return peft.get_peft_model(model, _lora_config(cfg, row))
+
+
+def _lora_config(cfg: PeftConfig, row: SupportedModel) -> Any:
+    """peft's LoraConfig for the recipe's method, targets and modules to save."""
+    import peft
+
     # Classification uses peft's generic task type: SEQ_CLS would add "classifier"/"score" to modules_to_save
     # whatever the recipe says, so an explicit list (or [] for none) would not be honoured.
-    config = peft.LoraConfig(
+    return peft.LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_modules(cfg, row),
         modules_to_save=modules_to_save(cfg, row), use_dora=cfg.method == "dora",
         task_type=None if row.task == "classification" else "CAUSAL_LM",
     )
-    return peft.get_peft_model(model, config)
 
 
 def parameter_counts(model: Any) -> tuple[int, int]:

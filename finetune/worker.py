@@ -35,7 +35,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     from finetune import peft as lora
     from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
     from finetune.data import load_splits
-    from finetune.modeling import build_base, build_tokenizer, check_fits, compile_model
+    from finetune.modeling import build_base, build_tokenizer, check_fits, compile_model, enable_checkpointing
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.precision import Precision
     from finetune.state import TrainState
@@ -71,8 +71,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
         model = build_base(cfg.model, row, cfg.train.seed, data.labels, lora.quantization_config(cfg.peft))
     check_fits(model, tokenizer, cfg.data.max_seq_len)
     if cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
+        enable_checkpointing(model)
     if lora.enabled(cfg.peft):
         if cfg.train.gradient_checkpointing:
             model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need input grads
