@@ -29,8 +29,9 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONP
 
 
 def one_error_line(err: str) -> str:
-    """The single ``error:`` line a refused command prints (no traceback, nothing else)."""
-    lines = [line for line in err.strip().splitlines() if not line.startswith("[")]  # deepspeed's import notice
+    """The single ``error:`` line a refused command prints (no traceback; besides it only finetune's own progress
+    lines about long data work, e.g. ``tokenizing <file>: N rows``)."""
+    lines = [line for line in err.strip().splitlines() if not line.startswith(("tokenizing ", "loading "))]
     assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
     return lines[0]
 
