@@ -41,6 +41,14 @@ def file_fingerprint(path: str | None) -> str | None:
     return rundir.sha256_file(p) if p.is_file() else f"name:{path}"
 
 
+def data_fingerprint(value: str | list[Any] | None) -> str | list[str | None] | None:
+    """The fingerprint of ``data.train`` / ``data.eval``: :func:`file_fingerprint` of a path, and a list of them
+    (one per source, in order) for a list of sources, so a change to any source file is seen."""
+    if isinstance(value, list):
+        return [file_fingerprint(source.path) for source in value]
+    return file_fingerprint(value)
+
+
 def tokenizer_fingerprint(tokenizer: Any) -> str:
     """sha256 of the tokenizer's full serialized state (vocab, merges, special tokens, chat template)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -65,7 +73,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
         "samples_seen": state.samples_seen,
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "recipe_sha256": hashlib.sha256(to_yaml(cfg).encode()).hexdigest(),
-        "data": {"train": file_fingerprint(cfg.data.train), "eval": file_fingerprint(cfg.data.eval)},
+        "data": {"train": data_fingerprint(cfg.data.train), "eval": data_fingerprint(cfg.data.eval)},
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
         "world_size": world_size,
         "backend": backend,

@@ -45,7 +45,8 @@ def _recipe_with_flags(recipe: str, overrides: list[str] | None, **flags: Any) -
 
 def _protected(cfg: RecipeConfig, composed: Composed) -> list[Path | str]:
     """What a run dir must not contain (so --overwrite can never reach it): the recipe files, data, model folder."""
-    local = [p for p in (cfg.data.train, cfg.data.eval, cfg.model.path) if p and Path(p).exists()]
+    data = [source.path for source in (*cfg.data.train_sources(), *cfg.data.eval_sources())]
+    local = [p for p in (*data, cfg.model.path) if p and Path(p).exists()]
     return [*composed.files, *local]
 
 
@@ -113,11 +114,11 @@ def _effective_settings(cfg: RecipeConfig) -> str:
     """The backend settings the worker will use, as commented YAML."""
     from finetune.backends import effective_settings
     from finetune.config.validate import accelerate_config_path
-    from finetune.registry import get_model
+    from finetune.registry import recipe_row
 
     path = accelerate_config_path(cfg.launch.accelerate_config)
     data = yaml.safe_load(path.read_text()) if path else {}
-    settings = effective_settings(cfg, get_model(cfg.model.type), data or {})
+    settings = effective_settings(cfg, recipe_row(cfg), data or {})
     text = yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
     return "\n".join(f"# {line}" for line in [f"effective settings ({path}):", *text.splitlines()])
 
@@ -127,9 +128,9 @@ def _peft_summary(cfg: RecipeConfig) -> str:
     if cfg.peft.method == "none":
         return ""
     from finetune.peft import describe_on_meta
-    from finetune.registry import get_model
+    from finetune.registry import recipe_row
 
-    text = yaml.safe_dump({"peft": describe_on_meta(cfg, get_model(cfg.model.type))}, sort_keys=False)
+    text = yaml.safe_dump({"peft": describe_on_meta(cfg, recipe_row(cfg))}, sort_keys=False)
     return "\n".join(f"# {line}" for line in text.splitlines())
 
 
@@ -249,6 +250,35 @@ def merge(
     from finetune.merge import merge as merge_adapter
 
     merge_adapter(target, output, overwrite, trust_remote_code=trust_remote_code, log=typer.echo)
+
+
+@app.command()
+def generate(
+    target: Annotated[Path, typer.Argument(
+        help="a run dir, a checkpoint dir, or an exported model dir (final/, a `finetune merge` output)")],
+    prompts: Annotated[Path, typer.Argument(
+        help="JSON lines: {prompt: text}, {messages: [...]} without the final assistant turn, or the recipe's own "
+             "prompt fields (alpaca: instruction, input); other keys are copied to the output")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="the JSON lines file to write")],
+    max_new_tokens: Annotated[int, typer.Option(help="most tokens generated per prompt")] = 128,
+    temperature: Annotated[float, typer.Option(help="0: greedy; > 0: sample from softmax(logits / t)")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="sampling: keep the smallest set of tokens with this mass")] = 1.0,
+    seed: Annotated[int, typer.Option(help="sampling: each prompt's generator is seeded by (seed, its line)")] = 0,
+    batch_size: Annotated[int, typer.Option(help="prompts per forward pass (completions do not depend on it)")] = 8,
+    num_processes: Annotated[int, typer.Option(help="processes, each generating every N-th prompt")] = 1,
+    accelerate_config: Annotated[str | None, typer.Option(
+        help="cpu or ddp (the default with --num-processes > 1), or a path")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing -o file")] = False,
+    trust_remote_code: TrustRemoteCode = False,
+) -> None:
+    """Generate a completion for every prompt of a JSON lines file (greedy or sampled), in input order."""
+    from finetune.generate import Options, start
+
+    options = Options(max_new_tokens, temperature, top_p, seed, batch_size, overwrite, trust_remote_code)
+    argv = start(target, prompts, output, options, num_processes, accelerate_config, log=typer.echo)
+    if argv:  # several processes: accelerate launch runs finetune.generate on every rank
+        sys.stdout.flush()
+        os.execvp(argv[0], argv)
 
 
 @app.command()

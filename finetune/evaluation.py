@@ -103,7 +103,7 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
     from finetune import registry
     from finetune.modeling import build_base, build_model, loading
 
-    row = registry.get_model(cfg.model.type)
+    row = registry.get_model(cfg.model.type, cfg.task)
     if where.full_model is not None:
         return build_model(cfg.model, row, source=str(where.full_model), labels=labels)
     quantization = lora.quantization_config(cfg.peft) if quantized else None
@@ -137,6 +137,16 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
     return base
 
 
+def load_tokenizer(cfg: RecipeConfig, where: Target) -> Any:
+    """The tokenizer saved with an export (a full model or an adapter), else the one the recipe's model names."""
+    from finetune import registry
+    from finetune.modeling import build_tokenizer
+
+    export = where.full_model or where.adapter
+    row = registry.get_model(cfg.model.type, cfg.task)
+    return build_tokenizer(cfg.model, row, source=str(export) if export else None)
+
+
 def evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool = False) -> dict[str, Any]:
     """Metrics of ``target`` on its recipe's eval set (one process)."""
     from finetune.checkpoint import forbid_unpickling
@@ -149,19 +159,28 @@ def evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool 
     from finetune import loop, registry
     from finetune.backends import Backend, make_accelerator
     from finetune.data import load_splits
-    from finetune.modeling import build_tokenizer
     from finetune.precision import Precision
     from finetune.state import TrainState
     from finetune.tasks import build_task
     from finetune.tracking import NullTracker
 
-    row = registry.get_model(cfg.model.type)
+    row = registry.get_model(cfg.model.type, cfg.task)
     accelerator, _ = make_accelerator(cfg, row, Backend("single"))  # one process, whatever the run used
     export = where.full_model or where.adapter
-    tokenizer = build_tokenizer(cfg.model, row, source=str(export) if export else None)
+    tokenizer = load_tokenizer(cfg, where)
     data = load_splits(cfg.data, tokenizer, need_train=False)  # label names still come from the train file
     model = accelerator.prepare(load_model(cfg, where, data.labels))
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
+    from finetune.tasks.dpo import DPOTask, compute_reference
+
+    if isinstance(task, DPOTask):  # scored against the initial model: the base with the adapter off, or model.path
+        from finetune.modeling import build_base
+
+        initial = model if hasattr(model, "disable_adapter") else accelerator.prepare(
+            build_base(cfg.model, row, cfg.train.seed, data.labels))
+        compute_reference(task, initial, accelerator, Precision(cfg.train.mixed_precision, accelerator.device.type),
+                          lambda message: print(message, file=sys.stderr), splits=("eval",))
+        del initial
     state = TrainState()
     state.step = where.step or 0
     trainer = loop.Trainer(cfg, accelerator, model, None, None, Precision(cfg.train.mixed_precision,

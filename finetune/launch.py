@@ -55,9 +55,15 @@ def launch_argv(cfg: RecipeConfig, resolved: Path, worker_args: list[str] | None
     """The exact ``accelerate launch`` command line that runs the worker on every rank."""
     config = accelerate_config_path(cfg.launch.accelerate_config)
     assert config is not None, "validated recipes name an existing accelerate config"
+    return accelerate_argv(config, cfg.launch.num_processes, "finetune.worker", [str(resolved), *(worker_args or [])])
+
+
+def accelerate_argv(config: Path, num_processes: int, module: str, args: list[str]) -> list[str]:
+    """``accelerate launch`` running ``python -m module args`` on ``num_processes`` ranks with ``config`` (the
+    training worker, or ``finetune generate``'s)."""
     return [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(config),
-        "--num_processes", str(cfg.launch.num_processes),
-        "-m", "finetune.worker", str(resolved), *(worker_args or []),
+        "--num_processes", str(num_processes),
+        "-m", module, *args,
     ]

@@ -179,8 +179,9 @@ def _train_row(t: Trainer, stats: StepStats, throughput: Throughput) -> dict[str
 def evaluate(t: Trainer) -> dict[str, Any]:
     """Loss, perplexity and metrics over the whole eval set, summed over ranks (nothing dropped or repeated)."""
     metrics = list(t.cfg.eval.metrics)
+    means = list(getattr(t.task, "eval_means", ()))  # named means (sum, count), after the metrics' counts
     device = t.accelerator.device
-    sums = torch.zeros(3 + 2 * len(metrics), dtype=torch.float64, device=device)
+    sums = torch.zeros(3 + 2 * len(metrics) + 2 * len(means), dtype=torch.float64, device=device)
     was_training = t.model.training
     t.model.eval()
     for batch in t.task.build_dataloader("eval"):
@@ -188,20 +189,27 @@ def evaluate(t: Trainer) -> dict[str, Any]:
             counts = t.task.eval_output(t.model, _to_device(batch, device))
         if batch.get("filler"):
             continue  # ran only so that sharded ranks stay in lockstep; counts nothing
-        parts = [counts.loss_sum, counts.num_tokens, torch.tensor(len(batch["input_ids"]), device=device)]
+        parts = [counts.loss_sum, counts.num_tokens, torch.tensor(t.task.count_samples(batch), device=device)]
         for name in metrics:
             parts += [counts.correct[name], counts.total[name]]
+        for name in means:
+            parts += list(counts.means[name])
         sums += torch.stack([p.detach().double() for p in parts])
     sums = t.accelerator.reduce(sums, reduction="sum").tolist()  # sync: one all-reduce for the whole eval
     t.model.train(was_training)
     loss = sums[0] / max(sums[1], 1.0)
-    row: dict[str, Any] = {"step": t.state.step, "eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0)),
-                           "eval_samples": int(sums[2])}
+    row: dict[str, Any] = {"step": t.state.step, "eval_loss": loss}
+    if t.task.perplexity:  # a per-pair loss (dpo, reward) has no perplexity
+        row["eval_ppl"] = math.exp(min(loss, 50.0))
+    row["eval_samples"] = int(sums[2])
     for i, name in enumerate(metrics):
         correct, total = int(sums[3 + 2 * i]), int(sums[4 + 2 * i])
         row[f"eval_{name}"] = correct / total if total else 0.0
         row[f"eval_{name}_correct"], row[f"eval_{name}_total"] = correct, total
     if metrics:
         row["eval_correct"], row["eval_total"] = row[f"eval_{metrics[0]}_correct"], row[f"eval_{metrics[0]}_total"]
+    for i, name in enumerate(means):
+        total, count = sums[3 + 2 * len(metrics) + 2 * i], sums[4 + 2 * len(metrics) + 2 * i]
+        row[f"eval_{name}"] = total / count if count else 0.0
     t.state.best_eval_loss = min(t.state.best_eval_loss, loss)
     return row

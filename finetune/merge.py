@@ -83,7 +83,7 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
     from finetune.evaluation import load_model
     from finetune.modeling import build_tokenizer
 
-    row = registry.get_model(cfg.model.type)
+    row = registry.recipe_row(cfg)
     tokenizer = build_tokenizer(cfg.model, row, source=str(where.adapter) if where.adapter else None)
     labels = load_splits(cfg.data, tokenizer, need_train=False).labels if row.task == "classification" else None
     model = load_model(cfg, where, labels).eval()

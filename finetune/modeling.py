@@ -148,7 +148,21 @@ def build_config(cfg: ModelConfig, row: SupportedModel, source: str | None = Non
         config.num_labels = len(labels)
         config.id2label = dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
+    if row.task == "reward":
+        set_reward_head(config, build_tokenizer(cfg, row, source).pad_token_id)
     return config
+
+
+def set_reward_head(config: Any, pad_id: int) -> None:
+    """One output named ``reward``, read at each sequence's last token that is not ``pad_id``.
+
+    transformers' sequence-classification decoders score the rightmost token that differs from
+    ``config.pad_token_id``; batches are padded with the tokenizer's pad id (the eos token where the tokenizer has
+    none), so the config must hold exactly that id, whatever the pretrained config said. It is saved with the
+    export, so ``AutoModelForSequenceClassification.from_pretrained(final/)`` scores what training scored."""
+    config.num_labels = 1
+    config.id2label, config.label2id = {0: "reward"}, {"reward": 0}
+    config.pad_token_id = pad_id
 
 
 def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = None,

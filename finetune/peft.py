@@ -29,7 +29,8 @@ def target_modules(cfg: PeftConfig, row: SupportedModel) -> list[str]:
 
 
 def modules_to_save(cfg: PeftConfig, row: SupportedModel) -> list[str] | None:
-    """Modules trained in full next to the adapter: the recipe's list, else the classification head."""
+    """Modules trained in full next to the adapter: the recipe's list, else the row's head (the classification
+    head; a reward model's new score head, see registry.for_task)."""
     if cfg.modules_to_save is not None:
         return list(cfg.modules_to_save) or None
     return list(row.head_modules) or None
@@ -97,12 +98,12 @@ def _lora_config(cfg: PeftConfig, row: SupportedModel) -> Any:
     """peft's LoraConfig for the recipe's method, targets and modules to save."""
     import peft
 
-    # Classification uses peft's generic task type: SEQ_CLS would add "classifier"/"score" to modules_to_save
-    # whatever the recipe says, so an explicit list (or [] for none) would not be honoured.
+    # Classification and reward models use peft's generic task type: SEQ_CLS would add "classifier"/"score" to
+    # modules_to_save whatever the recipe says, so an explicit list (or [] for none) would not be honoured.
     return peft.LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_modules(cfg, row),
         modules_to_save=modules_to_save(cfg, row), use_dora=cfg.method == "dora",
-        task_type=None if row.task == "classification" else "CAUSAL_LM",
+        task_type="CAUSAL_LM" if row.task == "causal_lm" else None,
     )
 
 

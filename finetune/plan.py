@@ -644,9 +644,9 @@ def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = No
     """The memory plan of a validated recipe: backend from its launch settings, model built on meta.
     ``devices``: (name, bytes) of the devices to check against; None asks torch which CUDA devices are visible."""
     from finetune import launch
-    from finetune.registry import get_model
+    from finetune.registry import recipe_row
 
-    row = get_model(cfg.model.type)
+    row = recipe_row(cfg)
     settings, machines = _accelerate_settings(cfg, row)
     sharding = resolve_sharding(settings, cfg.launch.num_processes, machines,
                                 in_this_process=cfg.launch.num_processes == 1 and not launch.under_launcher())

@@ -7,6 +7,7 @@ cheap to import from the CLI. Users add rows for their own families from their o
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 from collections.abc import Mapping
@@ -15,11 +16,17 @@ from typing import Any, Literal
 
 from finetune.errors import ConfigError
 
-Task = Literal["causal_lm", "classification"]
-CAPABILITIES = frozenset({"packing", "gradient_checkpointing", "generation"})
+Task = Literal["causal_lm", "classification", "reward"]  # reward: a causal LM row built by for_task(row, "reward")
+# "preference": a causal LM row that can train on preference pairs (task: dpo / reward)
+CAPABILITIES = frozenset({"packing", "gradient_checkpointing", "generation", "preference"})
 TASK_METRICS: Mapping[Task, frozenset[str]] = {
     "causal_lm": frozenset({"token_accuracy", "exact_match"}),
     "classification": frozenset({"accuracy"}),
+}
+# metrics of the preference objectives (recipe key ``task``), which run on rows with the "preference" capability
+PREFERENCE_METRICS: Mapping[str, frozenset[str]] = {
+    "dpo": frozenset({"preference_accuracy"}),
+    "reward": frozenset({"preference_accuracy"}),
 }
 TASK_FORMATS: Mapping[Task, frozenset[str]] = {
     "causal_lm": frozenset({"alpaca", "chat", "completion"}),
@@ -46,6 +53,7 @@ class SupportedModel:
     tiny_config: Mapping[str, Any]
     head_modules: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()  # the HF config ``model_type`` values this row can load (empty: any)
+    reward_head: tuple[str, ...] = ("score",)  # the head of the family's *ForSequenceClassification (for_task)
     debug_build: bool = False
     tokenizer: str | None = None
     description: str = ""
@@ -56,7 +64,7 @@ _DECODER_LORA = {
     "attn_mlp": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "all_linear": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 }
-_DECODER_CAPS = frozenset({"packing", "gradient_checkpointing", "generation"})
+_DECODER_CAPS = frozenset({"packing", "gradient_checkpointing", "generation", "preference"})
 _TINY_DECODER = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -92,7 +100,7 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
             "all_linear": ("c_attn", "c_proj", "c_fc"),
         },
         # GPT-2 uses absolute position embeddings and ignores position_ids resets: no packing.
-        capabilities=frozenset({"gradient_checkpointing", "generation"}),
+        capabilities=frozenset({"gradient_checkpointing", "generation", "preference"}),
         tiny_config={"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 512},
         model_types=("gpt2",), description="GPT-2 family",
     ),
@@ -132,6 +140,9 @@ def register(row: SupportedModel) -> None:
     if "packing" in row.capabilities and row.task != "causal_lm":
         raise ConfigError(f"SupportedModel {row.name!r}: packing is a causal_lm capability (a {row.task} row packs "
                           "no next-token targets); remove it from capabilities")
+    if "preference" in row.capabilities and row.task != "causal_lm":
+        raise ConfigError(f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward "
+                          f"train decoders, not {row.task} rows); remove it from capabilities")
     SUPPORTED_MODELS[row.name] = row
 
 
@@ -160,10 +171,36 @@ def model_type_problem(row: SupportedModel, model_type: object, where: str) -> s
             f"{model_type!r} model; {hint}")
 
 
-def get_model(name: str) -> SupportedModel:
-    """The row for ``name``, or a ConfigError listing close matches."""
+REWARD_AUTO_CLASS = "AutoModelForSequenceClassification"
+
+
+def for_task(row: SupportedModel, task: str | None) -> SupportedModel:
+    """The row as a run of the recipe's ``task`` builds it: the one place where the task chooses the model class.
+
+    ``reward`` turns a causal LM row into its reward-model variant: the family's sequence-classification class
+    (one output, read at the last token that is not padding; see modeling.build_config), the decoder layers,
+    LoRA presets and tiny config unchanged, and the new head (``reward_head``) trained in full under LoRA
+    (peft.modules_to_save). It cannot pack or generate. Every other task uses the row as it is."""
+    if task != "reward":
+        return row
+    if row.task != "causal_lm":
+        raise ConfigError(f"task: reward scores sequences with a causal LM's sequence-classification head, but "
+                          f"model.type {row.name} is a {row.task} model; use a causal LM (e.g. llama, qwen2, gpt2)")
+    return dataclasses.replace(row, task="reward", auto_class=REWARD_AUTO_CLASS, head_modules=row.reward_head,
+                               capabilities=row.capabilities - {"packing", "generation"})
+
+
+def recipe_row(cfg: Any) -> SupportedModel:
+    """The row a recipe trains: ``model.type`` as the recipe's ``task`` builds it. Every command that builds,
+    describes, plans, merges or evaluates a recipe's model asks this, so none can forget the task."""
+    return get_model(cfg.model.type, cfg.task)
+
+
+def get_model(name: str, task: str | None = None) -> SupportedModel:
+    """The row for ``name`` as a run of ``task`` (the recipe's ``task`` key) builds it (:func:`for_task`), or a
+    ConfigError listing close matches."""
     try:
-        return SUPPORTED_MODELS[name]
+        row = SUPPORTED_MODELS[name]
     except KeyError:
         close = difflib.get_close_matches(name, SUPPORTED_MODELS, n=3, cutoff=0.4)
         hint = f"did you mean {', '.join(close)}? " if close else ""
@@ -171,3 +208,4 @@ def get_model(name: str) -> SupportedModel:
             f"model.type: unknown model type {name!r}; {hint}known: {', '.join(sorted(SUPPORTED_MODELS))} "
             "(add your own with model.plugin)"
         ) from None
+    return for_task(row, task)

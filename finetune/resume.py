@@ -53,15 +53,31 @@ def recipe_changes(before: dict[str, Any], after: dict[str, Any]) -> tuple[list[
 
 
 def data_changes(cfg: RecipeConfig, manifest: dict[str, Any]) -> list[str]:
-    """Data files whose content differs from the fingerprints in the manifest."""
+    """Data files whose content differs from the fingerprints in the manifest; one line per changed source when
+    data.train / data.eval is a list of sources (a list of another length is one line: the recipe diff lists it)."""
     stored = manifest.get("data", {})
     lines = []
-    for split, path in (("train", cfg.data.train), ("eval", cfg.data.eval)):
-        now = checkpoint.file_fingerprint(path)
-        if now != stored.get(split):
-            lines.append(f"data.{split}: {path} changed since the checkpoint (sha256 {str(stored.get(split))[:12]} "
-                         f"-> {str(now)[:12]})")
+    for split, value in (("train", cfg.data.train), ("eval", cfg.data.eval)):
+        now, before = checkpoint.data_fingerprint(value), stored.get(split)
+        if now == before:
+            continue
+        if isinstance(value, list) and isinstance(before, list) and len(before) == len(value):
+            assert isinstance(now, list)
+            lines += [f"data.{split}[{i}]: {source.path} changed since the checkpoint (sha256 {str(old)[:12]} -> "
+                      f"{str(new)[:12]})" for i, (source, old, new) in enumerate(zip(value, before, now, strict=True))
+                      if old != new]
+        else:
+            shown = value if not isinstance(value, list) else ", ".join(source.path for source in value)
+            lines.append(f"data.{split}: {shown} changed since the checkpoint (sha256 {_short(before)} -> "
+                         f"{_short(now)})")
     return lines
+
+
+def _short(fingerprint: str | list[str | None] | None) -> str:
+    """A fingerprint as a resume line shows it: 12 characters of a sha256, or of each source's."""
+    if isinstance(fingerprint, list):
+        return "[" + ", ".join(str(f)[:12] for f in fingerprint) + "]"
+    return str(fingerprint)[:12]
 
 
 def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None, allow_change: bool,

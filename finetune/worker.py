@@ -40,9 +40,10 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     from finetune.precision import Precision
     from finetune.state import TrainState
     from finetune.tasks import build_task
+    from finetune.tasks.dpo import DPOTask, compute_reference
     from finetune.tracking import build_tracker
 
-    row = registry.get_model(cfg.model.type)
+    row = registry.get_model(cfg.model.type, cfg.task)  # task: reward builds the row's reward-model class
     lora.check_hardware(cfg.peft)
     accelerator, backend = make_accelerator(cfg, row)
     checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
@@ -55,18 +56,15 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache; the others reuse it
         data = load_splits(cfg.data, tokenizer)
     assert data.train is not None
-    max_steps = total_steps(cfg, len(data.train.dataset))
+    max_steps = total_steps(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
     tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, start_step=start_step,
                             max_steps=max_steps)
     if cfg.scheduler.warmup_steps > max_steps:  # a warning: train.log, and stderr unless a progress bar shows it
         tracker.log("info", {"level": "warning", "message": (
             f"warning: scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than the run "
             f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")})
-    for split in (data.train, data.eval):
-        if split is not None and (split.truncated or split.dropped or split.no_answer):
-            tracker.log("info", {"message": f"data: {split.truncated} truncated, {split.dropped} dropped (longer "
-                                            f"than data.max_seq_len={cfg.data.max_seq_len}), {split.no_answer} "
-                                            "without answer tokens skipped"})
+    for note in data.notes(cfg.data.max_seq_len):  # the mixture, and what fitting max_seq_len did per source
+        tracker.log("info", {"message": note})
     with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
         model = build_base(cfg.model, row, cfg.train.seed, data.labels, lora.quantization_config(cfg.peft))
     check_fits(model, tokenizer, cfg.data.max_seq_len)
@@ -87,7 +85,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend.engine_owns_precision)
-    state = TrainState(train_size=len(data.train.dataset))
+    state = TrainState(train_size=data.train_size)
     # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
     # scheduler is not prepared: accelerate would step it once per process.
     objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer)}
@@ -96,8 +94,14 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
                                     f"{cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size} x accum "
                                     f"{cfg.grad_accum} x {accelerator.num_processes} process(es)), backend "
-                                    f"{backend.name} ({accelerator.distributed_type}), {len(data.train.dataset)} "
+                                    f"{backend.name} ({accelerator.distributed_type}), {data.train_size} "
                                     "train samples"})
+    if isinstance(task, DPOTask):  # the reference is the initial model: scored now, before a resume loads a checkpoint
+        from finetune.modeling import compile_failures
+
+        with compile_failures(cfg.train.compile):
+            compute_reference(task, model, accelerator, precision,
+                              lambda message: tracker.log("info", {"message": message}))
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
                         run_dir, max_steps, backend, run_id=run_id, objects=objects)
 
@@ -108,7 +112,8 @@ def probe_batch(trainer: Trainer, rows: int = 4, length: int = 32) -> dict[str, 
 
     split = trainer.task.data.eval or trainer.task.data.train
     assert split is not None
-    samples = [{"input_ids": split.dataset[i]["input_ids"][:length]} for i in range(min(rows, len(split.dataset)))]
+    key = "input_ids" if "input_ids" in split.dataset.column_names else "chosen_input_ids"  # preference pairs
+    samples = [{"input_ids": split.dataset[i][key][:length]} for i in range(min(rows, len(split.dataset)))]
     batch = Collator(trainer.tokenizer.pad_token_id)(samples)
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
@@ -121,7 +126,7 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
     from finetune.modeling import build_base
 
     cfg = trainer.cfg
-    row = registry.get_model(cfg.model.type)
+    row = registry.get_model(cfg.model.type, cfg.task)
     labels = trainer.task.data.labels
 
     def build() -> Any:

@@ -8,6 +8,7 @@ script reproduces byte-identical files::
 Files written (see ``recipes/data/README.md`` for the formats):
 
 * ``reverse_train.jsonl`` / ``reverse_eval.jsonl`` - alpaca-style letter reversal
+* ``reverse_pref_train.jsonl`` / ``reverse_pref_eval.jsonl`` - preference pairs of the same task (task: dpo)
 * ``topics_train.jsonl`` / ``topics_eval.jsonl`` - 4-way topic classification
 * ``tiny_chat.jsonl`` - chat ``messages`` rows (system / multi-turn variants)
 * ``tiny_completion.jsonl`` - plain ``text`` rows for causal LM smoke tests
@@ -76,6 +77,54 @@ def reverse_eval_report(rows: list[dict[str, str]]) -> dict[str, float]:
     )
     assert majority < 0.05, "reverse eval answers are not diverse enough"
     return {"majority": majority, "copy": copy_acc}
+
+
+# ---------------------------------------------------------------------------
+# Letter reversal preference pairs (data.format: preference)
+# ---------------------------------------------------------------------------
+
+# the alpaca prompt finetune renders for {instruction, input} rows (finetune.data.formats.ALPACA_PROMPT_INPUT):
+# written verbatim into each pair's prompt, so a model fine-tuned on reverse_train.jsonl sees the prompt it knows
+REVERSE_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
+
+def swap_two(letters: list[str], rng: random.Random) -> list[str] | None:
+    """``letters`` with two adjacent, different letters swapped at a random place (None when all are equal)."""
+    places = [i for i in range(len(letters) - 1) if letters[i] != letters[i + 1]]
+    if not places:
+        return None
+    i = rng.choice(places)
+    out = list(letters)
+    out[i], out[i + 1] = out[i + 1], out[i]
+    return out
+
+
+def wrong_reversal(row: dict[str, str], kind: int, rng: random.Random) -> str:
+    """A wrong answer to a reversal row: the input copied unreversed (``kind`` 0) or the reversal with two
+    adjacent letters swapped (``kind`` 1); whichever kind would equal the right answer falls back to the other,
+    and a run of one repeated letter gets one letter replaced. Never the right answer."""
+    answer = row["output"].split(" ")
+    candidates = [row["input"].split(" "), swap_two(answer, rng)]
+    for wrong in (candidates[kind], candidates[1 - kind]):
+        if wrong is not None and wrong != answer:
+            return " ".join(wrong)
+    i = rng.randrange(len(answer))
+    replaced = list(answer)
+    replaced[i] = rng.choice([c for c in LETTERS if c != answer[i]])
+    return " ".join(replaced)
+
+
+def make_reverse_preference(rows: list[dict[str, str]], seed: int) -> list[dict[str, str]]:
+    """``{prompt, chosen, rejected}`` pairs from reversal rows: chosen is the right reversal, rejected a wrong one
+    (kinds alternate: the unreversed input, then a reversal with two letters swapped)."""
+    rng = random.Random(seed)
+    pairs = []
+    for i, row in enumerate(rows):
+        rejected = wrong_reversal(row, i % 2, rng)
+        assert rejected != row["output"]
+        pairs.append({"prompt": REVERSE_PROMPT.format(instruction=row["instruction"], input=row["input"]),
+                      "chosen": row["output"], "rejected": rejected})
+    return pairs
 
 
 # ---------------------------------------------------------------------------
@@ -634,6 +683,8 @@ def main() -> None:
     write_jsonl(DATA_DIR / "reverse_train.jsonl", reverse_train)
     write_jsonl(DATA_DIR / "reverse_eval.jsonl", reverse_eval)
     reverse_eval_report(reverse_eval)
+    write_jsonl(DATA_DIR / "reverse_pref_train.jsonl", make_reverse_preference(reverse_train[:1000], seed=SEED + 5))
+    write_jsonl(DATA_DIR / "reverse_pref_eval.jsonl", make_reverse_preference(reverse_eval, seed=SEED + 6))
 
     topics_train, topics_eval = make_topics(200, 50, seed=SEED + 1)
     topic_report(topics_train, topics_eval)

@@ -3,7 +3,8 @@
 Pure functions, no torch. Every leaf key remembers which file (and line) or override set it, so
 ``finetune config --provenance`` can answer "where does this value come from?". Relative file paths in
 ``data.train`` / ``data.eval`` / ``model.path`` are resolved against the directory of the file that set them
-(overrides: against the working directory), so a recipe works from any working directory.
+(overrides: against the working directory), so a recipe works from any working directory; so is the ``path`` of
+each source when ``data.train`` / ``data.eval`` is a list of sources (or one source mapping).
 
 Recipe YAML (files and override values alike) is read within bounds: file size, UTF-8, nesting depth, number of
 values and aliases (counted as if expanded, so an alias bomb is refused before it is built), text keys only, no
@@ -20,7 +21,7 @@ import stat
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel
@@ -30,6 +31,7 @@ from finetune.errors import ConfigError
 from finetune.resources import recipes_dir
 
 PATH_KEYS = ("data.train", "data.eval", "model.path")
+SOURCE_KEYS = ("data.train", "data.eval")  # a path, or a list of sources {path, ...} whose paths resolve alike
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
 
@@ -410,19 +412,35 @@ def _resolve_extends(entry: Any, owner: Path, where: str) -> Path:
     raise ConfigError(f"{where}: extends: {_show(entry)} not found relative to {owner.parent} or {recipes_dir()}")
 
 
+def _resolved(value: Any, base: Path) -> Any:
+    """``value`` made absolute against ``base`` when it is a relative path that names (or looks like) a local file
+    or folder; hub names, URLs, absolute paths and non-text values are returned as they are."""
+    if not isinstance(value, str) or "://" in value or Path(value).is_absolute():
+        return value
+    try:
+        candidate = (base / value).resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop or a NUL: validation reports the missing file
+        return value
+    if candidate.exists() or value.endswith(DATA_SUFFIXES) or value.startswith("."):
+        return str(candidate)
+    return value
+
+
 def _resolve_paths(data: dict[str, Any], base: Path, keys: tuple[str, ...] = PATH_KEYS) -> None:
-    """Make relative file paths in ``keys`` absolute against ``base`` where such a file or folder exists."""
+    """Make relative file paths in ``keys`` absolute against ``base`` where such a file or folder exists; in a
+    list of data sources (or one source mapping), each source's ``path``."""
     for dotted in keys:
         section, key = dotted.split(".")
-        value = data.get(section, {}).get(key) if isinstance(data.get(section), dict) else None
-        if not isinstance(value, str) or "://" in value or Path(value).is_absolute():
+        if not isinstance(data.get(section), dict) or key not in data[section]:
             continue
-        try:
-            candidate = (base / value).resolve()
-        except (OSError, RuntimeError, ValueError):  # a symlink loop or a NUL: validation reports the missing file
-            continue
-        if candidate.exists() or value.endswith(DATA_SUFFIXES) or value.startswith("."):
-            data[section][key] = str(candidate)
+        value = data[section][key]
+        if dotted in SOURCE_KEYS and isinstance(value, list | dict):
+            sources = value if isinstance(value, list) else [value]
+            for source in sources:
+                if isinstance(source, dict) and "path" in source:
+                    source["path"] = _resolved(source["path"], base)
+        else:
+            data[section][key] = _resolved(value, base)
 
 
 @dataclass
@@ -496,9 +514,17 @@ def _field_is_text(dotted: str) -> bool:
         nested = [a for a in (annotation, *get_args(annotation)) if isinstance(a, type) and issubclass(a, BaseModel)]
         model = nested[0] if nested else None
     # str, str | None, or a Literal of strings ("no" must not become False); not list[str] or dict[str, ...]
-    options = get_args(annotation) if get_origin(annotation) in (Union, types.UnionType) else (annotation,)
     return any(a is str or (get_origin(a) is Literal and all(isinstance(v, str) for v in get_args(a)))
-               for a in options)
+               for a in _options(annotation))
+
+
+def _options(annotation: Any) -> list[Any]:
+    """The member types of a (possibly nested, possibly Annotated) union; ``[annotation]`` for a plain type."""
+    if get_origin(annotation) is Annotated:
+        return _options(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [member for arg in get_args(annotation) for member in _options(arg)]
+    return [annotation]
 
 
 def parse_override(item: str) -> tuple[str, Any]:
@@ -510,7 +536,9 @@ def parse_override(item: str) -> tuple[str, Any]:
         raise ConfigError(f"{label}: expected key.path=value, e.g. train.max_steps=50")
     if key.count(".") >= MAX_DEPTH:
         raise ConfigError(f"{label}: the key has more than {MAX_DEPTH} parts; recipe keys are a few levels deep")
-    if _field_is_text(key) and raw not in ("null", "~", ""):
+    # data.train / data.eval: a path stays verbatim, a YAML list or mapping is a list of sources
+    sources = key in SOURCE_KEYS and raw.lstrip().startswith(("[", "{"))
+    if _field_is_text(key) and raw not in ("null", "~", "") and not sources:
         return key, raw
     if not raw:
         return key, None

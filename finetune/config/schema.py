@@ -9,9 +9,18 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # One path component that cannot climb out of runs/ or name a hidden or special folder ("", ".", "..", "a/b").
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
@@ -61,12 +70,80 @@ class ModelConfig(Section):
         return value
 
 
+class DataSource(Section):
+    """One data set: a local file or a hub dataset (with its subset and split). A ``data.eval`` list holds these;
+    its sources are concatenated."""
+
+    path: str = Field(description="jsonl/json/csv/parquet file (relative to the recipe file) or a hub dataset name")
+    format: str | None = Field(
+        default=None, description="this source's format (one of data.format's values); null: data.format",
+        json_schema_extra=lambda schema: schema.update(anyOf=[{"enum": list(data_formats())}, {"type": "null"}]),
+    )
+    subset: str | None = Field(
+        default=None, description="hub datasets: the configuration (subset) name; null: the dataset's default",
+    )
+    split: str = Field(default="train", description="hub datasets: the split to read (a local file is one split)")
+
+    @field_validator("format")
+    @classmethod
+    def _known_format(cls, value: str | None) -> str | None:
+        """The same formats as data.format, whatever that list holds."""
+        if value is not None and value not in data_formats():
+            raise ValueError(f"{value!r} is not a format; use one of {', '.join(data_formats())} (or null: "
+                             "data.format)")
+        return value
+
+
+class TrainSource(DataSource):
+    """One source of a mixed ``data.train``."""
+
+    weight: float = Field(
+        default=1.0, gt=0,
+        description="multiplies this source's share: each mixture epoch draws round(weight x rows) of its samples "
+        "(at least 1); 1 = every row once per epoch, 2 = twice, 0.5 = half of them (the rest next epoch)",
+    )
+
+
+CAUSAL_FORMATS = ("alpaca", "chat", "completion")  # tokenized into the same columns: they mix with each other
+SOURCE_TAGS = ("single", "sources")  # how a data.train / data.eval value is told apart: a path, or a list of sources
+
+
+def _source_kind(value: Any) -> str | None:
+    """Which form a data.train / data.eval value has (None: neither, one error line)."""
+    if isinstance(value, str):
+        return "single"
+    if isinstance(value, list):
+        return "sources"
+    return None
+
+
+def _sources_of(kind: type[DataSource]) -> Any:
+    """The type of data.train (TrainSource) or data.eval (DataSource): a path, or a non-empty list of sources."""
+    return Annotated[
+        Annotated[str, Tag("single")] | Annotated[list[kind], Field(min_length=1), Tag("sources")],  # type: ignore[valid-type]
+        Discriminator(_source_kind, custom_error_type="data_sources",
+                      custom_error_message="must be a path (file or hub name) or a list of sources {path, ...}"),
+    ]
+
+
 class DataConfig(Section):
     """Training and evaluation data."""
 
-    format: Literal["alpaca", "chat", "completion", "classification"]
-    train: str = Field(description="jsonl/json/csv/parquet file (relative to the recipe) or a hub dataset name")
-    eval: str | None = None
+    format: Literal["alpaca", "chat", "completion", "classification", "preference"] = Field(
+        description="alpaca | chat | completion (causal LM), classification, or preference (pairs for task dpo / "
+        "reward: {prompt, chosen, rejected} strings or {chosen, rejected} message lists)",
+    )
+    train: _sources_of(TrainSource) = Field(  # type: ignore[valid-type]
+        description="jsonl/json/csv/parquet file (relative to the recipe) or a hub dataset name; or a mixture: a "
+        "list of sources {path, weight: 1.0, format: data.format, subset: null, split: train} (a single mapping is "
+        "a list of one). A mixture epoch draws round(weight x rows) samples of each source (at least 1), each "
+        "source from its own seeded permutations (wrapping for weight > 1), then shuffles the whole epoch; "
+        "the data cursor stays one integer and resume stays exact",
+    )
+    eval: _sources_of(DataSource) | None = Field(  # type: ignore[valid-type]
+        default=None,
+        description="file or hub dataset name, or a list of sources {path, format, subset, split} (concatenated)",
+    )
     max_seq_len: int = Field(default=256, gt=1)
     overlong: Literal["truncate", "drop"] = Field(
         default="truncate", description="what to do with samples longer than max_seq_len"
@@ -82,6 +159,45 @@ class DataConfig(Section):
         default=None, min_length=2,
         description="classification label names in id order (at least two); null = sorted names found in train",
     )
+
+    @field_validator("train", "eval", mode="before")
+    @classmethod
+    def _one_source(cls, value: Any) -> Any:
+        """A single mapping ``{path, subset, split, ...}`` is a list of one source."""
+        return [value] if isinstance(value, dict | DataSource) else value
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _one_task(cls, value: Any, info: ValidationInfo) -> Any:
+        """Sources of different tasks tokenize into different columns, so they cannot be mixed: the causal LM
+        formats mix with each other, any other format (classification) only with itself. ``format`` is validated
+        before ``train`` and ``eval`` (field order), so the default format is known."""
+        default = info.data.get("format")
+        if not isinstance(value, list) or default is None:
+            return value
+        formats = [source.format or default for source in value]
+        if len({"causal LM" if fmt in CAUSAL_FORMATS else fmt for fmt in formats}) > 1:
+            listed = ", ".join(f"[{i}] {fmt}" for i, fmt in enumerate(formats))
+            raise ValueError(f"sources of different tasks cannot be mixed ({listed}); {', '.join(CAUSAL_FORMATS)} "
+                             "mix with each other, any other format only with itself")
+        return value
+
+    def train_sources(self) -> list[TrainSource]:
+        """data.train as sources, each with its format filled in (a path is one source of weight 1)."""
+        sources = [TrainSource(path=self.train)] if isinstance(self.train, str) else self.train
+        return [s.model_copy(update={"format": s.format or self.format}) for s in sources]
+
+    def eval_sources(self) -> list[DataSource]:
+        """data.eval as sources, each with its format filled in (none without an eval set)."""
+        if self.eval is None:
+            return []
+        sources = [DataSource(path=self.eval)] if isinstance(self.eval, str) else self.eval
+        return [s.model_copy(update={"format": s.format or self.format}) for s in sources]
+
+
+def data_formats() -> tuple[str, ...]:
+    """The formats data.format accepts (a source's format accepts the same)."""
+    return get_args(DataConfig.model_fields["format"].annotation)
 
 
 class TrainConfig(Section):
@@ -153,10 +269,36 @@ class EvalConfig(Section):
     at_start: bool = Field(default=False, description="also evaluate before the first step")
     metrics: list[str] = Field(
         default_factory=list,
-        description="causal_lm: token_accuracy, exact_match; classification: accuracy. Loss/perplexity always.",
+        description="causal_lm: token_accuracy, exact_match; classification: accuracy; task dpo / reward: "
+        "preference_accuracy. Loss/perplexity always.",
     )
     max_new_tokens: int = Field(default=16, ge=1, description="exact_match: greedy tokens generated")
     batch_size: int = Field(default=16, ge=1)
+
+
+class DPOConfig(Section):
+    """Direct preference optimization (``task: dpo``): the policy learns from pairs against the initial model."""
+
+    beta: float = Field(default=0.1, gt=0, description="strength of the pull towards the reference (initial) model")
+    label_smoothing: float = Field(
+        default=0.0, ge=0, lt=0.5,
+        description="conservative DPO: the assumed fraction of pairs whose preference is flipped (sigmoid loss only)",
+    )
+    loss: Literal["sigmoid", "ipo"] = Field(
+        default="sigmoid",
+        description="sigmoid: -log sigmoid(beta * h) over summed answer log-probs; ipo: (h - 1/(2 beta))^2 over "
+        "per-token averaged log-probs (h: policy minus reference log-ratio of chosen over rejected)",
+    )
+
+    @field_validator("loss")
+    @classmethod
+    def _smoothing_is_sigmoid_only(cls, value: str, info: ValidationInfo) -> str:
+        """``label_smoothing`` is validated before ``loss`` (field order), so the line can name both keys."""
+        smoothing = info.data.get("label_smoothing")
+        if value != "sigmoid" and smoothing:
+            raise ValueError(f"{value} takes no label smoothing, but dpo.label_smoothing={smoothing:g}; set "
+                             "dpo.label_smoothing=0 or use dpo.loss=sigmoid")
+        return value
 
 
 class CheckpointConfig(Section):
@@ -211,6 +353,11 @@ class RecipeConfig(Section):
 
     name: str = Field(description="one path component (runs/<name>): letters, digits, . _ + -")
     output_dir: str | None = Field(default=None, description="null: runs/<name>")
+    task: Literal["sft", "dpo", "reward"] | None = Field(
+        default=None,
+        description="the objective: null = the model row's own task; sft = causal LM; dpo = direct preference "
+        "optimization and reward = a reward model (both need data.format: preference)",
+    )
     model: ModelConfig
     data: DataConfig
     train: TrainConfig
@@ -219,6 +366,7 @@ class RecipeConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)
+    dpo: DPOConfig = Field(default_factory=DPOConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 

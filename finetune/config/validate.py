@@ -10,15 +10,24 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
 from finetune import registry, resources
 from finetune.config.compose import DATA_SUFFIXES, Composed
-from finetune.config.schema import DataConfig, EvalConfig, LaunchConfig, ModelConfig, RecipeConfig, TrainConfig
+from finetune.config.schema import (
+    SOURCE_TAGS,
+    DataConfig,
+    EvalConfig,
+    LaunchConfig,
+    ModelConfig,
+    RecipeConfig,
+    TrainConfig,
+)
 from finetune.errors import ConfigError
 
 
@@ -34,13 +43,47 @@ def _all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def _sibling_keys(dotted: str) -> list[str]:
     model: Any = RecipeConfig
-    parts = dotted.split(".")
+    parts = _unindexed(dotted).split(".")
     for part in parts[:-1]:
         ann = model.model_fields[part].annotation if part in model.model_fields else None
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
+            ann = _source_model(ann) if part in ("train", "eval") and model is DataConfig else None
+            if ann is None:
+                return []
         model = ann
     return list(model.model_fields)
+
+
+def _source_model(annotation: Any) -> type[BaseModel] | None:
+    """The source model inside data.train's or data.eval's type (``str | list[TrainSource]`` -> TrainSource)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_source_model, get_args(annotation)) if m is not None), None)
+
+
+def _unindexed(dotted: str) -> str:
+    """``data.train[1].weight`` -> ``data.train.weight``: provenance and the schema know keys, not list items."""
+    return re.sub(r"\[\d+\]", "", dotted)
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the user writes the key: ``data.train[1].weight`` for a source of a list
+    (the union tag pydantic puts after data.train / data.eval is dropped), ``optim.betas.0`` as before."""
+    parts: list[str] = []
+    in_sources = False
+    for item in loc:
+        text = str(item)
+        if text.startswith("function-after"):
+            continue
+        if parts[-2:] in (["data", "train"], ["data", "eval"]) and text in SOURCE_TAGS:
+            in_sources = text == "sources"
+            continue
+        if in_sources and isinstance(item, int):
+            parts[-1] += f"[{item}]"
+            in_sources = False
+            continue
+        parts.append(text)
+    return ".".join(parts)
 
 
 def did_you_mean(dotted: str) -> str:
@@ -55,6 +98,7 @@ def did_you_mean(dotted: str) -> str:
 
 
 def _where(composed: Composed, dotted: str) -> str:
+    dotted = _unindexed(dotted)
     parts = dotted.split(".")
     for n in range(len(parts), 0, -1):
         src = composed.provenance.get(".".join(parts[:n]))
@@ -69,7 +113,7 @@ def _pydantic_lines(exc: ValidationError, composed: Composed) -> list[str]:
     lines = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"] if not str(p).startswith("function-after")]
-        dotted = ".".join(loc) or "<recipe>"
+        dotted = _dotted(err["loc"]) or "<recipe>"
         if err["type"] == "extra_forbidden":
             lines.append(f"{dotted}: unknown key{did_you_mean(dotted)}{_where(composed, dotted)}")
         elif err["type"] == "missing":
@@ -117,6 +161,7 @@ class _Sections:
     train: TrainConfig | None
     eval: EvalConfig | None
     launch: LaunchConfig | None
+    task: str | None = None
 
 
 def _sections(data: dict[str, Any]) -> _Sections:
@@ -129,8 +174,10 @@ def _sections(data: dict[str, Any]) -> _Sections:
         except ValidationError:
             return None
 
+    task = data.get("task")
     return _Sections(one(ModelConfig, "model", True), one(DataConfig, "data", True), one(TrainConfig, "train", True),
-                     one(EvalConfig, "eval", False), one(LaunchConfig, "launch", False))
+                     one(EvalConfig, "eval", False), one(LaunchConfig, "launch", False),
+                     task if task in ("sft", "dpo", "reward") else None)
 
 
 def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
@@ -144,12 +191,22 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             row = registry.get_model(cfg.model.type)
         except ConfigError as exc:
             lines.append(str(exc))
+    preference = cfg.task in registry.PREFERENCE_METRICS  # task: dpo / reward
+    # the metrics of pairs: the task's, or dpo's when only data.format says pairs (that line then names the task)
+    scored = cfg.task if preference else "dpo" if cfg.data is not None and cfg.data.format == "preference" else None
     if row is not None and cfg.model is not None:
         if cfg.eval is not None:
-            allowed = registry.TASK_METRICS[row.task]
-            lines += [f"eval.metrics: {metric!r} is not a {row.task} metric; use one of {sorted(allowed)}"
+            allowed = registry.PREFERENCE_METRICS[scored] if scored else registry.TASK_METRICS[row.task]
+            what = f"task {scored}" if scored else row.task
+            lines += [f"eval.metrics: {metric!r} is not a {what} metric; use one of {sorted(allowed)}"
                       for metric in cfg.eval.metrics if metric not in allowed]
-        if cfg.data is not None and cfg.data.format not in registry.TASK_FORMATS[row.task]:
+        if preference and "preference" not in row.capabilities:
+            lines.append(f"task: {row.name} ({row.task}) cannot train task {cfg.task}: it lacks the preference "
+                         "capability; use a causal LM model type (finetune models)")
+        if cfg.task == "sft" and row.task != "causal_lm":
+            lines.append(f"task: sft trains causal LMs, but {row.name} is a {row.task} model; use task: null")
+        if cfg.data is not None and cfg.data.format != "preference" \
+                and cfg.data.format not in registry.TASK_FORMATS[row.task]:
             lines.append(f"data.format: {cfg.data.format!r} does not fit {row.name} ({row.task}); use one of "
                          f"{sorted(registry.TASK_FORMATS[row.task])}")
         flags = [("data.packing", "packing", cfg.data is not None and cfg.data.packing),
@@ -175,9 +232,8 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                          "float32 without autocast; set train.mixed_precision=bf16 (or model.dtype=bfloat16), or use "
                          "model.attn_implementation=sdpa")
     if cfg.data is not None:
-        for key, value in (("data.train", cfg.data.train), ("data.eval", cfg.data.eval)):
-            if value and value.endswith(DATA_SUFFIXES) and not Path(value).is_file():
-                lines.append(f"{key}: file not found: {value}")
+        lines += _preference_lines(cfg.task, cfg.data)
+        lines += _source_lines(cfg.data, row)
         if cfg.eval is not None and (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) \
                 and not cfg.data.eval:
             lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
@@ -191,6 +247,51 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
                          f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
                          "use a multi-process config such as launch.accelerate_config=ddp")
+    return lines
+
+
+def _source_lines(data: DataConfig, row: registry.SupportedModel | None) -> list[str]:
+    """Problems of data.train / data.eval found before anything launches: a missing local file; a subset or split
+    given for a local file (only hub datasets have them); a source's own format that does not fit the model's task.
+    A path names a source as written (``data.train``) or as a list item (``data.train[1].path``)."""
+    lines: list[str] = []
+    for key, value, sources in (("data.train", data.train, data.train_sources()),
+                                ("data.eval", data.eval, data.eval_sources())):
+        for i, source in enumerate(sources):
+            where = key if isinstance(value, str) else f"{key}[{i}]"
+            path_key = key if isinstance(value, str) else f"{where}.path"
+            local = source.path.endswith(DATA_SUFFIXES)
+            if local and not Path(source.path).is_file():
+                lines.append(f"{path_key}: file not found: {source.path}")
+            if local or Path(source.path).exists():
+                if source.subset is not None:
+                    lines.append(f"{where}.subset: {source.path} is a local file, which has no subsets (a subset "
+                                 "names a hub dataset's configuration); remove subset")
+                if source.split != "train":
+                    lines.append(f"{where}.split: {source.path} is a local file, which is one split; remove split "
+                                 "(it picks a hub dataset's split)")
+            # a source of data.format's own format is checked with data.format
+            if row is not None and source.format != data.format \
+                    and source.format not in registry.TASK_FORMATS[row.task]:
+                lines.append(f"{where}.format: {source.format!r} does not fit {row.name} ({row.task}); use one of "
+                             f"{sorted(registry.TASK_FORMATS[row.task])}")
+    return lines
+
+
+def _preference_lines(task: str | None, data: DataConfig) -> list[str]:
+    """task dpo / reward and data.format: preference go together; pairs are neither packed nor trained on prompts."""
+    pairs = data.format == "preference"
+    if task in registry.PREFERENCE_METRICS and not pairs:
+        return [f"task: {task} trains on preference pairs; set data.format=preference (got {data.format})"]
+    if not pairs:
+        return []
+    lines = [] if task in registry.PREFERENCE_METRICS else [
+        f"data.format: preference pairs train task: dpo or task: reward; set task (now {task or 'null'})"]
+    if data.packing:
+        lines.append("data.packing: preference pairs are not packed (each pair is one padded chosen/rejected batch); "
+                     "set data.packing=false")
+    if data.train_on_prompt:
+        lines.append("data.train_on_prompt: preference pairs learn from their answers only; set it to false")
     return lines
 
 

@@ -1,39 +1,165 @@
-"""Data: load + check rows, render formats, tokenize with masking, and the resumable sampler."""
+"""Data: load + check rows, render formats, tokenize with masking, mix sources, and the resumable sampler."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from finetune.config.schema import DataConfig
+from finetune.config.schema import DataConfig, DataSource, TrainSource
 from finetune.data.loading import check_columns, load_raw
-from finetune.data.tokenize import Tokenized, label_names, tokenize_rows
+from finetune.data.mixing import Mixture
+from finetune.data.tokenize import Tokenized, check_labels, column, label_names, tokenize_rows
+from finetune.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+
+@dataclass
+class Part:
+    """One source of a split as tokenized: which key named it, what it is, and what fitting max_seq_len did."""
+
+    key: str  # data.train, or data.train[1] when the split is a list of sources
+    name: str  # the file, or the hub dataset with its subset and split
+    tokenized: Tokenized
+    weight: float = 1.0
+    draws: int = 0  # samples per mixture epoch (mixtures only)
 
 
 @dataclass
 class DataBundle:
-    """Tokenized train and eval splits; ``labels`` are the classification label names in id order."""
+    """Tokenized train and eval splits; ``labels`` are the classification label names in id order.
+
+    A split given as several sources is their concatenation; ``train_parts`` / ``eval_parts`` say where each came
+    from. ``mixture`` is set when ``data.train`` is a weighted mixture (see :mod:`finetune.data.mixing`): the
+    sampler then maps stream positions through it, and ``train_size`` is a mixture epoch."""
 
     train: Tokenized | None
     eval: Tokenized | None
     labels: list[str] | None
+    mixture: Mixture | None = None
+    train_parts: list[Part] = field(default_factory=list)
+    eval_parts: list[Part] = field(default_factory=list)
+
+    @property
+    def train_size(self) -> int:
+        """Samples in one epoch of the training stream (the data cursor's epoch length)."""
+        if self.mixture is not None:
+            return self.mixture.epoch_size
+        assert self.train is not None
+        return len(self.train.dataset)
+
+    def notes(self, max_seq_len: int) -> list[str]:
+        """train.log lines about the data: the mixture (sources, rows, draws per epoch) and, per split (per source
+        when a split is a list of sources), what was truncated, dropped or skipped to fit ``max_seq_len``."""
+        lines: list[str] = []
+        if self.mixture is not None:
+            shares = ", ".join(f"{p.key} {p.name}: {p.draws} of {len(p.tokenized.dataset)} rows (weight {p.weight:g})"
+                               for p in self.train_parts)
+            lines.append(f"data: mixture of {len(self.train_parts)} sources, {self.mixture.epoch_size} samples per "
+                         f"epoch: {shares}")
+        for split, parts in ((self.train, self.train_parts), (self.eval, self.eval_parts)):
+            if split is None:
+                continue
+            for prefix, counts in ([(f"{p.key} {p.name}: ", p.tokenized) for p in parts] or [("", split)]):
+                if counts.truncated or counts.dropped or counts.no_answer:
+                    lines.append(f"data: {prefix}{counts.truncated} truncated, {counts.dropped} dropped (longer than "
+                                 f"data.max_seq_len={max_seq_len}), {counts.no_answer} without answer tokens skipped")
+        return lines
+
+
+def source_name(source: DataSource) -> str:
+    """How messages name a source: its path, plus the hub subset and split when they are not the defaults."""
+    picked = [f"subset={source.subset}"] * (source.subset is not None) + [f"split={source.split}"] * (
+        source.split != "train")
+    return f"{source.path} ({', '.join(picked)})" if picked else source.path
+
+
+def _load(source: DataSource) -> Dataset:
+    """The raw rows of one source, with the columns its format needs."""
+    assert source.format is not None, "filled in by DataConfig.train_sources / eval_sources"
+    raw = load_raw(source.path, source.subset, source.split)
+    check_columns(raw, source.format, source_name(source))
+    return raw
+
+
+def _labels(raws: list[Dataset], sources: list[TrainSource], configured: list[str] | None) -> list[str]:
+    """Classification label names over every training source, in id order (see :func:`label_names`).
+
+    One source: exactly :func:`label_names`. Several: each source's labels are checked against its own file
+    (file:line), then the names come from ``data.labels`` or from all sources together."""
+    if len(raws) == 1:
+        return label_names(raws[0], configured, source_name(sources[0]))
+    if configured:  # every label of every source is one of data.labels
+        names = [label_names(raw, configured, source_name(s)) for raw, s in zip(raws, sources, strict=True)]
+        return names[0]
+    values: list[Any] = []
+    kinds: dict[bool, str] = {}
+    for i, (raw, source) in enumerate(zip(raws, sources, strict=True)):
+        own = column(raw, "label")
+        check_labels(own, source_name(source))
+        for is_id in {type(v) is int for v in own}:
+            kinds.setdefault(is_id, f"data.train[{i}] {source_name(source)}")
+        values += own
+    if len(kinds) > 1:
+        raise DataError(f"data.train: {kinds[True]} labels by integer ids but {kinds[False]} by names; use one kind "
+                        "in every source or list the classes in data.labels")
+    return label_names({"label": values}, None, "data.train")
+
+
+def _concatenate(parts: list[Part], key: str) -> Tokenized:
+    """One split from its sources' tokenized rows, in source order, with the fitting counts summed."""
+    from datasets import concatenate_datasets
+
+    if len(parts) == 1:
+        return parts[0].tokenized
+    try:
+        dataset = concatenate_datasets([p.tokenized.dataset for p in parts])
+    except (ValueError, TypeError):  # formats of different tasks tokenize into different columns
+        columns = "; ".join(f"{p.key}: {', '.join(p.tokenized.dataset.column_names)}" for p in parts)
+        raise DataError(f"{key}: these sources tokenize into different columns ({columns}); mix only sources "
+                        "whose formats belong to one task") from None
+    return Tokenized(dataset, truncated=sum(p.tokenized.truncated for p in parts),
+                     dropped=sum(p.tokenized.dropped for p in parts),
+                     no_answer=sum(p.tokenized.no_answer for p in parts))
 
 
 def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True) -> DataBundle:
-    """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False)."""
-    raw_train = load_raw(cfg.train)
-    check_columns(raw_train, cfg.format, cfg.train)
-    labels = label_names(raw_train, cfg.labels, cfg.train) if cfg.format == "classification" else None
-    common = {"fmt": cfg.format, "tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
+    """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False).
+
+    Each source is loaded, checked (errors name its own file and line) and tokenized with its own format, under
+    the same data.max_seq_len and data.overlong; a split of several sources is their concatenation."""
+    train_sources = cfg.train_sources()
+    raws = [_load(source) for source in train_sources]
+    classification = train_sources[0].format == "classification"  # the schema keeps them apart from the others
+    labels = _labels(raws, train_sources, cfg.labels) if classification else None
+    common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
               "train_on_prompt": cfg.train_on_prompt, "labels": labels}
-    train = tokenize_rows(raw_train, source=cfg.train, **common) if need_train else None
-    evaluation = None
-    if cfg.eval:
-        raw_eval = load_raw(cfg.eval)
-        check_columns(raw_eval, cfg.format, cfg.eval)
+    listed = not isinstance(cfg.train, str)
+    train, mixture, train_parts = None, None, []
+    if need_train:
+        for i, (raw, source) in enumerate(zip(raws, train_sources, strict=True)):
+            tokenized = tokenize_rows(raw, fmt=source.format, source=source_name(source), **common)
+            train_parts.append(Part(f"data.train[{i}]" if listed else "data.train", source_name(source), tokenized,
+                                    source.weight))
+        train = _concatenate(train_parts, "data.train")
+        if len(train_parts) > 1 or train_sources[0].weight != 1:  # one source of weight 1: the plain stream
+            mixture = Mixture.from_weights([len(p.tokenized.dataset) for p in train_parts],
+                                           [p.weight for p in train_parts])
+            for part, draws in zip(train_parts, mixture.draws, strict=True):
+                part.draws = draws
+    evaluation, eval_parts = None, []
+    eval_sources = cfg.eval_sources()
+    for i, source in enumerate(eval_sources):
         # eval metrics measure the answers, whatever train_on_prompt says for training
-        evaluation = tokenize_rows(raw_eval, source=cfg.eval, **{**common, "train_on_prompt": False})
-    return DataBundle(train, evaluation, labels)
+        tokenized = tokenize_rows(_load(source), fmt=source.format, source=source_name(source),
+                                  **{**common, "train_on_prompt": False})
+        eval_parts.append(Part(f"data.eval[{i}]" if not isinstance(cfg.eval, str) else "data.eval",
+                               source_name(source), tokenized))
+    if eval_parts:
+        evaluation = _concatenate(eval_parts, "data.eval")
+    return DataBundle(train, evaluation, labels, mixture,
+                      train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [])
 
 
-__all__ = ["DataBundle", "load_splits"]
+__all__ = ["DataBundle", "Part", "load_splits", "source_name"]

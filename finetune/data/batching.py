@@ -8,6 +8,10 @@ permutation per epoch, no replay of consumed batches), and the global order does
 processes or the micro-batch size. Evaluation shards the eval set by stride with no padding and no duplicates,
 so every eval sample is counted exactly once.
 
+A mixed ``data.train`` (several weighted sources, :mod:`finetune.data.mixing`) changes only the map from stream
+positions to dataset indices: the cursor, the split into steps, ranks and micro-batches are the same. A single
+source keeps the plain stream above, bit for bit.
+
 A training micro-batch is collated padded (:class:`Collator`) or packed (:class:`PackingCollator`, for
 ``data.packing``): the same samples either way, so the data cursor, the global batch (a number of samples) and
 the set of target tokens do not depend on the choice.
@@ -21,6 +25,7 @@ from typing import Any
 
 import torch
 
+from finetune.data.mixing import Mixture, MixtureStream
 from finetune.data.tokenize import IGNORE
 
 
@@ -28,12 +33,16 @@ class StreamSampler:
     """Batch sampler yielding this rank's micro-batches of dataset indices, step after step, forever."""
 
     def __init__(self, size: int, *, global_batch: int, micro_batch: int, rank: int, world: int, seed: int,
-                 shuffle: bool, start_sample: int = 0) -> None:
+                 shuffle: bool, start_sample: int = 0, mixture: Mixture | None = None) -> None:
+        """``mixture``: the training split is several weighted sources (``size`` rows in all), see
+        :mod:`finetune.data.mixing`; None: one source, the plain chain of per-epoch permutations."""
         assert global_batch % (micro_batch * world) == 0, "validated by the schema"
+        assert mixture is None or mixture.rows == size, "the mixture describes this split"
         self.size, self.global_batch, self.micro_batch = size, global_batch, micro_batch
         self.rank, self.world, self.seed, self.shuffle = rank, world, seed, shuffle
         self.start_sample = start_sample
         self._order = lru_cache(maxsize=2)(self._epoch_order)
+        self._mixed = MixtureStream(mixture, seed=seed, shuffle=shuffle) if mixture is not None else None
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
@@ -43,6 +52,8 @@ class StreamSampler:
 
     def positions(self, start: int, count: int) -> list[int]:
         """Dataset indices at stream positions ``start .. start+count-1``."""
+        if self._mixed is not None:
+            return self._mixed.indices(start, count).tolist()
         out: list[int] = []
         while count:
             epoch, offset = divmod(start, self.size)
@@ -132,3 +143,30 @@ class PackingCollator:
             "position_ids": torch.tensor([positions], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
         }
+
+
+class PreferenceCollator:
+    """B preference pairs -> ONE right-padded batch of 2B sequences (the contract every preference task reads).
+
+    Rows ``0..B-1`` are the chosen and rows ``B..2B-1`` the rejected sequences, in pair order: ``input_ids``,
+    ``attention_mask`` and ``labels`` (``[2B, T]``, labels IGNORE on prompt and padding), ``pairs`` (the int B)
+    and, when the rows carry the reference pass's ``ref_logps`` column (``[chosen, rejected]`` per pair),
+    ``ref_logps`` (``[2B]`` float32, the same row order). One forward pass serves both sides of every pair.
+    """
+
+    def __init__(self, pad_id: int) -> None:
+        self.pad_id = pad_id
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        ids = [r["chosen_input_ids"] for r in rows] + [r["rejected_input_ids"] for r in rows]
+        labels = [r["chosen_labels"] for r in rows] + [r["rejected_labels"] for r in rows]
+        batch: dict[str, Any] = {
+            "input_ids": _pad(ids, self.pad_id),
+            "attention_mask": _pad([[1] * len(r) for r in ids], 0),
+            "labels": _pad(labels, IGNORE),
+            "pairs": len(rows),
+        }
+        if rows and "ref_logps" in rows[0]:
+            batch["ref_logps"] = torch.tensor([r["ref_logps"][0] for r in rows] + [r["ref_logps"][1] for r in rows],
+                                              dtype=torch.float32)
+        return batch

@@ -84,3 +84,40 @@ def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool)
     if train_on_prompt:
         out = Rendered(out.text, ((0, len(out.text)),), out.prompt, out.reference, out.add_eos)
     return out
+
+
+def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any) -> Rendered:
+    """One side of a chat-form pair: the whole conversation, with only its final assistant turn as the answer."""
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    if not text.startswith(prompt):
+        from finetune.errors import DataError
+
+        raise DataError("data.format: the chat template does not render conversations prefix-wise; "
+                        "cannot locate the final assistant turn of a preference pair")
+    # as in render_chat: the turn ends at its end marker, whitespace the template adds after it is not learned
+    return Rendered(text, ((len(prompt), max(len(prompt), len(text.rstrip()))),), prompt,
+                    messages[-1]["content"], add_eos=False)
+
+
+def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Rendered]:
+    """The chosen and the rejected sample of a checked preference row (see ``check_row``).
+
+    String form ``{prompt, chosen, rejected}``: the prompt is used verbatim (raw: no template is applied, so a
+    model fine-tuned on a template gets pairs whose prompt is written in that template), each answer follows it
+    directly and ends with the tokenizer's eos. Chat form ``{chosen: [messages], rejected: [messages]}``: both
+    conversations are rendered with the chat template; they share every message but the last assistant turn,
+    which is the only answer span.
+    """
+    chosen, rejected = row["chosen"], row["rejected"]
+    if isinstance(chosen, str):
+        prompt = row["prompt"]
+        return tuple(  # type: ignore[return-value]
+            Rendered(prompt + answer, ((len(prompt), len(prompt) + len(answer)),), prompt, answer, add_eos=True)
+            for answer in (chosen, rejected))
+    if not getattr(tokenizer, "chat_template", None):
+        from finetune.errors import DataError
+
+        raise DataError("data.format: preference pairs given as message lists need a tokenizer with a chat template; "
+                        "this model's tokenizer has none (write them as {prompt, chosen, rejected} strings)")
+    return _chat_answer(chosen, tokenizer), _chat_answer(rejected, tokenizer)

@@ -38,6 +38,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "completion": (("text",), ()),
     "classification": (("text", "label"), ()),
     "chat": (("messages",), ()),
+    "preference": (("chosen", "rejected"), ("prompt",)),  # checked by _check_preference (two row forms)
 }
 ROLES = ("system", "user", "assistant")
 
@@ -356,8 +357,9 @@ def error_detail(exc: BaseException) -> str:
     return type(exc).__name__
 
 
-def load_raw(source: str) -> Dataset:
-    """Load one split's raw rows from a local file or a hub dataset name."""
+def load_raw(source: str, subset: str | None = None, split: str = "train") -> Dataset:
+    """Load one split's raw rows from a local file or a hub dataset name (``subset``: the hub dataset's
+    configuration name, ``split``: its split; a local file is the one split ``train``)."""
     import datasets
 
     suffix = Path(source).suffix
@@ -384,11 +386,14 @@ def load_raw(source: str) -> Dataset:
             raise DataError(f"{source}: cannot be read as {suffix[1:]} ({error_detail(exc)})") from None
     if Path(source).exists():
         raise DataError(f"{source}: unsupported data file type; use one of {', '.join(BUILDERS)}")
+    chosen = [f"subset {subset!r}"] * (subset is not None) + [f"split {split!r}"] * (split != "train")
+    picked = f" ({', '.join(chosen)})" if chosen else ""
     try:
         with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."):
-            return datasets.load_dataset(source, split="train")
+            return datasets.load_dataset(source, name=subset, split=split)
     except Exception as exc:
-        raise DataError(f"{source}: not a local file and cannot be loaded from the hub ({error_detail(exc)})") from None
+        raise DataError(f"{source}: not a local file and cannot be loaded from the hub{picked} "
+                        f"({error_detail(exc)})") from None
 
 
 # ------------------------------------------------------------------------------------------------------ row checks
@@ -412,22 +417,70 @@ def label_error(value: Any, where: str) -> str | None:
     return f"{where}: field 'label' must be a label name or an integer id, got {short_repr(value)}{hint}"
 
 
-def _check_messages(value: Any, where: str) -> None:
+def _check_messages(value: Any, where: str, name: str = "messages") -> None:
     if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
+        raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(value):
         if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
             got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
-            raise DataError(f"{where}: messages[{i}] needs role in {ROLES} and a string content, "
+            raise DataError(f"{where}: {name}[{i}] needs role in {ROLES} and a string content, "
                             f"got {short_repr(got)}")
     if value[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
+
+
+PREFERENCE_FORMS = "{prompt, chosen, rejected} strings, or {chosen, rejected} message lists"
+
+
+def _turns(messages: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
+    """(role, content) of each message: what a pair's two conversations must share (loading may add other keys)."""
+    return [(m.get("role"), m.get("content")) for m in messages]
+
+
+def _check_preference(row: dict[str, Any], where: str) -> None:
+    """A preference pair: ``{prompt, chosen, rejected}`` strings, or ``{chosen, rejected}`` conversations that
+    differ only in their final assistant turn. The two answers must differ (an identical pair teaches nothing)."""
+    chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
+    for name, value in (("chosen", chosen), ("rejected", rejected)):
+        if value is None:
+            raise DataError(f"{where}: missing field {name!r} (preference rows need {PREFERENCE_FORMS})")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        if prompt is None:
+            raise DataError(f"{where}: missing field 'prompt' (string pairs need prompt, chosen, rejected)")
+        for name, value in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, str) or not value.strip():
+                raise DataError(f"{where}: field {name!r} must be a non-empty string, got {short_repr(value)}")
+        if chosen == rejected:
+            raise DataError(f"{where}: 'chosen' and 'rejected' are the same answer; a pair needs two different "
+                            "answers")
+        return
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        if prompt is not None:
+            raise DataError(f"{where}: field 'prompt' is for string pairs; a pair of message lists carries its "
+                            "prompt in the shared messages (remove 'prompt')")
+        for name, value in (("chosen", chosen), ("rejected", rejected)):
+            _check_messages(value, where, name)
+        if len(chosen) != len(rejected) or _turns(chosen[:-1]) != _turns(rejected[:-1]):
+            differ = next((i for i, (a, b) in enumerate(zip(_turns(chosen[:-1]), _turns(rejected[:-1]), strict=False))
+                           if a != b),
+                          min(len(chosen), len(rejected)) - 1)
+            raise DataError(f"{where}: 'chosen' and 'rejected' must share every message but the last assistant turn "
+                            f"(they differ at message {differ}); put the shared conversation in both")
+        if _turns(chosen[-1:]) == _turns(rejected[-1:]):
+            raise DataError(f"{where}: 'chosen' and 'rejected' end with the same assistant turn; a pair needs two "
+                            "different answers")
+        return
+    raise DataError(f"{where}: 'chosen' and 'rejected' must both be strings or both be message lists, got "
+                    f"{_json_kind(chosen)} and {_json_kind(rejected)} (preference rows need {PREFERENCE_FORMS})")
 
 
 def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
     """Raise a DataError naming file, line and field when ``row`` (row ``index`` of ``source``) does not fit."""
     required, optional = FIELDS[fmt]
     where = line_of(source, index)
+    if fmt == "preference":
+        _check_preference(row, where)
+        return
     for name in required:
         value = row.get(name)
         if value is None:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
-from finetune.data.formats import render
+from finetune.data.formats import Rendered, render, render_preference
 from finetune.data.loading import (
     check_columns,
     check_row,
@@ -107,6 +107,23 @@ class Tokenized:
     no_answer: int
 
 
+def _encode(out: Rendered, tokenizer: Any, with_prompt: bool = True) -> tuple[list[int], list[int], list[int]]:
+    """Token ids of a rendered sample, its labels (the id where a token starts inside an answer span, else
+    IGNORE; bos first and eos last where the tokenizer has them) and, ``with_prompt``, the generation prompt's ids."""
+    enc = tokenizer(out.text, add_special_tokens=False, return_offsets_mapping=True)
+    ids: list[int] = list(enc["input_ids"])
+    labels = [tid if any(start < end_s and end > start_s for start_s, end_s in out.spans) else IGNORE
+              for tid, (start, end) in zip(ids, enc["offset_mapping"], strict=True)]
+    prompt_ids: list[int] = (list(tokenizer(out.prompt, add_special_tokens=False)["input_ids"])
+                             if out.prompt and with_prompt else [])
+    bos = tokenizer.bos_token_id
+    if bos is not None and not out.text.startswith(tokenizer.bos_token or "\0"):
+        ids, labels, prompt_ids = [bos, *ids], [IGNORE, *labels], [bos, *prompt_ids]
+    if out.add_eos and tokenizer.eos_token_id is not None:
+        ids, labels = [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+    return ids, labels, prompt_ids
+
+
 def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
                 source: str, code_version: str = "") -> dict:
     # code_version is unused here: it is part of the map cache key (see the module docstring)
@@ -119,20 +136,42 @@ def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, ma
     except Exception as exc:  # e.g. a chat template's raise_exception("roles must alternate ...")
         what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
         raise DataError(f"{line_of(source, index)}: {what} ({error_detail(exc)})") from None
-    enc = tokenizer(out.text, add_special_tokens=False, return_offsets_mapping=True)
-    ids: list[int] = list(enc["input_ids"])
-    labels = [tid if any(start < end_s and end > start_s for start_s, end_s in out.spans) else IGNORE
-              for tid, (start, end) in zip(ids, enc["offset_mapping"], strict=True)]
-    prompt_ids: list[int] = list(tokenizer(out.prompt, add_special_tokens=False)["input_ids"]) if out.prompt else []
-    bos = tokenizer.bos_token_id
-    if bos is not None and not out.text.startswith(tokenizer.bos_token or "\0"):
-        ids, labels, prompt_ids = [bos, *ids], [IGNORE, *labels], [bos, *prompt_ids]
-    if out.add_eos and tokenizer.eos_token_id is not None:
-        ids, labels = [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+    ids, labels, prompt_ids = _encode(out, tokenizer)
     overlong = len(ids) > max_len  # training keeps the start; a generation prompt keeps its end (the cue)
     ids, labels = ids[:max_len], labels[:max_len]
     return {"input_ids": ids, "labels": labels, "prompt_ids": prompt_ids[-max_len:], "reference": out.reference,
             "overlong": overlong, "n_labels": sum(label != IGNORE for label in labels)}
+
+
+def _answer_tokens(labels: list[int]) -> int:
+    """Next-token targets of one sequence: labels after the first position that are not IGNORE."""
+    return sum(label != IGNORE for label in labels[1:])
+
+
+def _preference_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len: int, source: str,
+                    code_version: str = "") -> dict:
+    """A preference pair as the columns of the data contract: ``chosen_input_ids``, ``chosen_labels``,
+    ``rejected_input_ids``, ``rejected_labels`` (labels: the ids of answer tokens, IGNORE on the prompt). Each
+    sequence keeps its start when cut to ``max_len``, so the prompt stays whole where it fits; ``n_labels`` is the
+    smaller answer count of the two, so a pair with no answer token left on either side is skipped."""
+    _tick()
+    check_row(row, index, "preference", source)
+    try:
+        chosen, rejected = render_preference(row, tokenizer)
+    except DataError:
+        raise
+    except Exception as exc:  # e.g. a chat template's raise_exception("roles must alternate ...")
+        raise DataError(f"{line_of(source, index)}: the tokenizer's chat template rejects this pair "
+                        f"({error_detail(exc)})") from None
+    out: dict[str, Any] = {"overlong": False, "n_labels": 0}
+    counts = []
+    for side, rendered in (("chosen", chosen), ("rejected", rejected)):
+        ids, labels, _ = _encode(rendered, tokenizer, with_prompt=False)
+        out["overlong"] |= len(ids) > max_len
+        out[f"{side}_input_ids"], out[f"{side}_labels"] = ids[:max_len], labels[:max_len]
+        counts.append(_answer_tokens(labels[:max_len]))
+    out["n_labels"] = min(counts)
+    return out
 
 
 def _classification_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len: int,
@@ -239,6 +278,10 @@ def output_features(fmt: str) -> Features:
     common = {"input_ids": Sequence(Value("int32")), "overlong": Value("bool"), "n_labels": Value("int64")}
     if fmt == "classification":
         return Features({**common, "label": Value("int64")})
+    if fmt == "preference":
+        return Features({"chosen_input_ids": Sequence(Value("int32")), "chosen_labels": Sequence(Value("int64")),
+                         "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int64")),
+                         "overlong": Value("bool"), "n_labels": Value("int64")})
     return Features({**common, "labels": Sequence(Value("int64")), "prompt_ids": Sequence(Value("int64")),
                      "reference": Value("string")})
 
@@ -259,6 +302,8 @@ def tokenize_rows(
             raise DataError(f"{line_of(source, bad)}: label {values[bad]!r} is not one of {labels} "
                             "(the labels found in train, or data.labels)")
         fn, kwargs = _classification_row, {"tokenizer": tokenizer, "max_len": max_len, "label_ids": index}
+    elif fmt == "preference":  # the prompt is always masked: train_on_prompt does not apply (validation refuses it)
+        fn, kwargs = _preference_row, {"tokenizer": tokenizer, "max_len": max_len}
     else:
         fn, kwargs = _causal_row, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
                                    "train_on_prompt": train_on_prompt}

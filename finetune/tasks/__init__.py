@@ -1,4 +1,4 @@
-"""Task adapters: one per SupportedModel task."""
+"""Task adapters: one per SupportedModel task, or per objective (the recipe's ``task``: dpo, reward)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,18 @@ from finetune.registry import SupportedModel
 from finetune.tasks.base import EvalCounts, Task
 from finetune.tasks.causal_lm import CausalLMTask
 from finetune.tasks.classification import ClassificationTask
+from finetune.tasks.dpo import DPOTask
+from finetune.tasks.reward import RewardTask
 
 
 def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: DataBundle, rank: int,
                world: int, lockstep: bool = False) -> Task:
-    """The adapter for the row's task, over this rank's data (``lockstep``: see TaskData)."""
+    """The adapter for the recipe's ``task`` (null / sft: the row's own task), over this rank's data (``lockstep``:
+    see TaskData)."""
+    if cfg.task == "dpo":
+        return DPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
+    if cfg.task == "reward":
+        return RewardTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
     if row.task == "classification":
         return ClassificationTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
     return CausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,

@@ -11,7 +11,7 @@ backward.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -20,17 +20,20 @@ from torch.utils.data import DataLoader
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import DataBundle
-from finetune.data.batching import Collator, PackingCollator, StreamSampler, eval_shard
+from finetune.data.batching import Collator, PackingCollator, PreferenceCollator, StreamSampler, eval_shard
 
 
 @dataclass
 class EvalCounts:
-    """Sums over one eval batch: loss over ``num_tokens`` targets, and per metric (correct, total)."""
+    """Sums over one eval batch: loss over ``num_tokens`` targets, per metric (correct, total), and per named
+    mean (sum, count): the loop logs ``eval_<name>`` = sum / count over the whole eval set (e.g. a mean reward
+    margin per pair). A task lists its mean names in ``eval_means`` so every rank reduces the same vector."""
 
     loss_sum: torch.Tensor
     num_tokens: torch.Tensor
     correct: dict[str, torch.Tensor] = field(default_factory=dict)
     total: dict[str, torch.Tensor] = field(default_factory=dict)
+    means: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
 
 class Task(Protocol):
@@ -48,9 +51,25 @@ class Task(Protocol):
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts: ...
 
+    def count_samples(self, batch: dict[str, Any]) -> int:
+        """The samples an eval batch holds (a preference batch holds two sequences per sample)."""
+        ...
+
+    perplexity: bool
+    """Whether the eval loss is a per-token negative log-likelihood, so that ``exp(eval_loss)`` is a perplexity."""
+
 
 class TaskData:
-    """Dataloaders shared by every task: the endless resumable train stream and the exact eval shard."""
+    """Dataloaders shared by every task: the endless resumable train stream and the exact eval shard.
+
+    ``eval_means``: the names of the :attr:`EvalCounts.means` this task reports (none here)."""
+
+    eval_means: tuple[str, ...] = ()
+    perplexity = True  # the eval loss is a per-token (or per-label) NLL: exp(eval_loss) is logged as eval_ppl
+
+    def count_samples(self, batch: dict[str, Any]) -> int:
+        """One sample per row of the batch."""
+        return len(batch["input_ids"])
 
     def __init__(self, cfg: RecipeConfig, data: DataBundle, pad_id: int, rank: int, world: int,
                  with_prompts: bool = False, lockstep: bool = False) -> None:
@@ -67,13 +86,14 @@ class TaskData:
                 len(dataset), global_batch=self.cfg.train.global_batch_size,
                 micro_batch=self.cfg.train.micro_batch_size, rank=self.rank, world=self.world,
                 seed=self.cfg.train.seed, shuffle=self.cfg.data.shuffle, start_sample=start_sample,
+                mixture=self.data.mixture,
             )
-            collate = PackingCollator() if self.cfg.data.packing else Collator(self.pad_id)
+            collate = self.train_collator()
             # own generator: creating the iterator must not draw from the global RNG (exact resume of dropout)
             return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator())
         assert split == "eval" and self.data.eval is not None
         full = self.data.eval.dataset
-        collate = Collator(self.pad_id, with_prompts=self.with_prompts)
+        collate = self.eval_collator()
         shard = full.select(eval_shard(len(full), self.rank, self.world))
         loader = DataLoader(shard, batch_size=self.cfg.eval.batch_size, shuffle=False, drop_last=False,
                             collate_fn=collate, generator=torch.Generator())
@@ -82,6 +102,14 @@ class TaskData:
         # rank 0 holds the largest shard; the others pad with marked filler batches that count nothing
         batches = math.ceil(math.ceil(len(full) / self.world) / self.cfg.eval.batch_size)
         return _padded(loader, batches, lambda: {**collate([full[0]]), "filler": True})
+
+    def train_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        """How a training micro-batch's rows become tensors: padded, or packed with ``data.packing``."""
+        return PackingCollator() if self.cfg.data.packing else Collator(self.pad_id)
+
+    def eval_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        """How an eval batch's rows become tensors (padded; with left-padded prompts for generation)."""
+        return Collator(self.pad_id, with_prompts=self.with_prompts)
 
     def eval_size(self) -> int:
         """Samples in the whole eval set (all ranks)."""
@@ -96,3 +124,25 @@ def _padded(loader: Iterable[dict[str, Any]], total: int, filler: Any) -> Iterat
         yield batch
     for _ in range(total - count):
         yield filler()
+
+
+class PairTask(TaskData):
+    """What every preference-pair task shares (``data.format: preference``): a target and a sample is a pair, and a
+    micro-batch of B pairs is one batch of 2B sequences (:class:`PreferenceCollator`, chosen rows first). The eval
+    loss is per pair, not per token, so no perplexity is logged."""
+
+    perplexity = False
+
+    def train_collator(self) -> PreferenceCollator:
+        return PreferenceCollator(self.pad_id)
+
+    def eval_collator(self) -> PreferenceCollator:
+        return PreferenceCollator(self.pad_id)
+
+    def count_targets(self, batch: dict[str, Any]) -> int:
+        """One target per pair."""
+        return int(batch["pairs"])
+
+    def count_samples(self, batch: dict[str, Any]) -> int:
+        """One sample per pair."""
+        return int(batch["pairs"])
