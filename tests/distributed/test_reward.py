@@ -54,7 +54,7 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("backend,shards", [("ddp", False), ("zero3", True)])
+@pytest.mark.parametrize("backend,shards", [("ddp", False), ("fsdp2", True), ("zero3", True)])
 def test_reward_parity_with_one_process(workdir: Path, backend: str, shards: bool) -> None:
     """Per-step losses, eval loss and counts, and exported weights match the 1-process run within 1e-4."""
     reference = workdir / "single"

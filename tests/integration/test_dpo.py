@@ -195,3 +195,17 @@ def test_dpo_quickstart_from_a_short_sft_reaches_0_9(tmp_path: Path) -> None:
     evals = _rows(tmp_path / "dpo", "eval")
     assert evals[0]["step"] == 0 and evals[0]["eval_preference_accuracy"] == 0.0
     assert evals[-1]["eval_preference_accuracy"] >= 0.9 and evals[-1]["eval_preference_accuracy_total"] == 200
+
+
+def test_dpo_on_a_mixture_of_preference_sources(train_recipe, pairs, tmp_path: Path) -> None:
+    """data.train as a weighted list of preference sources: every source is tokenized as pairs, scored by the
+    reference pass and mixed by the same cursor (weights 1 and 0.5: an epoch is 96 + 24 pairs)."""
+    half = tmp_path / "half.jsonl"
+    half.write_text("\n".join(pairs["train"].read_text().splitlines()[:48]) + "\n")
+    recipe = dpo_recipe(pairs, train={"max_steps": 3}, checkpoint={"every_steps": None})
+    recipe["data"]["train"] = [{"path": str(pairs["train"])}, {"path": str(half), "weight": 0.5}]
+    run = train_recipe(recipe)
+    train = _rows(run, "train")
+    assert len(train) == 3 and all(math.isfinite(r["loss"]) for r in train)
+    assert train[-1]["tokens"] == 3 * 8  # a target is a pair: 8 pairs a step
+    assert (run / "final" / "model.safetensors").is_file()
