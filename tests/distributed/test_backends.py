@@ -69,6 +69,13 @@ def _run(workdir: Path, name: str, *args: str, **env: str) -> tuple[Path, subpro
     return run, done
 
 
+def run_ok(workdir: Path, name: str, *args: str) -> Path:
+    """``workdir/recipe.yaml`` trained into ``workdir/name`` (with ``args``), which must succeed; the run dir."""
+    run, done = _run(workdir, name, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
 @pytest.fixture(scope="module")
 def reference(workdir: Path) -> Path:
     """The 1-process run with the same global batch (micro 4 x accum 2)."""

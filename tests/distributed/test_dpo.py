@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from finetune.tracking import read_metrics
-from tests.distributed.test_backends import _assert_really_distributed, _finetune
+from tests.distributed.test_backends import _assert_really_distributed, run_ok
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
 
 pytestmark = pytest.mark.distributed
@@ -37,17 +37,10 @@ def dpo_workdir(tmp_path_factory) -> Path:
     return root
 
 
-def _run(root: Path, name: str, *args: str) -> Path:
-    run = root / name
-    done = _finetune("run", str(root / "recipe.yaml"), "-o", str(run), "--overwrite", *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run
-
-
 @pytest.fixture(scope="module")
 def dpo_single(dpo_workdir: Path) -> Path:
     """The 1-process DPO run with the same global batch (micro 4 x accum 2)."""
-    return _run(dpo_workdir, "single")
+    return run_ok(dpo_workdir, "single")
 
 
 def _reference_line(run: Path) -> str:
@@ -61,7 +54,7 @@ def _reference_line(run: Path) -> str:
 def test_dpo_parity_with_one_process(dpo_workdir: Path, dpo_single: Path, backend: str) -> None:
     """Same reference log-probs, per-step losses and exported weights (<= 1e-4) as 1 process; eval counts every
     pair once."""
-    run = _run(dpo_workdir, backend, "--accelerate-config", backend, "--num-processes", "2")
+    run = run_ok(dpo_workdir, backend, "--accelerate-config", backend, "--num-processes", "2")
     _assert_really_distributed(run, backend, dpo_single)
     assert _reference_line(run) == _reference_line(dpo_single)
     losses = [[r["loss"] for r in read_metrics(x) if r["kind"] == "train"] for x in (run, dpo_single)]

@@ -6,9 +6,6 @@ counts every pair once (an odd number of them, not a multiple of ranks x batch).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,19 +13,12 @@ import yaml
 
 from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
+from tests.distributed.test_backends import run_ok
 from tests.integration.conftest import final_weights, max_rel_diff
 from tests.integration.test_reward import preference_rows, reward_recipe
 
 pytestmark = pytest.mark.distributed
-REPO = Path(__file__).resolve().parents[2]
 EVAL_PAIRS = 37
-
-
-def _finetune(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO),
-           "FINETUNE_HOOKS": "tests.distributed.dist_hooks"}
-    return subprocess.run([sys.executable, "-m", "finetune", *args], env=env, capture_output=True, text=True,
-                          timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -43,13 +33,6 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _run(workdir: Path, name: str, *args: str) -> Path:
-    run = workdir / name
-    done = _finetune("run", str(workdir / "recipe.yaml"), "-o", str(run), "--overwrite", *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run
-
-
 def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
 
@@ -59,8 +42,8 @@ def test_reward_parity_with_one_process(workdir: Path, backend: str, shards: boo
     """Per-step losses, eval loss and counts, and exported weights match the 1-process run within 1e-4."""
     reference = workdir / "single"
     if not reference.is_dir():
-        _run(workdir, "single")
-    run = _run(workdir, backend, "--accelerate-config", backend, "--num-processes", "2")
+        run_ok(workdir, "single")
+    run = run_ok(workdir, backend, "--accelerate-config", backend, "--num-processes", "2")
     for rank in (0, 1):
         facts = json.loads(side_file(run, f"rank-{rank}.json").read_text())
         assert facts["num_processes"] == 2 and facts["backend"] == backend

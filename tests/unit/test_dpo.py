@@ -16,7 +16,6 @@ import datasets
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from transformers import AutoTokenizer
 
 from finetune.data import DataBundle
@@ -36,8 +35,6 @@ from finetune.tasks.dpo import (
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
 PAIRS = REPO / "recipes" / "data" / "reverse_pref_eval.jsonl"
-TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 512}
 
 
 def make_cfg(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 0.0, batch_size: int = 4) -> Any:
@@ -48,13 +45,6 @@ def make_cfg(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 
         train=SimpleNamespace(global_batch_size=4, micro_batch_size=2, seed=0),
         data=SimpleNamespace(shuffle=True, packing=False),
     )
-
-
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY_LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")

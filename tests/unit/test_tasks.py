@@ -26,8 +26,6 @@ from finetune.tasks.classification import ClassificationTask
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
-TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "vocab_size": 512}
 ROWS = [
     {"instruction": "Reverse the letters.", "input": "d a c z", "output": "z c a d"},
     {"instruction": "Reverse the letters.", "input": "b v w c d", "output": "d c w v b"},
@@ -47,13 +45,6 @@ def make_cfg(metrics: list[str] | None = None, max_new_tokens: int = 8, **train:
 @pytest.fixture(scope="module")
 def tok() -> Any:
     return AutoTokenizer.from_pretrained(str(TOKENIZER))
-
-
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**TINY_LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return transformers.LlamaForCausalLM(config).eval()
 
 
 @pytest.fixture(scope="module")

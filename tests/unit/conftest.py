@@ -1,0 +1,20 @@
+"""Fixtures shared by the unit tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "vocab_size": 512}
+
+
+@pytest.fixture(scope="module")
+def llama() -> Any:
+    """A tiny random Llama (seed 0) in eval mode, with the bundled tokenizer's special ids."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**TINY_LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    return transformers.LlamaForCausalLM(config).eval()
