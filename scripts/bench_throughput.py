@@ -72,6 +72,10 @@ What is measured, identically for every variant:
   loading, optimizer state and framework objects included; freed memory is trimmed between variants, but a
   process's RSS rarely returns to where it was, so later variants can read a little low).
 * Ratios: each variant's useful tok/s over ``raw_padded``'s and over ``raw_packed``'s.
+* With ``--rounds N`` every variant runs N times; a row shows its fastest round and, as ``per-step best``, the
+  same tokens over the sum of every timed step's fastest round (each step does identical work in every round, so
+  this estimator drops a transient slowdown of the machine in one round's step; it is applied to every variant
+  alike). Both get ratios.
 
 Sanity checks (a failure turns the row into an error, so a variant that does the wrong work cannot report a
 fast number): every variant runs the expected number of steps and forwards; every step feeds 8 samples whose
@@ -647,6 +651,9 @@ class Row:
     attn: str = ""
     inputs: str = ""
     rounds: list[float] = field(default_factory=list)
+    step_s: list[float] = field(default_factory=list)  # this round's timed steps, one duration each
+    useful: int = 0  # useful tokens of the timed steps
+    steps_best: float = 0.0  # useful tok/s over each step's fastest round (see :func:`step_best`)
 
 
 def _value(x: torch.Tensor | int | float) -> float:
@@ -683,7 +690,10 @@ def check_and_measure(name: str, trace: Trace, bench: Bench) -> Row:
     seconds = trace.clock.times[-1] - trace.clock.times[warm - 1]
     timed_useful = sum(useful[warm:])
     timed_fed = sum(meter.fed[warm:])
+    times = trace.clock.times
+    step_s = [times[i] - times[i - 1] for i in range(warm, steps)]
     return Row(name, tok_s=timed_useful / seconds, non_pad=timed_useful / timed_fed, steps_timed=steps - warm,
+               step_s=step_s, useful=timed_useful,
                wall_s=seconds, first_loss=first, final_loss=_value(trace.losses[steps - 1]),
                optimizer=trace.optimizer, attn=trace.attn, inputs="+".join(sorted(meter.inputs)) or "-")
 
@@ -739,8 +749,18 @@ def run_rounds(names: Sequence[str], bench: Bench, rounds: int) -> list[Row]:
         failed = [row for row in runs[name] if row.error]
         best = failed[0] if failed else max(runs[name], key=lambda row: row.tok_s)
         best.rounds = [row.tok_s for row in runs[name] if not row.error]
+        if not failed:
+            best.steps_best = step_best(runs[name])
         rows.append(best)
     return rows
+
+
+def step_best(rounds: Sequence[Row]) -> float:
+    """Useful tok/s with every timed step at its fastest round: the steps do the same work in every round (same
+    samples, same shapes, the same checks), so the minimum over rounds removes a slowdown that hit one round's step
+    (another process, the host) without favouring any variant: each gets the same treatment."""
+    fastest = [min(times) for times in zip(*(row.step_s for row in rounds), strict=True)]
+    return rounds[0].useful / sum(fastest)
 
 
 def _is_finetune_error(exc: BaseException) -> bool:
@@ -749,18 +769,18 @@ def _is_finetune_error(exc: BaseException) -> bool:
     return isinstance(exc, FinetuneError)
 
 
-def _ratio(row: Row, rows: dict[str, Row], base: str) -> str:
+def _ratio(row: Row, rows: dict[str, Row], base: str, key: str = "tok_s") -> str:
     ref = rows.get(base)
-    if row.error or ref is None or ref.error or not ref.tok_s:
+    if row.error or ref is None or ref.error or not getattr(ref, key) or not getattr(row, key):
         return "-"
-    return f"{row.tok_s / ref.tok_s:.2f}x"
+    return f"{getattr(row, key) / getattr(ref, key):.2f}x"
 
 
 def markdown_table(rows: list[Row], bench: Bench, memory_label: str) -> str:
     """The results as a markdown table (an error row carries only its message)."""
     by_name = {row.name: row for row in rows}
-    head = ["variant", "useful tok/s", "each round", "vs raw_padded", "vs raw_packed", "non-pad", "steps timed",
-            "wall s",
+    head = ["variant", "useful tok/s", "each round", "vs raw_padded", "vs raw_packed", "per-step best tok/s",
+            "vs raw_padded", "vs raw_packed", "non-pad", "steps timed", "wall s",
             f"first loss (ref {bench.ref_loss:.6f})", "final loss", memory_label, "model inputs", "attention",
             "optimizer"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -769,8 +789,10 @@ def markdown_table(rows: list[Row], bench: Bench, memory_label: str) -> str:
             cells = [row.name, f"error: {row.error}"] + [""] * (len(head) - 2)
         else:
             cells = [row.name, f"{row.tok_s:,.0f}", " / ".join(f"{x:,.0f}" for x in row.rounds),
-                     _ratio(row, by_name, "raw_padded"),
-                     _ratio(row, by_name, "raw_packed"), f"{row.non_pad:.3f}", str(row.steps_timed),
+                     _ratio(row, by_name, "raw_padded"), _ratio(row, by_name, "raw_packed"),
+                     f"{row.steps_best:,.0f}" if row.steps_best else "-",
+                     _ratio(row, by_name, "raw_padded", "steps_best"),
+                     _ratio(row, by_name, "raw_packed", "steps_best"), f"{row.non_pad:.3f}", str(row.steps_timed),
                      f"{row.wall_s:.2f}", f"{row.first_loss:.6f} ({row.first_loss - bench.ref_loss:+.1e})",
                      f"{row.final_loss:.6f}", f"{row.memory_mib:.1f}", row.inputs, row.attn, row.optimizer]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
@@ -830,9 +852,12 @@ position ids restarting per sample, no mask), `trainer_*` transformers.Trainer (
 packed: DataCollatorWithFlattening), `finetune_*` `finetune run` in this process (data.packing false/true).
 `useful tok/s`: non-pad input tokens of the timed steps / their seconds (end of the last warm-up step to the end
 of the last step), the fastest of the rounds (`each round`; the order is reversed every other round, because a
-process runs faster as its heap warms up). `non-pad`: useful / all tokens fed to the model. `model inputs`:
-besides input_ids (and the loss's labels). finetune and the Trainer compute a gradient norm every step (no
-clipping); the raw loop does not. See the script's docstring for everything measured and checked."""
+process runs faster as its heap warms up). `per-step best tok/s`: the same tokens over the sum of each timed step's
+fastest round; every step does the same work in every round, so this drops a slowdown that hit one round's step (the
+machine) and treats every variant alike (with one round it equals `useful tok/s`). `non-pad`: useful / all tokens
+fed to the model. `model inputs`: besides input_ids (and the loss's labels). finetune and the Trainer compute a
+gradient norm every step (no clipping); the raw loop does not. See the script's docstring for everything measured
+and checked."""
 
 
 def report(rows: list[Row], bench: Bench, command: str, memory_label: str) -> str:

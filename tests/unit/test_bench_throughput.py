@@ -135,6 +135,31 @@ def test_table_has_ratios_and_error_rows() -> None:
             bt.Row("raw_packed", tok_s=200.0, non_pad=1.0, rounds=[200.0]),
             bt.Row("finetune_packed", error="data.packing: not available")]
     table = bt.markdown_table(rows, bench, "peak RSS growth MiB").splitlines()
-    assert table[2].startswith("| raw_padded | 100 | 90 / 100 | 1.00x | 0.50x | 0.500 |")
-    assert table[3].startswith("| raw_packed | 200 | 200 | 2.00x | 1.00x | 1.000 |")
+    assert table[2].startswith("| raw_padded | 100 | 90 / 100 | 1.00x | 0.50x | - | - | - | 0.500 |")
+    assert table[3].startswith("| raw_packed | 200 | 200 | 2.00x | 1.00x | - | - | - | 1.000 |")
     assert table[4].startswith("| finetune_packed | error: data.packing: not available |")
+
+
+def test_step_best_takes_each_steps_fastest_round_and_ratios_use_it() -> None:
+    bench = _bench(SAMPLES)
+    slow_first = bt.check_and_measure("raw_padded", _trace([(8, 4, 1), (8, 3, 1), (8, 6, 1)], [2.0, 1.9, 1.8]), bench)
+    slow_first.step_s = [2.0, 0.5]  # the same 9 tokens: one round slow on step 2, the other on step 3
+    slow_last = bt.Row("raw_padded", step_s=[1.0, 1.5], useful=slow_first.useful)
+    assert slow_first.useful == 9
+    assert bt.step_best([slow_first, slow_last]) == pytest.approx(9 / (1.0 + 0.5))
+    by_name = {"raw_padded": bt.Row("raw_padded", tok_s=10.0, steps_best=6.0),
+               "raw_packed": bt.Row("raw_packed", tok_s=20.0, steps_best=12.0)}
+    mine = bt.Row("finetune_padded", tok_s=9.0, steps_best=6.6)
+    assert bt._ratio(mine, by_name, "raw_padded") == "0.90x"
+    assert bt._ratio(mine, by_name, "raw_padded", "steps_best") == "1.10x"
+    assert bt._ratio(mine, by_name, "raw_packed", "steps_best") == "0.55x"
+
+
+def test_run_rounds_keeps_the_fastest_round_and_the_per_step_best(monkeypatch: pytest.MonkeyPatch) -> None:
+    rounds = iter([bt.Row("raw_padded", tok_s=9 / 2.5, step_s=[2.0, 0.5], useful=9),
+                   bt.Row("raw_padded", tok_s=9 / 2.5, step_s=[1.0, 1.5], useful=9),
+                   bt.Row("raw_padded", tok_s=9 / 3.0, step_s=[1.5, 1.5], useful=9)])
+    monkeypatch.setattr(bt, "run_variant", lambda name, bench: next(rounds))
+    [row] = bt.run_rounds(["raw_padded"], _bench(SAMPLES), 3)
+    assert row.rounds == pytest.approx([3.6, 3.6, 3.0])
+    assert row.tok_s == pytest.approx(3.6) and row.steps_best == pytest.approx(9 / 1.5)
