@@ -61,20 +61,66 @@ class Backend:
 
     @property
     def rank_bound_state(self) -> bool:
-        """Checkpoints hold per-rank shards (ZeRO partitions, FSDP sharded state): resume on the same world size."""
+        """Checkpoints hold per-rank shards (ZeRO partitions, FSDP sharded state): the native load needs the same world
+        size (finetune.portable resumes them elsewhere)."""
         return self.kind in ("deepspeed", "fsdp")
 
     def resume_problem(self, saved_by: str, saved_world: int, world: int) -> str | None:
-        """Why a checkpoint written by backend ``saved_by`` on ``saved_world`` processes cannot be loaded by this
-        backend on ``world`` processes, or None when it can. Single and DDP checkpoints hold whole tensors, so
-        they move between each other and any world size; a sharded backend reads only its own format, and only on
-        the world size that wrote it (its files are per-rank shards)."""
-        same_format = {saved_by, self.name} <= {"single", "ddp"} or saved_by == self.name
-        if same_format and not (self.rank_bound_state and saved_world != world):
+        """Why this backend on ``world`` processes cannot load a checkpoint written by backend ``saved_by`` on
+        ``saved_world`` processes in its NATIVE format, or None when it can (then resume loads it natively, bit for
+        bit). Single and DDP checkpoints hold whole tensors, so they move between each other and any world size; a
+        sharded backend reads only its own format, and only on the world size that wrote it (per-rank shards).
+        Any other pair resumes through the portable state (finetune.portable) when the checkpoint allows it."""
+        if self.loads_natively(saved_by, saved_world, world):
             return None
-        return (f"was written by {saved_world} process(es) under {saved_by}, whose checkpoint holds per-rank "
-                f"shards; resume it with --num-processes {saved_world} and --accelerate-config {saved_by} (only "
-                "single/ddp checkpoints move between world sizes)")
+        if saved_by in ("single", "ddp"):
+            config = launcher_config_name(backend_named(saved_by))
+            return (f"was written by {saved_world} process(es) under {saved_by} (whole tensors); its own format "
+                    f"loads only under single or ddp (--num-processes {saved_world} and --accelerate-config {config}, "
+                    "or any --num-processes with --accelerate-config ddp)")
+        return (f"was written by {saved_world} process(es) under {saved_by} ({sharding(saved_by)}); its own format "
+                f"loads only with --num-processes {saved_world} and --accelerate-config {saved_by}")
+
+    def loads_natively(self, saved_by: str, saved_world: int, world: int) -> bool:
+        """Whether the backend's own load reads this checkpoint (see :meth:`resume_problem`)."""
+        same_format = {saved_by, self.name} <= {"single", "ddp"} or saved_by == self.name
+        return same_format and not (self.rank_bound_state and saved_world != world)
+
+
+_SHARDING = {"single": "whole tensors", "ddp": "whole tensors", "fsdp1": "FSDP1 flat-parameter shards (DCP)",
+             "fsdp2": "FSDP2 DTensor shards (DCP)", "zero1": "ZeRO-1 optimizer partitions",
+             "zero2": "ZeRO-2 optimizer and gradient partitions", "zero3": "ZeRO-3 partitions",
+             "zero3_offload": "ZeRO-3 partitions, optimizer on CPU"}
+_FORMAT = {"single": "model.safetensors + optimizer.bin", "ddp": "model.safetensors + optimizer.bin",
+           "fsdp1": "torch.distributed.checkpoint pytorch_model_fsdp_0/ + fsdp1_optimizer",
+           "fsdp2": "torch.distributed.checkpoint pytorch_model_fsdp_0/ + optimizer_0/",
+           **{f"zero{s}{o}": "DeepSpeed pytorch_model/ (mp_rank_00_model_states.pt + zero_pp_rank_*_optim_states.pt)"
+              for s in (1, 2, 3) for o in ("", "_offload")}}
+
+
+def backend_named(name: str) -> Backend:
+    """The Backend a checkpoint manifest names (``single``, ``ddp``, ``fsdp1``, ``zero3_offload``, ...); a
+    ValueError for a name no finetune backend has."""
+    if name in ("single", "ddp"):
+        return Backend(name)
+    if name in ("fsdp1", "fsdp2"):
+        return Backend("fsdp", fsdp_version=int(name[-1]))
+    stage, _, offload = name.removeprefix("zero").partition("_")
+    if name.startswith("zero") and stage in ("1", "2", "3") and offload in ("", "offload"):
+        return Backend("deepspeed", zero_stage=int(stage), offload_optimizer="cpu" if offload else "none")
+    raise ValueError(f"unknown backend {name!r}")
+
+
+def sharding(name: str) -> str:
+    """How a checkpoint of backend ``name`` splits the model and optimizer state (for manifests and messages)."""
+    return _SHARDING.get(name, "unknown")
+
+
+def layout(name: str, world_size: int) -> dict[str, Any]:
+    """The ``layout`` record of a checkpoint manifest: which backend on how many processes wrote it, how its state
+    is split and in which files."""
+    return {"backend": name, "world_size": world_size, "sharding": sharding(name),
+            "format": _FORMAT.get(name, "unknown")}
 
 
 def launcher_config_name(backend: Backend) -> str:
@@ -256,6 +302,8 @@ class FSDP1OptimizerState:
     optimizer state once more, gathered whole with torch.distributed.checkpoint.state_dict (saved as JSON +
     safetensors by finetune.checkpoint), and loads it back after accelerate's no-op; ``tests/distributed`` proves
     resume bit-identical with it."""
+
+    holds_optimizer_state = True  # a portable resume loads the optimizer itself (finetune.checkpoint.load)
 
     def __init__(self, model: Any, optimizer: Any) -> None:
         self.model, self.optimizer = model, getattr(optimizer, "optimizer", optimizer)

@@ -65,6 +65,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
     import transformers
 
     from finetune import __version__
+    from finetune.backends import layout
 
     return {
         "kind": "checkpoint",
@@ -75,8 +76,9 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
         "recipe_sha256": hashlib.sha256(to_yaml(cfg).encode()).hexdigest(),
         "data": {"train": data_fingerprint(cfg.data.train), "eval": data_fingerprint(cfg.data.eval)},
         "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
-        "world_size": world_size,
+        "world_size": world_size,  # (also in "layout"; kept for readers of older manifests)
         "backend": backend,
+        "layout": layout(backend, world_size),
         "global_batch_size": cfg.train.global_batch_size,
         "micro_batch_size": cfg.train.micro_batch_size,
         "versions": {"finetune": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
@@ -359,13 +361,23 @@ def keep_kernel_choice(optimizer: Any, choice: list[dict[str, Any]]) -> None:
                 optimizer.state[param]["step"] = step.to(device=device, dtype=step.dtype)
 
 
-def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any]) -> None:
+def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any], *,
+         model_and_optimizer: bool = True) -> None:
     """Load a verified checkpoint into the built objects on this rank. Model and optimizer come through accelerate
-    (safetensors, ``weights_only`` loads, or the backend's sharded format); the rest from our JSON/safetensors."""
+    (safetensors, ``weights_only`` loads, or the backend's sharded format); the rest from our JSON/safetensors.
+
+    ``model_and_optimizer=False``: everything but the model and the optimizer (a portable resume has loaded those
+    already, finetune.portable); objects marked ``holds_optimizer_state`` are then skipped too. An object marked
+    ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as built."""
     optimizers = _torch_optimizers([*getattr(accelerator, "_optimizers", []), *objects.values()])
     kernels = [[{k: group[k] for k in KERNEL_KEYS if k in group} for group in opt.param_groups] for opt in optimizers]
-    accelerator.load_state(str(ckpt))
+    if model_and_optimizer:
+        accelerator.load_state(str(ckpt))
     for name, obj in objects.items():
+        if not model_and_optimizer and getattr(obj, "holds_optimizer_state", False):
+            continue
+        if getattr(obj, "optional_in_checkpoint", False) and not (ckpt / f"{name}.json").is_file():
+            continue
         obj.load_state_dict(read_state(ckpt, name))
     for opt, choice in zip(optimizers, kernels, strict=True):
         keep_kernel_choice(opt, choice)

@@ -193,8 +193,9 @@ def resume(
 
 @app.command("ls")
 def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<name>)")]) -> None:
-    """List a run's checkpoints: step, samples seen, resumable (and why not), size, time."""
-    from finetune import checkpoint
+    """List a run's checkpoints: step, samples seen, resumable (and why not), size, time, layout (backend x world
+    size, sharding) and where it can resume."""
+    from finetune import checkpoint, layout
 
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: not a run directory (no such folder)")
@@ -206,17 +207,50 @@ def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<n
     if not complete and not stale:
         typer.echo(f"{run_dir}: no checkpoints" + (f" ({len(others)} other entries in {root})" if others else ""))
         return
-    typer.echo(f"{'checkpoint':<18} {'step':>8} {'samples':>10}  {'resumable':<40} {'size':>9}  created")
+    typer.echo(f"{'checkpoint':<18} {'step':>8} {'samples':>10}  {'resumable':<40} {'size':>9}  {'created':<19}  "
+               "layout; resumes on")
     for path in stale:
         typer.echo(f"{path.name:<18} {'-':>8} {'-':>10}  {'no (incomplete write, ignored)':<40}")
     for path in complete:
         info = checkpoint.inspect(path)
         status = "yes" if info.resumable else f"no ({info.reason})"
+        where = "-" if info.manifest is None else \
+            f"{layout.of(info.manifest).describe()}; {_resume_targets(info.manifest) if info.resumable else '-'}"
         typer.echo(f"{path.name:<18} {info.step if info.step is not None else '-':>8} "
                    f"{info.samples_seen if info.samples_seen is not None else '-':>10}  {status:<40} "
-                   f"{info.size_bytes / 2**20:>7.1f}MB  {info.created or '-'}")
+                   f"{info.size_bytes / 2**20:>7.1f}MB  {info.created or '-':<19}  {where}")
     for path in others:
         typer.echo(f"{path.name:<18} not a checkpoint (ignored)")
+
+
+def _resume_targets(manifest: dict[str, Any]) -> str:
+    """Where a checkpoint can resume (finetune.portable, imported only here: ls stays light); ``?`` when its
+    manifest is too damaged to say (ls lists anything without failing)."""
+    from finetune.portable import resume_targets
+
+    try:
+        return resume_targets(manifest)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return "?"
+
+
+@app.command()
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<name>), or one of its checkpoints")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="the folder to write the Hugging Face model to")],
+    from_: Annotated[str | None, typer.Option(
+        "--from", help="checkpoint name, e.g. step-000100 (default: the newest resumable one)")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an export finetune wrote there")] = False,
+    trust_remote_code: TrustRemoteCode = False,
+) -> None:
+    """Export any checkpoint (any backend, full or LoRA) as a Hugging Face folder, verified in a fresh process."""
+    from finetune.export import export as export_checkpoint
+
+    done = export_checkpoint(run_dir, from_, output, overwrite, trust_remote_code)
+    check = (f"verified in a fresh process: logits match the recorded probe, max |delta| {done.delta:.2e} <= "
+             f"{done.tolerance:g}" if done.recorded
+             else "loaded back in a fresh process; no recorded probe, not verified by logits")
+    typer.echo(f"exported {done.checkpoint.name} (step {done.step}) of {run_dir} -> {done.out} ({done.kind}; {check})")
 
 
 @app.command("eval")

@@ -12,10 +12,11 @@ gradients); 130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -41,6 +42,20 @@ class NonFiniteError(FinetuneError):
     """Training diverged: the loss or the gradients stayed non-finite; nothing was exported."""
 
     exit_code = 3
+
+
+@contextlib.contextmanager
+def unreadable(message: Callable[[str], str]) -> Iterator[None]:
+    """Whatever a library raises on bad bytes while reading a checkpoint (torch, safetensors, DeepSpeed, and DCP,
+    whose CheckpointException is no Exception) becomes ONE RunDirError line: ``message(detail)``, where ``detail``
+    is the exception's type and first line. finetune's own errors and interrupts pass unchanged."""
+    try:
+        yield
+    except (FinetuneError, KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:
+        detail = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise RunDirError(message(f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__)) from exc
 
 
 class Interrupted(Exception):

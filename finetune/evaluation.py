@@ -5,21 +5,28 @@ Before anything is loaded the target is verified against its manifest (sha256 of
 line, never because the run's recipe says so. The target's recipe says which eval set, metrics and batch size to
 use (overrides may change them):
 - a run dir (``runs/x``): its ``final/`` export;
-- a checkpoint dir (``runs/x/checkpoints/step-000100``): the recipe's model with the checkpoint's weights (or adapter);
-- an exported dir: a full model (``final/`` or ``finetune merge`` output), or a PEFT adapter on the recipe's base.
+- a checkpoint dir (``runs/x/checkpoints/step-000100``) of any backend (single, DDP, FSDP, ZeRO; full or LoRA): the
+  checkpoint is exported, as ``finetune export`` exports it, to a scratch folder outside the run dir (removed
+  afterwards), loaded back from there and checked against the logits the checkpoint recorded; that model is
+  evaluated;
+- an exported dir: a full model (``final/``, ``finetune export`` or ``finetune merge`` output), or a PEFT adapter on
+  the recipe's base.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune import layout, rundir
 from finetune.config import RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import apply_overrides
-from finetune.errors import RunDirError
+from finetune.errors import FinetuneError, RunDirError, unreadable
 
 
 @dataclass
@@ -31,6 +38,7 @@ class Target:
     adapter: Path | None = None  # adapter_config.json + adapter weights
     checkpoint: Path | None = None
     step: int | None = None  # the checkpoint's step, from its verified manifest
+    backend: str | None = None  # the backend that wrote the checkpoint, from its verified manifest
 
 
 def locate(target: Path) -> Target:
@@ -62,11 +70,18 @@ def open_target(target: Path, overrides: list[str], trust_remote_code: bool) -> 
     manifest = verify(where.recipe.parent, None)
     if where.checkpoint is not None:
         where.step = manifest.get("step") if isinstance(manifest.get("step"), int) else None
-    composed = compose(where.recipe, remote_code_from_flag(overrides, trust_remote_code))
+        where.backend = layout.of(manifest).backend
+    return where, recipe_of(where.recipe, overrides, trust_remote_code)
+
+
+def recipe_of(recipe: Path, overrides: list[str], trust_remote_code: bool) -> RecipeConfig:
+    """A run's (verified) recipe file, validated for THIS machine: ``trust_remote_code`` from the command line only,
+    plus :func:`portable_overrides` (each change it makes is noted on stderr)."""
+    composed = compose(recipe, remote_code_from_flag(overrides, trust_remote_code))
     machine, notes = portable_overrides(composed.data)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    return where, validate(apply_overrides(composed, machine))
+    return validate(apply_overrides(composed, machine))
 
 
 def portable_overrides(recipe: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -98,7 +113,7 @@ def portable_overrides(recipe: dict[str, Any]) -> tuple[list[str], list[str]]:
 
 def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quantized: bool = True) -> Any:
     """The model of ``where``. A QLoRA adapter sits on the 4-bit base it was trained with, unless ``quantized`` is
-    False (merge: the full-precision base)."""
+    False (merge: the full-precision base). A checkpoint of any backend is read by :func:`apply_checkpoint`."""
     from finetune import peft as lora
     from finetune import registry
     from finetune.modeling import build_base, build_model, loading
@@ -114,27 +129,30 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
         with loading("adapter", str(where.adapter), key="eval"):
             return PeftModel.from_pretrained(base, str(where.adapter))
     assert where.checkpoint is not None
-    weights = where.checkpoint / "model.safetensors"
-    if not weights.is_file():
-        manifest = rundir.read_manifest(where.checkpoint)
-        raise RunDirError(f"{where.checkpoint}: written by {manifest.get('backend')} as sharded state; evaluate the "
-                          "run's final/ export (or resume the run to produce one)")
-    from safetensors.torch import load_file
-
-    with loading("checkpoint weights", str(weights), key="eval"):
-        state = load_file(str(weights))
     if lora.enabled(cfg.peft):
-        from peft import set_peft_model_state_dict
-
-        model = lora.apply(base, cfg.peft, row)
-        set_peft_model_state_dict(model, state)
-        return model
-    missing, unexpected = base.load_state_dict(state, strict=False)
-    tied = set(getattr(base, "_tied_weights_keys", None) or [])
-    if unexpected or set(missing) - tied:
-        raise RunDirError(f"{where.checkpoint}: checkpoint does not fit the recipe's model "
-                          f"(missing {sorted(set(missing) - tied)[:3]}, unexpected {unexpected[:3]})")
+        base = lora.apply(base, cfg.peft, row)
+    apply_checkpoint(base, where.checkpoint)
     return base
+
+
+def apply_checkpoint(model: Any, ckpt: Path) -> None:
+    """Load a verified checkpoint's model weights, in whatever layout its backend wrote them (single/DDP
+    safetensors, FSDP's DCP shards, DeepSpeed ZeRO partitions; full or adapter-only), into ``model`` (built from
+    the checkpoint's recipe, with the adapter applied for LoRA runs), in this one process through
+    :mod:`finetune.portable` (the model alone needs no scratch folder)."""
+    from finetune.portable import apply_model_state, read_full_state
+
+    with unreadable(lambda detail: f"{ckpt}: the model weights cannot be read ({detail}); the checkpoint is damaged "
+                    "or of another finetune version: use another checkpoint"):
+        state = read_full_state(ckpt, optimizer=False).model
+    try:
+        apply_model_state(model, state)
+    except FinetuneError:
+        raise
+    except (RuntimeError, KeyError, ValueError) as exc:  # torch's load_state_dict: missing/unexpected keys, shapes
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise RunDirError(f"{ckpt}: the checkpoint's weights do not fit the model its recipe builds ({detail})") \
+            from exc
 
 
 def load_tokenizer(cfg: RecipeConfig, where: Target) -> Any:
@@ -148,14 +166,69 @@ def load_tokenizer(cfg: RecipeConfig, where: Target) -> Any:
 
 
 def evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool = False) -> dict[str, Any]:
-    """Metrics of ``target`` on its recipe's eval set (one process)."""
+    """Metrics of ``target`` on its recipe's eval set (one process). A checkpoint is evaluated through its export
+    (:func:`reload_checkpoint`) in a scratch folder outside the run dir, removed afterwards."""
     from finetune.checkpoint import forbid_unpickling
 
     forbid_unpickling()
     where, cfg = open_target(target, overrides, trust_remote_code)
     if not cfg.data.eval:
         raise RunDirError(f"{where.recipe}: data.eval is not set; pass data.eval=path/to/eval.jsonl")
+    if where.checkpoint is None:
+        return _evaluate(where, cfg, None)
+    with scratch_folder("finetune-eval-") as scratch:
+        return _evaluate(where, cfg, scratch)
 
+
+@contextlib.contextmanager
+def scratch_folder(prefix: str, parent: Path | None = None) -> Iterator[Path]:
+    """A new empty ``<prefix>...tmp`` folder (in ``parent``, else the system's temporary folder: TMPDIR), deleted
+    with everything in it when the block ends, however it ends."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=rundir.TMP, dir=parent))
+    try:
+        yield folder
+    finally:
+        rundir.remove_scratch(folder)
+
+
+def reload_checkpoint(cfg: RecipeConfig, where: Target, labels: list[str] | None, tokenizer: Any, scratch: Path,
+                      log: Callable[[str], None]) -> Any:
+    """The model ``finetune eval`` evaluates for a checkpoint: the checkpoint's weights (any backend's layout) in
+    the recipe's model, saved to ``scratch`` as an export (a full model, or an adapter for LoRA runs; with
+    ``tokenizer``, which a reward model's config is built from), loaded back from there, and checked against the
+    logits the checkpoint recorded (ProbeMismatch, exit 1, when they differ; a checkpoint written before probes
+    existed is evaluated with a note)."""
+    from finetune import peft as lora
+    from finetune import probe
+
+    assert where.checkpoint is not None
+    recorded = probe.read(where.checkpoint)  # a damaged record is refused before the weights are read
+    log(f"loading {where.checkpoint} ({where.backend} checkpoint) and exporting it to a scratch folder ...")
+    model = load_model(cfg, where, labels)
+    folder = scratch / "export"
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    del model
+    exported = Target(where.recipe, **{"adapter" if lora.enabled(cfg.peft) else "full_model": folder},
+                      checkpoint=where.checkpoint, step=where.step, backend=where.backend)
+    model = load_model(cfg, exported, labels)
+    if recorded is None:
+        log(f"note: {where.checkpoint.name} recorded no probe logits (written before finetune recorded them); its "
+            "export was not verified by logits")
+        return model
+    tol = probe.tolerance(cfg.model.dtype, cfg.train.mixed_precision, where.backend or "single",
+                          cfg.peft.method == "qlora")
+    delta = probe.max_delta(probe.logits_of(model, recorded.inputs), recorded.logits)
+    if not delta <= tol:
+        raise probe.ProbeMismatch(f"{where.checkpoint}: its export reloaded gives logits up to {delta:.2e} away from "
+                                  f"the ones recorded at step {where.step} (tolerance {tol:g}); not evaluated: this "
+                                  "checkpoint was not read correctly, please report it")
+    log(f"verified: the export reproduces the recorded logits (max |delta| {delta:.2e}, tolerance {tol:g})")
+    return model
+
+
+def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None) -> dict[str, Any]:
+    """Evaluate ``where`` (``scratch``: a checkpoint target's export folder) with the loop's own evaluate()."""
     from finetune import loop, registry
     from finetune.backends import Backend, make_accelerator
     from finetune.data import load_splits
@@ -169,7 +242,12 @@ def evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool 
     export = where.full_model or where.adapter
     tokenizer = load_tokenizer(cfg, where)
     data = load_splits(cfg.data, tokenizer, need_train=False)  # label names still come from the train file
-    model = accelerator.prepare(load_model(cfg, where, data.labels))
+    if scratch is not None:
+        loaded = reload_checkpoint(cfg, where, data.labels, tokenizer, scratch,
+                                   lambda line: print(line, file=sys.stderr))
+    else:
+        loaded = load_model(cfg, where, data.labels)
+    model = accelerator.prepare(loaded)
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
     from finetune.tasks.dpo import DPOTask, compute_reference
 

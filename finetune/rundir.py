@@ -49,10 +49,12 @@ FINAL_OLD = FINAL + ".old" + TMP  # the previous export, while the new one repla
 MANIFEST = "manifest.json"  # in every checkpoint and export: run id, and size + sha256 of every other file
 TRAIN_STATE = "train_state.json"
 MERGE_CHECK = "merge_check.safetensors"
+RESHARD_TMP = "reshard" + TMP  # a checkpoint converted for another layout while a resume reads it (then removed)
 
 _FILES = frozenset({MARKER, MARKER + TMP, LOCK, RESOLVED, RESOLVED + TMP, RESUMING, RESUMING + TMP, METRICS,
                     TRAIN_LOG, WANDB_RUN_ID, PLOTS, PLOTS + TMP})
-_TREES = frozenset({WANDB, TENSORBOARD, FINAL_TMP, FINAL_OLD})  # written whole by finetune (or a sink for it)
+_TREES = frozenset({WANDB, TENSORBOARD, FINAL_TMP, FINAL_OLD,  # written whole by finetune (or a sink for it)
+                    RESHARD_TMP})
 _STEP = re.compile(r"step-(\d{6,})")
 _HASH_BLOCK = 1 << 20
 
@@ -257,6 +259,12 @@ def remove_scratch(path: Path) -> None:
     if not path.name.endswith(TMP) or path.is_symlink():
         raise AssertionError(f"not a scratch folder: {path}")
     shutil.rmtree(path, ignore_errors=True)
+
+
+def reshard_scratch(run_dir: Path) -> Path:
+    """``<run_dir>/reshard.tmp``: where a resume on another layout converts a checkpoint (finetune.portable). A
+    folder left there by a crash is removed before the next conversion and after every one."""
+    return run_dir / RESHARD_TMP
 
 
 def publish(tmp: Path, out: Path, old: Path) -> None:

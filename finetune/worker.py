@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune import rundir
 from finetune.config import RecipeConfig, load_resolved
-from finetune.errors import ConfigError, RunDirError, run_main
+from finetune.errors import ConfigError, RunDirError, run_main, unreadable
 from finetune.signals import Interrupted
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     from finetune.data import load_splits
     from finetune.modeling import build_base, build_tokenizer, check_fits, compile_model, enable_checkpointing
     from finetune.optim import build_optimizer, build_scheduler
+    from finetune.portable import PARAM_NAMES, ParamNames
     from finetune.precision import Precision
+    from finetune.probe import LogitProbe
     from finetune.state import TrainState
     from finetune.tasks import build_task
     from finetune.tasks.dpo import DPOTask, compute_reference
@@ -83,12 +85,17 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
         compile_model(model)
     optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
+    param_names = ParamNames.of(model, optimizer)  # on the plain model: prepare wraps and may rename
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend.engine_owns_precision)
     state = TrainState(train_size=data.train_size)
     # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
     # scheduler is not prepared: accelerate would step it once per process.
-    objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer)}
+    objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer),
+               PARAM_NAMES: param_names,  # makes the checkpoint readable on any layout (finetune.portable)
+               # the live model's logits on 2 x 16 probe tokens (made at the first checkpoint; task is bound below):
+               # 2 x 16 x vocab fp32 per checkpoint, ~20 MB at a 150k vocabulary
+               "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16))}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
                       lockstep=backend.shards_parameters)
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
@@ -106,15 +113,15 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
                         run_dir, max_steps, backend, run_id=run_id, objects=objects)
 
 
-def probe_batch(trainer: Trainer, rows: int = 4, length: int = 32) -> dict[str, Any]:
+def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> dict[str, Any]:
     """A few fixed inputs (the first eval, else train, samples) on which exports record reference logits."""
     from finetune.data.batching import Collator
 
-    split = trainer.task.data.eval or trainer.task.data.train
+    split = task.data.eval or task.data.train
     assert split is not None
     key = "input_ids" if "input_ids" in split.dataset.column_names else "chosen_input_ids"  # preference pairs
     samples = [{"input_ids": split.dataset[i][key][:length]} for i in range(min(rows, len(split.dataset)))]
-    batch = Collator(trainer.tokenizer.pad_token_id)(samples)
+    batch = Collator(tokenizer.pad_token_id)(samples)
     return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
 
 
@@ -139,7 +146,7 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
     """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer and the
     layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes."""
-    from finetune import checkpoint
+    from finetune import checkpoint, portable
     from finetune.tracking import truncate_metrics
 
     manifest = rundir.read_manifest(ckpt)
@@ -148,18 +155,22 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
                               "pass --allow-config-change to continue anyway")
         trainer.tracker.log("info", {"message": "resume: tokenizer changed since the checkpoint (allowed)"})
-    problem = trainer.backend.resume_problem(manifest.get("backend", "single"), manifest.get("world_size", 1),
-                                             trainer.accelerator.num_processes)
-    if problem:
-        raise RunDirError(f"resume refused: {ckpt.name} {problem}")
-    try:  # model, optimizer, scheduler, TrainState, scaler, RNG of this rank
-        checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects)
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # whatever a library raises on bad bytes (DCP's CheckpointException is no Exception)
-        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        raise RunDirError(f"{ckpt}: cannot be loaded ({type(exc).__name__}: {detail}); the run dir is unchanged: "
-                          "resume from another checkpoint with --from") from exc
+    saved_by, saved_world = manifest.get("backend", "single"), manifest.get("world_size", 1)
+    world = trainer.accelerator.num_processes
+    native = trainer.backend.loads_natively(saved_by, saved_world, world)  # same layout, or single <-> ddp
+    if not native and (why := portable.reshard_problem(manifest, trainer.cfg.optim.name)):
+        raise RunDirError(f"resume refused: {ckpt.name} {trainer.backend.resume_problem(saved_by, saved_world, world)}"
+                          f", and {why}: resume it that way, or `finetune export {trainer.run_dir} --from {ckpt.name} "
+                          "-o DIR` and start a new run from DIR")
+    with unreadable(lambda detail: f"{ckpt}: cannot be loaded ({detail}); the run dir is unchanged: resume from "
+                    "another checkpoint with --from"):  # model, optimizer, scheduler, TrainState, scaler, RNG
+        if not native:  # another layout: whole tensors, each rank keeping its part
+            portable.resume_from(trainer.accelerator, trainer.backend, trainer.model, trainer.optimizer, ckpt,
+                                 trainer.run_dir)
+        checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=native)
+    if not native:
+        trainer.tracker.log("info", {"message": f"resume: {ckpt.name} resharded from {saved_by} on {saved_world} "
+                                                f"process(es) to {trainer.backend.name} on {world}"})
     state = trainer.state
     dropped = truncate_metrics(trainer.run_dir, state.step) if trainer.accelerator.is_main_process else 0
     trainer.tracker.log("info", {"message": f"resumed from {ckpt.name}: step {state.step}, epoch {state.epoch}, "
@@ -209,7 +220,8 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
             with compile_failures(cfg.train.compile):  # a LoRA export runs the (compiled) model on its probe
                 out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
                                               trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
-                                              probe=probe_batch(trainer), rebuild=clean_copy(trainer))
+                                              probe=probe_batch(trainer.task, trainer.tokenizer),
+                                              rebuild=clean_copy(trainer))
             trainer.tracker.log("info", {"message": f"exported {out}"})
         if trainer.accelerator.is_main_process:  # <run>/plots.png; a failure is one warning line, never a failed run
             from finetune.plot import write_run_plot

@@ -173,7 +173,8 @@ def test_resume_equals_straight(workdir: Path, backend: str) -> None:
 
 def test_resume_across_world_sizes(workdir: Path, reference: Path) -> None:
     """A 1-process checkpoint continues on 2 DDP processes with the same global sample order; a ZeRO checkpoint
-    (per-rank shards) is refused on another world size with a clear message."""
+    (per-rank shards) that records no parameter names (one written before finetune resharded checkpoints) is
+    refused on another world size with one clear line (tests/distributed/test_elastic.py resumes those that do)."""
     run, done = _run(workdir, "grow", FINETUNE_TERM_AT_STEP="3")
     assert done.returncode == 143, done.stderr[-2000:]
     resumed = _finetune("resume", str(run), "--accelerate-config", "ddp", "--num-processes", "2")
@@ -182,13 +183,27 @@ def test_resume_across_world_sizes(workdir: Path, reference: Path) -> None:
     assert max_rel_diff(final_weights(reference), final_weights(run)) <= 1e-4
     assert "resume: layout launch.num_processes: 1 -> 2" in (run / "train.log").read_text()
 
-    zero = workdir / "zero2-resumed"  # left by test_resume_equals_straight[zero2]
-    if not zero.is_dir():
+    import shutil
+
+    from finetune import rundir
+
+    left = workdir / "zero2-resumed"  # left by test_resume_equals_straight[zero2]
+    if not left.is_dir():
         pytest.skip("needs test_resume_equals_straight[zero2]")
+    zero = workdir / "zero2-old"
+    shutil.rmtree(zero, ignore_errors=True)
+    shutil.copytree(left, zero)
+    ckpt = zero / "checkpoints" / "step-000004"
+    (ckpt / "param_names.json").unlink()  # as a checkpoint from before param names; its manifest fixed up
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"] = rundir.inventory(ckpt)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
     refused = _finetune("resume", str(zero), "--from", "step-000004", "--accelerate-config", "cpu",
                         "--num-processes", "1", "--allow-config-change")
     assert refused.returncode == 2, refused.stderr[-2000:]
     assert "written by 2 process(es) under zero2" in refused.stderr and "Traceback" not in refused.stderr
+    assert f"finetune export {zero} --from step-000004 -o DIR" in refused.stderr
+    assert len([line for line in refused.stderr.splitlines() if line.startswith("error:")]) == 1
 
 
 def test_a_dead_rank_fails_the_job_quickly(workdir: Path) -> None:
@@ -216,14 +231,25 @@ def lora_reference(workdir: Path) -> Path:
     return run
 
 
+_lora: dict[str, Path] = {}
+
+
+def lora_run(workdir: Path, backend: str) -> Path:
+    """The LoRA run on 2 processes under ``backend`` (checkpoints at steps 4 and 8), trained once per session."""
+    if backend not in _lora:
+        run, done = _run(workdir, f"lora-{backend}", "--accelerate-config", backend, "--num-processes", "2", *LORA)
+        assert done.returncode == 0, done.stderr[-3000:]
+        _lora[backend] = run
+    return _lora[backend]
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_lora_parity_complete_adapter_and_reload(workdir: Path, lora_reference: Path, backend: str) -> None:
     """LoRA on 2 processes: per-step losses equal the 1-process LoRA run within 1e-4; the saved adapter is complete
     (FSDP1 naively saves an empty one) and equal to the 1-process adapter; reloading it gives the live eval loss."""
     from safetensors.torch import load_file
 
-    run, done = _run(workdir, f"lora-{backend}", "--accelerate-config", backend, "--num-processes", "2", *LORA)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run = lora_run(workdir, backend)
     assert json.loads(side_file(run, "rank-1.json").read_text())["distributed_type"] == EXPECTED[backend][0]
     assert _losses(run) == pytest.approx(_losses(lora_reference), rel=1e-4)
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
@@ -304,24 +330,18 @@ class _Payload:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize(("backend", "pattern"), [("fsdp2", "pytorch_model_fsdp_0/.metadata"),
-                                                  ("fsdp2", "optimizer_0/__0_0.distcp"),
-                                                  ("zero2", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
-                                                  ("zero3", "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt")])
-def test_a_payload_in_a_sharded_checkpoint_never_runs(workdir: Path, backend: str, pattern: str) -> None:
-    """The sharded formats' own files (DCP metadata and shards, DeepSpeed's torch.save files) with a payload, the
-    manifest fixed up: the 2-process resume fails (DCP's metadata reader and torch.load are restricted), and
-    nothing runs."""
+def copy_with_payload(source: Path, run: Path, pattern: str, marker: Path) -> None:
+    """``source`` copied to ``run`` with the file ``pattern`` of its step-4 checkpoint replaced by a payload that
+    would create ``marker`` if it were ever unpickled, and the manifest fixed up to match (as an attacker who can
+    write the run dir would)."""
     import pickle
     import shutil
 
     from finetune import rundir
 
-    source = _straight_run(workdir, backend)
-    run = workdir / f"payload-{backend}-{Path(pattern).name}"
+    shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(source, run)
     ckpt = run / "checkpoints" / "step-000004"
-    marker = workdir / f"PWNED-{run.name}"
     target = ckpt / pattern
     assert target.is_file(), sorted(str(p.relative_to(ckpt)) for p in ckpt.rglob("*"))
     if target.suffix == ".pt":
@@ -331,6 +351,19 @@ def test_a_payload_in_a_sharded_checkpoint_never_runs(workdir: Path, backend: st
     manifest = json.loads((ckpt / "manifest.json").read_text())
     manifest["files"] = rundir.inventory(ckpt)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize(("backend", "pattern"), [("fsdp2", "pytorch_model_fsdp_0/.metadata"),
+                                                  ("fsdp2", "optimizer_0/__0_0.distcp"),
+                                                  ("zero2", "pytorch_model/zero_pp_rank_0_mp_rank_00_optim_states.pt"),
+                                                  ("zero3", "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt")])
+def test_a_payload_in_a_sharded_checkpoint_never_runs(workdir: Path, backend: str, pattern: str) -> None:
+    """The sharded formats' own files (DCP metadata and shards, DeepSpeed's torch.save files) with a payload, the
+    manifest fixed up: the 2-process resume fails (DCP's metadata reader and torch.load are restricted), and
+    nothing runs."""
+    run = workdir / f"payload-{backend}-{Path(pattern).name}"
+    marker = workdir / f"PWNED-{run.name}"
+    copy_with_payload(_straight_run(workdir, backend), run, pattern, marker)
     done = _finetune("resume", str(run), "--from", "step-000004", timeout=300)
     assert not marker.exists(), f"the payload in {pattern} ran"
     assert done.returncode != 0

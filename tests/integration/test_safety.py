@@ -103,9 +103,9 @@ def test_a_payload_in_any_checkpoint_file_never_runs(trained: Path, tmp_path: Pa
             outcomes[(name, command[0])] = code
     # resume reads every file but accelerate's RNG pickle (its failed load is ignored; our JSON RNG state is used),
     # and accelerate refuses an unregistered custom_checkpoint_0.pkl without opening it; eval reads the manifest, the
-    # recipe and the weights
+    # recipe, the weights and the recorded probe (the export it evaluates is checked against it)
     ignored = {"random_states_0.pkl"}
-    read_by_eval = {rundir.MANIFEST, rundir.RESOLVED, "model.safetensors"}
+    read_by_eval = {rundir.MANIFEST, rundir.RESOLVED, "model.safetensors", "probe.json", "probe.safetensors"}
     assert outcomes == {**{(n, "resume"): 0 if n in ignored else 2 for n in names},
                         **{(n, "eval"): 2 if n in read_by_eval else 0 for n in names}}
 

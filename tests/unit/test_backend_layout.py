@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from finetune.backends import Backend
+from finetune.backends import Backend, launcher_config_name
 
 BACKENDS = [Backend("single"), Backend("ddp"), Backend("fsdp", fsdp_version=1), Backend("fsdp", fsdp_version=2),
             Backend("deepspeed", zero_stage=1), Backend("deepspeed", zero_stage=2), Backend("deepspeed", zero_stage=3),
@@ -26,4 +26,5 @@ def test_which_layouts_load(saved: Backend, now: Backend, saved_world: int, worl
         assert problem is None
     else:
         assert problem is not None
-        assert f"--num-processes {saved_world}" in problem and f"--accelerate-config {saved.name}" in problem
+        config = launcher_config_name(saved)  # single's accelerate config is "cpu"
+        assert f"--num-processes {saved_world}" in problem and f"--accelerate-config {config}" in problem

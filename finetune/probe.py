@@ -1,0 +1,146 @@
+"""The logit probe: a few fixed inputs and the live model's logits on them, recorded in every checkpoint.
+
+Why: a checkpoint is exported (``finetune export``, ``finetune eval`` of a checkpoint) by reading its weights in
+whatever layout the backend wrote and loading them into a freshly built model. Comparing that model's logits with
+the ones the training process itself computed at the same step proves the conversion, the save and the reload
+end to end, for every backend, instead of trusting them.
+
+:class:`LogitProbe` is one of the worker's checkpointed ``objects``: at a checkpoint every rank calls its
+``state_dict()`` (a forward pass is a collective under sharded backends) and rank 0 writes the result as
+``probe.json`` + ``probe.safetensors`` through :func:`finetune.checkpoint.write_state`. Resuming loads nothing from
+it. :func:`read` gets it back (``None`` for checkpoints written before probes existed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from finetune.errors import FinetuneError, RunDirError
+
+NAME = "probe"  # the checkpoint object's name: probe.json (+ probe.safetensors), see checkpoint.write_state
+KEYS = ("input_ids", "attention_mask", "logits")
+FIXED_TEXT = "The quick brown fox jumps over the lazy dog."  # the inputs when a checkpoint recorded no probe
+
+
+class ProbeMismatch(FinetuneError):
+    """A reloaded model does not reproduce the recorded logits: nothing was published (a failed verification)."""
+
+    exit_code = 1
+
+
+class LogitProbe:
+    """Checkpointed object: ``state_dict()`` runs the live model (eval mode, no grad, train mode restored) on the
+    run's probe inputs and returns ``{input_ids, attention_mask, logits}`` (logits fp32 on the CPU).
+
+    ``inputs`` makes the probe inputs (``worker.probe_batch``); it is called once, at the first checkpoint, when
+    the data it reads exists. Every rank must call ``state_dict()`` at the same time under sharded backends."""
+
+    optional_in_checkpoint = True  # checkpoints written before probes existed hold none: resume them all the same
+
+    def __init__(self, model: Any, device: Any, inputs: Callable[[], dict[str, Any]]) -> None:
+        self.model, self.device, self._make_inputs = model, device, inputs
+        self._inputs: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The live model's logits on the probe inputs (a collective under sharded backends)."""
+        import torch
+
+        if self._inputs is None:
+            self._inputs = {k: v.detach().cpu() for k, v in self._make_inputs().items()}
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                output = self.model(**{k: v.to(self.device) for k, v in self._inputs.items()})
+        finally:
+            self.model.train(was_training)
+        return {**self._inputs, "logits": output.logits.detach().float().cpu()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: the probe is a record of the checkpointed model, not training state."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Recorded inputs and logits; ``recorded`` is False for fixed inputs whose logits a live model supplied."""
+
+    input_ids: Any
+    attention_mask: Any
+    logits: Any
+    recorded: bool = True
+
+    @property
+    def inputs(self) -> dict[str, Any]:
+        """The model inputs, as keyword arguments."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+
+    @property
+    def tokens(self) -> int:
+        """How many real (unpadded) tokens the probe holds."""
+        return int(self.attention_mask.sum())
+
+    def tensors(self) -> dict[str, Any]:
+        """The probe as a safetensors dict (``merge_check.safetensors`` of an adapter export has this form)."""
+        return {"input_ids": self.input_ids.contiguous(), "attention_mask": self.attention_mask.contiguous(),
+                "logits": self.logits.contiguous()}
+
+
+def read(ckpt: Path) -> Probe | None:
+    """The probe a checkpoint recorded, or None when it has none (written before probes existed). A probe that
+    cannot be read is a damaged checkpoint (RunDirError); call this only after the checkpoint was verified."""
+    import torch
+
+    from finetune.checkpoint import read_state
+
+    if not (ckpt / f"{NAME}.json").is_file():
+        return None
+    try:
+        state = read_state(ckpt, NAME)
+        values = [state[key] for key in KEYS]
+    except Exception as exc:  # bad JSON, a bad safetensors header, a missing key: whatever the bytes make them raise
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
+        raise RunDirError(f"{ckpt / (NAME + '.json')}: the recorded probe cannot be read ({type(exc).__name__}: "
+                          f"{detail}); the checkpoint is damaged: use another one (--from)") from None
+    if not all(isinstance(v, torch.Tensor) for v in values):
+        raise RunDirError(f"{ckpt / (NAME + '.json')}: the recorded probe holds no tensors; the checkpoint is "
+                          "damaged: use another one (--from)")
+    return Probe(*values)
+
+
+def fixed_inputs(tokenizer: Any) -> dict[str, Any]:
+    """Fixed inputs for a checkpoint without a recorded probe (one sentence through the run's tokenizer)."""
+    encoded = tokenizer([FIXED_TEXT], return_tensors="pt")
+    return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+
+def logits_of(model: Any, inputs: dict[str, Any]) -> Any:
+    """``model``'s fp32 CPU logits on ``inputs`` (eval mode, no grad), on the model's own device."""
+    import torch
+
+    device = next(model.parameters()).device
+    model.eval()
+    with torch.no_grad():
+        return model(**{k: v.to(device) for k, v in inputs.items()}).logits.detach().float().cpu()
+
+
+def max_delta(got: Any, expected: Any) -> float:
+    """Largest |got - expected|; infinite when the shapes differ or a value is not finite."""
+    if tuple(got.shape) != tuple(expected.shape):
+        return float("inf")
+    delta = float((got.float() - expected.float()).abs().max()) if got.numel() else 0.0
+    return delta if delta == delta else float("inf")  # nan -> inf: never within a tolerance
+
+
+def tolerance(dtype: str, mixed_precision: str, backend: str, quantized: bool) -> float:
+    """Max |delta logit| accepted between the recorded and the reloaded logits: the limits of ``finetune merge``'s
+    check (:func:`finetune.merge.tolerance`; a unit test keeps the two equal). float32 accumulates ~1e-6 here; half
+    precisions round far more; 4-bit kernels are not reproducible to better than ~1e-3 across processes. Under
+    DeepSpeed with bf16/fp16 the engine computed the recorded logits with 16-bit copies of the weights, so the
+    half-precision limit applies whatever ``model.dtype`` says."""
+    if quantized:
+        return 2e-2
+    engine_half = backend.startswith("zero") and mixed_precision in ("bf16", "fp16")
+    return 1e-4 if dtype == "float32" and not engine_half else 5e-2

@@ -1,0 +1,165 @@
+"""Elastic resume: a checkpoint of any backend continues on another world size, and on another backend, through the
+portable state (finetune.portable), with the losses and weights of the run that never stopped.
+
+The straight 8-step, 2-process runs of tests/distributed/test_backends.py (checkpoints at steps 4 and 8) are
+reused: a copy of one is resumed from step 4 on the new layout and must end where the straight run ended.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from finetune import rundir
+from finetune.tracking import read_metrics
+from tests.distributed.test_backends import (
+    BACKENDS,
+    _finetune,
+    _losses,
+    _straight_run,
+    copy_with_payload,
+    lora_reference,
+    lora_run,
+    reference,
+    workdir,
+)
+from tests.integration.conftest import final_weights, max_rel_diff
+
+pytestmark = pytest.mark.distributed
+__all__ = ["lora_reference", "reference", "workdir"]  # fixtures shared with test_backends
+TOL = 1e-5
+
+
+def _resumed_copy(source: Path, name: str, *args: str) -> Path:
+    """A copy of the finished run ``source`` resumed from its step-4 checkpoint with ``args``; must succeed."""
+    run = source.parent / name
+    if run.exists():
+        shutil.rmtree(run)
+    shutil.copytree(source, run)
+    done = _finetune("resume", str(run), "--from", "step-000004", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    return run
+
+
+def _assert_continues(run: Path, straight: Path, saved: str, saved_world: int, now: str, world: int) -> None:
+    """Steps 1..8 logged once, the resumed steps' losses and the final weights within TOL of ``straight``; the
+    resume went through the portable state unless whole tensors moved between single and ddp (their native load
+    reads any world size); the checkpoint written after it records the new layout; no scratch is left behind."""
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == list(range(1, 9))
+    assert _losses(run) == pytest.approx(_losses(straight), rel=TOL)
+    assert max_rel_diff(final_weights(straight), final_weights(run)) <= TOL
+    log = (run / "train.log").read_text()
+    native = {saved, now} <= {"single", "ddp"}
+    assert (f"resharded from {saved} on {saved_world} process(es) to {now} on {world}" in log) is not native
+    layout = json.loads((run / "checkpoints" / "step-000008" / "manifest.json").read_text())["layout"]
+    assert (layout["backend"], layout["world_size"]) == (now, world)
+    assert not rundir.reshard_scratch(run).exists() and rundir.foreign_entries(run) == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shrink_to_one_process(workdir: Path, backend: str) -> None:
+    """4 steps at 2 processes under ``backend``, then 4 at 1 process (backend single) == 8 straight at 2."""
+    straight = _straight_run(workdir, backend)
+    run = _resumed_copy(straight, f"{backend}-to-1", "--num-processes", "1", "--accelerate-config", "cpu")
+    _assert_continues(run, straight, backend, 2, "single", 1)
+
+
+@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero3"])
+def test_grow_from_one_process(workdir: Path, reference: Path, backend: str) -> None:
+    """4 steps at 1 process, then 4 at 2 processes under ``backend`` == 8 straight at 1 process."""
+    run = _resumed_copy(reference, f"1-to-{backend}", "--num-processes", "2", "--accelerate-config", backend)
+    _assert_continues(run, reference, "single", 1, backend, 2)
+
+
+def test_change_of_backend(workdir: Path) -> None:
+    """ZeRO-3 partitions at 2 processes continue as FSDP2 shards at 2 processes."""
+    straight = _straight_run(workdir, "zero3")
+    run = _resumed_copy(straight, "zero3-to-fsdp2", "--accelerate-config", "fsdp2")
+    _assert_continues(run, straight, "zero3", 2, "fsdp2", 2)
+
+
+def _adapter(run: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "final" / "adapter_model.safetensors"))
+
+
+@pytest.mark.parametrize(("saved", "now"), [("zero3", "single"), ("single", "fsdp2")])
+def test_lora_changes_layout(workdir: Path, lora_reference: Path, saved: str, now: str) -> None:
+    """A LoRA run (adapter-only checkpoint under single, the PEFT model's full sharded state under ZeRO-3) resumed on
+    another layout: the same losses and the same final adapter as the run that never stopped."""
+    straight = lora_reference if saved == "single" else lora_run(workdir, saved)
+    layout = ("--num-processes", "1", "--accelerate-config", "cpu") if now == "single" else \
+        ("--num-processes", "2", "--accelerate-config", now)
+    run = _resumed_copy(straight, f"lora-{saved}-to-{now}", *layout)
+    assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == list(range(1, 9))
+    assert _losses(run) == pytest.approx(_losses(straight), rel=TOL)
+    adapter, expected = _adapter(run), _adapter(straight)
+    assert adapter and adapter.keys() == expected.keys() and max_rel_diff(expected, adapter) <= TOL
+    assert "resharded from" in (run / "train.log").read_text()
+
+
+@pytest.mark.parametrize(("backend", "pattern"), [("zero2", "pytorch_model/zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+                                                  ("fsdp2", "optimizer_0/.metadata")])
+def test_a_payload_never_runs_on_the_portable_path(workdir: Path, backend: str, pattern: str) -> None:
+    """A payload planted in a sharded checkpoint (the manifest fixed up as an attacker would) does not run when the
+    checkpoint is read into another layout either: the 1-process resume fails with one line, the run unchanged."""
+    run = workdir / f"payload-portable-{backend}"
+    marker = workdir / f"PWNED-{run.name}"
+    copy_with_payload(_straight_run(workdir, backend), run, pattern, marker)
+    before = (run / "metrics.jsonl").read_text()
+    done = _finetune("resume", str(run), "--from", "step-000004", "--num-processes", "1", "--accelerate-config", "cpu")
+    assert not marker.exists(), f"the payload in {pattern} ran"
+    assert done.returncode == 2 and "cannot be loaded" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert (run / "metrics.jsonl").read_text() == before
+    assert not rundir.reshard_scratch(run).exists()
+
+
+_READ = """
+import json, sys
+from pathlib import Path
+import torch
+from safetensors.torch import load_file
+from finetune.portable import read_full_state
+run = Path(sys.argv[1])
+final = load_file(str(run / "final" / "model.safetensors"))
+ckpt = run / "checkpoints" / "step-000008"
+alone = read_full_state(ckpt, optimizer=False)
+full = read_full_state(ckpt, scratch=run.parent / (run.name + "-read.tmp"))
+print(json.dumps({
+    "alone_optimizer": alone.optimizer is None,
+    "keys": sorted(alone.model) == sorted(final) == sorted(full.model),
+    "model_equal": all(torch.equal(alone.model[k].to(v.dtype), v) and torch.equal(full.model[k].to(v.dtype), v)
+                       for k, v in final.items()),
+    "steps": sorted({float(s["step"]) for s in full.optimizer["state"].values()}),
+    "moments": sorted({k for s in full.optimizer["state"].values() for k in s}),
+    "groups": [len(g["params"]) for g in full.optimizer["param_groups"]],
+}))
+"""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_full_state_of_every_backend(workdir: Path, backend: str) -> None:
+    """One process, no process group, reads a 2-process checkpoint of every backend whole: its model equals the
+    exported weights of that step exactly, with and without the optimizer, which holds AdamW's state of step 8
+    for every trainable parameter in the recipe's two param groups."""
+    import subprocess
+    import sys
+
+    from tests.distributed.test_backends import _env
+
+    run = _straight_run(workdir, backend)
+    done = subprocess.run([sys.executable, "-c", _READ, str(run)], env=_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    facts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert facts == {"alone_optimizer": True, "keys": True, "model_equal": True, "steps": [8.0],
+                     "moments": ["exp_avg", "exp_avg_sq", "step"], "groups": [16, 5]}
+    scratch = run.parent / (run.name + "-read.tmp")
+    assert scratch.exists() is backend.startswith("zero")  # DeepSpeed's optimizer goes through the converter
+    shutil.rmtree(scratch, ignore_errors=True)
