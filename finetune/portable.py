@@ -283,7 +283,6 @@ def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
     """DeepSpeed's universal checkpoint of ``ckpt`` in ``scratch`` (converted now unless a complete conversion of
     this very checkpoint is there already); returns its folder. The checkpoint itself is only read."""
     import json
-    import shutil
     from argparse import Namespace
 
     if not scratch.name.endswith(rundir.TMP):
@@ -300,8 +299,7 @@ def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
 
         args = Namespace(input_folder=str(ckpt / "pytorch_model"), output_folder=str(out), num_extract_workers=1,
                          num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-        ds_to_universal.main(args)
-    shutil.rmtree(out / "tmp", ignore_errors=True)
+        ds_to_universal.main(args)  # (its own temporary files stay inside the scratch, which is removed whole)
     done.write_text(json.dumps({"source": source}), encoding="utf-8")
     return out
 
