@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune import hooks, rundir
+from finetune import hooks, registry, rundir
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import NonFiniteError, RunDirError
 from finetune.state import TrainState
@@ -427,7 +427,8 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
                  rebuild: Callable[[], Any] | None = None) -> Path:
     """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
-    ``finetune merge`` must reproduce); always the tokenizer, the resolved recipe and a manifest.
+    ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
+    (:func:`finetune.modeling.save_custom_weights`); always the tokenizer, the resolved recipe and a manifest.
 
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
@@ -457,8 +458,13 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
 
         if tmp.exists():
             rundir.remove_scratch(tmp)
-        saver = export_module(accelerator, model, backend, state_dict, rebuild)
-        saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        if registry.recipe_row(cfg).factory is not None:  # a custom model: its state dict (no config.json)
+            from finetune.modeling import save_custom_weights
+
+            save_custom_weights(state_dict or {}, tmp)
+        else:
+            saver = export_module(accelerator, model, backend, state_dict, rebuild)
+            saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))
         if reference is not None:

@@ -26,7 +26,8 @@ from typing import Any
 from finetune import layout, rundir
 from finetune.config import RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import apply_overrides
-from finetune.errors import FinetuneError, RunDirError, unreadable
+from finetune.errors import ConfigError, FinetuneError, RunDirError, unreadable
+from finetune.registry import CUSTOM_WEIGHTS
 
 
 @dataclass
@@ -55,6 +56,8 @@ def locate(target: Path) -> Target:
             return Target(recipe, full_model=target)
         if (target / "adapter_config.json").is_file():
             return Target(recipe, adapter=target)
+        if (target / CUSTOM_WEIGHTS).is_file():  # a custom (factory) model's export: its state dict, no config.json
+            return Target(recipe, full_model=target)
         raise RunDirError(f"{target}: the run has no final/ model yet; evaluate a checkpoint "
                           f"({target}/checkpoints/step-...) or finish it with `finetune resume {target}`")
     raise RunDirError(f"{target}: no {rundir.RESOLVED} here; expected a run dir, a checkpoint dir or an exported "
@@ -119,8 +122,12 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
     from finetune.modeling import build_base, build_model, loading
 
     row = registry.get_model(cfg.model.type, cfg.task)
-    if where.full_model is not None:
+    if where.full_model is not None:  # a custom row's export is loaded into its factory's model (build_model)
         return build_model(cfg.model, row, source=str(where.full_model), labels=labels)
+    if row.factory is not None:
+        raise ConfigError(f"{where.checkpoint or where.adapter}: {row.name} is a custom model (factory {row.factory}); "
+                          "`finetune export` and `finetune eval` of a checkpoint need a Hugging Face model: evaluate "
+                          "the run's final/ (finetune eval RUN), or resume the run to its end first")
     quantization = lora.quantization_config(cfg.peft) if quantized else None
     base = build_base(cfg.model, row, cfg.train.seed, labels, quantization)
     if where.adapter is not None:

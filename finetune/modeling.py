@@ -2,12 +2,16 @@
 
 ``model.path`` may be a hub id, a local folder, or ``pkg://<module>[/sub/path]``: a Python package that ships
 weights (its ``get_model_path()`` when it has one, else its folder). A ``debug_build`` row with a null path
-builds its tiny config and the tokenizer bundled in ``finetune/assets`` (no download).
+builds its tiny config and the tokenizer bundled in ``finetune/assets`` (no download). A custom row (a ``factory``,
+see :class:`finetune.registry.SupportedModel`) is built by its own function and saved as a plain state dict
+(:data:`CUSTOM_WEIGHTS`); its forward may return bare logits, which :func:`build_custom` turns into an output with
+``.logits`` in this one place, so every caller (tasks, probes, exports) reads ``.logits`` alike.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 import importlib.util
 import re
@@ -18,10 +22,11 @@ from typing import Any
 
 import torch
 import transformers
+from transformers.modeling_outputs import CausalLMOutput
 
 from finetune.config.schema import ModelConfig
 from finetune.errors import ConfigError, FinetuneError
-from finetune.registry import SupportedModel, model_type_problem
+from finetune.registry import CUSTOM_WEIGHTS, SupportedModel, model_type_problem, resolve_factory
 
 ASSETS = Path(__file__).resolve().parent / "assets"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,7 +125,7 @@ def attention_support(cfg: ModelConfig, row: SupportedModel) -> Iterator[None]:
 
 def build_tokenizer(cfg: ModelConfig, row: SupportedModel, source: str | None = None) -> Any:
     """The tokenizer of ``source`` (an exported model), else the model's, else the row's bundled one."""
-    where = source or (resolve_model_path(cfg.path) if cfg.path else str(ASSETS / (row.tokenizer or "")))
+    where = source or (resolve_model_path(cfg.path) if cfg.path else _row_tokenizer(row))
     with loading("tokenizer", where):
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
@@ -129,9 +134,20 @@ def build_tokenizer(cfg: ModelConfig, row: SupportedModel, source: str | None = 
     return tokenizer
 
 
+def _row_tokenizer(row: SupportedModel) -> str:
+    """A row's own tokenizer: a bundled asset of that name, else the value itself (a folder or a hub id)."""
+    asset = ASSETS / (row.tokenizer or "")
+    return str(asset) if row.tokenizer and asset.is_dir() else str(row.tokenizer or asset)
+
+
 def build_config(cfg: ModelConfig, row: SupportedModel, source: str | None = None,
                  labels: list[str] | None = None) -> Any:
-    """The HF config: from ``source``/``model.path`` or the row's tiny config, plus ``model.config_overrides``."""
+    """The HF config: from ``source``/``model.path`` or the row's tiny config, plus ``model.config_overrides``.
+    A custom row has none: what needs one (the meta-device memory plan) is refused in one line."""
+    if row.factory is not None:
+        raise ConfigError(f"model.type: {row.name} is a custom model (factory {row.factory}) without a Hugging Face "
+                          "config, which this needs (finetune plan / --dry-run's memory plan); custom rows support "
+                          "run, resume and eval of the run")
     if source or cfg.path:
         where = source or resolve_model_path(cfg.path or "")
         with loading("model config", where):
@@ -170,7 +186,15 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     """Instantiate the row's auto class: pretrained weights from ``source``/``model.path``, else from config.
 
     ``quantization`` (QLoRA's 4-bit config) needs pretrained weights. ``model.attn_implementation``, when set, is
-    passed to transformers on both paths (null keeps the model's default)."""
+    passed to transformers on both paths (null keeps the model's default). A custom row is built by its factory
+    (:func:`build_custom`); ``source`` is then its export, whose :data:`CUSTOM_WEIGHTS` are loaded into it."""
+    if row.factory is not None:
+        if quantization is not None:
+            raise ConfigError(f"peft.method=qlora quantizes pretrained weights; {row.name} is a custom model")
+        model = build_custom(cfg, row)
+        if source:
+            load_custom_weights(model, Path(source))
+        return model
     check_attention(cfg)
     auto = getattr(transformers, row.auto_class)
     config = build_config(cfg, row, source, labels)
@@ -195,14 +219,74 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     return model
 
 
+def custom_config(cfg: ModelConfig, row: SupportedModel) -> dict[str, Any]:
+    """What a custom row's factory gets: its ``tiny_config`` updated with ``model.config_overrides``."""
+    return {**row.tiny_config, **cfg.config_overrides}
+
+
+def build_custom(cfg: ModelConfig, row: SupportedModel) -> torch.nn.Module:
+    """A custom row's model: ``factory(config, dtype)``, checked to be a module holding the ``decoder_layer`` class
+    FSDP wraps; its forward output always has ``.logits`` (:func:`_logits_output`)."""
+    factory = resolve_factory(row)
+    with loading("model", f"its factory {row.factory}", key="model.config_overrides"):
+        model = factory(custom_config(cfg, row), DTYPES[cfg.dtype])
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError(f"model.plugin: the factory {row.factory} of {row.name} returned a "
+                          f"{type(model).__name__}, not a torch.nn.Module")
+    classes = sorted({type(m).__name__ for m in model.modules()})
+    if row.decoder_layer not in classes:
+        raise ConfigError(f"model.plugin: SupportedModel {row.name!r} decoder_layer {row.decoder_layer!r} is not a "
+                          f"module class of the model its factory builds; its classes: {', '.join(classes)}")
+    model.register_forward_hook(functools.partial(_logits_output, row.name))
+    return model
+
+
+def _logits_output(name: str, module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook of a custom model: bare logits become a ``CausalLMOutput`` (a ModelOutput, which torch's
+    pytree and the distributed wrappers traverse); an output with ``.logits`` passes unchanged."""
+    if isinstance(output, torch.Tensor):
+        return CausalLMOutput(logits=output)
+    if not isinstance(getattr(output, "logits", None), torch.Tensor):
+        raise ConfigError(f"model.type: the forward of custom model {name} returned a {type(output).__name__}; "
+                          "return the logits tensor or an object with .logits")
+    return None
+
+
+def save_custom_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
+    """A custom model's export: its whole state dict as :data:`CUSTOM_WEIGHTS` (copies, so tensors that share
+    storage save too)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()}, str(folder / CUSTOM_WEIGHTS))
+
+
+def load_custom_weights(model: torch.nn.Module, folder: Path) -> None:
+    """Load :data:`CUSTOM_WEIGHTS` of an export into a freshly built custom model; every key must fit."""
+    from safetensors.torch import load_file
+
+    with loading("model weights", str(folder), key="eval"):
+        model.load_state_dict(load_file(str(folder / CUSTOM_WEIGHTS)), strict=True)
+
+
+def _input_embedding(model: Any) -> torch.nn.Module | None:
+    """The token embedding: HF's accessor, else a custom model's first ``nn.Embedding`` that is no position
+    table (None when it has none: nothing to check)."""
+    if hasattr(model, "get_input_embeddings"):
+        return model.get_input_embeddings()
+    return next((m for name, m in model.named_modules() if isinstance(m, torch.nn.Embedding)
+                 and name.rsplit(".", 1)[-1] not in POSITION_TABLES), None)
+
+
 def check_fits(model: Any, tokenizer: Any, max_seq_len: int) -> None:
     """Refuse a model that cannot take what the data will feed it, before training fails deep inside a forward pass:
     token ids beyond its embedding, or sequences longer than its absolute position embeddings."""
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > rows:
+    embedding = _input_embedding(model)
+    rows = getattr(embedding, "num_embeddings", None)
+    if rows is not None and len(tokenizer) > rows:
         raise ConfigError(f"model: the tokenizer has {len(tokenizer)} tokens but the model's embedding has {rows} "
                           "rows; use the model's own tokenizer, or raise model.config_overrides.vocab_size")
-    config = model.config
+    config = getattr(model, "config", None)
     heads, kv_heads = getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None)
     hidden, head_dim = getattr(config, "hidden_size", None), getattr(config, "head_dim", None)
     if isinstance(heads, int) and isinstance(kv_heads, int) and heads % kv_heads:

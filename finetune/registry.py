@@ -2,7 +2,9 @@
 
 A row names classes by string (resolved from ``transformers`` only when a model is built), so this module is
 cheap to import from the CLI. Users add rows for their own families from their own module
-(``model.plugin: mypkg.models`` in a recipe) by calling :func:`register`.
+(``model.plugin: mypkg.models`` in a recipe) by calling :func:`register`. Such a row may also name any
+``torch.nn.Module`` factory (``factory="pkg.module:function"``) instead of Hugging Face classes: a custom model,
+resolved by :func:`resolve_factory` only when a model is built or a recipe is validated.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -34,23 +37,39 @@ TASK_FORMATS: Mapping[Task, frozenset[str]] = {
 }
 
 
-@dataclass(frozen=True)
+# the batch keys a causal LM forward can take; HF rows take all three (and use_cache=False, see tasks/causal_lm.py)
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+CUSTOM_WEIGHTS = "model.safetensors"  # a custom (factory) row's export: its state dict, no config.json
+_FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SupportedModel:
     """One model family.
 
     ``tiny_config`` holds keyword arguments for a tiny config of the family: tests build every row from it,
     and a ``debug_build`` row builds its model from it when ``model.path`` is null (with the bundled
     ``tokenizer`` asset), so quickstarts and tests need no download.
+
+    A custom (non-Hugging-Face) row sets ``factory`` (``"package.module:function"``) instead of ``auto_class`` and
+    ``config_class``: the model is ``function(config: dict, dtype: torch.dtype) -> torch.nn.Module``, built from
+    ``tiny_config`` plus ``model.config_overrides`` (it has no config or weights folder: ``model.path`` stays
+    null), and its forward returns logits or an object with ``.logits``. ``decoder_layer`` names the module class
+    FSDP wraps (matched by class name, so any module works), ``tokenizer`` a bundled asset, a folder or a hub id,
+    ``model_inputs`` the batch keys its forward takes (a subset of :data:`MODEL_INPUTS` with input_ids and
+    attention_mask), and ``lora_targets`` its module names per preset (empty: no LoRA).
     """
 
     name: str
     task: Task
-    auto_class: str
-    config_class: str
     decoder_layer: str
-    lora_targets: Mapping[str, tuple[str, ...]]
-    capabilities: frozenset[str]
     tiny_config: Mapping[str, Any]
+    auto_class: str = ""
+    config_class: str = ""
+    lora_targets: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    capabilities: frozenset[str] = frozenset()
+    factory: str | None = None
+    model_inputs: tuple[str, ...] = MODEL_INPUTS
     head_modules: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()  # the HF config ``model_type`` values this row can load (empty: any)
     reward_head: tuple[str, ...] = ("score",)  # the head of the family's *ForSequenceClassification (for_task)
@@ -143,7 +162,63 @@ def register(row: SupportedModel) -> None:
     if "preference" in row.capabilities and row.task != "causal_lm":
         raise ConfigError(f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward "
                           f"train decoders, not {row.task} rows); remove it from capabilities")
+    problem = _class_problem(row) or _inputs_problem(row)
+    if problem:
+        raise ConfigError(f"SupportedModel {row.name!r}: {problem}")
     SUPPORTED_MODELS[row.name] = row
+
+
+def _class_problem(row: SupportedModel) -> str | None:
+    """How the row builds its model: Hugging Face classes, or a factory (then a causal LM with a tokenizer)."""
+    if row.factory is None:
+        if not (row.auto_class and row.config_class):
+            return "set auto_class and config_class (Hugging Face classes), or factory='package.module:function'"
+        return None
+    if not isinstance(row.factory, str) or not _FACTORY.fullmatch(row.factory):
+        return f"factory must be 'package.module:function', got {row.factory!r}"
+    if row.auto_class or row.config_class:
+        return "a factory row builds its own model; remove auto_class and config_class"
+    if row.task != "causal_lm":
+        return f"a factory row must be a causal_lm model (got task {row.task!r})"
+    if not row.tokenizer:
+        return "a factory row has no model folder to take a tokenizer from; set tokenizer (asset, folder or hub id)"
+    return None
+
+
+def _inputs_problem(row: SupportedModel) -> str | None:
+    """``model_inputs``: known batch keys, with the two every forward gets (eval, logit probes); packing needs
+    position ids."""
+    inputs = tuple(row.model_inputs)
+    unknown = [key for key in inputs if key not in MODEL_INPUTS]
+    if unknown:
+        return f"model_inputs {unknown} are not batch keys; use some of {list(MODEL_INPUTS)}"
+    if not {"input_ids", "attention_mask"} <= set(inputs):
+        return "model_inputs must include input_ids and attention_mask (eval and the logit probes pass both)"
+    if "packing" in row.capabilities and "position_ids" not in inputs:
+        return "packing restarts position_ids for every sample; add position_ids to model_inputs or drop packing"
+    return None
+
+
+def resolve_factory(row: SupportedModel) -> Callable[..., Any]:
+    """The function a factory row names (``package.module:function``), imported now; one ConfigError line naming
+    model.plugin and the row when it cannot be imported or is not callable."""
+    module_name, _, attribute = (row.factory or "").partition(":")
+    where = f"model.plugin: SupportedModel {row.name!r} factory {row.factory!r}"
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{where}: cannot import {module_name!r} ({exc}); install it or put it on PYTHONPATH") \
+            from None
+    except Exception as exc:  # the module's own code failed: name it, not our stack
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"{where}: importing {module_name!r} failed ({type(exc).__name__}: {first}); fix the "
+                          "module") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        found = "is not callable" if function is not None else "does not exist"
+        raise ConfigError(f"{where}: {module_name}.{attribute} {found}; name a function "
+                          "(config: dict, dtype) -> torch.nn.Module")
+    return function
 
 
 def load_plugin(module: str) -> None:
@@ -183,6 +258,9 @@ def for_task(row: SupportedModel, task: str | None) -> SupportedModel:
     (peft.modules_to_save). It cannot pack or generate. Every other task uses the row as it is."""
     if task != "reward":
         return row
+    if row.factory is not None:
+        raise ConfigError(f"task: reward needs a Hugging Face sequence-classification class, but model.type "
+                          f"{row.name} is a custom model (factory {row.factory}); use task: null")
     if row.task != "causal_lm":
         raise ConfigError(f"task: reward scores sequences with a causal LM's sequence-classification head, but "
                           f"model.type {row.name} is a {row.task} model; use a causal LM (e.g. llama, qwen2, gpt2)")

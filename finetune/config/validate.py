@@ -200,6 +200,9 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             what = f"task {scored}" if scored else row.task
             lines += [f"eval.metrics: {metric!r} is not a {what} metric; use one of {sorted(allowed)}"
                       for metric in cfg.eval.metrics if metric not in allowed]
+            if "exact_match" in cfg.eval.metrics and "exact_match" in allowed and "generation" not in row.capabilities:
+                lines.append(f"eval.metrics: exact_match generates text, but {row.name} does not support generation; "
+                             "use token_accuracy")
         if preference and "preference" not in row.capabilities:
             lines.append(f"task: {row.name} ({row.task}) cannot train task {cfg.task}: it lacks the preference "
                          "capability; use a causal LM model type (finetune models)")
@@ -214,9 +217,13 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                   cfg.train is not None and cfg.train.gradient_checkpointing)]
         lines += [f"{key}: {row.name} does not support {cap}; set it to false"
                   for key, cap, on in flags if on and cap not in row.capabilities]
-        if cfg.model.path is None and not row.debug_build:
-            lines.append(f"model.path: required for model type {row.name} (a hub id, a local folder or pkg://module)")
-        lines += _model_folder_lines(cfg.model.path, row)
+        if row.factory is not None:
+            lines += _factory_lines(cfg, row)
+        else:
+            if cfg.model.path is None and not row.debug_build:
+                lines.append(f"model.path: required for model type {row.name} (a hub id, a local folder or "
+                             "pkg://module)")
+            lines += _model_folder_lines(cfg.model.path, row)
     if cfg.model is not None and cfg.model.path and cfg.model.path.startswith("pkg://"):
         module = cfg.model.path.removeprefix("pkg://").split("/", 1)[0]
         if importlib.util.find_spec(module) is None:
@@ -247,6 +254,29 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
                          f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
                          "use a multi-process config such as launch.accelerate_config=ddp")
+    return lines
+
+
+def _factory_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) -> list[str]:
+    """A custom row (``factory``): its function must import and be callable; it is built from its own config, so
+    there is no model folder, no transformers attention choice, and (for now) no LoRA."""
+    assert cfg.model is not None
+    lines: list[str] = []
+    try:
+        registry.resolve_factory(row)
+    except ConfigError as exc:
+        lines.append(str(exc))
+    custom = f"{row.name} is a custom model built by its factory {row.factory}"
+    if cfg.model.path is not None:
+        lines.append(f"model.path: {custom} from its own config (no Hugging Face config or weights folder); set "
+                     "model.path: null")
+    if cfg.model.attn_implementation is not None:
+        lines.append(f"model.attn_implementation: {custom}, not by transformers; set it to null")
+    peft = getattr(cfg, "peft", None)  # None: the peft section has schema errors (reported by them)
+    if peft is not None and peft.method != "none":
+        targets = f"its lora_targets name no modules for preset {peft.preset}" if not peft.target_modules and \
+            not row.lora_targets.get(peft.preset) else "peft's causal-LM wrapper needs a Hugging Face model"
+        lines.append(f"peft.method: {peft.method} is not supported for {custom} ({targets}); set peft.method=none")
     return lines
 
 

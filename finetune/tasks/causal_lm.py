@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from finetune import registry
 from finetune.data.tokenize import IGNORE
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.losses import summed_cross_entropy
@@ -110,17 +111,23 @@ def generate_tokens(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 
 
 class CausalLMTask(TaskData):
-    """Formats alpaca / chat / completion; the prompt is masked unless ``data.train_on_prompt``."""
+    """Formats alpaca / chat / completion; the prompt is masked unless ``data.train_on_prompt``.
+
+    The forward gets the batch keys the recipe's row lists in ``model_inputs`` (a custom row's forward may take
+    fewer than a Hugging Face model's), plus ``use_cache=False`` for Hugging Face rows only."""
 
     def __init__(self, *args: Any, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tokenizer = tokenizer
+        model = getattr(self.cfg, "model", None)  # None: a hand-made config of the task's own fields (an HF model)
+        row = registry.get_model(model.type) if model is not None else None
+        self.model_inputs: tuple[str, ...] = row.model_inputs if row is not None else registry.MODEL_INPUTS
+        self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
 
     def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """A padded batch has an attention mask; a packed one (data.packing) position ids and no mask. Never a KV
-        cache: with one, transformers skips the packed-sequence detection and samples attend to each other."""
-        return model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                     position_ids=batch.get("position_ids"), use_cache=False).logits
+        """A padded batch has an attention mask; a packed one (data.packing) position ids and no mask (None). Never
+        a KV cache: with one, transformers skips the packed-sequence detection and samples attend to each other."""
+        return model(**{key: batch.get(key) for key in self.model_inputs}, **self.forward_flags).logits
 
     def count_targets(self, batch: dict[str, Any]) -> int:
         """Next-token targets (a packed batch marks each sample's first label IGNORE, so the count is the same)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import transformers
@@ -69,3 +71,40 @@ def test_register_rejects_bad_capabilities(base: str, capability: str, message: 
     with pytest.raises(ConfigError, match=message):
         registry.register(bad)
     assert "bad" not in SUPPORTED_MODELS
+
+
+_CUSTOM = {"name": "custom", "task": "causal_lm", "decoder_layer": "Block", "tiny_config": {},
+           "factory": "mypkg.models:build", "tokenizer": "tiny-llama-tokenizer"}
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"factory": "mypkg.models.build"}, "factory must be 'package.module:function'"),
+    ({"auto_class": "AutoModelForCausalLM"}, "remove auto_class and config_class"),
+    ({"task": "classification"}, "a factory row must be a causal_lm model"),
+    ({"tokenizer": None}, "set tokenizer"),
+    ({"model_inputs": ("input_ids", "labels", "attention_mask")}, "model_inputs ['labels'] are not batch keys"),
+    ({"model_inputs": ("input_ids",)}, "must include input_ids and attention_mask"),
+    ({"capabilities": frozenset({"packing"}), "model_inputs": ("input_ids", "attention_mask")},
+     "add position_ids to model_inputs"),
+    ({"factory": None}, "set auto_class and config_class"),
+])
+def test_register_rejects_a_malformed_custom_row(fields: dict, message: str) -> None:
+    """A custom (factory) row is checked when registered: how it builds, its tokenizer and its forward's inputs."""
+    bad = registry.SupportedModel(**{**_CUSTOM, **fields})
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        registry.register(bad)
+    assert "custom" not in SUPPORTED_MODELS
+
+
+def test_a_well_formed_custom_row_registers_without_importing_its_factory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """register() only checks the factory's form: the module is imported when a model is built or validated (a
+    missing one is then one ConfigError line naming model.plugin and the row)."""
+    monkeypatch.setattr(registry, "SUPPORTED_MODELS", dict(SUPPORTED_MODELS))
+    registry.register(registry.SupportedModel(**_CUSTOM, model_inputs=("input_ids", "attention_mask")))
+    row = registry.get_model("custom")
+    assert row.factory == "mypkg.models:build" and row.auto_class == ""
+    with pytest.raises(ConfigError, match=r"model.plugin: SupportedModel 'custom' factory 'mypkg.models:build': "
+                                          r"cannot import 'mypkg.models'"):
+        registry.resolve_factory(row)
+    with pytest.raises(ConfigError, match="task: reward needs a Hugging Face sequence-classification class"):
+        registry.for_task(row, "reward")

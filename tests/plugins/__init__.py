@@ -1,0 +1,1 @@
+"""Example ``model.plugin`` modules for the tests (importable with the repository root on PYTHONPATH)."""
