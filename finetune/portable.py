@@ -192,7 +192,7 @@ def _read_whole(ckpt: Path, groups: list[list[str]] | None) -> tuple[dict[str, A
     model = _strip_prefix(load_file(str(ckpt / "model.safetensors")), "module.")
     if groups is None:
         return model, None
-    optim = torch.load(ckpt / "optimizer.bin", map_location="cpu", weights_only=True)
+    optim = torch.load(ckpt / "optimizer.bin", map_location="cpu", weights_only=True)  # safe: data only
     return model, _by_name(optim, groups, ckpt / "optimizer.bin")
 
 
@@ -307,7 +307,7 @@ def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
 def _universal_tensor(path: Path) -> Any:
     import torch
 
-    value = torch.load(path, map_location="cpu", weights_only=True)
+    value = torch.load(path, map_location="cpu", weights_only=True)  # safe: data only
     return value.get("param") if isinstance(value, dict) else value
 
 
@@ -317,7 +317,7 @@ def _read_universal(universal: Path, groups: list[list[str]], model: dict[str, A
     import torch
 
     zero = universal / "zero"
-    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)
+    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)  # safe: data only
     saved_groups = common.get("param_groups") or []
     if len(saved_groups) != len(groups):
         raise RunDirError(f"{ckpt}: {len(saved_groups)} optimizer param groups, but {PARAM_NAMES}.json names "
