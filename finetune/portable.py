@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune import layout, rundir
 from finetune.backends import Backend, backend_named
 from finetune.errors import RunDirError
 
@@ -89,9 +89,8 @@ def _has_names(manifest: dict[str, Any]) -> bool:
 
 
 def _saved_layout(manifest: dict[str, Any]) -> tuple[str, int]:
-    layout = manifest.get("layout") or {}
-    return str(layout.get("backend", manifest.get("backend", "single"))), int(
-        layout.get("world_size", manifest.get("world_size", 1)))
+    saved = layout.of(manifest)
+    return saved.backend, saved.world_size or 1
 
 
 def reshard_problem(manifest: dict[str, Any], optimizer: str = "adamw") -> str | None:

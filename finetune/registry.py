@@ -204,15 +204,7 @@ def resolve_factory(row: SupportedModel) -> Callable[..., Any]:
     model.plugin and the row when it cannot be imported or is not callable."""
     module_name, _, attribute = (row.factory or "").partition(":")
     where = f"model.plugin: SupportedModel {row.name!r} factory {row.factory!r}"
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"{where}: cannot import {module_name!r} ({exc}); install it or put it on PYTHONPATH") \
-            from None
-    except Exception as exc:  # the module's own code failed: name it, not our stack
-        first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(f"{where}: importing {module_name!r} failed ({type(exc).__name__}: {first}); fix the "
-                          "module") from None
+    module = _import(module_name, where, "fix the module")
     function = getattr(module, attribute, None)
     if not callable(function):
         found = "is not callable" if function is not None else "does not exist"
@@ -221,19 +213,22 @@ def resolve_factory(row: SupportedModel) -> Callable[..., Any]:
     return function
 
 
-def load_plugin(module: str) -> None:
-    """Import a user module that calls :func:`register` (``model.plugin``); whatever it raises is one line."""
+def _import(module: str, where: str, fix: str) -> Any:
+    """Import a user's module; whatever it raises is one ConfigError line starting with ``where``."""
     try:
-        importlib.import_module(module)
+        return importlib.import_module(module)
     except ConfigError:
         raise
     except ImportError as exc:
-        raise ConfigError(f"model.plugin: cannot import {module!r} ({exc}); "
-                          "install it or put it on PYTHONPATH") from None
-    except Exception as exc:  # the plugin's own code failed: name it, not our stack
+        raise ConfigError(f"{where}: cannot import {module!r} ({exc}); install it or put it on PYTHONPATH") from None
+    except Exception as exc:  # the user's own code failed: name it, not our stack
         first = (str(exc).strip().splitlines() or [""])[0][:200]
-        raise ConfigError(f"model.plugin: importing {module!r} failed ({type(exc).__name__}: {first}); fix the "
-                          "plugin module") from None
+        raise ConfigError(f"{where}: importing {module!r} failed ({type(exc).__name__}: {first}); {fix}") from None
+
+
+def load_plugin(module: str) -> None:
+    """Import a user module that calls :func:`register` (``model.plugin``); whatever it raises is one line."""
+    _import(module, "model.plugin", "fix the plugin module")
 
 
 def model_type_problem(row: SupportedModel, model_type: object, where: str) -> str | None:
