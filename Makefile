@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup quickstart quickstart-minilm test test-all lint clean
+.PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all lint clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,10 @@ quickstart: $(STAMP)
 quickstart-minilm: $(STAMP)
 	$(BIN)/finetune run recipes/minilm-classification.yaml --overwrite
 	$(BIN)/finetune eval runs/minilm-classification
+
+quickstart-vlm: $(STAMP)
+	$(BIN)/finetune run recipes/vlm-quickstart.yaml --overwrite
+	$(BIN)/finetune eval runs/vlm-quickstart
 
 test: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts

@@ -7,7 +7,8 @@ On top of it this module supplies what the recipe and the SupportedModel row kno
 
 - FSDP: the decoder-layer class to wrap (from the row), ``use_orig_params`` (our optimizer groups see real
   parameters), sharded state dicts for checkpoints, and no ``sync_module_states`` (every rank builds the same
-  weights from the same seed; the option raises on CPU).
+  weights from the same seed; the option raises on CPU). Pretrained weights are read by rank 0 alone and sent to
+  the others as :attr:`Backend.weight_distribution` says (finetune.materialize; FSDP2: :func:`shard_from_rank0`).
 - DeepSpeed: the whole DeepSpeed config generated from the recipe (global/micro batch, accumulation, clipping,
   precision, ZeRO stage and offload), so the two can never disagree.
 - CPU-only machines (docs/platform-notes.md): DDP needs ``Accelerator(cpu=True)`` (gloo); DeepSpeed needs a gloo
@@ -58,6 +59,31 @@ class Backend:
     def shards_parameters(self) -> bool:
         """Parameters are gathered inside forward: every rank must run the same number of forward passes."""
         return self.kind == "fsdp" or (self.kind == "deepspeed" and (self.zero_stage or 0) >= 3)
+
+    @property
+    def weight_distribution(self) -> str:
+        """How the ranks but 0 get pretrained weights when several processes load ``model.path``
+        (finetune.materialize; docs/platform-notes.md):
+
+        - ``broadcast`` (DDP, ZeRO-1/2, FSDP1): built empty, then every parameter and buffer is received from rank 0
+          (these ranks hold the whole model anyway: DDP and ZeRO-1/2 train on it, FSDP1 shards it only when it wraps).
+        - ``shard`` (FSDP2): built empty; buffers come from rank 0, and accelerate's ``cpu_ram_efficient_loading``
+          moves the model to the meta device, shards it and sends each rank only its shards of rank 0's weights.
+        - ``library`` (ZeRO-3): transformers constructs the model inside ``deepspeed.zero.Init`` (partitioned at
+          birth) and only rank 0 reads tensor data; the others read the shapes. Nothing to add.
+        - ``everywhere`` (one process): it reads them itself.
+        """
+        if self.kind == "deepspeed":
+            return "library" if self.zero_stage == 3 else "broadcast"
+        if self.kind == "fsdp":
+            return "shard" if self.fsdp_version == 2 else "broadcast"
+        return "broadcast" if self.kind == "ddp" else "everywhere"
+
+    @property
+    def generates_unwrapped(self) -> bool:
+        """transformers' ``generate`` can run on the unwrapped module (vision-language exact_match needs it): not
+        under FSDP1, whose wrapped modules hold flat-sharded parameters outside the wrapper's own forward."""
+        return not (self.kind == "fsdp" and self.fsdp_version == 1)
 
     @property
     def rank_bound_state(self) -> bool:
@@ -164,7 +190,7 @@ def effective_settings(cfg: RecipeConfig, row: SupportedModel, data: Mapping[str
     backend = from_accelerate_config(data)
     out: dict[str, Any] = {"backend": backend.name}
     if backend.kind == "fsdp":
-        out["fsdp"] = {**(data.get("fsdp_config") or {}), "transformer_cls_names_to_wrap": [row.decoder_layer],
+        out["fsdp"] = {**(data.get("fsdp_config") or {}), "transformer_cls_names_to_wrap": list(row.wrap_classes),
                        "use_orig_params": True, "sync_module_states": False}
     if backend.kind == "deepspeed":
         out["deepspeed_config"] = deepspeed_config(cfg, backend)
@@ -269,13 +295,25 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
             _mark_cpu_run_as_multi_device()
         kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(
             fsdp_version=backend.fsdp_version, auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=[row.decoder_layer], use_orig_params=True, sync_module_states=False,
+            transformer_cls_names_to_wrap=list(row.wrap_classes), use_orig_params=True, sync_module_states=False,
             state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False,
             # accelerate's default offload_to_cpu=True is meant for GPUs; on a CPU run it is a copy at best
             state_dict_config=ShardedStateDictConfig(offload_to_cpu=not on_cpu),
             optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=not on_cpu),
         )
     return Accelerator(cpu=on_cpu, **kwargs), backend
+
+
+def shard_from_rank0(accelerator: Any, enabled: bool) -> None:
+    """FSDP2: whether ``accelerator.prepare`` distributes rank 0's weights into every rank's shards (accelerate's
+    ``cpu_ram_efficient_loading``: the model goes to the meta device, is sharded there, then each parameter is
+    broadcast from rank 0 and each rank keeps its shard). Set after the model is built, because whether the model
+    allows it (finetune.materialize) is known only then. The flag is read only when the model is prepared; it is
+    set on the plugin, not in the environment, where it would also change how transformers loads models."""
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    if plugin is None or plugin.fsdp_version != 2:
+        raise RuntimeError("shard_from_rank0 applies to FSDP2 only")
+    plugin.cpu_ram_efficient_loading = enabled
 
 
 @contextlib.contextmanager

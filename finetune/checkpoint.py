@@ -437,6 +437,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     import torch
 
     from finetune.backends import export_module, full_state_dict
+    from finetune.modeling import save_tokenizer
 
     out, tmp = run_dir / rundir.FINAL, run_dir / rundir.FINAL_TMP
     state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends
@@ -465,7 +466,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
         else:
             saver = export_module(accelerator, model, backend, state_dict, rebuild)
             saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
+        save_tokenizer(tokenizer, tmp)
         (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))
         if reference is not None:
             save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp / rundir.MERGE_CHECK))

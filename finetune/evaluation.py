@@ -207,6 +207,7 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, labels: list[str] | None
     existed is evaluated with a note)."""
     from finetune import peft as lora
     from finetune import probe
+    from finetune.modeling import save_tokenizer
 
     assert where.checkpoint is not None
     recorded = probe.read(where.checkpoint)  # a damaged record is refused before the weights are read
@@ -214,7 +215,7 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, labels: list[str] | None
     model = load_model(cfg, where, labels)
     folder = scratch / "export"
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
     del model
     exported = Target(where.recipe, **{"adapter" if lora.enabled(cfg.peft) else "full_model": folder},
                       checkpoint=where.checkpoint, step=where.step, backend=where.backend)
@@ -239,6 +240,7 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None) -> dict[st
     from finetune import loop, registry
     from finetune.backends import Backend, make_accelerator
     from finetune.data import load_splits
+    from finetune.modeling import image_inputs
     from finetune.precision import Precision
     from finetune.state import TrainState
     from finetune.tasks import build_task
@@ -248,14 +250,15 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None) -> dict[st
     accelerator, _ = make_accelerator(cfg, row, Backend("single"))  # one process, whatever the run used
     export = where.full_model or where.adapter
     tokenizer = load_tokenizer(cfg, where)
-    data = load_splits(cfg.data, tokenizer, need_train=False)  # label names still come from the train file
+    images = image_inputs(tokenizer, row)  # a vision-language row's image processor (else None)
+    data = load_splits(cfg.data, tokenizer, need_train=False, images=images)  # labels still come from train
     if scratch is not None:
         loaded = reload_checkpoint(cfg, where, data.labels, tokenizer, scratch,
                                    lambda line: print(line, file=sys.stderr))
     else:
         loaded = load_model(cfg, where, data.labels)
     model = accelerator.prepare(loaded)
-    task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes)
+    task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes, images=images)
     from finetune.tasks.dpo import DPOTask, compute_reference
 
     if isinstance(task, DPOTask):  # scored against the initial model: the base with the adapter off, or model.path

@@ -171,7 +171,7 @@ def _write(cfg: Any, where: Any, manifest: dict[str, Any], recorded: Any, folder
     from finetune.data import load_splits
     from finetune.errors import NonFiniteError
     from finetune.evaluation import load_model
-    from finetune.modeling import build_tokenizer
+    from finetune.modeling import build_tokenizer, save_tokenizer
 
     row = registry.recipe_row(cfg)
     tokenizer = build_tokenizer(cfg.model, row)  # a checkpoint holds none: the one its recipe names
@@ -191,7 +191,7 @@ def _write(cfg: Any, where: Any, manifest: dict[str, Any], recorded: Any, folder
     log(f"writing the {'adapter' if adapter else 'model'} of {where.checkpoint.name} ...")
     _unwrap_without_importing_deepspeed()  # else save_pretrained's unwrap imports DeepSpeed: seconds and a stray line
     model.save_pretrained(folder, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+    save_tokenizer(tokenizer, folder)
     (folder / rundir.RESOLVED).write_bytes((where.checkpoint / rundir.RESOLVED).read_bytes())
     if adapter and recorded is not None:  # as final/: what `finetune merge` of this adapter checks against
         save_file(recorded.tensors(), str(folder / rundir.MERGE_CHECK))

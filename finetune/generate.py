@@ -293,6 +293,10 @@ def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     if "generation" not in row.capabilities:
         raise ConfigError(f"{target}: a {row.task} model ({row.name}) does not generate text; generate needs a "
                           "causal language model")
+    if row.image_token is not None:
+        raise ConfigError(f"{target}: {row.name} is a vision-language model and finetune generate reads text prompts "
+                          "only; measure its answers with eval.metrics exact_match (finetune eval generates with the "
+                          "images of the eval set)")
     parsed = read_prompts(prompts, cfg.data.format)
     tokenizer = load_tokenizer(cfg, where)
     job = Job(where, cfg, row, tokenizer, parsed)

@@ -81,7 +81,7 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
     from finetune.checkpoint import export_manifest
     from finetune.data import load_splits
     from finetune.evaluation import load_model
-    from finetune.modeling import build_tokenizer
+    from finetune.modeling import build_tokenizer, save_tokenizer
 
     row = registry.recipe_row(cfg)
     tokenizer = build_tokenizer(cfg.model, row, source=str(where.adapter) if where.adapter else None)
@@ -106,7 +106,7 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
                 report["quantization_gap"] = float((live - quantized_live).abs().max())
             merged = model.merge_and_unload()
             merged.save_pretrained(tmp, safe_serialization=True)
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
             plain = yaml.safe_load(to_yaml(cfg))
             plain["peft"] = {"method": "none"}  # the merged model is a full model: evaluate it as one
             (tmp / rundir.RESOLVED).write_text(yaml.safe_dump(plain, sort_keys=False))

@@ -11,6 +11,7 @@ see :class:`finetune.registry.SupportedModel`) is built by its own function and 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib
 import importlib.util
@@ -131,7 +132,40 @@ def build_tokenizer(cfg: ModelConfig, row: SupportedModel, source: str | None = 
             where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # decoders without a pad token: padding is masked anyway
+    if row.image_token is not None:  # kept with the tokenizer: saved beside it (save_tokenizer), read by image_inputs
+        tokenizer.image_processor = _image_processor(cfg, row, where)
     return tokenizer
+
+
+def _image_processor(cfg: ModelConfig, row: SupportedModel, where: str) -> Any:
+    """A vision-language row's image processor from the tokenizer's folder (``where``). transformers picks its PIL
+    backend when torchvision is absent; the processor as a whole (with its video part) is not loaded: that needs
+    torchvision."""
+    with loading("image processor", where):
+        return transformers.AutoImageProcessor.from_pretrained(
+            where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
+
+
+def image_inputs(tokenizer: Any, row: SupportedModel) -> Any:
+    """What vision_chat data needs of a vision-language row (None for other rows): the image processor that
+    :func:`build_tokenizer` keeps on the tokenizer, and the id of the row's image placeholder token."""
+    if row.image_token is None:
+        return None
+    from finetune.data.vision import ImageInputs
+
+    vocabulary = tokenizer.get_vocab()
+    if row.image_token not in vocabulary:
+        raise ConfigError(f"model.path: the tokenizer has no {row.image_token!r} token, which {row.name} writes for "
+                          "each image; use the model's own tokenizer")
+    return ImageInputs(tokenizer.image_processor, row.image_token, vocabulary[row.image_token])
+
+
+def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
+    """Write the tokenizer into an export or checkpoint folder, with a vision-language row's image processor
+    (``preprocessor_config.json``), so the folder loads as the model's own hub folder does."""
+    tokenizer.save_pretrained(str(folder))
+    if getattr(tokenizer, "image_processor", None) is not None:
+        tokenizer.image_processor.save_pretrained(str(folder))
 
 
 def _row_tokenizer(row: SupportedModel) -> str:
@@ -156,8 +190,8 @@ def build_config(cfg: ModelConfig, row: SupportedModel, source: str | None = Non
         problem = model_type_problem(row, getattr(config, "model_type", None), where)
         if problem:
             raise ConfigError(problem)
-    else:
-        config = getattr(transformers, row.config_class)(**row.tiny_config)
+    else:  # a copy: config classes may change the nested dicts they are given (rope parameters)
+        config = getattr(transformers, row.config_class)(**copy.deepcopy(dict(row.tiny_config)))
     for key, value in cfg.config_overrides.items():
         setattr(config, key, value)
     if labels is not None:
@@ -182,12 +216,17 @@ def set_reward_head(config: Any, pad_id: int) -> None:
 
 
 def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = None,
-                labels: list[str] | None = None, quantization: Any = None) -> Any:
+                labels: list[str] | None = None, quantization: Any = None, empty: bool = False) -> Any:
     """Instantiate the row's auto class: pretrained weights from ``source``/``model.path``, else from config.
 
     ``quantization`` (QLoRA's 4-bit config) needs pretrained weights. ``model.attn_implementation``, when set, is
     passed to transformers on both paths (null keeps the model's default). A custom row is built by its factory
-    (:func:`build_custom`); ``source`` is then its export, whose :data:`CUSTOM_WEIGHTS` are loaded into it."""
+    (:func:`build_custom`); ``source`` is then its export, whose :data:`CUSTOM_WEIGHTS` are loaded into it.
+
+    ``empty``: the model that ``from_pretrained`` would give, built on the meta device from the folder's config
+    alone: no weight file is read (:func:`build_empty`; finetune.materialize fills it from rank 0)."""
+    if empty:
+        return build_empty(cfg, row, source=source, labels=labels, quantization=quantization)
     if row.factory is not None:
         if quantization is not None:
             raise ConfigError(f"peft.method=qlora quantizes pretrained weights; {row.name} is a custom model")
@@ -217,6 +256,25 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
             model = auto.from_config(config, dtype=dtype, **attention,
                                      trust_remote_code=cfg.trust_remote_code)  # safe: as above
     return model
+
+
+def build_empty(cfg: ModelConfig, row: SupportedModel, *, source: str | None = None,
+                labels: list[str] | None = None, quantization: Any = None) -> Any:
+    """The pretrained model of ``source``/``model.path`` without its weights: every parameter and buffer on the meta
+    device, built from the folder's config with the dtype and attention implementation ``from_pretrained`` gets,
+    and in eval mode as ``from_pretrained`` leaves it. Only config.json (and, with trust_remote_code, the model's
+    code) is read. What needs weights at load time (a custom row, QLoRA's 4-bit placement) has no empty form."""
+    if row.factory is not None or quantization is not None or not (source or cfg.path):
+        raise ValueError("an empty model is built only for pretrained Hugging Face weights without quantization")
+    check_attention(cfg)
+    auto = getattr(transformers, row.auto_class)
+    config = build_config(cfg, row, source, labels)
+    attention = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
+    where = source or resolve_model_path(cfg.path or "")
+    with loading("model", where), attention_support(cfg, row), torch.device("meta"):
+        model = auto.from_config(config, dtype=DTYPES[cfg.dtype], **attention,
+                                 trust_remote_code=cfg.trust_remote_code)  # safe: as in build_model
+    return model.eval()
 
 
 def custom_config(cfg: ModelConfig, row: SupportedModel) -> dict[str, Any]:
@@ -315,13 +373,13 @@ def enable_checkpointing(model: Any) -> None:
 
 
 def build_base(cfg: ModelConfig, row: SupportedModel, seed: int, labels: list[str] | None = None,
-               quantization: Any = None) -> Any:
+               quantization: Any = None, empty: bool = False) -> Any:
     """The model a run starts from: seeded first, so a config-built (debug) model is the same one every time -
-    in training, in ``finetune eval`` of an adapter and in ``finetune merge``."""
+    in training, in ``finetune eval`` of an adapter and in ``finetune merge``. ``empty``: see :func:`build_model`."""
     from accelerate.utils import set_seed
 
     set_seed(seed)
-    return build_model(cfg, row, labels=labels, quantization=quantization)
+    return build_model(cfg, row, labels=labels, quantization=quantization, empty=empty)
 
 
 @contextlib.contextmanager
@@ -363,3 +421,21 @@ def compile_model(model: torch.nn.Module) -> None:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
         raise ConfigError(f"train.compile: torch.compile is not available here ({first}); set "
                           "train.compile=false") from exc
+
+
+def freeze(model: torch.nn.Module, row: SupportedModel, parts: list[str]) -> int:
+    """Stop training the ``parts`` (``model.freeze``) of the model: every parameter under one of the module-name
+    prefixes the row gives each part gets ``requires_grad=False`` before the optimizer is built. Returns how many
+    parameters were frozen; a part that matches none is a ConfigError (the row's prefixes do not fit this model)."""
+    frozen = 0
+    for part in parts:
+        prefixes = row.freeze_groups[part]  # validated: a part the row names
+        matched = [p for name, p in model.named_parameters() if any(name == x or name.startswith(x + ".")
+                                                                   for x in prefixes)]
+        if not matched:
+            raise ConfigError(f"model.freeze: {part} ({', '.join(prefixes)}) matches no parameter of this "
+                              f"{row.name} model; remove it from model.freeze")
+        for param in matched:
+            param.requires_grad_(False)
+            frozen += param.numel()
+    return frozen

@@ -13,7 +13,7 @@ from typing import Any
 
 from finetune.config.schema import PeftConfig
 from finetune.errors import ConfigError
-from finetune.registry import SupportedModel
+from finetune.registry import CAUSAL_TASKS, SupportedModel
 
 LINEAR_TYPES = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")  # torch, GPT-2 Conv1D, bitsandbytes
 
@@ -41,22 +41,26 @@ def linear_module_names(model: Any) -> list[str]:
     return [name for name, module in model.named_modules() if type(module).__name__ in LINEAR_TYPES]
 
 
-def matched_modules(model: Any, targets: list[str]) -> list[str]:
-    """Linear modules whose name is a target or ends with ``.target`` (peft's suffix rule)."""
+def matched_modules(model: Any, targets: list[str], exclude: str | None = None) -> list[str]:
+    """Linear modules whose name is a target or ends with ``.target`` (peft's suffix rule), except those whose whole
+    name matches the regular expression ``exclude`` (peft's ``exclude_modules`` rule for a string)."""
+    import re
+
     return [name for name in linear_module_names(model)
-            if any(name == t or name.endswith("." + t) for t in targets)]
+            if any(name == t or name.endswith("." + t) for t in targets)
+            and not (exclude and re.fullmatch(exclude, name))]
 
 
 def check_targets(model: Any, cfg: PeftConfig, row: SupportedModel) -> list[str]:
     """The matched modules; a ConfigError listing the linear modules when a target matches nothing."""
     targets = target_modules(cfg, row)
-    unmatched = [t for t in targets if not matched_modules(model, [t])]
+    unmatched = [t for t in targets if not matched_modules(model, [t], row.lora_exclude)]
     if unmatched:
         names = sorted({name.rsplit(".", 1)[-1] for name in linear_module_names(model)})
         source = "peft.target_modules" if cfg.target_modules else f"peft.preset={cfg.preset}"
         raise ConfigError(f"{source}: {', '.join(unmatched)} match(es) no linear module of {row.name}; its linear "
                           f"modules are named {', '.join(names)}")
-    return matched_modules(model, targets)
+    return matched_modules(model, targets, row.lora_exclude)
 
 
 def check_hardware(cfg: PeftConfig) -> None:
@@ -103,7 +107,8 @@ def _lora_config(cfg: PeftConfig, row: SupportedModel) -> Any:
     return peft.LoraConfig(
         r=cfg.r, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=target_modules(cfg, row),
         modules_to_save=modules_to_save(cfg, row), use_dora=cfg.method == "dora",
-        task_type="CAUSAL_LM" if row.task == "causal_lm" else None,
+        exclude_modules=row.lora_exclude,  # e.g. a vision tower whose linear layers share the decoder's names
+        task_type="CAUSAL_LM" if row.task in CAUSAL_TASKS else None,
     )
 
 

@@ -78,7 +78,7 @@ from typing import Any, Literal
 
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
-from finetune.registry import SupportedModel
+from finetune.registry import CAUSAL_TASKS, SupportedModel
 
 Where = Literal["device", "host"]
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (not set by us)
@@ -491,7 +491,7 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
                                           residual_bytes=prec.residual, compute_bytes=prec.compute,
                                           lora_in_features=lora_in, cuda=cuda)
     logits = estimate_logits(facts.task, shape, mbs * seq, mbs, prec.compute)
-    eval_logits = (cfg.eval.batch_size * seq * shape.vocab * prec.compute if facts.task == "causal_lm"
+    eval_logits = (cfg.eval.batch_size * seq * shape.vocab * prec.compute if facts.task in CAUSAL_TASKS
                    else cfg.eval.batch_size * shape.num_labels * 4)
     return Activations(mbs * seq, mbs, seq, checkpointing, reason, with_, without, logits, eval_logits)
 
@@ -508,7 +508,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                       f"{acts.micro_batch_size} x {acts.max_seq_len} tokens, checkpointing "
                       f"{'on' if acts.checkpointing else 'off'} ({'off' if acts.checkpointing else 'on'}: "
                       f"{format_bytes(other)})"))
-    causal = facts.task == "causal_lm"
+    causal = facts.task in CAUSAL_TASKS
     items.append(Item("logits_loss", "logits + loss", acts.logits_bytes, acts.logits_bytes, 1, "device",
                       ("logits + their gradient + one fp32 loss chunk" if causal else "classification logits")
                       + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
@@ -537,6 +537,9 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
 def _shape(config: Any, model: Any, attn_implementation: str | None) -> ModelShape:
     from finetune.peft import linear_module_names
 
+    # a vision-language config nests its decoder's: the activations estimated are the decoder's (the vision
+    # tower's, for the images of a batch, are not counted)
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     hidden = int(config.hidden_size)
     heads = int(getattr(config, "num_attention_heads", None) or 1)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)

@@ -19,11 +19,14 @@ from typing import Any, Literal
 
 from finetune.errors import ConfigError
 
-Task = Literal["causal_lm", "classification", "reward"]  # reward: a causal LM row built by for_task(row, "reward")
+# reward: a causal LM row built by for_task(row, "reward"); vision_causal_lm: a causal LM that also reads images
+Task = Literal["causal_lm", "vision_causal_lm", "classification", "reward"]
+CAUSAL_TASKS = frozenset({"causal_lm", "vision_causal_lm"})  # next-token logits over the vocabulary
 # "preference": a causal LM row that can train on preference pairs (task: dpo / reward)
 CAPABILITIES = frozenset({"packing", "gradient_checkpointing", "generation", "preference"})
 TASK_METRICS: Mapping[Task, frozenset[str]] = {
     "causal_lm": frozenset({"token_accuracy", "exact_match"}),
+    "vision_causal_lm": frozenset({"token_accuracy", "exact_match"}),
     "classification": frozenset({"accuracy"}),
 }
 # metrics of the preference objectives (recipe key ``task``), which run on rows with the "preference" capability
@@ -33,12 +36,16 @@ PREFERENCE_METRICS: Mapping[str, frozenset[str]] = {
 }
 TASK_FORMATS: Mapping[Task, frozenset[str]] = {
     "causal_lm": frozenset({"alpaca", "chat", "completion"}),
+    "vision_causal_lm": frozenset({"vision_chat"}),
     "classification": frozenset({"classification"}),
 }
 
 
 # the batch keys a causal LM forward can take; HF rows take all three (and use_cache=False, see tasks/causal_lm.py)
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# what a vision batch adds (finetune.data.vision.VisionCollator): the image processor's outputs and the mask of
+# image tokens (text 0, image 1) that multimodal rotary positions are computed from
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 CUSTOM_WEIGHTS = "model.safetensors"  # a custom (factory) row's export: its state dict, no config.json
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -58,6 +65,12 @@ class SupportedModel:
     FSDP wraps (matched by class name, so any module works), ``tokenizer`` a bundled asset, a folder or a hub id,
     ``model_inputs`` the batch keys its forward takes (a subset of :data:`MODEL_INPUTS` with input_ids and
     attention_mask), and ``lora_targets`` its module names per preset (empty: no LoRA).
+
+    Vision-language rows (task ``vision_causal_lm``) also name ``image_token``, the placeholder their chat template
+    writes for each image (the data repeats it once per image feature), ``extra_wrap``, more module classes FSDP
+    wraps (the vision tower's blocks), ``freeze_groups``, the module-name prefixes of each part ``model.freeze``
+    can freeze (``vision``, ``projector``, ``language``), and ``lora_exclude``, a regular expression of module
+    names LoRA presets never adapt (the vision tower shares linear names with the language model).
     """
 
     name: str
@@ -75,7 +88,16 @@ class SupportedModel:
     reward_head: tuple[str, ...] = ("score",)  # the head of the family's *ForSequenceClassification (for_task)
     debug_build: bool = False
     tokenizer: str | None = None
+    image_token: str | None = None
+    extra_wrap: tuple[str, ...] = ()
+    freeze_groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    lora_exclude: str | None = None
     description: str = ""
+
+    @property
+    def wrap_classes(self) -> tuple[str, ...]:
+        """The module classes FSDP wraps as units: the decoder layer, then ``extra_wrap``."""
+        return (self.decoder_layer, *self.extra_wrap)
 
 
 _DECODER_LORA = {
@@ -92,6 +114,34 @@ _TINY_DECODER = {
     "num_key_value_heads": 2,
     "vocab_size": 512,
     "max_position_embeddings": 512,
+}
+
+# Qwen2-VL / Qwen2.5-VL: a tiny language model (as _TINY_DECODER, with multimodal rotary sections that sum to half
+# the head dim) and a tiny vision tower (14-pixel patches, 2x2 merged: a 56x56 image is 4 tokens). The special
+# token ids are those of the bundled tiny-qwen2-vl tokenizer (finetune/assets, made by scripts/make_vlm_assets.py).
+_VLM_TOKENS = {"image_token_id": 516, "video_token_id": 517, "vision_start_token_id": 514,
+               "vision_end_token_id": 515}
+_VLM_TEXT = {**_TINY_DECODER, "vocab_size": 576, "max_position_embeddings": 1024, "bos_token_id": None,
+             "eos_token_id": 513,
+             "rope_parameters": {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}}
+_TINY_QWEN2_VL = {"text_config": _VLM_TEXT, **_VLM_TOKENS,
+                  "vision_config": {"depth": 2, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2,
+                                    "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2}}
+_TINY_QWEN2_5_VL = {"text_config": _VLM_TEXT, **_VLM_TOKENS,
+                    "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                      "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                                      "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]}}
+_VLM_LORA = {"attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
+             "attn_mlp": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                          "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+             "all_linear": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
+_VLM_FREEZE = {"vision": ("model.visual.patch_embed", "model.visual.blocks"), "projector": ("model.visual.merger",),
+               "language": ("model.language_model", "lm_head")}
+_VLM_COMMON: dict[str, Any] = {
+    "task": "vision_causal_lm", "auto_class": "AutoModelForImageTextToText", "lora_targets": _VLM_LORA,
+    "capabilities": frozenset({"generation", "gradient_checkpointing"}), "image_token": "<|image_pad|>",
+    "model_inputs": ("input_ids", "attention_mask", *VISION_INPUTS), "freeze_groups": _VLM_FREEZE,
+    "lora_exclude": r".*\bvisual\..*", "tokenizer": "tiny-qwen2-vl",
 }
 
 SUPPORTED_MODELS: dict[str, SupportedModel] = {
@@ -143,6 +193,21 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         tiny_config=_TINY_DECODER, model_types=("llama",), debug_build=True, tokenizer="tiny-llama-tokenizer",
         description="debug: 2-layer Llama built from a config + bundled tokenizer (no download)",
     ),
+    "qwen2_vl": SupportedModel(
+        name="qwen2_vl", config_class="Qwen2VLConfig", decoder_layer="Qwen2VLDecoderLayer",
+        extra_wrap=("Qwen2VLVisionBlock",), tiny_config=_TINY_QWEN2_VL, model_types=("qwen2_vl",), **_VLM_COMMON,
+        description="Qwen2-VL vision-language models (images in chat messages)",
+    ),
+    "qwen2_5_vl": SupportedModel(
+        name="qwen2_5_vl", config_class="Qwen2_5_VLConfig", decoder_layer="Qwen2_5_VLDecoderLayer",
+        extra_wrap=("Qwen2_5_VLVisionBlock",), tiny_config=_TINY_QWEN2_5_VL, model_types=("qwen2_5_vl",),
+        **_VLM_COMMON, description="Qwen2.5-VL vision-language models (images in chat messages)",
+    ),
+    "tiny-qwen2-vl": SupportedModel(
+        name="tiny-qwen2-vl", config_class="Qwen2VLConfig", decoder_layer="Qwen2VLDecoderLayer",
+        extra_wrap=("Qwen2VLVisionBlock",), tiny_config=_TINY_QWEN2_VL, model_types=("qwen2_vl",), debug_build=True,
+        **_VLM_COMMON, description="debug: tiny Qwen2-VL built from a config + bundled tokenizer and image processor",
+    ),
 }
 
 
@@ -162,7 +227,7 @@ def register(row: SupportedModel) -> None:
     if "preference" in row.capabilities and row.task != "causal_lm":
         raise ConfigError(f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward "
                           f"train decoders, not {row.task} rows); remove it from capabilities")
-    problem = _class_problem(row) or _inputs_problem(row)
+    problem = _class_problem(row) or _inputs_problem(row) or _vision_problem(row)
     if problem:
         raise ConfigError(f"SupportedModel {row.name!r}: {problem}")
     SUPPORTED_MODELS[row.name] = row
@@ -189,13 +254,34 @@ def _inputs_problem(row: SupportedModel) -> str | None:
     """``model_inputs``: known batch keys, with the two every forward gets (eval, logit probes); packing needs
     position ids."""
     inputs = tuple(row.model_inputs)
-    unknown = [key for key in inputs if key not in MODEL_INPUTS]
+    known = MODEL_INPUTS + (VISION_INPUTS if row.task == "vision_causal_lm" else ())
+    unknown = [key for key in inputs if key not in known]
     if unknown:
-        return f"model_inputs {unknown} are not batch keys; use some of {list(MODEL_INPUTS)}"
+        return f"model_inputs {unknown} are not batch keys; use some of {list(known)}"
     if not {"input_ids", "attention_mask"} <= set(inputs):
         return "model_inputs must include input_ids and attention_mask (eval and the logit probes pass both)"
     if "packing" in row.capabilities and "position_ids" not in inputs:
         return "packing restarts position_ids for every sample; add position_ids to model_inputs or drop packing"
+    return None
+
+
+def _vision_problem(row: SupportedModel) -> str | None:
+    """A vision-language row names the placeholder token of its images; ``freeze_groups`` maps part names to
+    module-name prefixes; ``lora_exclude`` is a regular expression."""
+    if (row.task == "vision_causal_lm") != bool(row.image_token):
+        return ("a vision_causal_lm row sets image_token (the placeholder its chat template writes per image)"
+                if row.image_token is None else "image_token is for vision_causal_lm rows; set task or remove it")
+    if row.task == "vision_causal_lm" and row.factory is not None:
+        return "a vision_causal_lm row builds a Hugging Face model; remove factory"
+    bad = [name for name, prefixes in row.freeze_groups.items()
+           if not isinstance(prefixes, tuple) or not prefixes or not all(isinstance(x, str) and x for x in prefixes)]
+    if bad:
+        return f"freeze_groups[{bad[0]!r}] must be a non-empty tuple of module-name prefixes"
+    if row.lora_exclude is not None:
+        try:
+            re.compile(row.lora_exclude)
+        except re.error as exc:
+            return f"lora_exclude is not a regular expression ({exc})"
     return None
 
 

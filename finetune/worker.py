@@ -35,7 +35,15 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     from finetune import peft as lora
     from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
     from finetune.data import load_splits
-    from finetune.modeling import build_base, build_tokenizer, check_fits, compile_model, enable_checkpointing
+    from finetune.modeling import (
+        build_base,
+        build_tokenizer,
+        check_fits,
+        compile_model,
+        enable_checkpointing,
+        freeze,
+        image_inputs,
+    )
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.portable import PARAM_NAMES, ParamNames
     from finetune.precision import Precision
@@ -55,8 +63,12 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
         raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
                           f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
     tokenizer = build_tokenizer(cfg.model, row)
+    images = image_inputs(tokenizer, row)  # a vision-language row's image processor (else None)
+    if images is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
+        raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
+                          f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
     with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache; the others reuse it
-        data = load_splits(cfg.data, tokenizer)
+        data = load_splits(cfg.data, tokenizer, images=images)
     assert data.train is not None
     max_steps = total_steps(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
     tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, start_step=start_step,
@@ -67,9 +79,19 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
             f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")})
     for note in data.notes(cfg.data.max_seq_len):  # the mixture, and what fitting max_seq_len did per source
         tracker.log("info", {"message": note})
+    from finetune import materialize  # rank 0 alone reads pretrained weights when several processes run
+
+    quantization = lora.quantization_config(cfg.peft)
     with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
-        model = build_base(cfg.model, row, cfg.train.seed, data.labels, lora.quantization_config(cfg.peft))
+        model, load_note = materialize.build(
+            accelerator, backend, cfg.model.path is not None, quantization is not None,
+            lambda empty: build_base(cfg.model, row, cfg.train.seed, data.labels, quantization, empty=empty))
+    if load_note:
+        tracker.log("info", load_note)
     check_fits(model, tokenizer, cfg.data.max_seq_len)
+    if cfg.model.freeze:
+        frozen = freeze(model, row, cfg.model.freeze)
+        tracker.log("info", {"message": f"model.freeze: {', '.join(cfg.model.freeze)} ({frozen} parameters) frozen"})
     if cfg.train.gradient_checkpointing:
         enable_checkpointing(model)
     if lora.enabled(cfg.peft):
@@ -97,7 +119,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
                # 2 x 16 x vocab fp32 per checkpoint, ~20 MB at a 150k vocabulary
                "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16))}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
-                      lockstep=backend.shards_parameters)
+                      lockstep=backend.shards_parameters, images=images)
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
                                     f"{cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size} x accum "
                                     f"{cfg.grad_accum} x {accelerator.num_processes} process(es)), backend "

@@ -56,6 +56,11 @@ class ModelConfig(Section):
         "flash_attention_2 needs the flash-attn package, a CUDA device and half precision "
         "(model.dtype bfloat16/float16 or train.mixed_precision bf16/fp16)",
     )
+    freeze: list[str] = Field(
+        default_factory=list,
+        description="parts of the model not trained, as the model type names them (vision-language types: vision, "
+        "projector, language; e.g. [vision] trains the projector and the language model)",
+    )
 
     @field_validator("config_overrides", mode="before")
     @classmethod
@@ -129,9 +134,11 @@ def _sources_of(kind: type[DataSource]) -> Any:
 class DataConfig(Section):
     """Training and evaluation data."""
 
-    format: Literal["alpaca", "chat", "completion", "classification", "preference"] = Field(
-        description="alpaca | chat | completion (causal LM), classification, or preference (pairs for task dpo / "
-        "reward: {prompt, chosen, rejected} strings or {chosen, rejected} message lists)",
+    format: Literal["alpaca", "chat", "completion", "classification", "preference", "vision_chat"] = Field(
+        description="alpaca | chat | completion (causal LM), classification, preference (pairs for task dpo / "
+        "reward: {prompt, chosen, rejected} strings or {chosen, rejected} message lists), or vision_chat "
+        "({messages} whose user turns may hold image parts {type: image, image: path relative to the data file} "
+        "beside {type: text, text}; vision-language model types)",
     )
     train: _sources_of(TrainSource) = Field(  # type: ignore[valid-type]
         description="jsonl/json/csv/parquet file (relative to the recipe) or a hub dataset name; or a mixture: a "

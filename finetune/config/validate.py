@@ -206,7 +206,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
         if preference and "preference" not in row.capabilities:
             lines.append(f"task: {row.name} ({row.task}) cannot train task {cfg.task}: it lacks the preference "
                          "capability; use a causal LM model type (finetune models)")
-        if cfg.task == "sft" and row.task != "causal_lm":
+        if cfg.task == "sft" and row.task not in registry.CAUSAL_TASKS:
             lines.append(f"task: sft trains causal LMs, but {row.name} is a {row.task} model; use task: null")
         if cfg.data is not None and cfg.data.format != "preference" \
                 and cfg.data.format not in registry.TASK_FORMATS[row.task]:
@@ -217,6 +217,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                   cfg.train is not None and cfg.train.gradient_checkpointing)]
         lines += [f"{key}: {row.name} does not support {cap}; set it to false"
                   for key, cap, on in flags if on and cap not in row.capabilities]
+        lines += _freeze_lines(cfg, row)
         if row.factory is not None:
             lines += _factory_lines(cfg, row)
         else:
@@ -305,6 +306,19 @@ def _source_lines(data: DataConfig, row: registry.SupportedModel | None) -> list
                     and source.format not in registry.TASK_FORMATS[row.task]:
                 lines.append(f"{where}.format: {source.format!r} does not fit {row.name} ({row.task}); use one of "
                              f"{sorted(registry.TASK_FORMATS[row.task])}")
+    return lines
+
+
+def _freeze_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) -> list[str]:
+    """model.freeze names parts the row knows, and leaves something to train (a LoRA adapter always is)."""
+    assert cfg.model is not None
+    groups = row.freeze_groups
+    lines = [f"model.freeze: {row.name} has no part named {name!r}; "
+             + (f"its parts are {', '.join(groups)}" if groups else "it cannot freeze parts (remove model.freeze)")
+             for name in cfg.model.freeze if name not in groups]
+    if groups and set(groups) <= set(cfg.model.freeze) and (cfg.peft is None or cfg.peft.method == "none"):
+        lines.append(f"model.freeze: {', '.join(cfg.model.freeze)} freezes every part of {row.name}, leaving nothing "
+                     "to train; remove one")
     return lines
 
 

@@ -124,8 +124,9 @@ def _concatenate(parts: list[Part], key: str) -> Tokenized:
                      no_answer=sum(p.tokenized.no_answer for p in parts))
 
 
-def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True) -> DataBundle:
-    """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False).
+def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, images: Any = None) -> DataBundle:
+    """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False); ``images``:
+    the model's :class:`finetune.data.vision.ImageInputs` (vision_chat data).
 
     Each source is loaded, checked (errors name its own file and line) and tokenized with its own format, under
     the same data.max_seq_len and data.overlong; a split of several sources is their concatenation."""
@@ -134,7 +135,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True) -> 
     classification = train_sources[0].format == "classification"  # the schema keeps them apart from the others
     labels = _labels(raws, train_sources, cfg.labels) if classification else None
     common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
-              "train_on_prompt": cfg.train_on_prompt, "labels": labels}
+              "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images}
     listed = not isinstance(cfg.train, str)
     train, mixture, train_parts = None, None, []
     if need_train:

@@ -39,6 +39,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "classification": (("text", "label"), ()),
     "chat": (("messages",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # checked by _check_preference (two row forms)
+    "vision_chat": (("messages",), ()),  # checked by finetune.data.vision.check_messages (image parts)
 }
 ROLES = ("system", "user", "assistant")
 
@@ -480,6 +481,11 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
     where = line_of(source, index)
     if fmt == "preference":
         _check_preference(row, where)
+        return
+    if fmt == "vision_chat":
+        from finetune.data.vision import check_messages
+
+        check_messages(row.get("messages"), where)
         return
     for name in required:
         value = row.get(name)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
+from finetune.data import vision
 from finetune.data.formats import Rendered, render, render_preference
 from finetune.data.loading import (
     check_columns,
@@ -42,10 +43,12 @@ from finetune.errors import DataError
 if TYPE_CHECKING:
     from datasets import Dataset, Features
 
+    from finetune.data.vision import ImageInputs
+
 IGNORE = -100
 MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
-                                       for name in ("formats.py", "tokenize.py"))).hexdigest()[:16]
+                                       for name in ("formats.py", "tokenize.py", "vision.py"))).hexdigest()[:16]
 
 
 class Progress:
@@ -141,6 +144,40 @@ def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, ma
     ids, labels = ids[:max_len], labels[:max_len]
     return {"input_ids": ids, "labels": labels, "prompt_ids": prompt_ids[-max_len:], "reference": out.reference,
             "overlong": overlong, "n_labels": sum(label != IGNORE for label in labels)}
+
+
+def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: ImageInputs, max_len: int,
+                train_on_prompt: bool, source: str, code_version: str = "") -> dict:
+    """A vision_chat row: rendered as a chat row, each image placeholder repeated once per image feature, image
+    tokens never trained on, cut (when over-long) only between images; ``images`` (absolute paths) and
+    ``image_grids`` record every image of the prompt, ``n_images`` how many the (cut) inputs hold."""
+    _tick()
+    check_row(row, index, "vision_chat", source)
+    where = line_of(source, index)
+    messages = row["messages"]
+    paths = [vision.resolve(ref, source) for ref in vision.image_refs(messages)]
+    grids = images.grids([vision.open_image(path, where) for path in paths])
+    counts = [images.tokens(grid) for grid in grids]
+    conversation = vision.for_template(messages)
+    try:
+        out = render({"messages": conversation}, "chat", tokenizer, train_on_prompt)
+    except DataError:
+        raise
+    except Exception as exc:  # e.g. a chat template's raise_exception("roles must alternate ...")
+        raise DataError(f"{where}: the tokenizer's chat template rejects this conversation "
+                        f"({error_detail(exc)})") from None
+    written = out.text.count(images.image_token)
+    if written != len(paths):
+        raise DataError(f"{where}: the chat template wrote {written} image placeholder(s) {images.image_token!r} for "
+                        f"{len(paths)} image(s); use the model's own chat template (it must render image parts)")
+    out = vision.expand(Rendered(out.text, out.spans, out.prompt, vision.text_of(messages[-1]["content"]),
+                                 out.add_eos), images.image_token, counts)
+    ids, labels, prompt_ids = _encode(out, tokenizer)
+    labels = [IGNORE if tid == images.image_token_id else label for tid, label in zip(ids, labels, strict=True)]
+    cut, kept = vision.fit(ids, images.image_token_id, counts, max_len)
+    return {"input_ids": ids[:cut], "labels": labels[:cut], "prompt_ids": prompt_ids, "reference": out.reference,
+            "images": [str(path) for path in paths], "image_grids": grids, "n_images": kept,
+            "overlong": len(ids) > max_len, "n_labels": sum(label != IGNORE for label in labels[:cut])}
 
 
 def _answer_tokens(labels: list[int]) -> int:
@@ -282,15 +319,20 @@ def output_features(fmt: str) -> Features:
         return Features({"chosen_input_ids": Sequence(Value("int32")), "chosen_labels": Sequence(Value("int64")),
                          "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int64")),
                          "overlong": Value("bool"), "n_labels": Value("int64")})
-    return Features({**common, "labels": Sequence(Value("int64")), "prompt_ids": Sequence(Value("int64")),
-                     "reference": Value("string")})
+    text = {**common, "labels": Sequence(Value("int64")), "prompt_ids": Sequence(Value("int64")),
+            "reference": Value("string")}
+    if fmt == "vision_chat":
+        return Features({**text, "images": Sequence(Value("string")),
+                         "image_grids": Sequence(Sequence(Value("int64"))), "n_images": Value("int64")})
+    return Features(text)
 
 
 def tokenize_rows(
     dataset: Dataset, *, fmt: str, tokenizer: Any, max_len: int, overlong: str, train_on_prompt: bool = False,
-    labels: list[str] | None = None, source: str = "",
+    labels: list[str] | None = None, source: str = "", images: ImageInputs | None = None,
 ) -> Tokenized:
-    """Tokenize ``dataset``; apply the over-long policy; drop samples left without any answer token."""
+    """Tokenize ``dataset``; apply the over-long policy; drop samples left without any answer token. ``images``:
+    the model's image processor (vision_chat only)."""
     check_columns(dataset, fmt, source)
     if fmt == "classification":
         assert labels is not None, "classification needs label names"
@@ -302,6 +344,11 @@ def tokenize_rows(
             raise DataError(f"{line_of(source, bad)}: label {values[bad]!r} is not one of {labels} "
                             "(the labels found in train, or data.labels)")
         fn, kwargs = _classification_row, {"tokenizer": tokenizer, "max_len": max_len, "label_ids": index}
+    elif fmt == "vision_chat":
+        if images is None:
+            raise DataError(f"{source}: data.format vision_chat needs a vision-language model type (finetune models)")
+        fn, kwargs = _vision_row, {"tokenizer": tokenizer, "images": images, "max_len": max_len,
+                                   "train_on_prompt": train_on_prompt}
     elif fmt == "preference":  # the prompt is always masked: train_on_prompt does not apply (validation refuses it)
         fn, kwargs = _preference_row, {"tokenizer": tokenizer, "max_len": max_len}
     else:

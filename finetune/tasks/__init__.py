@@ -12,20 +12,25 @@ from finetune.tasks.causal_lm import CausalLMTask
 from finetune.tasks.classification import ClassificationTask
 from finetune.tasks.dpo import DPOTask
 from finetune.tasks.reward import RewardTask
+from finetune.tasks.vision_lm import VisionCausalLMTask
 
 
 def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: DataBundle, rank: int,
-               world: int, lockstep: bool = False) -> Task:
+               world: int, lockstep: bool = False, images: Any = None) -> Task:
     """The adapter for the recipe's ``task`` (null / sft: the row's own task), over this rank's data (``lockstep``:
-    see TaskData)."""
+    see TaskData; ``images``: a vision-language row's image processor)."""
     if cfg.task == "dpo":
         return DPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
     if cfg.task == "reward":
         return RewardTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
     if row.task == "classification":
         return ClassificationTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
+    with_prompts = "exact_match" in cfg.eval.metrics
+    if row.task == "vision_causal_lm":
+        return VisionCausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,
+                                  with_prompts=with_prompts, tokenizer=tokenizer, images=images)
     return CausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,
-                        with_prompts="exact_match" in cfg.eval.metrics, tokenizer=tokenizer)
+                        with_prompts=with_prompts, tokenizer=tokenizer)
 
 
 __all__ = ["EvalCounts", "Task", "build_task"]

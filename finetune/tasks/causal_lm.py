@@ -149,10 +149,14 @@ class CausalLMTask(TaskData):
             counts.total["exact_match"] = torch.tensor(len(batch["reference"]), device=logits.device)
         return counts
 
+    def _generate(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """The greedy answer tokens of the batch's prompts (``eval.max_new_tokens`` of them, pad after eos)."""
+        return greedy_generate(model, batch["prompt_ids"], batch["prompt_mask"], self.cfg.eval.max_new_tokens,
+                               self.tokenizer.eos_token_id, self.pad_id)
+
     def _exact_matches(self, model: Any, batch: dict[str, Any]) -> int:
         eos = self.tokenizer.eos_token_id
-        new = greedy_generate(model, batch["prompt_ids"], batch["prompt_mask"], self.cfg.eval.max_new_tokens, eos,
-                              self.pad_id)
+        new = self._generate(model, batch)
         hits = 0
         for tokens, reference in zip(new.tolist(), batch["reference"], strict=True):
             if eos in tokens:

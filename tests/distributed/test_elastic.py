@@ -60,7 +60,12 @@ def _assert_continues(run: Path, straight: Path, saved: str, saved_world: int, n
     assert not rundir.reshard_scratch(run).exists() and rundir.foreign_entries(run) == []
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# zero1 and zero3_offload write the files zero2 and zero3 write (the same converters read them; their reads are
+# checked by test_read_full_state_of_every_backend): their resumes would repeat those paths, and CI time is tight
+SHRINK = [backend for backend in BACKENDS if backend not in ("zero1", "zero3_offload")]
+
+
+@pytest.mark.parametrize("backend", SHRINK)
 def test_shrink_to_one_process(workdir: Path, backend: str) -> None:
     """4 steps at 2 processes under ``backend``, then 4 at 1 process (backend single) == 8 straight at 2."""
     straight = _straight_run(workdir, backend)

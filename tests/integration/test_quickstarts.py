@@ -31,3 +31,20 @@ def test_minilm_classification_reaches_0_9(tmp_path) -> None:
     evals = _run("minilm-classification.yaml", tmp_path)
     assert evals[0]["eval_accuracy"] < 0.5
     assert evals[-1]["eval_accuracy"] >= 0.9 and evals[-1]["eval_total"] == 200
+
+
+def test_vlm_quickstart_exact_match_from_below_the_majority_baseline_to_at_least_0_9(tmp_path) -> None:
+    """The shapes questions need the image: a model that ignores it is at best at the majority baseline (the most
+    frequent answer of each question), which the held-out eval starts below and ends far above."""
+    import collections
+    import json
+
+    rows = [json.loads(line) for line in (REPO / "recipes/data/shapes/eval.jsonl").read_text().splitlines()]
+    answers = collections.defaultdict(collections.Counter)
+    for row in rows:
+        answers[row["messages"][0]["content"][1]["text"]][row["messages"][-1]["content"]] += 1
+    majority = sum(max(c.values()) for c in answers.values()) / len(rows)
+    assert majority < 0.4
+    evals = _run("vlm-quickstart.yaml", tmp_path)
+    assert evals[0]["step"] == 0 and evals[0]["eval_exact_match"] <= majority
+    assert evals[-1]["eval_exact_match"] >= 0.9 and evals[-1]["eval_total"] == len(rows) == 96

@@ -78,8 +78,12 @@ def test_preset_wraps_its_targets_and_only_adapters_train(name: str, preset: str
     assert wrapped, f"{name}/{preset}: nothing adapted"
     assert wrapped <= linear
     assert all(ends_with_target(n, targets) for n in wrapped), sorted(wrapped)
-    # every linear module a target names is adapted (nothing silently skipped)
-    assert wrapped == {n for n in linear if ends_with_target(n, targets)}
+    # every linear module a target names is adapted (nothing silently skipped), except the row's exclusions
+    # (a vision tower whose linear layers share the decoder's names), which are never adapted
+    excluded = {n for n in linear if row.lora_exclude and re.fullmatch(row.lora_exclude, n)}
+    assert wrapped == {n for n in linear if ends_with_target(n, targets)} - excluded
+    if row.lora_exclude:
+        assert not wrapped & excluded and all(".visual." not in n for n in wrapped), sorted(wrapped & excluded)
     names = trainable(model)
     assert any("lora_" in n for n in names)
     allowed = [n for n in names if "lora_" in n or "modules_to_save" in n]

@@ -42,7 +42,12 @@ def test_row_builds_a_tiny_model_and_runs_a_forward(name: str) -> None:
     torch.manual_seed(0)
     model = getattr(transformers, row.auto_class).from_config(config)
     layer_classes = {type(m).__name__ for m in model.modules()}
-    assert row.decoder_layer in layer_classes
+    assert set(row.wrap_classes) <= layer_classes  # the decoder layer and any extra FSDP units (vision blocks)
+    params = [n for n, _ in model.named_parameters()]
+    for part, prefixes in row.freeze_groups.items():  # model.freeze: every part names some parameters
+        assert any(n.startswith(x + ".") for n in params for x in prefixes), part
+    if row.freeze_groups:  # and together they cover the whole model (freezing all parts leaves nothing to train)
+        assert all(any(n.startswith(x + ".") for x in sum(row.freeze_groups.values(), ())) for n in params)
     module_names = [n for n, _ in model.named_modules()]
     for preset, targets in row.lora_targets.items():
         for target in targets:
@@ -51,7 +56,7 @@ def test_row_builds_a_tiny_model_and_runs_a_forward(name: str) -> None:
         assert any(n.endswith(head) for n in module_names)
     ids = torch.randint(0, 500, (2, 9))
     out = model(input_ids=ids, attention_mask=torch.ones_like(ids))
-    expected = (2, 3) if row.task == "classification" else (2, 9, config.vocab_size)
+    expected = (2, 3) if row.task == "classification" else (2, 9, config.get_text_config().vocab_size)
     assert tuple(out.logits.shape) == expected
     assert torch.isfinite(out.logits).all()
 
@@ -108,3 +113,21 @@ def test_a_well_formed_custom_row_registers_without_importing_its_factory(monkey
         registry.resolve_factory(row)
     with pytest.raises(ConfigError, match="task: reward needs a Hugging Face sequence-classification class"):
         registry.for_task(row, "reward")
+
+
+@pytest.mark.parametrize("fields,message", [
+    ({"image_token": None}, "a vision_causal_lm row sets image_token"),
+    ({"task": "causal_lm", "model_inputs": registry.MODEL_INPUTS}, "image_token is for vision_causal_lm rows"),
+    ({"freeze_groups": {"vision": ()}}, "freeze_groups['vision'] must be a non-empty tuple"),
+    ({"freeze_groups": {"vision": "model.visual"}}, "freeze_groups['vision'] must be a non-empty tuple"),
+    ({"lora_exclude": "(unclosed"}, "lora_exclude is not a regular expression"),
+    ({"model_inputs": ("input_ids", "attention_mask", "pixel_mask")}, "model_inputs ['pixel_mask'] are not batch"),
+])
+def test_register_rejects_a_malformed_vision_row(fields: dict, message: str) -> None:
+    """A vision-language row is checked when registered: its image token, freeze parts, LoRA exclusion, inputs."""
+    import dataclasses
+
+    bad = dataclasses.replace(SUPPORTED_MODELS["qwen2_vl"], name="my-vlm", **fields)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        registry.register(bad)
+    assert "my-vlm" not in SUPPORTED_MODELS

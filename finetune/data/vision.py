@@ -1,0 +1,256 @@
+"""Images in chat messages (``data.format: vision_chat``): checked, opened, expanded to image tokens, collated.
+
+A row is ``{messages: [...]}`` as for ``chat``, except that a user (or system) turn's content may be a list of
+parts: ``{type: text, text: ...}`` and ``{type: image, image: "path"}``, the path relative to the data file. The
+conversation is rendered with the chat template like any chat row (so the answer spans are found the same way); the
+template writes one placeholder token per image, and each placeholder is then repeated once per image feature the
+model will put there (for Qwen2-VL: the image processor's patch grid, ``t x h x w``, over the merged ``2 x 2``
+patches). Tokenization opens every image once to learn its grid, and records the absolute paths and grids; the
+collator opens the images again, turns them into pixel values with the model's image processor and checks that each
+grid is still the recorded one (an image edited after tokenization would otherwise no longer fit its tokens).
+
+Image tokens are never trained on (their label is IGNORE even with ``data.train_on_prompt``), and an over-long
+sample is never cut inside an image: the cut moves back to the start of that image's tokens and the images after it
+are left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.data.formats import Rendered
+from finetune.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
+
+ROLES = ("system", "user", "assistant")
+
+
+def _kind(value: Any) -> str:
+    return type(value).__name__
+
+
+def check_messages(value: Any, where: str) -> None:
+    """A vision_chat ``messages`` list: ``{role, content}`` turns ending with the assistant's; content is a string
+    or a list of text/image parts, and only user and system turns may hold images (the model learns text)."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
+    for i, msg in enumerate(value):
+        role = msg.get("role") if isinstance(msg, dict) else None
+        if role not in ROLES:
+            raise DataError(f"{where}: messages[{i}] needs role in {ROLES}, got {role!r}")
+        content = msg.get("content")
+        if isinstance(content, str):
+            continue
+        if not isinstance(content, list) or not content:
+            raise DataError(f"{where}: messages[{i}].content must be a string or a non-empty list of parts "
+                            f"{{type: text, text}} / {{type: image, image}}, got {_kind(content)}")
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                continue
+            if kind == "image" and isinstance(part.get("image"), str) and part["image"].strip():
+                if role == "assistant":
+                    raise DataError(f"{where}: messages[{i}].content[{j}] is an image in an assistant turn; images "
+                                    "belong in user turns (the model learns the assistant's text)")
+                continue
+            raise DataError(f"{where}: messages[{i}].content[{j}] must be {{type: text, text: string}} or "
+                            f"{{type: image, image: path}}, got {str(part)[:80]}")
+    if value[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
+
+
+def image_refs(messages: list[dict[str, Any]]) -> list[str]:
+    """The image paths of a conversation, in order, as written in the row."""
+    return [part["image"] for msg in messages if isinstance(msg["content"], list)
+            for part in msg["content"] if part.get("type") == "image"]
+
+
+def text_of(content: Any) -> str:
+    """A turn's text: the string, or its text parts joined."""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text") or "" for part in content if part.get("type") == "text")
+
+
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation as chat templates take it: text-only turns as strings, image parts as ``{type: image}``
+    (what Qwen-style templates test for), text parts as ``{type: text, text}``."""
+    out = []
+    for msg in messages:
+        content = msg["content"]
+        if isinstance(content, list) and any(part.get("type") == "image" for part in content):
+            content = [{"type": "image"} if part.get("type") == "image" else {"type": "text", "text": part["text"]}
+                       for part in content]
+        else:
+            content = text_of(content)
+        out.append({"role": msg["role"], "content": content})
+    return out
+
+
+def resolve(ref: str, source: str) -> Path:
+    """An image path as written in a row of ``source``: absolute, or relative to the data file's folder."""
+    path = Path(ref).expanduser()
+    if path.is_absolute():
+        return path
+    base = Path(source)
+    return (base.parent if base.is_file() else Path.cwd()) / path
+
+
+def open_image(path: Path, where: str) -> Any:
+    """The image at ``path`` as RGB, fully read; one DataError line (naming ``where``) when it cannot be."""
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise DataError(f"{where}: image not found: {path} (image paths are relative to the data file)")
+    try:
+        with Image.open(path) as image:
+            image.load()
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise DataError(f"{where}: cannot read image {path} ({type(exc).__name__}: {str(exc)[:120]}); use a "
+                        "PNG/JPEG/WebP file") from None
+
+
+def expand(rendered: Rendered, token: str, counts: Sequence[int]) -> Rendered:
+    """Repeat the i-th ``token`` placeholder of the text (and of the generation prompt, which renders the same
+    images first) ``counts[i]`` times, moving the answer spans with the text."""
+
+    def grow(text: str) -> tuple[str, list[tuple[int, int]]]:
+        pieces, moves, start = [], [], 0  # moves: (position in the old text, characters added there)
+        for count in counts:
+            at = text.find(token, start)
+            if at < 0:
+                break
+            pieces += [text[start:at], token * count]
+            moves.append((at, len(token) * (count - 1)))
+            start = at + len(token)
+        pieces.append(text[start:])
+        return "".join(pieces), moves
+
+    text, moves = grow(rendered.text)
+
+    def shift(position: int) -> int:
+        return position + sum(added for at, added in moves if at < position)
+
+    spans = tuple((shift(a), shift(b)) for a, b in rendered.spans)
+    prompt = grow(rendered.prompt)[0] if rendered.prompt else rendered.prompt
+    return Rendered(text, spans, prompt, rendered.reference, rendered.add_eos)
+
+
+def fit(ids: list[int], image_id: int, counts: Sequence[int], max_len: int) -> tuple[int, int]:
+    """Where to cut ``ids`` to at most ``max_len`` tokens without splitting an image, and how many images stay."""
+    if len(ids) <= max_len:
+        return len(ids), len(counts)
+    cut = max_len
+    while 0 < cut < len(ids) and ids[cut - 1] == image_id and ids[cut] == image_id:
+        cut -= 1  # inside an image's run of tokens: cut before the whole run
+    kept = sum(1 for _ in _runs(ids[:cut], image_id))
+    return cut, kept
+
+
+def _runs(ids: list[int], image_id: int) -> list[int]:
+    """Lengths of the runs of ``image_id`` in ``ids`` (one per image when images are not adjacent)."""
+    runs, length = [], 0
+    for tid in ids:
+        if tid == image_id:
+            length += 1
+        elif length:
+            runs.append(length)
+            length = 0
+    if length:
+        runs.append(length)
+    return runs
+
+
+@dataclass
+class ImageInputs:
+    """The model's image processor and what an image costs in tokens.
+
+    ``tokens(grid)`` is the number of placeholder tokens an image with patch grid ``grid`` (``t, h, w``) takes:
+    the grid's product over the merged patch area (``merge_size ** 2``), as Qwen2-VL / Qwen2.5-VL place them."""
+
+    processor: Any
+    image_token: str
+    image_token_id: int
+
+    def tokens(self, grid: Sequence[int]) -> int:
+        merge = int(getattr(self.processor, "merge_size", 1) or 1)
+        return math.prod(grid) // (merge * merge)
+
+    def grids(self, images: list[Any]) -> list[list[int]]:
+        """Each image's patch grid (what the processor will make of it)."""
+        if not images:
+            return []
+        return self.processor(images=images, return_tensors="pt")["image_grid_thw"].tolist()
+
+    def pixels(self, images: list[Any]) -> dict[str, torch.Tensor]:
+        """The processor's tensors for ``images`` (pixel_values, image_grid_thw)."""
+        return dict(self.processor(images=images, return_tensors="pt"))
+
+
+def load_images(paths: Sequence[str], grids: Sequence[Sequence[int]], inputs: ImageInputs) -> dict[str, torch.Tensor]:
+    """Pixel values for the images at ``paths``, each checked to still have its recorded patch ``grids``."""
+    images = [open_image(Path(path), "data") for path in paths]
+    out = inputs.pixels(images)
+    now = out["image_grid_thw"].tolist()
+    for path, before, after in zip(paths, grids, now, strict=True):
+        if list(before) != list(after):
+            raise DataError(f"data: image {path} changed after the data was tokenized (patch grid {list(before)} "
+                            f"then, {after} now); restore it, or edit the data file so it is tokenized again")
+    return out
+
+
+class VisionCollator:
+    """Padded text (:class:`finetune.data.batching.Collator`) plus the batch's images: ``pixel_values`` and
+    ``image_grid_thw`` of the images the (possibly cut) inputs hold, and ``mm_token_type_ids`` (1 on image tokens,
+    0 elsewhere), from which Qwen2-VL computes its multimodal rotary positions. With prompts (generation), the same
+    for the prompts under ``prompt_`` names; a batch without images has none of these keys."""
+
+    def __init__(self, pad_id: int, inputs: ImageInputs, *, with_prompts: bool = False) -> None:
+        from finetune.data.batching import Collator
+
+        self.text = Collator(pad_id, with_prompts=with_prompts)
+        self.inputs, self.with_prompts = inputs, with_prompts
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = self.text(rows)
+        paths = [path for row in rows for path in row["images"]]
+        grids = [grid for row in rows for grid in row["image_grids"]]
+        if not paths:
+            return batch
+        pixels = load_images(paths, grids, self.inputs)
+        spans, offset = [], 0  # each image's rows of pixel_values (its patches), and its index in the batch
+        for image, grid in enumerate(grids):
+            spans.append((offset, offset + math.prod(grid), image))
+            offset += math.prod(grid)
+        kept = _kept_images(rows)
+        selected = [span for span in spans if span[2] in kept]
+        self._add(batch, "", batch["input_ids"], pixels, selected)
+        if self.with_prompts:
+            self._add(batch, "prompt_", batch["prompt_ids"], pixels, spans)
+        return batch
+
+    def _add(self, batch: dict[str, Any], prefix: str, ids: torch.Tensor, pixels: dict[str, torch.Tensor],
+             chosen: list[tuple[int, int, int]]) -> None:
+        import torch
+
+        if not chosen:
+            return
+        batch[f"{prefix}pixel_values"] = torch.cat([pixels["pixel_values"][a:b] for a, b, _ in chosen])
+        batch[f"{prefix}image_grid_thw"] = pixels["image_grid_thw"][[image for _, _, image in chosen]]
+        batch[f"{prefix}mm_token_type_ids"] = (ids == self.inputs.image_token_id).int()
+
+
+def _kept_images(rows: list[dict[str, Any]]) -> set[int]:
+    """Batch-wide indices of the images each row's (possibly cut) inputs still hold: its first ``n_images``."""
+    kept, index = set(), 0
+    for row in rows:
+        kept.update(range(index, index + row["n_images"]))
+        index += len(row["images"])
+    return kept

@@ -1,0 +1,51 @@
+"""Vision-language SFT (``vision_causal_lm`` rows, ``data.format: vision_chat``): causal LM training on the
+assistant's text, with the conversation's images passed to the model.
+
+Everything the loop sees is the causal LM task's: the token-weighted next-token loss over answer tokens (image and
+prompt tokens are IGNORE), ``token_accuracy`` and ``exact_match``. What differs is the batch: the collator adds the
+images' pixel values, patch grids and the image-token mask (:class:`finetune.data.vision.VisionCollator`), and the
+forward gets the row's ``model_inputs``, which name them. Generation for ``exact_match`` runs the model's own
+``generate`` with the prompt's images: a multimodal model places its rotary positions from the images (Qwen2-VL's
+3-D positions), which a plain decoding loop does not know. It decodes greedily for ``eval.max_new_tokens`` tokens;
+on a sharded backend every rank keeps stepping until all have finished (``synced_gpus``), so the ranks stay in
+lockstep as the text task's fixed-length loop keeps them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from finetune.data.vision import ImageInputs, VisionCollator
+from finetune.tasks.causal_lm import CausalLMTask
+
+PROMPT_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")  # the collator's prompt_<key> tensors
+
+
+class VisionCausalLMTask(CausalLMTask):
+    """The causal LM task over vision_chat rows; ``images`` is the model's image processor."""
+
+    def __init__(self, *args: Any, images: ImageInputs, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.images = images
+
+    def train_collator(self) -> VisionCollator:
+        return VisionCollator(self.pad_id, self.images)
+
+    def eval_collator(self) -> VisionCollator:
+        return VisionCollator(self.pad_id, self.images, with_prompts=self.with_prompts)
+
+    def _generate(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        from accelerate.utils import extract_model_from_parallel
+        from transformers import GenerationConfig
+
+        prompt = batch["prompt_ids"]
+        eos = self.tokenizer.eos_token_id
+        config = GenerationConfig(max_new_tokens=self.cfg.eval.max_new_tokens, do_sample=False, eos_token_id=eos,
+                                  pad_token_id=self.pad_id)
+        images = {key: batch[f"prompt_{key}"] for key in PROMPT_KEYS if f"prompt_{key}" in batch}
+        out = extract_model_from_parallel(model).generate(
+            input_ids=prompt, attention_mask=batch["prompt_mask"], **images, generation_config=config,
+            synced_gpus=self.lockstep)
+        return out[:, prompt.size(1):]

@@ -1,0 +1,170 @@
+"""Vision-language SFT on the tiny Qwen2-VL row (data.format vision_chat, the shapes data), one process.
+
+Exact resume after a SIGTERM, ``finetune eval`` of the export reproducing the run's metrics, ``model.freeze``,
+LoRA on the language model only with its export and ``finetune merge``, and one-line refusals. The quickstart's
+learning is tests/integration/test_quickstarts.py; the 2-process backends are tests/distributed/test_vlm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+
+from finetune import hooks
+from finetune.tracking import read_metrics
+from tests.cli_helpers import main_exit
+from tests.integration.conftest import DATA, cli_exit_code, tiny_recipe
+
+pytestmark = pytest.mark.integration
+SHAPES = DATA / "shapes"
+
+
+def small_eval(folder: Path, rows: int = 12) -> str:
+    """The first ``rows`` held-out shapes rows, with absolute image paths (the file lives elsewhere)."""
+    lines = (SHAPES / "eval.jsonl").read_text().splitlines()[:rows]
+    out = []
+    for line in lines:
+        row = json.loads(line)
+        for part in row["messages"][0]["content"]:
+            if part["type"] == "image":
+                part["image"] = str(SHAPES / part["image"])
+        out.append(json.dumps(row))
+    path = folder / "eval.jsonl"
+    path.write_text("\n".join(out) + "\n")
+    return str(path)
+
+
+def vlm_recipe(folder: Path, **sections: Any) -> dict[str, Any]:
+    """tiny_recipe on tiny-qwen2-vl and the shapes data: 8 steps of micro 4 x accum 2, dropout on, exact_match and
+    token accuracy at steps 4 and 8, a checkpoint every 2 steps."""
+    recipe = tiny_recipe(
+        model={"type": "tiny-qwen2-vl", "config_overrides": {"attention_dropout": 0.1}},
+        data={"format": "vision_chat", "train": str(SHAPES / "train.jsonl"), "eval": small_eval(folder),
+              "max_seq_len": 64},
+        optim={"lr": 1.0e-3},
+        eval={"every_steps": 4, "metrics": ["exact_match", "token_accuracy"], "batch_size": 8, "max_new_tokens": 8},
+        checkpoint={"every_steps": 2, "keep_last": 2},
+    )
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    return recipe
+
+
+def write(folder: Path, name: str, recipe: dict[str, Any]) -> Path:
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(folder / name)}, sort_keys=False))
+    return path
+
+
+def final_state(run: Path) -> dict[str, torch.Tensor]:
+    """The exported model's state dict under its module names (on disk, transformers writes the hub's key names)."""
+    import transformers
+
+    return transformers.AutoModelForImageTextToText.from_pretrained(run / "final").state_dict()
+
+
+def train_rows(run: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run) if r["kind"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The straight 8-step run, and the same recipe stopped by SIGTERM after step 3 and resumed to step 8."""
+    folder = tmp_path_factory.mktemp("vlm")
+    recipe = vlm_recipe(folder)
+    assert cli_exit_code("run", str(write(folder, "straight", recipe))) == 0
+
+    def stop(trainer: Any) -> None:
+        if trainer.state.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hooks.clear()
+    hooks.register("after_step", stop)
+    try:
+        assert cli_exit_code("run", str(write(folder, "resumed", recipe))) == 143
+    finally:
+        hooks.clear()
+    assert cli_exit_code("resume", str(folder / "resumed")) == 0
+    return {"straight": folder / "straight", "resumed": folder / "resumed", "folder": folder}
+
+
+def test_trains_and_resumes_bit_identically(runs: dict[str, Path]) -> None:
+    """8 straight steps == 3 steps, SIGTERM (checkpoint at step 4), resume, 4 more: the same losses and eval
+    metrics and bit-identical weights, vision tower included (dropout on, shuffle on, accumulation 2)."""
+    straight, resumed = runs["straight"], runs["resumed"]
+    losses = [r["loss"] for r in train_rows(straight)]
+    assert len(losses) == 8 and losses[-1] < losses[0]
+    assert [r["loss"] for r in train_rows(resumed)] == losses
+    evals = [r for r in read_metrics(straight) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [4, 8] and evals[-1]["eval_total"] == 12
+    assert [r for r in read_metrics(resumed) if r["kind"] == "eval"] == evals
+    a, b = final_state(straight), final_state(resumed)
+    assert any(k.startswith("model.visual.") for k in a)
+    assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_the_export_is_a_hub_style_folder_that_eval_reproduces(runs: dict[str, Path], monkeypatch, capsys) -> None:
+    """final/ holds the weights, config, tokenizer and image processor (it loads like a hub folder, with
+    AutoModelForImageTextToText and AutoImageProcessor); `finetune eval` of the run reproduces its last eval."""
+    import transformers
+
+    final = runs["straight"] / "final"
+    assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= \
+        {p.name for p in final.iterdir()}
+    assert type(transformers.AutoModelForImageTextToText.from_pretrained(final)).__name__ == \
+        "Qwen2VLForConditionalGeneration"
+    assert type(transformers.AutoImageProcessor.from_pretrained(final)).__name__ == "Qwen2VLImageProcessorPil"
+    code, stdout, _ = main_exit(monkeypatch, capsys, "eval", str(runs["straight"]), "--json")
+    assert code == 0
+    metrics = json.loads(stdout)
+    last = [r for r in read_metrics(runs["straight"]) if r["kind"] == "eval"][-1]
+    for key in ("eval_exact_match", "eval_token_accuracy", "eval_total"):
+        assert metrics[key] == last[key], key
+    assert abs(metrics["eval_loss"] - last["eval_loss"]) < 1e-5
+
+
+def test_freeze_vision_trains_only_the_projector_and_the_language_model(tmp_path: Path) -> None:
+    """model.freeze: [vision] keeps the vision tower's patch embedding and blocks exactly at their initial values,
+    while the projector (merger) and the language model train; train.log says how many parameters were frozen."""
+    from finetune import registry
+    from finetune.config.schema import ModelConfig
+    from finetune.modeling import build_base
+
+    recipe = vlm_recipe(tmp_path, model={"freeze": ["vision"]}, train={"max_steps": 2},
+                        eval={"every_steps": None}, checkpoint={"every_steps": None})
+    assert cli_exit_code("run", str(write(tmp_path, "frozen", recipe))) == 0
+    after = final_state(tmp_path / "frozen")
+    before = build_base(ModelConfig(type="tiny-qwen2-vl", config_overrides={"attention_dropout": 0.1}),
+                        registry.get_model("tiny-qwen2-vl"), seed=7).state_dict()
+    vision = [k for k in after if k.startswith(("model.visual.blocks.", "model.visual.patch_embed."))]
+    assert vision and all(torch.equal(after[k], before[k]) for k in vision)
+    for prefix in ("model.visual.merger.", "model.language_model.layers.0.self_attn.q_proj"):
+        assert any(not torch.equal(after[k], before[k]) for k in after if k.startswith(prefix)), prefix
+    assert "model.freeze: vision (" in (tmp_path / "frozen" / "train.log").read_text()
+
+
+def test_lora_adapts_the_language_model_only_and_merges(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A LoRA preset on the VLM adapts the decoder's attention and MLP, never the vision tower (whose MLP shares
+    names with the decoder's in Qwen2.5-VL); the adapter export evaluates, and `finetune merge` writes a plain
+    model that reproduces base + adapter."""
+    from safetensors.torch import load_file
+
+    recipe = vlm_recipe(tmp_path, peft={"method": "lora", "preset": "attn_mlp"}, train={"max_steps": 4},
+                        optim={"lr": 1.0e-2}, eval={"every_steps": None}, checkpoint={"every_steps": None})
+    assert cli_exit_code("run", str(write(tmp_path, "lora", recipe))) == 0
+    run = tmp_path / "lora"
+    adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
+    assert adapter and all(".language_model." in k for k in adapter) and not any("visual" in k for k in adapter)
+    assert any("mlp.gate_proj" in k for k in adapter)
+    code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged"))
+    assert code == 0, err
+    assert (tmp_path / "merged" / "preprocessor_config.json").is_file()
+    code, stdout, _ = main_exit(monkeypatch, capsys, "eval", str(tmp_path / "merged"), "--json")
+    assert code == 0 and json.loads(stdout)["eval_total"] == 12

@@ -1,0 +1,195 @@
+"""data.format vision_chat: row checks, image-token expansion, masking, over-long cuts and the collator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from finetune import registry
+from finetune.config.schema import ModelConfig
+from finetune.data.batching import Collator
+from finetune.data.formats import Rendered
+from finetune.data.loading import load_raw
+from finetune.data.tokenize import IGNORE, tokenize_rows
+from finetune.data.vision import VisionCollator, expand, fit
+from finetune.errors import DataError
+from finetune.modeling import build_tokenizer, image_inputs
+
+ROW = registry.get_model("tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="module")
+def tools() -> tuple:
+    tokenizer = build_tokenizer(ModelConfig(type="tiny-qwen2-vl"), ROW)
+    return tokenizer, image_inputs(tokenizer, ROW)
+
+
+def image(path: Path, colour: str = "red", size: tuple[int, int] = (56, 56)) -> str:
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path.name
+
+
+def turn(*parts: dict) -> dict:
+    return {"role": "user", "content": list(parts)}
+
+
+def img(name: str) -> dict:
+    return {"type": "image", "image": name}
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+def write(tmp_path: Path, rows: list[dict]) -> str:
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def tokenize(tools: tuple, source: str, **kwargs):
+    tokenizer, images = tools
+    options = {"max_len": 64, "overlong": "truncate", **kwargs}
+    return tokenize_rows(load_raw(source), fmt="vision_chat", tokenizer=tokenizer, source=source, images=images,
+                         **options)
+
+
+def qa(name: str, answer: str = "red") -> dict:
+    return {"messages": [turn(img(name), text("What colour?")), {"role": "assistant", "content": answer}]}
+
+
+def test_only_the_answer_is_trained_and_each_image_is_its_grid_of_tokens(tools, tmp_path: Path) -> None:
+    tokenizer, images = tools
+    small, wide = image(tmp_path / "a.png"), image(tmp_path / "b.png", "blue", (112, 56))
+    rows = [qa(small), {"messages": [turn(img(small), text("and"), img(wide)), {"role": "assistant",
+                                                                                "content": "blue"}]}]
+    data = tokenize(tools, write(tmp_path, rows)).dataset
+    first, second = data[0], data[1]
+    assert first["input_ids"].count(images.image_token_id) == 4  # 56x56: 4x4 patches of 14, merged 2x2
+    assert second["input_ids"].count(images.image_token_id) == 4 + 8  # 112x56: twice as many
+    assert second["image_grids"] == [[1, 4, 4], [1, 4, 8]] and second["n_images"] == 2
+    assert [Path(p).name for p in second["images"]] == ["a.png", "b.png"] and Path(second["images"][0]).is_absolute()
+    trained = [t for t in first["labels"] if t != IGNORE]
+    assert tokenizer.decode(trained) == "red<|im_end|>"
+    # the generation prompt holds the same image tokens and ends where the answer starts
+    assert first["prompt_ids"] == first["input_ids"][:len(first["prompt_ids"])]
+    assert first["prompt_ids"].count(images.image_token_id) == 4 and first["reference"] == "red"
+
+
+def test_image_tokens_are_not_trained_even_on_the_prompt(tools, tmp_path: Path) -> None:
+    _, images = tools
+    data = tokenize(tools, write(tmp_path, [qa(image(tmp_path / "a.png"))]), train_on_prompt=True).dataset
+    ids, labels = data[0]["input_ids"], data[0]["labels"]
+    assert all(label == IGNORE for tid, label in zip(ids, labels, strict=True) if tid == images.image_token_id)
+    assert sum(label != IGNORE for label in labels) > 4  # the prompt text is trained on
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"messages": [turn(img("missing.png"), text("?")), {"role": "assistant", "content": "x"}]},
+     "data.jsonl:2: image not found: {tmp}/missing.png"),
+    ({"messages": [turn(img("notes.png"), text("?")), {"role": "assistant", "content": "x"}]},
+     "data.jsonl:2: cannot read image {tmp}/notes.png"),
+    ({"messages": [turn(text("?")), {"role": "assistant", "content": [img("a.png")]}]},
+     "data.jsonl:2: messages[1].content[0] is an image in an assistant turn"),
+    ({"messages": [turn({"type": "image"}), {"role": "assistant", "content": "x"}]},
+     "data.jsonl:2: messages[0].content[0] must be {type: text, text: string} or {type: image, image: path}"),
+    ({"messages": [turn(img("a.png"))]}, "data.jsonl:2: the last message must be the assistant's"),
+    ({"messages": [{"role": "robot", "content": "x"}]}, "data.jsonl:2: messages[0] needs role in"),
+])
+def test_a_bad_row_is_one_line_naming_it(tools, tmp_path: Path, bad: dict, message: str) -> None:
+    good = image(tmp_path / "a.png")
+    (tmp_path / "notes.png").write_text("not an image")
+    with pytest.raises(DataError) as caught:
+        tokenize(tools, write(tmp_path, [qa(good), bad]))
+    assert message.replace("{tmp}", str(tmp_path)) in str(caught.value)
+    assert "\n" not in str(caught.value)
+
+
+def test_an_over_long_sample_is_cut_before_an_image_never_inside_it(tools, tmp_path: Path) -> None:
+    _, images = tools
+    names = [image(tmp_path / f"{i}.png") for i in range(2)]
+    row = {"messages": [turn(img(names[0]), text("then"), img(names[1])), {"role": "assistant", "content": "red"}]}
+    full = tokenize(tools, write(tmp_path, [row])).dataset[0]["input_ids"]
+    second = [i for i, t in enumerate(full) if t == images.image_token_id][4]  # the second image's first token
+    for max_len in (second + 1, second + 3):  # inside the second image's 4 tokens (prompt trained: kept)
+        cut = tokenize(tools, write(tmp_path, [row]), max_len=max_len, train_on_prompt=True).dataset
+        assert cut[0]["input_ids"] == full[:second] and cut[0]["n_images"] == 1, max_len
+        assert len(cut[0]["images"]) == 2  # the prompt (generation) keeps both images
+    with pytest.raises(DataError, match="no usable samples"):  # cut before any answer token: skipped
+        tokenize(tools, write(tmp_path, [row]), max_len=second + 3)
+
+
+def test_expand_moves_answer_spans_with_the_text() -> None:
+    out = expand(Rendered("<i>q<i>:ANS", ((8, 11),), "<i>q<i>:", "ANS", False), "<i>", [3, 2])
+    assert out.text == "<i><i><i>q<i><i>:ANS" and out.text[slice(*out.spans[0])] == "ANS"
+    assert out.prompt == "<i><i><i>q<i><i>:"
+
+
+def test_fit_keeps_whole_images() -> None:
+    ids = [1, 9, 9, 2, 9, 9, 3]
+    assert fit(ids, 9, [2, 2], 10) == (7, 2)
+    assert fit(ids, 9, [2, 2], 5) == (4, 1)  # position 5 is inside the second image: cut before it
+    assert fit(ids, 9, [2, 2], 4) == (4, 1)
+    assert fit(ids, 9, [2, 2], 2) == (1, 0)
+
+
+def test_the_collator_adds_the_images_the_inputs_hold(tools, tmp_path: Path) -> None:
+    tokenizer, images = tools
+    names = [image(tmp_path / "a.png"), image(tmp_path / "b.png", "green", (112, 56))]
+    source = write(tmp_path, [qa(names[0]), {"messages": [turn(text("no image")), {"role": "assistant",
+                                                                                  "content": "ok"}]}, qa(names[1])])
+    rows = list(tokenize(tools, source).dataset)
+    batch = VisionCollator(tokenizer.pad_token_id, images, with_prompts=True)(rows)
+    text_only = Collator(tokenizer.pad_token_id, with_prompts=True)(rows)
+    assert torch.equal(batch["input_ids"], text_only["input_ids"]) and torch.equal(batch["labels"], text_only["labels"])
+    assert batch["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 8]]
+    assert batch["pixel_values"].shape[0] == 16 + 32  # one row per 14x14 patch
+    assert torch.equal(batch["mm_token_type_ids"], (batch["input_ids"] == images.image_token_id).int())
+    assert batch["mm_token_type_ids"].sum(1).tolist() == [4, 0, 8]
+    assert torch.equal(batch["prompt_pixel_values"], batch["pixel_values"])
+    assert batch["prompt_mm_token_type_ids"].sum(1).tolist() == [4, 0, 8]
+    assert "pixel_values" not in VisionCollator(tokenizer.pad_token_id, images)([rows[1]])  # no images, no keys
+    image(tmp_path / "b.png", "green", (56, 56))  # edited after tokenization: its grid no longer fits its tokens
+    with pytest.raises(DataError, match=r"b.png changed after the data was tokenized"):
+        VisionCollator(tokenizer.pad_token_id, images)(rows)
+
+
+def test_vision_chat_needs_a_vision_model(tmp_path: Path) -> None:
+    tokenizer = build_tokenizer(ModelConfig(type="tiny-qwen2-vl"), ROW)
+    source = write(tmp_path, [qa(image(tmp_path / "a.png"))])
+    with pytest.raises(DataError, match="vision_chat needs a vision-language model type"):
+        tokenize_rows(load_raw(source), fmt="vision_chat", tokenizer=tokenizer, source=source, max_len=64,
+                      overlong="truncate")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.freeze=[vison]"], "model.freeze: tiny-qwen2-vl has no part named 'vison'; its parts are vision, "
+                               "projector, language"),
+    (["model.freeze=[vision,projector,language]"], "leaving nothing to train"),
+    (["model.type=tiny-llama", "model.freeze=[vision]", "data.format=alpaca"],
+     "model.freeze: tiny-llama has no part named 'vision'; it cannot freeze parts"),
+    (["data.packing=true"], "data.packing: tiny-qwen2-vl does not support packing"),
+    (["model.type=tiny-llama"], "data.format: 'vision_chat' does not fit tiny-llama (causal_lm)"),
+])
+def test_the_recipe_refuses_what_the_vision_row_cannot_do(overrides: list[str], message: str) -> None:
+    from finetune.config import load_recipe
+    from finetune.errors import ConfigError
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "vlm-quickstart.yaml"
+    with pytest.raises(ConfigError) as caught:
+        load_recipe(recipe, overrides)
+    assert message in str(caught.value)
+
+
+def test_freezing_every_part_is_fine_with_lora() -> None:
+    from finetune.config import load_recipe
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "vlm-quickstart.yaml"
+    cfg, _ = load_recipe(recipe, ["model.freeze=[vision,projector,language]", "peft.method=lora"])
+    assert cfg.model.freeze == ["vision", "projector", "language"]
