@@ -23,17 +23,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.formats import Rendered
+from finetune.data.loading import ROLES, short_repr
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
     import torch
-
-ROLES = ("system", "user", "assistant")
-
-
-def _kind(value: Any) -> str:
-    return type(value).__name__
-
 
 def check_messages(value: Any, where: str) -> None:
     """A vision_chat ``messages`` list: ``{role, content}`` turns ending with the assistant's; content is a string
@@ -49,7 +43,7 @@ def check_messages(value: Any, where: str) -> None:
             continue
         if not isinstance(content, list) or not content:
             raise DataError(f"{where}: messages[{i}].content must be a string or a non-empty list of parts "
-                            f"{{type: text, text}} / {{type: image, image}}, got {_kind(content)}")
+                            f"{{type: text, text}} / {{type: image, image}}, got {short_repr(content)}")
         for j, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
@@ -60,7 +54,7 @@ def check_messages(value: Any, where: str) -> None:
                                     "belong in user turns (the model learns the assistant's text)")
                 continue
             raise DataError(f"{where}: messages[{i}].content[{j}] must be {{type: text, text: string}} or "
-                            f"{{type: image, image: path}}, got {str(part)[:80]}")
+                            f"{{type: image, image: path}}, got {short_repr(part)}")
     if value[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
 

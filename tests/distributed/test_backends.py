@@ -36,6 +36,10 @@ EXPECTED = {  # backend -> (distributed type, shards parameters)
     "zero3_offload": ("DistributedType.DEEPSPEED", True),
 }
 BACKENDS = list(EXPECTED)
+# zero1 and zero3_offload write the checkpoint files of zero2 and zero3 through the same engine save/load (their
+# straight runs are checked by test_parity_with_one_process): resuming, LoRA and changes of layout under them would
+# repeat zero2's and zero3's checks, and CI time is tight
+CHECKPOINT_BACKENDS = [backend for backend in BACKENDS if backend not in ("zero1", "zero3_offload")]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -153,7 +157,7 @@ def test_exports_load_with_from_pretrained(workdir: Path) -> None:
         assert all(torch.equal(loaded[k], v) for k, v in exported.items())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CHECKPOINT_BACKENDS)
 def test_resume_equals_straight(workdir: Path, backend: str) -> None:
     """SIGTERM on rank 0 after step 3: every rank stops after step 4 with a checkpoint; the resumed run ends with
     bit-identical weights (gloo's 2-rank sums are order-independent and CPU kernels deterministic)."""
@@ -243,7 +247,7 @@ def lora_run(workdir: Path, backend: str) -> Path:
     return _lora[backend]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", CHECKPOINT_BACKENDS)
 def test_lora_parity_complete_adapter_and_reload(workdir: Path, lora_reference: Path, backend: str) -> None:
     """LoRA on 2 processes: per-step losses equal the 1-process LoRA run within 1e-4; the saved adapter is complete
     (FSDP1 naively saves an empty one) and equal to the 1-process adapter; reloading it gives the live eval loss."""

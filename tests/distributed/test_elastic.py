@@ -17,6 +17,7 @@ from finetune import rundir
 from finetune.tracking import read_metrics
 from tests.distributed.test_backends import (
     BACKENDS,
+    CHECKPOINT_BACKENDS,
     _finetune,
     _losses,
     _straight_run,
@@ -60,12 +61,7 @@ def _assert_continues(run: Path, straight: Path, saved: str, saved_world: int, n
     assert not rundir.reshard_scratch(run).exists() and rundir.foreign_entries(run) == []
 
 
-# zero1 and zero3_offload write the files zero2 and zero3 write (the same converters read them; their reads are
-# checked by test_read_full_state_of_every_backend): their resumes would repeat those paths, and CI time is tight
-SHRINK = [backend for backend in BACKENDS if backend not in ("zero1", "zero3_offload")]
-
-
-@pytest.mark.parametrize("backend", SHRINK)
+@pytest.mark.parametrize("backend", CHECKPOINT_BACKENDS)  # zero1/zero3_offload: their files are read below
 def test_shrink_to_one_process(workdir: Path, backend: str) -> None:
     """4 steps at 2 processes under ``backend``, then 4 at 1 process (backend single) == 8 straight at 2."""
     straight = _straight_run(workdir, backend)

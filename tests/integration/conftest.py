@@ -93,6 +93,25 @@ def new_trainer(cfg: Any) -> Any:
     return build_trainer(cfg, run_dir)
 
 
+def run_stopped_after(recipe: Path, step: int) -> None:
+    """``finetune run recipe`` in this process, stopped by a SIGTERM right after optimizer step ``step`` (the run
+    saves a checkpoint at the next step boundary and exits 143, as the test asserts)."""
+    import signal
+
+    from finetune import hooks
+
+    def stop(trainer: Any) -> None:
+        if trainer.state.step == step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hooks.clear()
+    hooks.register("after_step", stop)
+    try:
+        assert cli_exit_code("run", str(recipe)) == 143
+    finally:
+        hooks.clear()
+
+
 def run_in_process(cfg: Any) -> Path:
     """Train a validated recipe in this process as `finetune run` does: create and lock the run dir (marker, run
     id), write the resolved recipe, train; returns the run dir."""

@@ -9,8 +9,6 @@ one error line (exit 2). The 2-process FSDP2 run is tests/distributed/test_custo
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +16,11 @@ import pytest
 import torch
 import yaml
 
-from finetune import hooks, registry
+from finetune import registry
 from finetune.errors import ConfigError
 from finetune.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, final_weights, run_stopped_after, tiny_recipe
 
 pytestmark = pytest.mark.integration
 PLUGIN = "tests.plugins.tiny_custom_lm"
@@ -72,17 +70,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("custom")
     recipe = custom_recipe()
     assert cli_exit_code("run", str(_write(folder, "straight", recipe))) == 0
-
-    def stop(trainer: Any) -> None:
-        if trainer.state.step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    hooks.clear()
-    hooks.register("after_step", stop)
-    try:
-        assert cli_exit_code("run", str(_write(folder, "resumed", recipe))) == 143
-    finally:
-        hooks.clear()
+    run_stopped_after(_write(folder, "resumed", recipe), 5)
     resumed = folder / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
     assert cli_exit_code("resume", str(resumed)) == 0

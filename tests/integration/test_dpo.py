@@ -6,8 +6,6 @@ the shipped DPO quickstart (a short SFT, then DPO) learns what the README promis
 from __future__ import annotations
 
 import math
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,6 @@ import pytest
 import torch
 import yaml
 
-from finetune import hooks
 from finetune.tracking import read_metrics
 from tests.integration.conftest import (
     DATA,
@@ -25,6 +22,7 @@ from tests.integration.conftest import (
     max_rel_diff,
     new_trainer,
     run_in_process,
+    run_stopped_after,
     tiny_recipe,
 )
 
@@ -119,17 +117,7 @@ def test_resume_is_bit_identical(tmp_path: Path, pairs) -> None:
                         train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 12},
                         scheduler={"name": "cosine", "warmup_steps": 3}, checkpoint={"every_steps": 2, "keep_last": 3})
     assert cli_exit_code("run", str(_write(tmp_path, recipe, "straight"))) == 0
-
-    def stop_after_step_5(trainer: Any) -> None:
-        if trainer.state.step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    hooks.clear()
-    hooks.register("after_step", stop_after_step_5)
-    try:
-        assert cli_exit_code("run", str(_write(tmp_path, recipe, "resumed"))) == 143
-    finally:
-        hooks.clear()
+    run_stopped_after(_write(tmp_path, recipe, "resumed"), 5)
     resumed = tmp_path / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
     assert cli_exit_code("resume", str(resumed)) == 0

@@ -8,8 +8,6 @@ learning is tests/integration/test_quickstarts.py; the 2-process backends are te
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +15,9 @@ import pytest
 import torch
 import yaml
 
-from finetune import hooks
 from finetune.tracking import read_metrics
 from tests.cli_helpers import main_exit
-from tests.integration.conftest import DATA, cli_exit_code, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe
 
 pytestmark = pytest.mark.integration
 SHAPES = DATA / "shapes"
@@ -80,17 +77,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("vlm")
     recipe = vlm_recipe(folder)
     assert cli_exit_code("run", str(write(folder, "straight", recipe))) == 0
-
-    def stop(trainer: Any) -> None:
-        if trainer.state.step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    hooks.clear()
-    hooks.register("after_step", stop)
-    try:
-        assert cli_exit_code("run", str(write(folder, "resumed", recipe))) == 143
-    finally:
-        hooks.clear()
+    run_stopped_after(write(folder, "resumed", recipe), 3)
     assert cli_exit_code("resume", str(folder / "resumed")) == 0
     return {"straight": folder / "straight", "resumed": folder / "resumed", "folder": folder}
 
