@@ -214,20 +214,20 @@ class VisionCollator:
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.text(rows)
-        paths = [path for row in rows for path in row["images"]]
-        grids = [grid for row in rows for grid in row["image_grids"]]
-        if not paths:
-            return batch
-        pixels = load_images(paths, grids, self.inputs)
-        spans, offset = [], 0  # each image's rows of pixel_values (its patches), and its index in the batch
-        for image, grid in enumerate(grids):
-            spans.append((offset, offset + math.prod(grid), image))
-            offset += math.prod(grid)
+        images = [(path, grid) for row in rows for path, grid in zip(row["images"], row["image_grids"], strict=True)]
         kept = _kept_images(rows)
-        selected = [span for span in spans if span[2] in kept]
-        self._add(batch, "", batch["input_ids"], pixels, selected)
+        needed = [i for i in range(len(images)) if self.with_prompts or i in kept]  # training reads only its own
+        if not needed:
+            return batch
+        pixels = load_images([images[i][0] for i in needed], [images[i][1] for i in needed], self.inputs)
+        spans, offset = {}, 0  # each image's rows of pixel_values (its patches) and its place in ``pixels``
+        for place, i in enumerate(needed):
+            patches = math.prod(images[i][1])
+            spans[i] = (offset, offset + patches, place)
+            offset += patches
+        self._add(batch, "", batch["input_ids"], pixels, [spans[i] for i in needed if i in kept])
         if self.with_prompts:
-            self._add(batch, "prompt_", batch["prompt_ids"], pixels, spans)
+            self._add(batch, "prompt_", batch["prompt_ids"], pixels, [spans[i] for i in needed])
         return batch
 
     def _add(self, batch: dict[str, Any], prefix: str, ids: torch.Tensor, pixels: dict[str, torch.Tensor],

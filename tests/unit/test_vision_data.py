@@ -121,6 +121,10 @@ def test_an_over_long_sample_is_cut_before_an_image_never_inside_it(tools, tmp_p
         cut = tokenize(tools, write(tmp_path, [row]), max_len=max_len, train_on_prompt=True).dataset
         assert cut[0]["input_ids"] == full[:second] and cut[0]["n_images"] == 1, max_len
         assert len(cut[0]["images"]) == 2  # the prompt (generation) keeps both images
+        batch = VisionCollator(0, images, with_prompts=True)([cut[0]])
+        assert batch["image_grid_thw"].tolist() == [[1, 4, 4]] and batch["pixel_values"].shape[0] == 16
+        assert batch["prompt_image_grid_thw"].tolist() == [[1, 4, 4]] * 2
+        assert batch["prompt_pixel_values"].shape[0] == 32
     with pytest.raises(DataError, match="no usable samples"):  # cut before any answer token: skipped
         tokenize(tools, write(tmp_path, [row]), max_len=second + 3)
 
