@@ -25,6 +25,7 @@ from tests.distributed.test_backends import (
     lora_reference,
     lora_run,
     reference,
+    resumed_copy,
     workdir,
 )
 from tests.integration.conftest import final_weights, max_rel_diff
@@ -32,18 +33,6 @@ from tests.integration.conftest import final_weights, max_rel_diff
 pytestmark = pytest.mark.distributed
 __all__ = ["lora_reference", "reference", "workdir"]  # fixtures shared with test_backends
 TOL = 1e-5
-
-
-def _resumed_copy(source: Path, name: str, *args: str) -> Path:
-    """A copy of the finished run ``source`` resumed from its step-4 checkpoint with ``args``; must succeed."""
-    run = source.parent / name
-    if run.exists():
-        shutil.rmtree(run)
-    shutil.copytree(source, run)
-    done = _finetune("resume", str(run), "--from", "step-000004", *args)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr
-    return run
 
 
 def _assert_continues(run: Path, straight: Path, saved: str, saved_world: int, now: str, world: int) -> None:
@@ -65,21 +54,21 @@ def _assert_continues(run: Path, straight: Path, saved: str, saved_world: int, n
 def test_shrink_to_one_process(workdir: Path, backend: str) -> None:
     """4 steps at 2 processes under ``backend``, then 4 at 1 process (backend single) == 8 straight at 2."""
     straight = _straight_run(workdir, backend)
-    run = _resumed_copy(straight, f"{backend}-to-1", "--num-processes", "1", "--accelerate-config", "cpu")
+    run = resumed_copy(straight, f"{backend}-to-1", "--num-processes", "1", "--accelerate-config", "cpu")
     _assert_continues(run, straight, backend, 2, "single", 1)
 
 
 @pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero3"])
 def test_grow_from_one_process(workdir: Path, reference: Path, backend: str) -> None:
     """4 steps at 1 process, then 4 at 2 processes under ``backend`` == 8 straight at 1 process."""
-    run = _resumed_copy(reference, f"1-to-{backend}", "--num-processes", "2", "--accelerate-config", backend)
+    run = resumed_copy(reference, f"1-to-{backend}", "--num-processes", "2", "--accelerate-config", backend)
     _assert_continues(run, reference, "single", 1, backend, 2)
 
 
 def test_change_of_backend(workdir: Path) -> None:
     """ZeRO-3 partitions at 2 processes continue as FSDP2 shards at 2 processes."""
     straight = _straight_run(workdir, "zero3")
-    run = _resumed_copy(straight, "zero3-to-fsdp2", "--accelerate-config", "fsdp2")
+    run = resumed_copy(straight, "zero3-to-fsdp2", "--accelerate-config", "fsdp2")
     _assert_continues(run, straight, "zero3", 2, "fsdp2", 2)
 
 
@@ -96,7 +85,7 @@ def test_lora_changes_layout(workdir: Path, lora_reference: Path, saved: str, no
     straight = lora_reference if saved == "single" else lora_run(workdir, saved)
     layout = ("--num-processes", "1", "--accelerate-config", "cpu") if now == "single" else \
         ("--num-processes", "2", "--accelerate-config", now)
-    run = _resumed_copy(straight, f"lora-{saved}-to-{now}", *layout)
+    run = resumed_copy(straight, f"lora-{saved}-to-{now}", *layout)
     assert [r["step"] for r in read_metrics(run) if r["kind"] == "train"] == list(range(1, 9))
     assert _losses(run) == pytest.approx(_losses(straight), rel=TOL)
     adapter, expected = _adapter(run), _adapter(straight)
