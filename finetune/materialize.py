@@ -5,9 +5,9 @@ Without this every rank runs ``from_pretrained``: each reads the whole checkpoin
 loads pretrained weights (:func:`plan`):
 
 - rank 0 loads them with ``from_pretrained`` as one process does;
-- every other rank builds the same model on the meta device from the folder's config (no weight file is read,
-  :func:`finetune.modeling.build_empty`), gives it uninitialised storage (never written, so never resident) and
-  re-ties its shared weights;
+- every other rank builds the same model on the meta device from the folder's config (no weight file is read:
+  :func:`finetune.modeling.build_model` with ``empty``), gives it uninitialised storage (never written, so never
+  resident) and re-ties its shared weights;
 - all ranks check that they built the same structure (names, shapes, dtypes, ties, train/eval mode; a mismatch,
   e.g. a checkpoint whose ties differ from its config, makes those ranks read the weights after all, with a
   warning), then fill it as the backend wants (:attr:`finetune.backends.Backend.weight_distribution`): every

@@ -223,10 +223,13 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     passed to transformers on both paths (null keeps the model's default). A custom row is built by its factory
     (:func:`build_custom`); ``source`` is then its export, whose :data:`CUSTOM_WEIGHTS` are loaded into it.
 
-    ``empty``: the model that ``from_pretrained`` would give, built on the meta device from the folder's config
-    alone: no weight file is read (:func:`build_empty`; finetune.materialize fills it from rank 0)."""
-    if empty:
-        return build_empty(cfg, row, source=source, labels=labels, quantization=quantization)
+    ``empty``: the model that ``from_pretrained`` would give without its weights: every parameter and buffer on the
+    meta device, built from the folder's config with the same dtype and attention implementation, in eval mode as
+    ``from_pretrained`` leaves it. Only config.json (and, with trust_remote_code, the model's code) is read;
+    finetune.materialize fills it from rank 0. What needs weights at load time (a custom row, QLoRA's 4-bit
+    placement) has no empty form."""
+    if empty and (row.factory is not None or quantization is not None or not (source or cfg.path)):
+        raise ValueError("an empty model is built only for pretrained Hugging Face weights without quantization")
     if row.factory is not None:
         if quantization is not None:
             raise ConfigError(f"peft.method=qlora quantizes pretrained weights; {row.name} is a custom model")
@@ -239,7 +242,7 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     config = build_config(cfg, row, source, labels)
     dtype = DTYPES[cfg.dtype]
     attention = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-    if source or cfg.path:
+    if (source or cfg.path) and not empty:
         where = source or resolve_model_path(cfg.path or "")
         extra: dict[str, Any] = {}
         if quantization is not None:  # 4-bit weights are placed at load time and cannot be moved afterwards
@@ -251,30 +254,14 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     else:
         if quantization is not None:
             raise ConfigError("peft.method=qlora quantizes pretrained weights; set model.path")
-        with loading("model", "its config (model.config_overrides)", key="model.config_overrides"), \
-                attention_support(cfg, row):
+        place = (("model", source or resolve_model_path(cfg.path or "")) if empty
+                 else ("model", "its config (model.config_overrides)", "model.config_overrides"))
+        with loading(*place), attention_support(cfg, row), torch.device("meta") if empty else contextlib.nullcontext():
             model = auto.from_config(config, dtype=dtype, **attention,
                                      trust_remote_code=cfg.trust_remote_code)  # safe: as above
+        if empty:
+            model.eval()  # as from_pretrained leaves a model
     return model
-
-
-def build_empty(cfg: ModelConfig, row: SupportedModel, *, source: str | None = None,
-                labels: list[str] | None = None, quantization: Any = None) -> Any:
-    """The pretrained model of ``source``/``model.path`` without its weights: every parameter and buffer on the meta
-    device, built from the folder's config with the dtype and attention implementation ``from_pretrained`` gets,
-    and in eval mode as ``from_pretrained`` leaves it. Only config.json (and, with trust_remote_code, the model's
-    code) is read. What needs weights at load time (a custom row, QLoRA's 4-bit placement) has no empty form."""
-    if row.factory is not None or quantization is not None or not (source or cfg.path):
-        raise ValueError("an empty model is built only for pretrained Hugging Face weights without quantization")
-    check_attention(cfg)
-    auto = getattr(transformers, row.auto_class)
-    config = build_config(cfg, row, source, labels)
-    attention = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
-    where = source or resolve_model_path(cfg.path or "")
-    with loading("model", where), attention_support(cfg, row), torch.device("meta"):
-        model = auto.from_config(config, dtype=DTYPES[cfg.dtype], **attention,
-                                 trust_remote_code=cfg.trust_remote_code)  # safe: as in build_model
-    return model.eval()
 
 
 def custom_config(cfg: ModelConfig, row: SupportedModel) -> dict[str, Any]:
