@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import numpy as np
 
@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from finetune.data.vision import ImageInputs
 
 IGNORE = -100
+_R = TypeVar("_R")
 MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
                                        for name in ("formats.py", "tokenize.py", "vision.py"))).hexdigest()[:16]
@@ -127,18 +128,24 @@ def _encode(out: Rendered, tokenizer: Any, with_prompt: bool = True) -> tuple[li
     return ids, labels, prompt_ids
 
 
+def _rendered(render_row: Callable[[], _R], where: str, what: str) -> _R:
+    """``render_row()``; anything but a DataError it raises (e.g. a chat template's ``raise_exception("roles must
+    alternate ...")``) becomes one DataError line, ``where: what (detail)``."""
+    try:
+        return render_row()
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"{where}: {what} ({error_detail(exc)})") from None
+
+
 def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
                 source: str, code_version: str = "") -> dict:
     # code_version is unused here: it is part of the map cache key (see the module docstring)
     _tick()
     check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
-    try:
-        out = render(row, fmt, tokenizer, train_on_prompt)
-    except DataError:
-        raise
-    except Exception as exc:  # e.g. a chat template's raise_exception("roles must alternate ...")
-        what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
-        raise DataError(f"{line_of(source, index)}: {what} ({error_detail(exc)})") from None
+    what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
+    out = _rendered(lambda: render(row, fmt, tokenizer, train_on_prompt), line_of(source, index), what)
     ids, labels, prompt_ids = _encode(out, tokenizer)
     overlong = len(ids) > max_len  # training keeps the start; a generation prompt keeps its end (the cue)
     ids, labels = ids[:max_len], labels[:max_len]
@@ -159,13 +166,8 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     grids = images.grids([vision.open_image(path, where) for path in paths])
     counts = [images.tokens(grid) for grid in grids]
     conversation = vision.for_template(messages)
-    try:
-        out = render({"messages": conversation}, "chat", tokenizer, train_on_prompt)
-    except DataError:
-        raise
-    except Exception as exc:  # e.g. a chat template's raise_exception("roles must alternate ...")
-        raise DataError(f"{where}: the tokenizer's chat template rejects this conversation "
-                        f"({error_detail(exc)})") from None
+    out = _rendered(lambda: render({"messages": conversation}, "chat", tokenizer, train_on_prompt), where,
+                    "the tokenizer's chat template rejects this conversation")
     written = out.text.count(images.image_token)
     if written != len(paths):
         raise DataError(f"{where}: the chat template wrote {written} image placeholder(s) {images.image_token!r} for "
@@ -193,13 +195,8 @@ def _preference_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len:
     smaller answer count of the two, so a pair with no answer token left on either side is skipped."""
     _tick()
     check_row(row, index, "preference", source)
-    try:
-        chosen, rejected = render_preference(row, tokenizer)
-    except DataError:
-        raise
-    except Exception as exc:  # e.g. a chat template's raise_exception("roles must alternate ...")
-        raise DataError(f"{line_of(source, index)}: the tokenizer's chat template rejects this pair "
-                        f"({error_detail(exc)})") from None
+    chosen, rejected = _rendered(lambda: render_preference(row, tokenizer), line_of(source, index),
+                                 "the tokenizer's chat template rejects this pair")
     out: dict[str, Any] = {"overlong": False, "n_labels": 0}
     counts = []
     for side, rendered in (("chosen", chosen), ("rejected", rejected)):
