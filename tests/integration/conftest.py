@@ -31,6 +31,12 @@ def tiny_recipe(**sections: Any) -> dict[str, Any]:
         "logging": {"every_steps": 1, "progress": False},
         "checkpoint": {"every_steps": None},
     }
+    return with_sections(recipe, **sections)
+
+
+def with_sections(recipe: dict[str, Any], **sections: Any) -> dict[str, Any]:
+    """``recipe`` with each named section updated: a mapping is merged into the section's mapping, anything else
+    replaces it. Changes ``recipe`` in place and returns it."""
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(recipe.get(key), dict):
             recipe[key] = {**recipe[key], **value}

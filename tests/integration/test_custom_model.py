@@ -20,7 +20,7 @@ from finetune import registry
 from finetune.errors import ConfigError
 from finetune.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, run_stopped_after, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, final_weights, run_stopped_after, tiny_recipe, with_sections
 
 pytestmark = pytest.mark.integration
 PLUGIN = "tests.plugins.tiny_custom_lm"
@@ -48,9 +48,7 @@ def custom_recipe(**sections: Any) -> dict[str, Any]:
         eval={"every_steps": 6, "metrics": ["token_accuracy"], "batch_size": 64},
         checkpoint={"every_steps": 2, "keep_last": 3},
     )
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    return recipe
+    return with_sections(recipe, **sections)
 
 
 def _write(folder: Path, name: str, recipe: dict[str, Any]) -> Path:

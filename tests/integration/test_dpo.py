@@ -24,6 +24,7 @@ from tests.integration.conftest import (
     run_in_process,
     run_stopped_after,
     tiny_recipe,
+    with_sections,
 )
 
 pytestmark = pytest.mark.integration
@@ -49,9 +50,7 @@ def dpo_recipe(pairs: dict[str, Path], **sections: Any) -> dict[str, Any]:
         eval={"metrics": ["preference_accuracy"], "batch_size": 16},
     )
     recipe["task"] = "dpo"
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    return recipe
+    return with_sections(recipe, **sections)
 
 
 def _rows(run: Path, kind: str) -> list[dict]:

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from finetune import hooks, rundir
 from finetune.tracking import read_metrics
 from tests.cli_helpers import main_exit
-from tests.integration.conftest import DATA, cli_exit_code, new_trainer, run_in_process, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, new_trainer, run_in_process, tiny_recipe, with_sections
 
 pytestmark = pytest.mark.integration
 
@@ -29,9 +29,7 @@ LORA = {"method": "lora", "preset": "attn_mlp", "r": 8, "alpha": 16, "dropout": 
 def lora_recipe(name: str, **sections) -> dict:
     """tiny-llama with LoRA on attention + MLP, a larger lr so a few steps move the adapter visibly."""
     base = tiny_recipe(name=name, peft=LORA, optim={"lr": 5e-3}, train={"max_steps": 4}, data={"eval": None})
-    for key, value in sections.items():
-        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    return base
+    return with_sections(base, **sections)
 
 
 def _write(tmp: Path, recipe: dict) -> Path:

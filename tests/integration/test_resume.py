@@ -22,7 +22,7 @@ import yaml
 
 from finetune import hooks
 from finetune.tracking import read_metrics
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, with_sections
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -44,9 +44,7 @@ def resume_recipe(slow: bool = False, **sections) -> dict:
         checkpoint={"every_steps": 2, "keep_last": 3},
         data={"eval": None},
     )
-    for key, value in sections.items():
-        base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
-    return base
+    return with_sections(base, **sections)
 
 
 def _write(tmp_path: Path, recipe: dict, name: str) -> Path:

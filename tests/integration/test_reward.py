@@ -19,7 +19,7 @@ import yaml
 
 from finetune import hooks
 from finetune.tracking import read_metrics
-from tests.integration.conftest import cli_exit_code, final_weights, max_rel_diff, tiny_recipe
+from tests.integration.conftest import cli_exit_code, final_weights, max_rel_diff, tiny_recipe, with_sections
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -59,9 +59,7 @@ def reward_recipe(files: dict[str, Path], name: str = "reward", **sections: Any)
         data={"format": "preference", "train": str(files["train"]), "eval": str(files["eval"]), "max_seq_len": 64},
         eval={"metrics": ["preference_accuracy"], "batch_size": 16},
     )
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    return recipe
+    return with_sections(recipe, **sections)
 
 
 def write(folder: Path, recipe: dict[str, Any]) -> Path:

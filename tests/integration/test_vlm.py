@@ -17,7 +17,7 @@ import yaml
 
 from finetune.tracking import read_metrics
 from tests.cli_helpers import main_exit
-from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe, with_sections
 
 pytestmark = pytest.mark.integration
 SHAPES = DATA / "shapes"
@@ -49,9 +49,7 @@ def vlm_recipe(folder: Path, **sections: Any) -> dict[str, Any]:
         eval={"every_steps": 4, "metrics": ["exact_match", "token_accuracy"], "batch_size": 8, "max_new_tokens": 8},
         checkpoint={"every_steps": 2, "keep_last": 2},
     )
-    for key, value in sections.items():
-        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
-    return recipe
+    return with_sections(recipe, **sections)
 
 
 def write(folder: Path, name: str, recipe: dict[str, Any]) -> Path:
