@@ -204,41 +204,74 @@ class VisionCollator:
     """Padded text (:class:`finetune.data.batching.Collator`) plus the batch's images: ``pixel_values`` and
     ``image_grid_thw`` of the images the (possibly cut) inputs hold, and ``mm_token_type_ids`` (1 on image tokens,
     0 elsewhere), from which Qwen2-VL computes its multimodal rotary positions. With prompts (generation), the same
-    for the prompts under ``prompt_`` names; a batch without images has none of these keys."""
+    for the prompts under ``prompt_`` names.
+
+    A batch (or a prompt set) without a single image still runs the vision tower: it gets one blank placeholder
+    image, whose tokens sit in extra columns that are masked out (attention mask 0, label IGNORE; appended after
+    right-padded inputs, prepended before left-padded prompts, in row 0, every other row padded). No real token can
+    attend to them, so the loss, the metrics and the generated text are those of the batch without it, and the
+    vision weights get an exactly-zero gradient. Without it, a rank whose micro-batch is text-only (mixed data, or
+    truncation that left every image out) would skip the vision tower while another runs it: DDP's gradient
+    all-reduce, FSDP's and ZeRO-3's parameter gathers would then no longer match across ranks (gloo aborts; NCCL
+    hangs). The collator adds it on one process too, so every process count sees the same batches."""
 
     def __init__(self, pad_id: int, inputs: ImageInputs, *, with_prompts: bool = False) -> None:
         from finetune.data.batching import Collator
 
         self.text = Collator(pad_id, with_prompts=with_prompts)
-        self.inputs, self.with_prompts = inputs, with_prompts
+        self.pad_id, self.inputs, self.with_prompts = pad_id, inputs, with_prompts
+        self._blank: dict[str, torch.Tensor] | None = None
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.text(rows)
         images = [(path, grid) for row in rows for path, grid in zip(row["images"], row["image_grids"], strict=True)]
         kept = _kept_images(rows)
         needed = [i for i in range(len(images)) if self.with_prompts or i in kept]  # training reads only its own
-        if not needed:
-            return batch
-        pixels = load_images([images[i][0] for i in needed], [images[i][1] for i in needed], self.inputs)
+        pixels = (load_images([images[i][0] for i in needed], [images[i][1] for i in needed], self.inputs)
+                  if needed else {})
         spans, offset = {}, 0  # each image's rows of pixel_values (its patches) and its place in ``pixels``
         for place, i in enumerate(needed):
             patches = math.prod(images[i][1])
             spans[i] = (offset, offset + patches, place)
             offset += patches
-        self._add(batch, "", batch["input_ids"], pixels, [spans[i] for i in needed if i in kept])
+        self._add(batch, "", pixels, [spans[i] for i in needed if i in kept])
         if self.with_prompts:
-            self._add(batch, "prompt_", batch["prompt_ids"], pixels, [spans[i] for i in needed])
+            self._add(batch, "prompt_", pixels, [spans[i] for i in needed])
         return batch
 
-    def _add(self, batch: dict[str, Any], prefix: str, ids: torch.Tensor, pixels: dict[str, torch.Tensor],
+    def _add(self, batch: dict[str, Any], prefix: str, pixels: dict[str, torch.Tensor],
              chosen: list[tuple[int, int, int]]) -> None:
         import torch
 
-        if not chosen:
-            return
-        batch[f"{prefix}pixel_values"] = torch.cat([pixels["pixel_values"][a:b] for a, b, _ in chosen])
-        batch[f"{prefix}image_grid_thw"] = pixels["image_grid_thw"][[image for _, _, image in chosen]]
+        if chosen:
+            batch[f"{prefix}pixel_values"] = torch.cat([pixels["pixel_values"][a:b] for a, b, _ in chosen])
+            batch[f"{prefix}image_grid_thw"] = pixels["image_grid_thw"][[image for _, _, image in chosen]]
+        else:
+            self._add_blank(batch, prefix)
+        ids = batch["prompt_ids" if prefix else "input_ids"]
         batch[f"{prefix}mm_token_type_ids"] = (ids == self.inputs.image_token_id).int()
+
+    def _add_blank(self, batch: dict[str, Any], prefix: str) -> None:
+        """The placeholder image (see the class docstring) in masked extra columns of row 0."""
+        import torch
+        from PIL import Image
+
+        from finetune.data.batching import IGNORE
+
+        if self._blank is None:  # the processor's own output for a small black image, made once
+            self._blank = self.inputs.pixels([Image.new("RGB", (28, 28))])
+        batch[f"{prefix}pixel_values"] = self._blank["pixel_values"]
+        batch[f"{prefix}image_grid_thw"] = self._blank["image_grid_thw"]
+        n = self.inputs.tokens(self._blank["image_grid_thw"][0].tolist())
+        keys = {"prompt_ids": self.pad_id, "prompt_mask": 0} if prefix else {
+            "input_ids": self.pad_id, "attention_mask": 0, "labels": IGNORE}
+        for key, fill in keys.items():
+            if key not in batch:
+                continue
+            extra = torch.full((batch[key].size(0), n), fill, dtype=batch[key].dtype)
+            if key.endswith("ids"):
+                extra[0] = self.inputs.image_token_id
+            batch[key] = torch.cat([extra, batch[key]] if prefix else [batch[key], extra], dim=1)
 
 
 def _kept_images(rows: list[dict[str, Any]]) -> set[int]:

@@ -23,19 +23,31 @@ pytestmark = pytest.mark.integration
 SHAPES = DATA / "shapes"
 
 
-def small_eval(folder: Path, rows: int = 12) -> str:
-    """The first ``rows`` held-out shapes rows, with absolute image paths (the file lives elsewhere)."""
-    lines = (SHAPES / "eval.jsonl").read_text().splitlines()[:rows]
+def text_only(row: dict[str, Any]) -> dict[str, Any]:
+    """``row`` with its image parts dropped: every turn's content is its text."""
+    return {"messages": [{"role": m["role"], "content": m["content"] if isinstance(m["content"], str) else
+                          " ".join(p["text"] for p in m["content"] if p["type"] == "text")} for m in row["messages"]]}
+
+
+def shapes_copy(folder: Path, split: str, rows: int | None = None, text_every: int = 0) -> str:
+    """The first ``rows`` shapes rows of ``split`` at ``folder/<split>.jsonl``, with absolute image paths (the file
+    lives elsewhere); with ``text_every`` = k, every k-th row from the second on is text-only (mixed data, written
+    to ``<split>-mixed.jsonl``)."""
     out = []
-    for line in lines:
+    for i, line in enumerate((SHAPES / f"{split}.jsonl").read_text().splitlines()[:rows]):
         row = json.loads(line)
         for part in row["messages"][0]["content"]:
             if part["type"] == "image":
                 part["image"] = str(SHAPES / part["image"])
-        out.append(json.dumps(row))
-    path = folder / "eval.jsonl"
+        out.append(json.dumps(text_only(row) if text_every and i % text_every == 1 else row))
+    path = folder / f"{split}{'-mixed' if text_every else ''}.jsonl"
     path.write_text("\n".join(out) + "\n")
     return str(path)
+
+
+def small_eval(folder: Path, rows: int = 12) -> str:
+    """The first ``rows`` held-out shapes rows."""
+    return shapes_copy(folder, "eval", rows)
 
 
 def vlm_recipe(folder: Path, **sections: Any) -> dict[str, Any]:

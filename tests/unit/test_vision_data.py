@@ -159,7 +159,6 @@ def test_the_collator_adds_the_images_the_inputs_hold(tools, tmp_path: Path) -> 
     assert batch["mm_token_type_ids"].sum(1).tolist() == [4, 0, 8]
     assert torch.equal(batch["prompt_pixel_values"], batch["pixel_values"])
     assert batch["prompt_mm_token_type_ids"].sum(1).tolist() == [4, 0, 8]
-    assert "pixel_values" not in VisionCollator(tokenizer.pad_token_id, images)([rows[1]])  # no images, no keys
     image(tmp_path / "b.png", "green", (56, 56))  # edited after tokenization: its grid no longer fits its tokens
     with pytest.raises(DataError, match=r"b.png changed after the data was tokenized"):
         VisionCollator(tokenizer.pad_token_id, images)(rows)
@@ -227,3 +226,55 @@ def test_every_vision_row_trains_on_a_collated_batch(tools, tmp_path: Path, name
     other = dict(inputs, pixel_values=torch.randn_like(batch["pixel_values"]))
     with torch.no_grad():
         assert not torch.allclose(model(**other, use_cache=False).logits, logits.detach())
+
+
+@pytest.mark.parametrize("name", sorted(n for n, r in registry.SUPPORTED_MODELS.items() if r.image_token))
+def test_a_batch_without_images_still_runs_the_vision_tower_and_changes_nothing(tools, tmp_path: Path,
+                                                                                 name: str) -> None:
+    """A text-only batch gets one blank image in masked extra columns (after the inputs, before the prompts), so
+    that every rank of a sharded or DDP run runs the vision tower on every forward: the loss, the logits of the
+    real tokens and the greedy completions are those of the plain batch, and the vision weights get a gradient of
+    exactly zero (not None: DDP's all-reduce expects one)."""
+    import transformers
+
+    from finetune.tasks.causal_lm import shifted_loss
+
+    tokenizer, images = tools
+    row = registry.SUPPORTED_MODELS[name]
+    plain_rows = [{"messages": [turn(text("Say ok")), {"role": "assistant", "content": "ok"}]},
+                  {"messages": [turn(text("A longer question, with no image?")), {"role": "assistant",
+                                                                                  "content": "fine"}]}]
+    rows = list(tokenize(tools, write(tmp_path, plain_rows)).dataset)
+    batch = VisionCollator(tokenizer.pad_token_id, images, with_prompts=True)(rows)
+    plain = Collator(tokenizer.pad_token_id, with_prompts=True)(rows)
+    width, extra = plain["input_ids"].size(1), batch["input_ids"].size(1) - plain["input_ids"].size(1)
+    assert extra == images.tokens(batch["image_grid_thw"][0].tolist()) > 0 and len(batch["image_grid_thw"]) == 1
+    for key in ("input_ids", "attention_mask", "labels"):
+        assert torch.equal(batch[key][:, :width], plain[key])
+    assert batch["input_ids"][0, width:].eq(images.image_token_id).all() and batch["input_ids"][1, width:].eq(
+        tokenizer.pad_token_id).all()
+    assert not batch["attention_mask"][:, width:].any() and batch["labels"][:, width:].eq(IGNORE).all()
+    assert torch.equal(batch["prompt_ids"][:, extra:], plain["prompt_ids"])
+    assert not batch["prompt_mask"][:, :extra].any()
+    assert batch["prompt_ids"][0, :extra].eq(images.image_token_id).all()
+
+    torch.manual_seed(0)
+    config = getattr(transformers, row.config_class)(**copy.deepcopy(dict(row.tiny_config)))
+    model = getattr(transformers, row.auto_class).from_config(config)
+    with_blank = model(**{key: batch.get(key) for key in row.model_inputs}, use_cache=False).logits
+    loss, count, _ = shifted_loss(with_blank, batch["labels"])
+    loss.backward()
+    visual = [(n, p.grad) for n, p in model.named_parameters() if ".visual." in f".{n}"]
+    assert visual and all(g is not None and not g.any() for _, g in visual), [n for n, g in visual if g is None]
+    with torch.no_grad():
+        without = model(input_ids=plain["input_ids"], attention_mask=plain["attention_mask"], use_cache=False).logits
+    real = plain["attention_mask"].bool()
+    torch.testing.assert_close(with_blank[:, :width][real], without[real], rtol=1e-5, atol=1e-6)
+    expected, expected_count, _ = shifted_loss(without, plain["labels"])
+    assert int(count) == int(expected_count) and float(loss.detach()) == pytest.approx(float(expected), rel=1e-6)
+    options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
+    prompt = {key.removeprefix("prompt_"): batch[key] for key in batch if key.startswith("prompt_")}
+    prompt["input_ids"], prompt["attention_mask"] = prompt.pop("ids"), prompt.pop("mask")
+    blank_out = model.generate(**prompt, **options)[:, batch["prompt_ids"].size(1):]
+    plain_out = model.generate(input_ids=plain["prompt_ids"], attention_mask=plain["prompt_mask"], **options)
+    assert torch.equal(blank_out, plain_out[:, plain["prompt_ids"].size(1):])
