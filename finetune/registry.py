@@ -131,12 +131,25 @@ _TINY_QWEN2_5_VL = {"text_config": _VLM_TEXT, **_VLM_TOKENS,
                     "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
                                       "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
                                       "temporal_patch_size": 2, "window_size": 56, "fullatt_block_indexes": [1]}}
+# Qwen3-VL: the same inputs and placeholder expansion; interleaved multimodal rotary sections, a learned vision
+# position embedding, and DeepStack mergers that feed vision features into early decoder layers (part of the
+# projector). Its hub vision tower uses 16-pixel patches; the tiny one uses 14 so the bundled processor fits it.
+_TINY_QWEN3_VL = {"text_config": {**_VLM_TEXT, "rope_parameters": {
+                      "rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                      "rope_theta": 10000.0}}, **_VLM_TOKENS,
+                  "vision_config": {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+                                    "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
+                                    "temporal_patch_size": 2, "num_position_embeddings": 64,
+                                    "deepstack_visual_indexes": [0]}}
 _VLM_LORA = {"attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
              "attn_mlp": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
              "all_linear": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")}
 _VLM_FREEZE = {"vision": ("model.visual.patch_embed", "model.visual.blocks"), "projector": ("model.visual.merger",),
                "language": ("model.language_model", "lm_head")}
+_QWEN3_VL_FREEZE = {"vision": ("model.visual.patch_embed", "model.visual.pos_embed", "model.visual.blocks"),
+                    "projector": ("model.visual.merger", "model.visual.deepstack_merger_list"),
+                    "language": ("model.language_model", "lm_head")}
 _VLM_COMMON: dict[str, Any] = {
     "task": "vision_causal_lm", "auto_class": "AutoModelForImageTextToText", "lora_targets": _VLM_LORA,
     "capabilities": frozenset({"generation", "gradient_checkpointing"}), "image_token": "<|image_pad|>",
@@ -202,6 +215,12 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         name="qwen2_5_vl", config_class="Qwen2_5_VLConfig", decoder_layer="Qwen2_5_VLDecoderLayer",
         extra_wrap=("Qwen2_5_VLVisionBlock",), tiny_config=_TINY_QWEN2_5_VL, model_types=("qwen2_5_vl",),
         **_VLM_COMMON, description="Qwen2.5-VL vision-language models (images in chat messages)",
+    ),
+    "qwen3_vl": SupportedModel(
+        name="qwen3_vl", config_class="Qwen3VLConfig", decoder_layer="Qwen3VLTextDecoderLayer",
+        extra_wrap=("Qwen3VLVisionBlock",), tiny_config=_TINY_QWEN3_VL, model_types=("qwen3_vl",),
+        **{**_VLM_COMMON, "freeze_groups": _QWEN3_VL_FREEZE},
+        description="Qwen3-VL vision-language models (dense; images in chat messages)",
     ),
     "tiny-qwen2-vl": SupportedModel(
         name="tiny-qwen2-vl", config_class="Qwen2VLConfig", decoder_layer="Qwen2VLDecoderLayer",

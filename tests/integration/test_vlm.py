@@ -7,7 +7,9 @@ learning is tests/integration/test_quickstarts.py; the 2-process backends are te
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,8 @@ import pytest
 import torch
 import yaml
 
+from finetune import registry
+from finetune.config.schema import ModelConfig
 from finetune.tracking import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe, with_sections
@@ -165,3 +169,43 @@ def test_lora_adapts_the_language_model_only_and_merges(tmp_path: Path, monkeypa
     assert (tmp_path / "merged" / "preprocessor_config.json").is_file()
     code, stdout, _ = main_exit(monkeypatch, capsys, "eval", str(tmp_path / "merged"), "--json")
     assert code == 0 and json.loads(stdout)["eval_total"] == 12
+
+
+HUB_ROWS = sorted(n for n, r in registry.SUPPORTED_MODELS.items() if r.image_token and not r.debug_build)
+
+
+@pytest.mark.parametrize("name", HUB_ROWS)
+def test_every_hub_vision_row_trains_from_a_model_folder(tmp_path: Path, name: str) -> None:
+    """Each vision-language row that needs ``model.path`` trains from a hub-style folder (its tiny config's
+    weights, the bundled tokenizer and image processor), on mixed data (text-only rows beside image rows), with
+    its vision tower frozen as ``model.freeze: [vision]`` asks; eval generates with the images, and final/ loads back
+    as the row's own class with its image processor."""
+    import transformers
+
+    from finetune.modeling import build_tokenizer, save_tokenizer
+
+    row = registry.SUPPORTED_MODELS[name]
+    hub = tmp_path / "hub"
+    torch.manual_seed(0)
+    config = getattr(transformers, row.config_class)(**copy.deepcopy(dict(row.tiny_config)))
+    getattr(transformers, row.auto_class).from_config(config).save_pretrained(hub)
+    save_tokenizer(build_tokenizer(ModelConfig(type="tiny-qwen2-vl"), registry.get_model("tiny-qwen2-vl")), hub)
+    data = {"train": shapes_copy(tmp_path, "train", 32, text_every=2), "eval": shapes_copy(tmp_path, "eval", 6, 2)}
+    recipe = vlm_recipe(tmp_path, model={"type": name, "path": str(hub), "config_overrides": {},
+                                         "freeze": ["vision"]}, data=data, train={"max_steps": 2},
+                        eval={"every_steps": 2, "batch_size": 4, "max_new_tokens": 4},
+                        checkpoint={"every_steps": None})
+    assert cli_exit_code("run", str(write(tmp_path, "run", recipe))) == 0
+    run = tmp_path / "run"
+    assert len(train_rows(run)) == 2 and all(math.isfinite(r["loss"]) for r in train_rows(run))
+    evals = [r for r in read_metrics(run) if r["kind"] == "eval"]
+    assert [r["step"] for r in evals] == [2] and evals[0]["eval_exact_match_total"] == 6
+    before = transformers.AutoModelForImageTextToText.from_pretrained(hub).state_dict()
+    after = transformers.AutoModelForImageTextToText.from_pretrained(run / "final")
+    assert type(after).__name__ == getattr(transformers, row.config_class).__name__.replace(
+        "Config", "ForConditionalGeneration")
+    after = after.state_dict()
+    tower = [k for k in after if any(k.startswith(p + ".") for p in row.freeze_groups["vision"])]
+    assert tower and all(torch.equal(after[k], before[k]) for k in tower)
+    assert any(not torch.equal(after[k], before[k]) for k in after if k.startswith("model.language_model."))
+    assert transformers.AutoImageProcessor.from_pretrained(run / "final").merge_size == 2
