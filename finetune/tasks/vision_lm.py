@@ -37,15 +37,34 @@ class VisionCausalLMTask(CausalLMTask):
         return VisionCollator(self.pad_id, self.images, with_prompts=self.with_prompts)
 
     def _generate(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        from accelerate.utils import extract_model_from_parallel
-        from transformers import GenerationConfig
+        return generate_with_images(model, batch, max_new_tokens=self.cfg.eval.max_new_tokens,
+                                    eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, synced_gpus=self.lockstep)
 
-        prompt = batch["prompt_ids"]
-        eos = self.tokenizer.eos_token_id
-        config = GenerationConfig(max_new_tokens=self.cfg.eval.max_new_tokens, do_sample=False, eos_token_id=eos,
-                                  pad_token_id=self.pad_id)
-        images = {key: batch[f"prompt_{key}"] for key in PROMPT_KEYS if f"prompt_{key}" in batch}
-        out = extract_model_from_parallel(model).generate(
-            input_ids=prompt, attention_mask=batch["prompt_mask"], **images, generation_config=config,
-            synced_gpus=self.lockstep)
-        return out[:, prompt.size(1):]
+
+def generate_with_images(model: Any, batch: dict[str, Any], *, max_new_tokens: int, eos_id: int | None, pad_id: int,
+                         synced_gpus: bool = False, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
+    """The new tokens the model's own ``generate`` writes after the batch's left-padded ``prompt_ids`` with their
+    images (the ``prompt_`` keys of :class:`VisionCollator`): greedy at ``temperature`` 0, else sampled from
+    softmax(logits / temperature) within the ``top_p`` nucleus (no top-k cut), from torch's global generator.
+    Rows that end (``eos_id``) are padded while the others go on; it stops when all have ended.
+
+    Only these settings decide the tokens: transformers fills every setting a GenerationConfig leaves unset from
+    the model folder's own ``generation_config.json`` (a hub chat model's ``repetition_penalty``, ``top_k``,
+    sampling defaults), so that file is set aside for the call and restored after it."""
+    from accelerate.utils import extract_model_from_parallel
+    from transformers import GenerationConfig
+
+    prompt = batch["prompt_ids"]
+    sample = temperature > 0
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos_id,
+                              pad_token_id=pad_id, **({"temperature": temperature, "top_p": top_p, "top_k": 0}
+                                                      if sample else {}))
+    images = {key: batch[f"prompt_{key}"] for key in PROMPT_KEYS if f"prompt_{key}" in batch}
+    inner = extract_model_from_parallel(model)
+    own, inner.generation_config = inner.generation_config, GenerationConfig()
+    try:
+        out = inner.generate(input_ids=prompt, attention_mask=batch["prompt_mask"], **images,
+                             generation_config=config, synced_gpus=synced_gpus)
+    finally:
+        inner.generation_config = own
+    return out[:, prompt.size(1):]
