@@ -9,7 +9,10 @@ against its manifest before anything in it is read, loading is data only, and th
   generation prompt;
 - the prompt side of the recipe's own format (alpaca: ``instruction`` and optional ``input``; chat-form preference
   pairs: ``chosen`` without its last turn), rendered exactly as training rendered it, so a model gets the prompt
-  text it learned from.
+  text it learned from;
+- for a vision-language model (``vision_chat``), ``messages`` whose user turns hold image parts, as in its
+  training rows (paths relative to the prompts file): each placeholder the template writes becomes the image's
+  tokens, and the model's own ``generate`` decodes with the images, as eval's exact_match does.
 
 Prompts are tokenized as training and eval tokenize theirs (a bos token first, the last ``data.max_seq_len`` tokens
 kept). Every output line is its input object plus ``completion`` (decoded without special tokens, cut at eos) and
@@ -20,7 +23,8 @@ and renamed, never inside a run directory or the model folder, and replaces an e
 A completion does not depend on the batch size, on a prompt's position in its batch or on the number of processes:
 prompts are left-padded with their own position ids and attention mask (one decoder,
 :func:`finetune.tasks.causal_lm.generate_tokens`, shared with eval's exact_match), and sampling draws from one
-generator per prompt, seeded by ``--seed`` and the prompt's line. With ``--num-processes N`` the front process checks
+generator per prompt, seeded by ``--seed`` and the prompt's line (vision-language prompts are sampled one at a
+time, each from torch's generator seeded the same way). With ``--num-processes N`` the front process checks
 everything, then execs ``accelerate launch ... -m finetune.generate`` (this module's :func:`main`); every rank takes
 every N-th prompt, the results are gathered and rank 0 writes the file. Only one process and DDP are supported:
 sharded backends would need every rank to run the same forward passes.
@@ -89,12 +93,14 @@ class Options:
 @dataclass(frozen=True)
 class Prompt:
     """One line of the prompts file: the object as written, where it is (``file:line``), and its prompt: text, or
-    chat ``messages`` that the tokenizer's chat template renders."""
+    chat ``messages`` that the tokenizer's chat template renders; ``images``: the absolute paths of the messages'
+    image parts (vision_chat models)."""
 
     row: dict[str, Any]
     where: str
     text: str | None = None
     messages: list[dict[str, Any]] | None = None
+    images: tuple[str, ...] = ()
 
 
 @dataclass
@@ -108,6 +114,7 @@ class Job:
     tokenizer: Any
     prompts: list[Prompt]
     ids: list[list[int]] = field(default_factory=list)
+    grids: list[list[list[int]]] = field(default_factory=list)  # each prompt's image patch grids (vision rows)
     truncated: int = 0
 
 
@@ -129,8 +136,9 @@ def _check_messages(value: Any, where: str, key: str = "messages") -> list[dict[
     return value
 
 
-def parse_prompt(row: dict[str, Any], where: str, fmt: str) -> Prompt:
-    """The prompt of one line (``fmt``: the recipe's data.format, whose prompt side is also accepted)."""
+def parse_prompt(row: dict[str, Any], where: str, fmt: str, source: str = "") -> Prompt:
+    """The prompt of one line (``fmt``: the recipe's data.format, whose prompt side is also accepted; ``source``:
+    the prompts file, which image paths are relative to)."""
     taken = next((key for key in OUTPUT_KEYS if key in row), None)
     if taken:
         raise DataError(f"{where}: the key {taken!r} is what generate writes into each output line; rename it")
@@ -141,6 +149,12 @@ def parse_prompt(row: dict[str, Any], where: str, fmt: str) -> Prompt:
             raise DataError(f"{where}: 'prompt' must be a string (the raw text fed to the model), got "
                             f"{short_repr(row['prompt'])}")
         return Prompt(row, where, text=row["prompt"])
+    if "messages" in row and fmt == "vision_chat":  # turns may hold image parts, as in the training rows
+        from finetune.data import vision
+
+        vision.check_messages(row["messages"], where, prompt=True)
+        images = tuple(str(vision.resolve(ref, source)) for ref in vision.image_refs(row["messages"]))
+        return Prompt(row, where, messages=row["messages"], images=images)
     if "messages" in row:
         return Prompt(row, where, messages=_check_messages(row["messages"], where))
     if fmt == "alpaca" and "instruction" in row:
@@ -193,20 +207,24 @@ def read_prompts(path: Path, fmt: str) -> list[Prompt]:
                             "line") from None
         if not isinstance(row, dict):
             raise DataError(f'{where}: expected a JSON object such as {{"prompt": "..."}}, got {short_repr(row)}')
-        prompts.append(parse_prompt(row, where, fmt))
+        prompts.append(parse_prompt(row, where, fmt, str(path)))
     return prompts
 
 
 def prompt_text(prompt: Prompt, tokenizer: Any) -> str:
-    """The text a prompt feeds the model: as written, or its messages through the chat template."""
+    """The text a prompt feeds the model: as written, or its messages through the chat template (image parts as
+    the template's placeholders)."""
+    from finetune.data import vision
+
     if prompt.messages is None:
         assert prompt.text is not None
         return prompt.text
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{prompt.where}: 'messages' need a chat template and this model's tokenizer has none; give "
                         "the text as 'prompt' instead")
+    messages = vision.for_template(prompt.messages) if prompt.images else prompt.messages
     try:
-        return tokenizer.apply_chat_template(prompt.messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # e.g. a template's raise_exception("roles must alternate ...")
         raise DataError(f"{prompt.where}: the tokenizer's chat template rejects these messages "
                         f"({error_detail(exc)})") from None
@@ -282,7 +300,9 @@ def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     """Every check that needs no model: the flags, ``-o``, the target (verified, a model that generates), the
     prompts file, and the prompts' token ids. Each mistake is one line."""
     from finetune import registry
+    from finetune.data import vision
     from finetune.evaluation import load_tokenizer, open_target
+    from finetune.modeling import image_inputs
 
     problems = options.problems()
     if problems:
@@ -293,21 +313,36 @@ def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     if "generation" not in row.capabilities:
         raise ConfigError(f"{target}: a {row.task} model ({row.name}) does not generate text; generate needs a "
                           "causal language model")
-    if row.image_token is not None:
-        raise ConfigError(f"{target}: {row.name} is a vision-language model and finetune generate reads text prompts "
-                          "only; measure its answers with eval.metrics exact_match (finetune eval generates with the "
-                          "images of the eval set)")
     parsed = read_prompts(prompts, cfg.data.format)
     tokenizer = load_tokenizer(cfg, where)
     job = Job(where, cfg, row, tokenizer, parsed)
+    images = image_inputs(tokenizer, row)  # None unless a vision-language row
     limit = cfg.data.max_seq_len
     for prompt in parsed:
-        ids = encode(prompt_text(prompt, tokenizer), tokenizer)
+        text = prompt_text(prompt, tokenizer)
+        grids = [] if images is None else _image_grids(prompt, text, images)
+        if grids:
+            text = vision.expand_text(text, images.image_token, [images.tokens(grid) for grid in grids])
+        ids = encode(text, tokenizer)
         if not ids:
             raise DataError(f"{prompt.where}: the prompt is empty and the tokenizer has no bos token; give some text")
+        if grids and len(ids) > limit and images.image_token_id in ids[:len(ids) - limit]:
+            raise DataError(f"{prompt.where}: the prompt is {len(ids)} tokens with its images, over "
+                            f"data.max_seq_len={limit}, and keeping its end would cut an image; shorten the text or "
+                            "use smaller images")
         job.truncated += len(ids) > limit
         job.ids.append(ids[-limit:])  # as eval: a generation prompt keeps its end (the cue)
+        job.grids.append(grids)
     return job
+
+
+def _image_grids(prompt: Prompt, text: str, images: Any) -> list[list[int]]:
+    """The patch grid of each image of ``prompt`` (each opened and checked), after checking that ``text``, as
+    rendered, holds one placeholder per image (a raw prompt may not write placeholders of its own)."""
+    from finetune.data import vision
+
+    vision.check_placeholders(text, images.image_token, len(prompt.images), prompt.where)
+    return images.grids([vision.open_image(Path(path), prompt.where) for path in prompt.images])
 
 
 # --- generation ---------------------------------------------------------------------------------------------------
@@ -318,19 +353,6 @@ def prompt_seed(seed: int, index: int) -> int:
     share a stream and a prompt's draws do not depend on which batch or process it lands in."""
     digest = hashlib.sha256(f"finetune-generate/{seed}/{index}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
-
-
-def left_pad(rows: list[list[int]], pad_id: int) -> tuple[Any, Any]:
-    """Left-padded ids and their attention mask (prompts end at the same column, where generation starts)."""
-    import torch
-
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids, mask
 
 
 def finish(tokens: list[int], stop_ids: list[int], tokenizer: Any) -> tuple[str, str]:
@@ -396,13 +418,10 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     forbid_unpickling()
     job = prepare(target, prompts, output, options)
 
-    import torch
-
     from finetune.backends import detect, make_accelerator
     from finetune.data.batching import eval_shard
     from finetune.evaluation import load_model
     from finetune.precision import Precision
-    from finetune.tasks.causal_lm import Sampling, generate_tokens
 
     backend = detect()
     if backend.kind not in BACKENDS:
@@ -415,8 +434,9 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
               "kept their last tokens, as eval does", file=sys.stderr)
     model = accelerator.prepare_model(load_model(job.cfg, job.where, None), evaluation_mode=True).eval()
     precision = Precision(job.cfg.train.mixed_precision, accelerator.device.type)
-    tokenizer, device = job.tokenizer, accelerator.device
+    tokenizer = job.tokenizer
     stop_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    decode = _decoder(job, model, options, accelerator.device)
     mine = eval_shard(len(job.prompts), rank, world)  # every N-th prompt: none twice, none left out
     mine.sort(key=lambda i: (-len(job.ids[i]), i))  # similar lengths share a batch: less padding
     share = f" (this process's share; {len(job.prompts)} in all over {world} processes)" if world > 1 else ""
@@ -424,14 +444,9 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     results: list[tuple[int, str, str]] = []
     for start in range(0, len(mine), options.batch_size):
         batch = mine[start:start + options.batch_size]
-        ids, mask = left_pad([job.ids[i] for i in batch], tokenizer.pad_token_id)
-        sampling = None if options.temperature == 0 else Sampling(
-            options.temperature, options.top_p,
-            [torch.Generator().manual_seed(prompt_seed(options.seed, i)) for i in batch])
         with precision.autocast():
-            new = generate_tokens(model, ids.to(device), mask.to(device), options.max_new_tokens, stop_ids,
-                                  tokenizer.pad_token_id, sampling, stop_when_done=True)
-        results += [(i, *finish(tokens, stop_ids, tokenizer)) for i, tokens in zip(batch, new.tolist(), strict=True)]
+            new = decode(batch)
+        results += [(i, *finish(tokens, stop_ids, tokenizer)) for i, tokens in zip(batch, new, strict=True)]
         if progress is not None:
             progress.advance(len(batch))
     gathered = [tuple(r) for part in gather_json(accelerator, results) for r in part] if world > 1 else results
@@ -448,6 +463,53 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return summary
+
+
+def _decoder(job: Job, model: Any, options: Options, device: Any) -> Callable[[list[int]], list[list[int]]]:
+    """The new tokens of a batch of prompts (their indices), each row cut or padded after its stop token.
+
+    Text rows: the shared decoder (:func:`finetune.tasks.causal_lm.generate_tokens`), one sampling generator per
+    prompt. Vision-language rows: the model's own ``generate`` with the prompts' images, as eval's exact_match runs
+    it (:func:`finetune.tasks.vision_lm.generate_with_images`); sampled prompts then go one at a time, from torch's
+    generator seeded with the prompt's seed, so that no draw depends on the batch or the process."""
+    import torch
+
+    from finetune.data.batching import left_pad
+
+    tokenizer, pad_id = job.tokenizer, job.tokenizer.pad_token_id
+    stop_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if job.row.image_token is None:
+        from finetune.tasks.causal_lm import Sampling, generate_tokens
+
+        def text(batch: list[int]) -> list[list[int]]:
+            ids, mask = left_pad([job.ids[i] for i in batch], pad_id)
+            sampling = None if options.temperature == 0 else Sampling(
+                options.temperature, options.top_p,
+                [torch.Generator().manual_seed(prompt_seed(options.seed, i)) for i in batch])
+            return generate_tokens(model, ids.to(device), mask.to(device), options.max_new_tokens, stop_ids, pad_id,
+                                   sampling, stop_when_done=True).tolist()
+
+        return text
+
+    from finetune.data.vision import VisionCollator
+    from finetune.modeling import image_inputs
+    from finetune.tasks.vision_lm import generate_with_images
+
+    collator = VisionCollator(pad_id, image_inputs(tokenizer, job.row))
+
+    def with_images(batch: list[int]) -> list[list[int]]:
+        if options.temperature > 0:
+            if len(batch) > 1:
+                return [tokens for i in batch for tokens in with_images([i])]
+            torch.manual_seed(prompt_seed(options.seed, batch[0]))
+        rows = [{"prompt_ids": job.ids[i], "images": list(job.prompts[i].images), "image_grids": job.grids[i]}
+                for i in batch]
+        inputs = {key: value.to(device) for key, value in collator.prompts(rows).items()}
+        return generate_with_images(model, inputs, max_new_tokens=options.max_new_tokens,
+                                    eos_id=tokenizer.eos_token_id, pad_id=pad_id, temperature=options.temperature,
+                                    top_p=options.top_p).tolist()
+
+    return with_images
 
 
 # --- the command --------------------------------------------------------------------------------------------------

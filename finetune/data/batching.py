@@ -82,6 +82,11 @@ def eval_shard(size: int, rank: int, world: int) -> list[int]:
     return list(range(rank, size, world))
 
 
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ids and their attention mask: generation prompts end at the same column, where it starts."""
+    return _pad(rows, pad_id, left=True), _pad([[1] * len(r) for r in rows], 0, left=True)
+
+
 def _pad(rows: Sequence[Sequence[int]], value: int, left: bool = False) -> torch.Tensor:
     width = max((len(r) for r in rows), default=0)
     out = torch.full((len(rows), width), value, dtype=torch.long)
@@ -112,8 +117,7 @@ class Collator:
             batch["label"] = torch.tensor([r["label"] for r in rows], dtype=torch.long)
         if self.with_prompts:
             prompts = [r["prompt_ids"] for r in rows]
-            batch["prompt_ids"] = _pad(prompts, self.pad_id, left=True)
-            batch["prompt_mask"] = _pad([[1] * len(p) for p in prompts], 0, left=True)
+            batch["prompt_ids"], batch["prompt_mask"] = left_pad(prompts, self.pad_id)
             batch["reference"] = [r["reference"] for r in rows]
         return batch
 

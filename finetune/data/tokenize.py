@@ -168,10 +168,7 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     conversation = vision.for_template(messages)
     out = _rendered(lambda: render({"messages": conversation}, "chat", tokenizer, train_on_prompt), where,
                     "the tokenizer's chat template rejects this conversation")
-    written = out.text.count(images.image_token)
-    if written != len(paths):
-        raise DataError(f"{where}: the chat template wrote {written} image placeholder(s) {images.image_token!r} for "
-                        f"{len(paths)} image(s); use the model's own chat template (it must render image parts)")
+    vision.check_placeholders(out.text, images.image_token, len(paths), where)
     out = vision.expand(Rendered(out.text, out.spans, out.prompt, vision.text_of(messages[-1]["content"]),
                                  out.add_eos), images.image_token, counts)
     ids, labels, prompt_ids = _encode(out, tokenizer)

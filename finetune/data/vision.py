@@ -29,9 +29,10 @@ from finetune.errors import DataError
 if TYPE_CHECKING:
     import torch
 
-def check_messages(value: Any, where: str) -> None:
-    """A vision_chat ``messages`` list: ``{role, content}`` turns ending with the assistant's; content is a string
-    or a list of text/image parts, and only user and system turns may hold images (the model learns text)."""
+def check_messages(value: Any, where: str, *, prompt: bool = False) -> None:
+    """A vision_chat ``messages`` list: ``{role, content}`` turns ending with the assistant's (or, for a ``prompt``
+    to generate from, not ending with it); content is a string or a list of text/image parts, and only user and
+    system turns may hold images (the model learns and writes text)."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(value):
@@ -55,7 +56,10 @@ def check_messages(value: Any, where: str) -> None:
                 continue
             raise DataError(f"{where}: messages[{i}].content[{j}] must be {{type: text, text: string}} or "
                             f"{{type: image, image: path}}, got {short_repr(part)}")
-    if value[-1]["role"] != "assistant":
+    if prompt and value[-1]["role"] == "assistant":
+        raise DataError(f"{where}: the last message is the assistant's; drop it (generate writes the assistant's "
+                        "turn)")
+    if not prompt and value[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
 
 
@@ -111,30 +115,45 @@ def open_image(path: Path, where: str) -> Any:
                         "PNG/JPEG/WebP file") from None
 
 
+def check_placeholders(text: str, token: str, images: int, where: str) -> None:
+    """The chat template wrote one ``token`` per image of the conversation (else the tokens cannot be placed)."""
+    written = text.count(token)
+    if written != images:
+        raise DataError(f"{where}: the chat template wrote {written} image placeholder(s) {token!r} for {images} "
+                        "image(s); use the model's own chat template (it must render image parts)")
+
+
 def expand(rendered: Rendered, token: str, counts: Sequence[int]) -> Rendered:
     """Repeat the i-th ``token`` placeholder of the text (and of the generation prompt, which renders the same
     images first) ``counts[i]`` times, moving the answer spans with the text."""
 
-    def grow(text: str) -> tuple[str, list[tuple[int, int]]]:
-        pieces, moves, start = [], [], 0  # moves: (position in the old text, characters added there)
-        for count in counts:
-            at = text.find(token, start)
-            if at < 0:
-                break
-            pieces += [text[start:at], token * count]
-            moves.append((at, len(token) * (count - 1)))
-            start = at + len(token)
-        pieces.append(text[start:])
-        return "".join(pieces), moves
-
-    text, moves = grow(rendered.text)
+    text, moves = _grow(rendered.text, token, counts)
 
     def shift(position: int) -> int:
         return position + sum(added for at, added in moves if at < position)
 
     spans = tuple((shift(a), shift(b)) for a, b in rendered.spans)
-    prompt = grow(rendered.prompt)[0] if rendered.prompt else rendered.prompt
+    prompt = _grow(rendered.prompt, token, counts)[0] if rendered.prompt else rendered.prompt
     return Rendered(text, spans, prompt, rendered.reference, rendered.add_eos)
+
+
+def expand_text(text: str, token: str, counts: Sequence[int]) -> str:
+    """``text`` with its i-th ``token`` placeholder repeated ``counts[i]`` times (a prompt without answer spans)."""
+    return _grow(text, token, counts)[0]
+
+
+def _grow(text: str, token: str, counts: Sequence[int]) -> tuple[str, list[tuple[int, int]]]:
+    """The expanded text, and where characters were added: (position in the old text, how many)."""
+    pieces, moves, start = [], [], 0
+    for count in counts:
+        at = text.find(token, start)
+        if at < 0:
+            break
+        pieces += [text[start:at], token * count]
+        moves.append((at, len(token) * (count - 1)))
+        start = at + len(token)
+    pieces.append(text[start:])
+    return "".join(pieces), moves
 
 
 def fit(ids: list[int], image_id: int, counts: Sequence[int], max_len: int) -> tuple[int, int]:
@@ -224,20 +243,37 @@ class VisionCollator:
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         batch = self.text(rows)
-        images = [(path, grid) for row in rows for path, grid in zip(row["images"], row["image_grids"], strict=True)]
         kept = _kept_images(rows)
-        needed = [i for i in range(len(images)) if self.with_prompts or i in kept]  # training reads only its own
-        pixels = (load_images([images[i][0] for i in needed], [images[i][1] for i in needed], self.inputs)
-                  if needed else {})
-        spans, offset = {}, 0  # each image's rows of pixel_values (its patches) and its place in ``pixels``
-        for place, i in enumerate(needed):
-            patches = math.prod(images[i][1])
-            spans[i] = (offset, offset + patches, place)
-            offset += patches
+        needed = [i for i in range(sum(len(row["images"]) for row in rows)) if self.with_prompts or i in kept]
+        pixels, spans = self._load(rows, needed)  # training reads only the images its inputs hold
         self._add(batch, "", pixels, [spans[i] for i in needed if i in kept])
         if self.with_prompts:
             self._add(batch, "prompt_", pixels, [spans[i] for i in needed])
         return batch
+
+    def prompts(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The generation side alone (``finetune generate``): rows of ``prompt_ids``, ``images`` and
+        ``image_grids`` as ``prompt_ids``/``prompt_mask`` (left-padded) and the ``prompt_`` image keys."""
+        from finetune.data.batching import left_pad
+
+        batch = dict(zip(("prompt_ids", "prompt_mask"), left_pad([r["prompt_ids"] for r in rows], self.pad_id),
+                         strict=True))
+        every = list(range(sum(len(row["images"]) for row in rows)))
+        pixels, spans = self._load(rows, every)
+        self._add(batch, "prompt_", pixels, [spans[i] for i in every])
+        return batch
+
+    def _load(self, rows: list[dict[str, Any]], needed: list[int]) -> tuple[dict[str, torch.Tensor], dict]:
+        """Pixel values of the batch-wide images ``needed``, and each one's rows of them (its patches) and place."""
+        images = [(path, grid) for row in rows for path, grid in zip(row["images"], row["image_grids"], strict=True)]
+        pixels = (load_images([images[i][0] for i in needed], [images[i][1] for i in needed], self.inputs)
+                  if needed else {})
+        spans, offset = {}, 0
+        for place, i in enumerate(needed):
+            patches = math.prod(images[i][1])
+            spans[i] = (offset, offset + patches, place)
+            offset += patches
+        return pixels, spans
 
     def _add(self, batch: dict[str, Any], prefix: str, pixels: dict[str, torch.Tensor],
              chosen: list[tuple[int, int, int]]) -> None:

@@ -219,7 +219,7 @@ def llama() -> Any:
 
 def test_sampling_per_prompt_generators_ignore_the_batch(llama: Any) -> None:
     """Each prompt sampled in a left-padded batch draws what it draws alone from a generator with its seed."""
-    from finetune.generate import left_pad
+    from finetune.data.batching import left_pad
     from finetune.tasks.causal_lm import Sampling, generate_tokens
 
     prompts = [[5, 9, 33], [7], [100, 2, 3, 4, 5, 6]]
@@ -235,7 +235,7 @@ def test_sampling_per_prompt_generators_ignore_the_batch(llama: Any) -> None:
 
 
 def test_stop_tokens_pad_the_row_and_all_stopped_ends_early(llama: Any) -> None:
-    from finetune.generate import left_pad
+    from finetune.data.batching import left_pad
     from finetune.tasks.causal_lm import generate_tokens
 
     ids, mask = left_pad([[5, 9, 33], [7, 8]], 0)

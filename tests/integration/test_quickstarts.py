@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from finetune.tracking import read_metrics
-from tests.integration.conftest import REPO, run_in_process
+from tests.integration.conftest import REPO, cli_exit_code, run_in_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,3 +48,15 @@ def test_vlm_quickstart_exact_match_from_below_the_majority_baseline_to_at_least
     evals = _run("vlm-quickstart.yaml", tmp_path)
     assert evals[0]["step"] == 0 and evals[0]["eval_exact_match"] <= majority
     assert evals[-1]["eval_exact_match"] >= 0.9 and evals[-1]["eval_total"] == len(rows) == 96
+    # `finetune generate` with the same questions and images writes the answers the last eval scored
+    prompts = tmp_path / "prompts.jsonl"
+    with prompts.open("w") as handle:
+        for row in rows:
+            question = row["messages"][0]["content"]
+            question[0]["image"] = str(REPO / "recipes/data/shapes" / question[0]["image"])
+            handle.write(json.dumps({"messages": row["messages"][:1], "answer": row["messages"][-1]["content"]}) + "\n")
+    assert cli_exit_code("generate", str(tmp_path / "run"), str(prompts), "-o", str(tmp_path / "out.jsonl"),
+                         "--max-new-tokens", "8", "--batch-size", "32") == 0
+    out = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    right = sum(" ".join(r["completion"].split()) == " ".join(r["answer"].split()) for r in out)
+    assert right == evals[-1]["eval_exact_match_correct"] >= 0.9 * len(rows)

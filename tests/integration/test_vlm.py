@@ -20,7 +20,7 @@ import yaml
 from finetune import registry
 from finetune.config.schema import ModelConfig
 from finetune.tracking import read_metrics
-from tests.cli_helpers import main_exit
+from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe, with_sections
 
 pytestmark = pytest.mark.integration
@@ -209,3 +209,70 @@ def test_every_hub_vision_row_trains_from_a_model_folder(tmp_path: Path, name: s
     assert tower and all(torch.equal(after[k], before[k]) for k in tower)
     assert any(not torch.equal(after[k], before[k]) for k in after if k.startswith("model.language_model."))
     assert transformers.AutoImageProcessor.from_pretrained(run / "final").merge_size == 2
+
+
+# --- finetune generate with images --------------------------------------------------------------------------------
+
+
+def image_prompts(folder: Path) -> Path:
+    """Prompts for `finetune generate`: held-out shapes questions (absolute image paths), one whose image path is
+    relative to the prompts file, one text-only chat and one raw text prompt; extra keys ride along."""
+    import shutil
+
+    rows = [json.loads(line) for line in Path(shapes_copy(folder, "eval", 5)).read_text().splitlines()]
+    prompts = [{"id": i, "messages": row["messages"][:-1]} for i, row in enumerate(rows)]
+    (folder / "pics").mkdir(exist_ok=True)
+    shutil.copy(rows[0]["messages"][0]["content"][0]["image"], folder / "pics" / "mine.png")
+    prompts.append({"id": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "image": "pics/mine.png"}, {"type": "text", "text": "Where is the shape?"}]}]})
+    prompts += [{"id": 6, "messages": [{"role": "user", "content": "No picture: what colour?"}]},
+                {"id": 7, "prompt": "raw text, no image"}]
+    path = folder / "prompts.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
+    return path
+
+
+def generated(monkeypatch, capsys, run: Path, prompts: Path, out: Path, *flags: str) -> list[dict[str, Any]]:
+    code, _, err = main_exit(monkeypatch, capsys, "generate", str(run), str(prompts), "-o", str(out),
+                             "--max-new-tokens", "6", *flags)
+    assert code == 0, err
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_generate_answers_image_questions_alike_in_any_batch(runs: dict[str, Path], tmp_path: Path, monkeypatch,
+                                                             capsys) -> None:
+    """`finetune generate` takes vision_chat prompts (image paths relative to the prompts file), text-only chats
+    and raw text: greedy completions do not depend on the batch size, and neither do sampled ones, which follow
+    their seed; every input line comes back with its keys, in order."""
+    prompts = image_prompts(tmp_path)
+    run = runs["straight"]
+    one = generated(monkeypatch, capsys, run, prompts, tmp_path / "one.jsonl", "--batch-size", "1")
+    assert [r["id"] for r in one] == list(range(8)) and all(r["finish_reason"] in ("eos", "length") for r in one)
+    assert one == generated(monkeypatch, capsys, run, prompts, tmp_path / "all.jsonl", "--batch-size", "8")
+    sampled = [generated(monkeypatch, capsys, run, prompts, tmp_path / f"s{size}-{seed}.jsonl", "--batch-size", size,
+                         "--temperature", "1.5", "--seed", seed) for size, seed in (("1", "3"), ("8", "3"), ("8", "4"))]
+    assert sampled[0] == sampled[1] != sampled[2]
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "nowhere.png"}]}]},
+     "prompts.jsonl:1: image not found: "),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "image", "image": "pics/mine.png"}]}]}, "prompts.jsonl:1: messages[1].content[0] is an image in an "
+                                                          "assistant turn"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "red"}]},
+     "prompts.jsonl:1: the last message is the assistant's; drop it"),
+    ({"prompt": "look: <|image_pad|>"}, "prompts.jsonl:1: the chat template wrote 1 image placeholder(s)"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "image": "pics/mine.png"},
+                                                {"type": "text", "text": " then".join(["words"] * 80)}]}]},
+     "over data.max_seq_len=64, and keeping its end would cut an image"),
+])
+def test_generate_refuses_a_bad_image_prompt_in_one_line(runs: dict[str, Path], tmp_path: Path, monkeypatch, capsys,
+                                                         row: dict, message: str) -> None:
+    image_prompts(tmp_path)  # pics/mine.png
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps(row) + "\n")
+    code, out, err = main_exit(monkeypatch, capsys, "generate", str(runs["straight"]), str(prompts), "-o",
+                               str(tmp_path / "out.jsonl"))
+    (line,) = assert_user_error(code, out, err)
+    assert message in line and not (tmp_path / "out.jsonl").exists()

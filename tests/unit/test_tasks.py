@@ -19,7 +19,7 @@ import transformers
 from transformers import AutoTokenizer
 
 from finetune.data import DataBundle
-from finetune.data.batching import Collator
+from finetune.data.batching import Collator, left_pad
 from finetune.data.tokenize import IGNORE, Tokenized, tokenize_rows
 from finetune.tasks.causal_lm import CausalLMTask, greedy_generate, normalize
 from finetune.tasks.classification import ClassificationTask
@@ -107,13 +107,6 @@ def test_classification_train_output_matches_cross_entropy() -> None:
 
 
 # --------------------------------------------------------------------------------------------------- generation
-
-
-def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def hf_greedy(model: Any, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
