@@ -298,7 +298,7 @@ def test_a_live_run_cannot_be_replaced_resumed_merged_or_rerun(tmp_path: Path) -
     once it is SIGKILLed the kernel drops the lock and the run resumes."""
     recipe = recipe_file(tmp_path, "live", model={"type": "tiny-llama", "config_overrides": {"hidden_size": 256,
                           "intermediate_size": 1024, "num_hidden_layers": 4}}, peft={"method": "lora"},
-                          train={"max_steps": 400}, checkpoint={"every_steps": 1, "keep_last": 1},
+                          train={"max_steps": 100000}, checkpoint={"every_steps": 1, "keep_last": 1},
                           data={"eval": None})
     run = tmp_path / "live"
     live = subprocess.Popen([sys.executable, "-m", "finetune", "run", str(recipe)], env=ENV, stdout=subprocess.PIPE,
