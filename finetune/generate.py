@@ -152,8 +152,8 @@ def parse_prompt(row: dict[str, Any], where: str, fmt: str, source: str = "") ->
     if "messages" in row and fmt == "vision_chat":  # turns may hold image parts, as in the training rows
         from finetune.data import vision
 
-        vision.check_messages(row["messages"], where, prompt=True)
-        images = tuple(str(vision.resolve(ref, source)) for ref in vision.image_refs(row["messages"]))
+        vision.check_row(row, where, prompt=True)
+        images = tuple(str(vision.resolve(ref, source)) for ref in vision.image_refs(row))
         return Prompt(row, where, messages=row["messages"], images=images)
     if "messages" in row:
         return Prompt(row, where, messages=_check_messages(row["messages"], where))
@@ -222,7 +222,8 @@ def prompt_text(prompt: Prompt, tokenizer: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{prompt.where}: 'messages' need a chat template and this model's tokenizer has none; give "
                         "the text as 'prompt' instead")
-    messages = vision.for_template(prompt.messages) if prompt.images else prompt.messages
+    parts = any(not isinstance(msg["content"], str) for msg in prompt.messages)  # vision_chat text/image parts
+    messages = vision.for_template(prompt.messages) if parts else prompt.messages
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except Exception as exc:  # e.g. a template's raise_exception("roles must alternate ...")

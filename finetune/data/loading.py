@@ -39,7 +39,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "classification": (("text", "label"), ()),
     "chat": (("messages",), ()),
     "preference": (("chosen", "rejected"), ("prompt",)),  # checked by _check_preference (two row forms)
-    "vision_chat": (("messages",), ()),  # checked by finetune.data.vision.check_messages (image parts)
+    "vision_chat": (("messages",), ()),  # checked by finetune.data.vision.check_row (image parts, 'images')
 }
 ROLES = ("system", "user", "assistant")
 
@@ -483,9 +483,9 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
         _check_preference(row, where)
         return
     if fmt == "vision_chat":
-        from finetune.data.vision import check_messages
+        from finetune.data import vision
 
-        check_messages(row.get("messages"), where)
+        vision.check_row(row, where)
         return
     for name in required:
         value = row.get(name)

@@ -162,7 +162,7 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     check_row(row, index, "vision_chat", source)
     where = line_of(source, index)
     messages = row["messages"]
-    paths = [vision.resolve(ref, source) for ref in vision.image_refs(messages)]
+    paths = [vision.resolve(ref, source) for ref in vision.image_refs(row)]
     grids = images.grids([vision.open_image(path, where) for path in paths])
     counts = [images.tokens(grid) for grid in grids]
     conversation = vision.for_template(messages)

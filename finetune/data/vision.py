@@ -29,12 +29,20 @@ from finetune.errors import DataError
 if TYPE_CHECKING:
     import torch
 
-def check_messages(value: Any, where: str, *, prompt: bool = False) -> None:
-    """A vision_chat ``messages`` list: ``{role, content}`` turns ending with the assistant's (or, for a ``prompt``
+def check_row(row: dict[str, Any], where: str, *, prompt: bool = False) -> None:
+    """A vision_chat row: ``messages``, ``{role, content}`` turns ending with the assistant's (or, for a ``prompt``
     to generate from, not ending with it); content is a string or a list of text/image parts, and only user and
-    system turns may hold images (the model learns and writes text)."""
+    system turns may hold images (the model learns and writes text).
+
+    An image part names its path (``{type: image, image: path}``), or, as TRL's vision data sets do, is a bare
+    ``{type: image}`` whose path is the next one of the row's ``images`` list; a row uses one form or the other."""
+    value, images = row.get("messages"), row.get("images")
+    if images is not None and (not isinstance(images, list) or not all(
+            isinstance(path, str) and path.strip() for path in images)):
+        raise DataError(f"{where}: field 'images' must be a list of image paths, got {short_repr(images)}")
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
+    named, bare = 0, 0
     for i, msg in enumerate(value):
         role = msg.get("role") if isinstance(msg, dict) else None
         if role not in ROLES:
@@ -49,13 +57,20 @@ def check_messages(value: Any, where: str, *, prompt: bool = False) -> None:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 continue
-            if kind == "image" and isinstance(part.get("image"), str) and part["image"].strip():
+            has_path = kind == "image" and isinstance(part.get("image"), str) and part["image"].strip()
+            if has_path or (kind == "image" and part.get("image") is None and images is not None):
                 if role == "assistant":
                     raise DataError(f"{where}: messages[{i}].content[{j}] is an image in an assistant turn; images "
                                     "belong in user turns (the model learns the assistant's text)")
+                named, bare = named + bool(has_path), bare + (not has_path)
                 continue
             raise DataError(f"{where}: messages[{i}].content[{j}] must be {{type: text, text: string}} or "
-                            f"{{type: image, image: path}}, got {short_repr(part)}")
+                            f"{{type: image, image: path}} (or a bare {{type: image}} with the row's 'images' list), "
+                            f"got {short_repr(part)}")
+    if images is not None and (named or bare != len(images)):
+        raise DataError(f"{where}: the row's 'images' list has {len(images)} path(s) for {bare} bare {{type: image}} "
+                        f"part(s){f' and {named} part(s) naming their own path' if named else ''}; give one path "
+                        "per bare image part, or name each path in its part and drop 'images'")
     if prompt and value[-1]["role"] == "assistant":
         raise DataError(f"{where}: the last message is the assistant's; drop it (generate writes the assistant's "
                         "turn)")
@@ -63,10 +78,11 @@ def check_messages(value: Any, where: str, *, prompt: bool = False) -> None:
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
 
 
-def image_refs(messages: list[dict[str, Any]]) -> list[str]:
-    """The image paths of a conversation, in order, as written in the row."""
-    return [part["image"] for msg in messages if isinstance(msg["content"], list)
-            for part in msg["content"] if part.get("type") == "image"]
+def image_refs(row: dict[str, Any]) -> list[str]:
+    """The image paths of a (checked) row, in order, as written: in each image part, or in its ``images`` list."""
+    listed = iter(row.get("images") or ())
+    return [part["image"] if part.get("image") is not None else next(listed) for msg in row["messages"]
+            if isinstance(msg["content"], list) for part in msg["content"] if part.get("type") == "image"]
 
 
 def text_of(content: Any) -> str:

@@ -216,7 +216,8 @@ def test_every_hub_vision_row_trains_from_a_model_folder(tmp_path: Path, name: s
 
 def image_prompts(folder: Path) -> Path:
     """Prompts for `finetune generate`: held-out shapes questions (absolute image paths), one whose image path is
-    relative to the prompts file, one text-only chat and one raw text prompt; extra keys ride along."""
+    relative to the prompts file, one text-only chat, one raw text prompt, and the relative-path question again in
+    TRL's form (a bare image part, the path in an ``images`` list); extra keys ride along."""
     import shutil
 
     rows = [json.loads(line) for line in Path(shapes_copy(folder, "eval", 5)).read_text().splitlines()]
@@ -226,7 +227,10 @@ def image_prompts(folder: Path) -> Path:
     prompts.append({"id": 5, "messages": [{"role": "user", "content": [
         {"type": "image", "image": "pics/mine.png"}, {"type": "text", "text": "Where is the shape?"}]}]})
     prompts += [{"id": 6, "messages": [{"role": "user", "content": "No picture: what colour?"}]},
-                {"id": 7, "prompt": "raw text, no image"}]
+                {"id": 7, "prompt": "raw text, no image"},
+                {"id": 8, "messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text":
+                                                                    "Where is the shape?"}]}],
+                 "images": ["pics/mine.png"]}]  # TRL's form: the path in the row's images list
     path = folder / "prompts.jsonl"
     path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     return path
@@ -247,10 +251,11 @@ def test_generate_answers_image_questions_alike_in_any_batch(runs: dict[str, Pat
     prompts = image_prompts(tmp_path)
     run = runs["straight"]
     one = generated(monkeypatch, capsys, run, prompts, tmp_path / "one.jsonl", "--batch-size", "1")
-    assert [r["id"] for r in one] == list(range(8)) and all(r["finish_reason"] in ("eos", "length") for r in one)
-    assert one == generated(monkeypatch, capsys, run, prompts, tmp_path / "all.jsonl", "--batch-size", "8")
+    assert [r["id"] for r in one] == list(range(9)) and all(r["finish_reason"] in ("eos", "length") for r in one)
+    assert one[8]["completion"] == one[5]["completion"] and one[8]["images"] == ["pics/mine.png"]
+    assert one == generated(monkeypatch, capsys, run, prompts, tmp_path / "all.jsonl", "--batch-size", "9")
     sampled = [generated(monkeypatch, capsys, run, prompts, tmp_path / f"s{size}-{seed}.jsonl", "--batch-size", size,
-                         "--temperature", "1.5", "--seed", seed) for size, seed in (("1", "3"), ("8", "3"), ("8", "4"))]
+                         "--temperature", "1.5", "--seed", seed) for size, seed in (("1", "3"), ("9", "3"), ("9", "4"))]
     assert sampled[0] == sampled[1] != sampled[2]
 
 

@@ -83,6 +83,18 @@ def test_only_the_answer_is_trained_and_each_image_is_its_grid_of_tokens(tools, 
     assert first["prompt_ids"].count(images.image_token_id) == 4 and first["reference"] == "red"
 
 
+def test_trl_rows_with_an_images_list_tokenize_as_rows_naming_their_paths(tools, tmp_path: Path) -> None:
+    """TRL's form, bare {type: image} parts whose paths are the row's ``images`` list in order, gives the same
+    tokens, labels and images as parts that name their paths (and rows of both forms share a file)."""
+    small, wide = image(tmp_path / "a.png"), image(tmp_path / "b.png", "blue", (112, 56))
+    named = {"messages": [turn(img(small), text("and"), img(wide)), {"role": "assistant", "content": "blue"}]}
+    bare = {"messages": [turn({"type": "image"}, text("and"), {"type": "image"}),
+                         {"role": "assistant", "content": "blue"}], "images": [small, wide]}
+    first, second = tokenize(tools, write(tmp_path, [named, bare])).dataset
+    for key in ("input_ids", "labels", "prompt_ids", "images", "image_grids", "n_images"):
+        assert first[key] == second[key], key
+
+
 def test_image_tokens_are_not_trained_even_on_the_prompt(tools, tmp_path: Path) -> None:
     _, images = tools
     data = tokenize(tools, write(tmp_path, [qa(image(tmp_path / "a.png"))]), train_on_prompt=True).dataset
@@ -100,6 +112,12 @@ def test_image_tokens_are_not_trained_even_on_the_prompt(tools, tmp_path: Path) 
      "data.jsonl:2: messages[1].content[0] is an image in an assistant turn"),
     ({"messages": [turn({"type": "image"}), {"role": "assistant", "content": "x"}]},
      "data.jsonl:2: messages[0].content[0] must be {type: text, text: string} or {type: image, image: path}"),
+    ({"messages": [turn({"type": "image"}, text("?")), {"role": "assistant", "content": "x"}],
+      "images": ["a.png", "a.png"]}, "data.jsonl:2: the row's 'images' list has 2 path(s) for 1 bare {type: image}"),
+    ({"messages": [turn(img("a.png"), {"type": "image"}), {"role": "assistant", "content": "x"}], "images": ["a.png"]},
+     "data.jsonl:2: the row's 'images' list has 1 path(s) for 1 bare {type: image} part(s) and 1 part(s) naming"),
+    ({"messages": [turn({"type": "image"}), {"role": "assistant", "content": "x"}], "images": "a.png"},
+     "data.jsonl:2: field 'images' must be a list of image paths, got 'a.png'"),
     ({"messages": [turn(img("a.png"))]}, "data.jsonl:2: the last message must be the assistant's"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "data.jsonl:2: messages[0] needs role in"),
 ])
