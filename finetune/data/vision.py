@@ -121,7 +121,8 @@ def open_image(path: Path, where: str) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     if not path.is_file():
-        raise DataError(f"{where}: image not found: {path} (image paths are relative to the data file)")
+        raise DataError(f"{where}: image not found: {path} (a relative image path starts at the folder of the file "
+                        "that names it)")
     try:
         with Image.open(path) as image:
             image.load()
