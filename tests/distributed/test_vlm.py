@@ -19,7 +19,7 @@ import yaml
 from finetune.tracking import read_metrics
 from tests.distributed.test_backends import _assert_really_distributed, _finetune, _run, run_ok
 from tests.integration.conftest import final_weights, max_rel_diff
-from tests.integration.test_vlm import final_state, shapes_copy, vlm_recipe
+from tests.integration.test_vlm import final_state, image_prompts, shapes_copy, vlm_recipe
 
 pytestmark = pytest.mark.distributed
 TWO = ("--num-processes", "2")
@@ -108,3 +108,18 @@ def test_lora_under_fsdp2_exports_the_language_adapter_and_merges(workdir: Path)
     assert merged.returncode == 0, merged.stderr[-3000:]
     done = _finetune("eval", str(workdir / "merged"), "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["eval_total"] == 12
+
+
+def test_generate_with_images_on_two_processes_writes_the_one_process_file(workdir: Path, reference: Path,
+                                                                           tmp_path: Path) -> None:
+    """`finetune generate --num-processes 2` on the VLM (image prompts, a text-only chat and a raw prompt, sampled)
+    writes the bytes one process writes: each rank's share sampled prompt by prompt from its own seed."""
+    prompts = image_prompts(tmp_path)
+    flags = ["--max-new-tokens", "6", "--temperature", "0.9", "--seed", "5", "--batch-size", "4"]
+    one = _finetune("generate", str(reference), str(prompts), "-o", str(tmp_path / "one.jsonl"), *flags)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = _finetune("generate", str(reference), str(prompts), "-o", str(tmp_path / "two.jsonl"), *flags, *TWO,
+                    "--accelerate-config", "ddp")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "on 2 process(es)" in two.stdout
+    assert (tmp_path / "two.jsonl").read_bytes() == (tmp_path / "one.jsonl").read_bytes()
