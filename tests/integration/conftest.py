@@ -74,12 +74,16 @@ def cli_exit_code(*args: str) -> int:
     return 0
 
 
+def write_named(folder: Path, name: str, recipe: dict[str, Any]) -> Path:
+    """``recipe`` written to ``folder/<name>.yaml``, named ``name`` and training into ``folder/<name>``."""
+    path = folder / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(folder / name)}, sort_keys=False))
+    return path
+
+
 def recipe_file(folder: Path, name: str, **sections: Any) -> Path:
     """``folder/<name>.yaml``: :func:`tiny_recipe` with ``sections``, training into ``folder/<name>``."""
-    recipe = {**tiny_recipe(**sections), "name": name, "output_dir": str(folder / name)}
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-    return path
+    return write_named(folder, name, tiny_recipe(**sections))
 
 
 def trained_run(folder: Path, name: str, **sections: Any) -> Path:

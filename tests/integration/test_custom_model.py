@@ -14,13 +14,20 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from finetune import registry
 from finetune.errors import ConfigError
 from finetune.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, run_stopped_after, tiny_recipe, with_sections
+from tests.integration.conftest import (
+    DATA,
+    cli_exit_code,
+    final_weights,
+    run_stopped_after,
+    tiny_recipe,
+    with_sections,
+    write_named,
+)
 
 pytestmark = pytest.mark.integration
 PLUGIN = "tests.plugins.tiny_custom_lm"
@@ -51,12 +58,6 @@ def custom_recipe(**sections: Any) -> dict[str, Any]:
     return with_sections(recipe, **sections)
 
 
-def _write(folder: Path, name: str, recipe: dict[str, Any]) -> Path:
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(folder / name)}, sort_keys=False))
-    return path
-
-
 def _train_rows(run: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run) if r["kind"] == "train"]
 
@@ -67,8 +68,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     143) and resumed to step 12."""
     folder = tmp_path_factory.mktemp("custom")
     recipe = custom_recipe()
-    assert cli_exit_code("run", str(_write(folder, "straight", recipe))) == 0
-    run_stopped_after(_write(folder, "resumed", recipe), 5)
+    assert cli_exit_code("run", str(write_named(folder, "straight", recipe))) == 0
+    run_stopped_after(write_named(folder, "resumed", recipe), 5)
     resumed = folder / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
     assert cli_exit_code("resume", str(resumed)) == 0
@@ -156,7 +157,7 @@ def test_final_is_a_state_dict_that_eval_loads_into_the_factory_model(runs: dict
 def test_what_the_row_does_not_claim_is_one_line(tmp_path: Path, monkeypatch, capsys, overrides: list[str],
                                                  needle: str) -> None:
     """Each setting the custom row cannot support is refused before anything runs, in one line per problem."""
-    recipe = _write(tmp_path, "refused", custom_recipe())
+    recipe = write_named(tmp_path, "refused", custom_recipe())
     code, out, err = main_exit(monkeypatch, capsys, "run", str(recipe), *overrides)
     assert_user_error(code, out, err, needle)
     assert not (tmp_path / "refused").exists()
@@ -183,7 +184,7 @@ def broken_rows() -> Any:
 ])
 def test_a_factory_that_cannot_be_used_is_one_line(tmp_path: Path, monkeypatch, capsys, broken_rows: Any,
                                                    model_type: str, needle: str) -> None:
-    recipe = _write(tmp_path, "broken", custom_recipe(model={"type": model_type}))
+    recipe = write_named(tmp_path, "broken", custom_recipe(model={"type": model_type}))
     code, out, err = main_exit(monkeypatch, capsys, "config", str(recipe))
     lines = assert_user_error(code, out, err, needle)
     assert len(lines) == 1
@@ -212,5 +213,5 @@ def test_commands_that_need_a_hugging_face_model_refuse_in_one_line(runs: dict[s
     assert not (tmp_path / "out.jsonl").exists()
     assert_user_error(*main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged")),
                       "not a LoRA run")
-    recipe = _write(tmp_path, "planned", custom_recipe())
+    recipe = write_named(tmp_path, "planned", custom_recipe())
     assert_user_error(*main_exit(monkeypatch, capsys, "plan", str(recipe)), "without a Hugging Face config")

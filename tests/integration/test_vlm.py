@@ -15,13 +15,19 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from finetune import registry
 from finetune.config.schema import ModelConfig
 from finetune.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe, with_sections
+from tests.integration.conftest import (
+    DATA,
+    cli_exit_code,
+    run_stopped_after,
+    tiny_recipe,
+    with_sections,
+    write_named,
+)
 
 pytestmark = pytest.mark.integration
 SHAPES = DATA / "shapes"
@@ -68,12 +74,6 @@ def vlm_recipe(folder: Path, **sections: Any) -> dict[str, Any]:
     return with_sections(recipe, **sections)
 
 
-def write(folder: Path, name: str, recipe: dict[str, Any]) -> Path:
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(folder / name)}, sort_keys=False))
-    return path
-
-
 def final_state(run: Path) -> dict[str, torch.Tensor]:
     """The exported model's state dict under its module names (on disk, transformers writes the hub's key names)."""
     import transformers
@@ -90,8 +90,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The straight 8-step run, and the same recipe stopped by SIGTERM after step 3 and resumed to step 8."""
     folder = tmp_path_factory.mktemp("vlm")
     recipe = vlm_recipe(folder)
-    assert cli_exit_code("run", str(write(folder, "straight", recipe))) == 0
-    run_stopped_after(write(folder, "resumed", recipe), 3)
+    assert cli_exit_code("run", str(write_named(folder, "straight", recipe))) == 0
+    run_stopped_after(write_named(folder, "resumed", recipe), 3)
     assert cli_exit_code("resume", str(folder / "resumed")) == 0
     return {"straight": folder / "straight", "resumed": folder / "resumed", "folder": folder}
 
@@ -140,7 +140,7 @@ def test_freeze_vision_trains_only_the_projector_and_the_language_model(tmp_path
 
     recipe = vlm_recipe(tmp_path, model={"freeze": ["vision"]}, train={"max_steps": 2},
                         eval={"every_steps": None}, checkpoint={"every_steps": None})
-    assert cli_exit_code("run", str(write(tmp_path, "frozen", recipe))) == 0
+    assert cli_exit_code("run", str(write_named(tmp_path, "frozen", recipe))) == 0
     after = final_state(tmp_path / "frozen")
     before = build_base(ModelConfig(type="tiny-qwen2-vl", config_overrides={"attention_dropout": 0.1}),
                         registry.get_model("tiny-qwen2-vl"), seed=7).state_dict()
@@ -159,7 +159,7 @@ def test_lora_adapts_the_language_model_only_and_merges(tmp_path: Path, monkeypa
 
     recipe = vlm_recipe(tmp_path, peft={"method": "lora", "preset": "attn_mlp"}, train={"max_steps": 4},
                         optim={"lr": 1.0e-2}, eval={"every_steps": None}, checkpoint={"every_steps": None})
-    assert cli_exit_code("run", str(write(tmp_path, "lora", recipe))) == 0
+    assert cli_exit_code("run", str(write_named(tmp_path, "lora", recipe))) == 0
     run = tmp_path / "lora"
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
     assert adapter and all(".language_model." in k for k in adapter) and not any("visual" in k for k in adapter)
@@ -195,7 +195,7 @@ def test_every_hub_vision_row_trains_from_a_model_folder(tmp_path: Path, name: s
                                          "freeze": ["vision"]}, data=data, train={"max_steps": 2},
                         eval={"every_steps": 2, "batch_size": 4, "max_new_tokens": 4},
                         checkpoint={"every_steps": None})
-    assert cli_exit_code("run", str(write(tmp_path, "run", recipe))) == 0
+    assert cli_exit_code("run", str(write_named(tmp_path, "run", recipe))) == 0
     run = tmp_path / "run"
     assert len(train_rows(run)) == 2 and all(math.isfinite(r["loss"]) for r in train_rows(run))
     evals = [r for r in read_metrics(run) if r["kind"] == "eval"]
