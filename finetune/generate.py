@@ -437,7 +437,7 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     precision = Precision(job.cfg.train.mixed_precision, accelerator.device.type)
     tokenizer = job.tokenizer
     stop_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    decode = _decoder(job, model, options, accelerator.device)
+    decode = _decoder(job, model, options, stop_ids, accelerator.device)
     mine = eval_shard(len(job.prompts), rank, world)  # every N-th prompt: none twice, none left out
     mine.sort(key=lambda i: (-len(job.ids[i]), i))  # similar lengths share a batch: less padding
     share = f" (this process's share; {len(job.prompts)} in all over {world} processes)" if world > 1 else ""
@@ -466,7 +466,8 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     return summary
 
 
-def _decoder(job: Job, model: Any, options: Options, device: Any) -> Callable[[list[int]], list[list[int]]]:
+def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
+             device: Any) -> Callable[[list[int]], list[list[int]]]:
     """The new tokens of a batch of prompts (their indices), each row cut or padded after its stop token.
 
     Text rows: the shared decoder (:func:`finetune.tasks.causal_lm.generate_tokens`), one sampling generator per
@@ -478,7 +479,6 @@ def _decoder(job: Job, model: Any, options: Options, device: Any) -> Callable[[l
     from finetune.data.batching import left_pad
 
     tokenizer, pad_id = job.tokenizer, job.tokenizer.pad_token_id
-    stop_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     if job.row.image_token is None:
         from finetune.tasks.causal_lm import Sampling, generate_tokens
 
