@@ -397,10 +397,14 @@ class _Precision:
         return p.numel * (4 if self.qlora else p.element_size)
 
 
+def _persistent(p: ParamInfo, sharding: Sharding) -> bool:
+    """Whether ZeRO-3 keeps ``p`` whole on every rank (under ``stage3_param_persistence_threshold`` elements)."""
+    return sharding.kind == "deepspeed" and p.numel < ZERO3_PERSISTENCE_THRESHOLD
+
+
 def _share(p: ParamInfo, nbytes: int, divisor: int, sharding: Sharding, is_param: bool = False) -> int:
     """One rank's share of ``nbytes`` belonging to ``p``: rounded up; whole for the parameters ZeRO-3 persists."""
-    persistent = is_param and sharding.kind == "deepspeed" and p.numel < ZERO3_PERSISTENCE_THRESHOLD
-    return nbytes if divisor == 1 or persistent else _ceil_div(nbytes, divisor)
+    return nbytes if divisor == 1 or (is_param and _persistent(p, sharding)) else _ceil_div(nbytes, divisor)
 
 
 def _state_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, prec: _Precision) -> list[Item]:
@@ -453,7 +457,7 @@ def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, pre
         items.append(Item("ddp_buckets", "DDP gradient buckets", grads, grads, 1, "device",
                           "gradient_as_bucket_view is off: the buckets are a second copy of the gradients"))
     if sharding.gathers:
-        gathered = [p for p in params if _share(p, 1, 2, sharding, is_param=True) != 1]  # not persistent
+        gathered = [p for p in params if not _persistent(p, sharding)]  # the persistent ones are whole already
         layers: dict[int, int] = {}
         for p in gathered:
             if p.layer is not None:

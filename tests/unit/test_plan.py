@@ -279,6 +279,35 @@ def test_fsdp_sharding_follows_the_accelerate_config(tmp_path: Path, base: str, 
     assert (plan.item("gathered_parameters") is not None) == (params > 1)
 
 
+def _layer_bytes(overrides: dict[str, Any], min_numel: int) -> tuple[int, int]:
+    """(bytes outside the decoder layers, bytes of one decoder layer) of quickstart's tiny-llama with ``overrides``,
+    counting only tensors of at least ``min_numel`` elements: a plain transformers build on meta, not the plan's."""
+    import torch
+    import transformers
+
+    quick = yaml.safe_load(QUICKSTART.read_text())["model"]["config_overrides"]
+    config = transformers.LlamaConfig(**{**get_model("tiny-llama").tiny_config, **quick, **overrides})
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    layer = {id(p) for p in model.model.layers[0].parameters()}
+    inside = {id(p) for p in model.model.layers.parameters()}
+    big = [p for p in model.parameters() if p.numel() >= min_numel]
+    return (sum(4 * p.numel() for p in big if id(p) not in inside),
+            sum(4 * p.numel() for p in big if id(p) in layer))
+
+
+@pytest.mark.parametrize("config", ["zero3", "fsdp1", "fsdp2"])
+def test_sharded_ranks_count_the_parameters_they_gather(config: str) -> None:
+    """While a rank computes it holds the parameters outside the decoder layers and two whole decoder layers (the one
+    computing and the one prefetched); ZeRO-3's persistent small tensors are whole already. The plan said 0 B here
+    (its filter asked whether ceil(1 / 2) != 1)."""
+    plan = _plan(*WIDE, *TWO, f"launch.accelerate_config={config}")
+    wide = {k.split(".")[-1]: int(v) for k, v in (o.split("=") for o in WIDE)}
+    outside, layer = _layer_bytes(wide, 100_000 if config == "zero3" else 0)
+    assert _rank(plan, "gathered_parameters") == outside + 2 * layer > 0
+    assert plan.device_total == sum(i.per_rank_bytes for i in plan.items if i.where == "device")
+
+
 def test_fsdp_parameter_offload_moves_all_three_to_host(tmp_path: Path) -> None:
     config = _accelerate_config(tmp_path, "fsdp1", fsdp_offload_params=True)
     plan = _plan(*WIDE, *TWO, f"launch.accelerate_config={config}")
