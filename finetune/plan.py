@@ -38,16 +38,22 @@ counted, per rank:
                                                   fall back to the math path); 4 = the fp32 softmax, c' = its cast
                                                   to c bytes (0 when c is 4), d = 1 + c with attention dropout
                                                   (mask + dropped probabilities); flash/efficient kernels keep none
+              + c*s                               sdpa otherwise: its boolean attention mask ([rows, 1, s, s], the
+                                                  block-diagonal one of a packed row, or a padded batch's causal +
+                                                  padding mask) becomes an additive mask in the compute dtype on
+                                                  every layer call, and the kernel saves it for backward (a padded
+                                                  batch without any padding gets none, transformers then skips it)
               + 2h                                hidden dropout > 0: the masks of the two residual dropouts
+      mask  = s                                   sdpa as above: the boolean mask, once per forward
       final = r*2h + c*h                          the final norm and the LM head's input
       lora  = (c + 1) * sum(in_features)          LoRA dropout > 0: each adapted module's dropped-out input + mask
 
-  and the estimate is ``T*(L*layer + final + lora)`` without gradient checkpointing and
-  ``T*(L*r*h + final) + T*(layer + lora/L)`` with it (each layer keeps only its input; one layer is recomputed at a
-  time). The two norms of a layer save their input, normalized value and 16-bit output (the ``r*4h + c*2h``);
-  attention saves q, k, v, its output and the output projection's input; the MLP its gate, up, activation and
-  product. It does not count gradients of activations in flight or allocator fragmentation; frozen linear layers
-  (LoRA) save somewhat less than it says.
+  and the estimate is ``T*(L*layer + final + lora + mask)`` without gradient checkpointing and
+  ``T*(L*r*h + final + mask) + T*(layer + lora/L)`` with it (each layer keeps only its input; one layer is
+  recomputed at a time). The two norms of a layer save their input, normalized value and 16-bit output (the
+  ``r*4h + c*2h``); attention saves q, k, v, its output and the output projection's input; the MLP its gate, up,
+  activation and product. It does not count gradients of activations in flight or allocator fragmentation; frozen
+  linear layers (LoRA) save somewhat less than it says.
 * **logits and loss**: the logits ``T x vocab`` in the compute dtype, saved for backward, and their gradient of the
   same size (finetune's chunked loss never makes a full fp32 copy, see :mod:`finetune.tasks.losses`), plus one fp32
   chunk of ``min(T, default_chunk_rows(vocab))`` rows; a classification head's logits are ``micro_batch_size x
@@ -335,14 +341,18 @@ def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_le
     tokens = micro_batch_size * max_seq_len
     row = tokens if packing else max_seq_len
     layer = r * 4 * h + c * (2 * h + 3 * q + 2 * kv + (4 if shape.gated_mlp else 2) * shape.intermediate)
+    mask = 0
     if scores_materialized(shape, cuda):
         layer += shape.heads * row * (4 + (c if c != 4 else 0) + ((1 + c) if shape.attention_dropout > 0 else 0))
+    elif shape.attn_implementation == "sdpa":
+        layer += c * row  # the boolean mask as an additive one in the compute dtype, made and saved per layer call
+        mask = row  # the boolean [rows, 1, s, s] mask itself, built once per forward (kept by checkpointing)
     if shape.hidden_dropout > 0:
         layer += 2 * h  # the bool masks of the two residual-branch dropouts
     final = r * 2 * h + c * h
     lora = (c + 1) * lora_in_features
-    without = tokens * (shape.layers * layer + final + lora)
-    with_checkpointing = tokens * (shape.layers * r * h + final) + tokens * (layer + lora / max(1, shape.layers))
+    without = tokens * (shape.layers * layer + final + lora + mask)
+    with_checkpointing = tokens * (shape.layers * r * h + final + mask) + tokens * (layer + lora / max(1, shape.layers))
     return math.ceil(without), math.ceil(with_checkpointing)
 
 

@@ -374,11 +374,18 @@ def _saved_for_backward(cfg: RecipeConfig) -> tuple[int, Any]:
             saved[storage.data_ptr()] = max(saved.get(storage.data_ptr(), 0), storage.nbytes())
         return tensor
 
-    ids = torch.randint(5, 500, (cfg.train.micro_batch_size, cfg.data.max_seq_len),
-                        generator=torch.Generator().manual_seed(0))
+    mbs, seq = cfg.train.micro_batch_size, cfg.data.max_seq_len
+    ids = torch.randint(5, 500, (mbs, seq), generator=torch.Generator().manual_seed(0))
+    if cfg.data.packing:  # one row of mbs samples, positions restarting at each, no mask (as PackingCollator)
+        inputs = {"input_ids": ids.reshape(1, -1), "position_ids": torch.arange(seq).repeat(mbs)[None],
+                  "use_cache": False}
+    else:  # a padded batch with some padding (a batch without any gets no attention mask at all)
+        mask = torch.ones_like(ids)
+        mask[0, seq // 2:] = 0
+        inputs = {"input_ids": ids, "attention_mask": mask}
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.mixed_precision == "bf16")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-        logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        logits = model(**inputs).logits
     return sum(saved.values()), logits
 
 
@@ -389,10 +396,13 @@ def _saved_for_backward(cfg: RecipeConfig) -> tuple[int, Any]:
     (QUICKSTART, ("model.config_overrides.num_key_value_heads=2",)),
     (MINILM, ()),
     (MINILM, ("train.mixed_precision=bf16",)),
-], ids=["fp32", "bf16-autocast", "eager", "gqa", "minilm", "minilm-bf16"])
+    (QUICKSTART, ("data.packing=true",)),
+    (QUICKSTART, ("data.packing=true", "train.mixed_precision=bf16")),
+], ids=["fp32", "bf16-autocast", "eager", "gqa", "minilm", "minilm-bf16", "packed-sdpa", "packed-sdpa-bf16"])
 def test_activation_estimate_tracks_what_autograd_saves(recipe: Path, overrides: tuple[str, ...]) -> None:
     """An estimate, but a close one: within 20% of the bytes autograd really keeps for backward (plus the autocast
-    weight copies, which autograd keeps too)."""
+    weight copies, which autograd keeps too). Packed with sdpa, the additive block-diagonal mask every layer saves
+    (``[1, 1, T, T]`` in the compute dtype) is as big as the rest of a layer here: the plan left it out before."""
     from finetune.tasks.losses import default_chunk_rows
 
     cfg = _cfg(*overrides, recipe=recipe)
