@@ -457,3 +457,27 @@ def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str,
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             return model.state_dict()
     return accelerator.get_state_dict(model)
+
+
+def full_shape(param: Any) -> tuple[int, ...]:
+    """A parameter's whole, unpartitioned shape, whichever backend holds it: what every decision taken from a
+    parameter's shape (optimizer groups, counts, LoRA targets, freezing) must read.
+
+    ``param.shape`` is not it everywhere. ZeRO-3 builds a ``model.path`` model partitioned at birth
+    (``deepspeed.zero.Init``): each parameter's ``.data`` is then an empty 1-D placeholder and its real shape is
+    ``ds_shape``, so every matrix would look like a bias. An FSDP1 ``FlatParameter`` is 1-D by nature; its whole size
+    is ``_unpadded_unsharded_size``. FSDP2's DTensor reports its global shape itself, as plain tensors do. (FSDP1's
+    original parameters are sharded views only after ``accelerator.prepare``; finetune decides from shapes before.)"""
+    for attribute in ("ds_shape", "_unpadded_unsharded_size"):  # ZeRO-3; FSDP1 flat parameter
+        whole = getattr(param, attribute, None)
+        if whole is not None:
+            return tuple(int(n) for n in whole)
+    return tuple(param.shape)
+
+
+def full_numel(param: Any) -> int:
+    """The number of elements of the whole parameter (:func:`full_shape`), not of this rank's partition."""
+    count = 1
+    for n in full_shape(param):
+        count *= n
+    return count

@@ -25,6 +25,7 @@ import torch
 import transformers
 from transformers.modeling_outputs import CausalLMOutput
 
+from finetune.backends import full_numel
 from finetune.config.schema import ModelConfig
 from finetune.errors import ConfigError, FinetuneError
 from finetune.registry import CUSTOM_WEIGHTS, SupportedModel, model_type_problem, resolve_factory
@@ -413,7 +414,9 @@ def compile_model(model: torch.nn.Module) -> None:
 def freeze(model: torch.nn.Module, row: SupportedModel, parts: list[str]) -> int:
     """Stop training the ``parts`` (``model.freeze``) of the model: every parameter under one of the module-name
     prefixes the row gives each part gets ``requires_grad=False`` before the optimizer is built. Returns how many
-    parameters were frozen; a part that matches none is a ConfigError (the row's prefixes do not fit this model)."""
+    parameter elements were frozen (whole tensors, :func:`finetune.backends.full_numel`: under ZeRO-3 a model is
+    partitioned at birth and ``numel()`` would count nothing); a part that matches none is a ConfigError (the
+    row's prefixes do not fit this model)."""
     frozen = 0
     for part in parts:
         prefixes = row.freeze_groups[part]  # validated: a part the row names
@@ -424,5 +427,5 @@ def freeze(model: torch.nn.Module, row: SupportedModel, parts: list[str]) -> int
                               f"{row.name} model; remove it from model.freeze")
         for param in matched:
             param.requires_grad_(False)
-            frozen += param.numel()
+            frozen += full_numel(param)
     return frozen

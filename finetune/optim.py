@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from finetune.backends import full_shape
 from finetune.config.schema import OptimConfig, SchedulerConfig
 from finetune.errors import ConfigError
 
@@ -37,13 +38,19 @@ def use_fused(choice: bool | None, device_type: str) -> bool:
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, device_type: str | None = None) -> torch.optim.Optimizer:
     """AdamW or SGD; weight decay applies to matrices only (not biases or norm weights), as is usual.
 
+    A matrix is told by its whole shape (:func:`finetune.backends.full_shape`), not by ``param.ndim``: under ZeRO-3
+    a ``model.path`` model is partitioned at birth, every parameter a 1-D placeholder, and grouping by ``ndim`` put
+    every matrix in the no-decay group (weight decay silently off). So the groups, and so a checkpoint's param
+    groups, are the same under every backend and world size, and a checkpoint resumes on any of them.
+
     ``device_type`` is where training runs (``accelerator.device.type``): the optimizer is built before
     ``accelerator.prepare`` moves the parameters there, so their current device may not be it. None: the device of
     the parameters now. It decides whether AdamW uses torch's fused kernel (``optim.fused``)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    matrix = [len(full_shape(p)) >= 2 for p in params]
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": [p for p, m in zip(params, matrix, strict=True) if m], "weight_decay": cfg.weight_decay},
+        {"params": [p for p, m in zip(params, matrix, strict=True) if not m], "weight_decay": 0.0},
     ]
     groups = [g for g in groups if g["params"]]
     if cfg.name == "sgd":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from finetune.backends import full_numel
 from finetune.config.schema import PeftConfig
 from finetune.errors import ConfigError
 from finetune.registry import CAUSAL_TASKS, SupportedModel
@@ -113,9 +114,10 @@ def _lora_config(cfg: PeftConfig, row: SupportedModel) -> Any:
 
 
 def parameter_counts(model: Any) -> tuple[int, int]:
-    """(trainable, total) parameter elements."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
+    """(trainable, total) parameter elements, of whole tensors (:func:`finetune.backends.full_numel`): under ZeRO-3
+    a ``model.path`` model is partitioned at birth, and ``numel()`` counts this rank's empty placeholders."""
+    trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
+    return trainable, sum(full_numel(p) for p in model.parameters())
 
 
 def describe_on_meta(cfg: Any, row: SupportedModel) -> dict[str, Any]:

@@ -45,3 +45,42 @@ def test_weight_decay_only_on_matrices() -> None:
     assert decayed == {id(model[0].weight)}
     sgd = build_optimizer(OptimConfig(name="sgd", lr=0.1, momentum=0.9), model)
     assert isinstance(sgd, torch.optim.SGD) and sgd.param_groups[0]["momentum"] == 0.9
+
+
+def _partitioned_like_zero3(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as ZeRO-3 holds a model built partitioned (``deepspeed.zero.Init``): every parameter's ``.data`` an
+    empty 1-D placeholder, its real shape in ``ds_shape`` (and ``ds_numel``)."""
+    for param in model.parameters():
+        param.ds_shape, param.ds_numel = param.shape, param.numel()
+        param.data = torch.empty(0, dtype=param.dtype)
+    return model
+
+
+def _layout(opt: torch.optim.Optimizer, names: dict[int, str]) -> list[tuple[float, list[str]]]:
+    return [(g["weight_decay"], [names[id(p)] for p in g["params"]]) for g in opt.param_groups]
+
+
+def test_groups_see_the_whole_shape_of_partitioned_parameters() -> None:
+    """A model partitioned at birth under ZeRO-3 gets the optimizer groups of the whole model (weight decay on its
+    matrices, not silently nowhere), so a checkpoint's groups match on any backend and world size; counts of frozen
+    and trainable elements are of whole tensors too."""
+    import dataclasses
+
+    from finetune.backends import full_numel, full_shape
+    from finetune.modeling import freeze
+    from finetune.peft import parameter_counts
+    from finetune.registry import SUPPORTED_MODELS
+
+    def make() -> torch.nn.Module:
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+
+    cfg = OptimConfig(weight_decay=0.5)
+    whole, parted = make(), _partitioned_like_zero3(make())
+    assert [p.ndim for p in parted.parameters()] == [1] * 6  # what the old grouping read
+    assert [full_shape(p) for p in parted.parameters()] == [tuple(p.shape) for p in whole.parameters()]
+    expected = _layout(build_optimizer(cfg, whole), {id(p): n for n, p in whole.named_parameters()})
+    assert expected == [(0.5, ["0.weight", "2.weight"]), (0.0, ["0.bias", "1.weight", "1.bias", "2.bias"])]
+    assert _layout(build_optimizer(cfg, parted), {id(p): n for n, p in parted.named_parameters()}) == expected
+    row = dataclasses.replace(SUPPORTED_MODELS["llama"], freeze_groups={"first": ("0",)})
+    assert freeze(parted, row, ["first"]) == 16 == full_numel(parted[0].weight) + 4
+    assert parameter_counts(parted) == (18, 34) == (sum(p.numel() for p in whole.parameters()) - 16, 34)
