@@ -23,9 +23,12 @@ counted, per rank:
   partition; ``offload_param`` the parameters; FSDP ``fsdp_offload_params`` parameters, gradients and optimizer
   states. Where parameters are sharded, a rank also holds gathered ones while it computes (**gathered
   parameters**: the parameters outside the decoder layers plus two decoder layers, the one computing and the one
-  prefetched). DDP keeps its gradient buckets, a second copy of the gradients (**DDP gradient buckets**). Under
-  autocast with fp32 weights, the 16-bit copies of the linear weights are saved for backward (**autocast weight
-  copies**).
+  prefetched). FSDP with gradient accumulation keeps whole (unsharded) gradients across a step's micro-steps
+  (``no_sync``) only where the plan with them counted fits the smallest visible device (**accumulation
+  gradients**, see :func:`unsharded_accumulation_fits`, which the backend asks); otherwise, and on the CPU, it
+  reduce-scatters every micro-step and holds only its shard. DDP keeps its gradient buckets, a second copy of the
+  gradients (**DDP gradient buckets**). Under autocast with fp32 weights, the 16-bit copies of the linear weights
+  are saved for backward (**autocast weight copies**).
 * **activations** (an ESTIMATE, from the model config): with ``T = micro_batch_size x max_seq_len`` tokens, hidden
   size ``h``, query width ``q = heads x head_dim``, key/value width ``kv = kv_heads x head_dim``, intermediate size
   ``f``, ``L`` layers, ``a`` heads, ``s`` tokens per attention row (``max_seq_len``; ``T`` when packed), ``r`` bytes
@@ -87,6 +90,10 @@ from finetune.errors import ConfigError
 from finetune.registry import CAUSAL_TASKS, SupportedModel
 
 Where = Literal["device", "host"]
+# FSDP with gradient accumulation: "unsharded" keeps whole gradients across a window's micro-steps (no_sync, one
+# reduce-scatter per step), "reduce_scatter" reduce-scatters every micro-step; "none": not FSDP-sharded gradients
+# or no accumulation
+Accumulation = Literal["none", "unsharded", "reduce_scatter"]
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (not set by us)
 NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
 FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -224,6 +231,7 @@ class MemoryPlan:
     items: tuple[Item, ...]
     fit: DeviceFit
     notes: tuple[str, ...]
+    accumulation: Accumulation = "none"  # FSDP with gradient accumulation: what it keeps between micro-steps
 
     @property
     def device_total(self) -> int:
@@ -492,6 +500,45 @@ def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, pre
     return items
 
 
+def unsharded_accumulation_bytes(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding) -> int:
+    """Bytes of the whole (unsharded) gradients one FSDP rank keeps across the micro-steps of an accumulation window
+    when gradient sync is off until its last one (``no_sync``); 0 where that keeps nothing more than training
+    already does (gradients not sharded, or no accumulation). In the parameter's dtype, fp32 under bf16/fp16 mixed
+    precision (FSDP2 upcasts unsharded accumulated gradients to the fp32 reduce dtype)."""
+    if sharding.kind != "fsdp" or sharding.grads == 1 or cfg.grad_accum == 1:
+        return 0
+    prec = _Precision.of(cfg, sharding)
+    floor = 4 if cfg.train.mixed_precision in ("bf16", "fp16") else 0
+    return sum(max(prec.held(p), floor * p.numel) for p in facts.params if p.trainable)
+
+
+def _accumulation(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, device_total: int,
+                  devices: Sequence[tuple[str, int]] | None) -> tuple[Accumulation, Item | None, str | None]:
+    """FSDP with gradient accumulation keeps unsharded gradients across a window only where the plan says they fit
+    the smallest visible device; otherwise it reduce-scatters every micro-step (its sharded gradients, already
+    counted, accumulate). The mode, its line (unsharded) or its note (reduce-scatter)."""
+    extra = unsharded_accumulation_bytes(cfg, facts, sharding)
+    if not extra:
+        return "none", None, None
+    if devices and check_fit(device_total + extra, devices).fits:
+        return "unsharded", Item("accumulation_gradients", "accumulation gradients (unsharded)", extra, extra, 1,
+                                 "device", f"FSDP keeps whole gradients across the {cfg.grad_accum} micro-steps of "
+                                 "a step (no_sync): they fit"), None
+    why = "they would not fit the smallest visible device" if devices else "no CUDA device is visible to check"
+    return "reduce_scatter", None, (f"FSDP reduce-scatters gradients every micro-step ({cfg.grad_accum} per step): "
+                                    f"keeping them whole across the window would take {format_bytes(extra)} more "
+                                    f"per rank and {why}")
+
+
+def unsharded_accumulation_fits(cfg: RecipeConfig, device_bytes: int | None) -> bool:
+    """The question an FSDP backend asks before a run with gradient accumulation: may it keep unsharded gradients
+    across a window's micro-steps (``no_sync``, one reduce-scatter per step) on a device of ``device_bytes``? True
+    only when the recipe's plan with them counted fits; False (reduce-scatter every micro-step) otherwise, with no
+    device (None), and where the question does not arise. Builds the model on the meta device."""
+    plan = build_plan(cfg, devices=[("device", device_bytes)] if device_bytes else [])
+    return plan.accumulation == "unsharded"
+
+
 def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: bool) -> Activations:
     """The activation, logits and eval-logits estimates of the module docstring."""
     shape = facts.shape
@@ -527,6 +574,10 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                       ("logits + their gradient + one fp32 loss chunk" if causal else "classification logits")
                       + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
     notes = []
+    accumulation, accumulated, note = _accumulation(
+        cfg, facts, sharding, sum(i.per_rank_bytes for i in items if i.where == "device"), devices)
+    items += [accumulated] if accumulated else []
+    notes += [note] if note else []
     if sharding.params > 1 and sharding.kind == "deepspeed" and \
             any(p.numel < ZERO3_PERSISTENCE_THRESHOLD for p in facts.params):
         notes.append("ZeRO-3 keeps parameters under 1e5 elements whole on every rank "
@@ -542,7 +593,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                       total_params=facts.total_params, trainable_params=facts.trainable_params,
                       model_dtype=cfg.model.dtype, mixed_precision=mixed, compute_dtype=compute_dtype,
                       sharding=sharding, activations=acts, items=tuple(items),
-                      fit=check_fit(device_total, devices), notes=tuple(notes))
+                      fit=check_fit(device_total, devices), notes=tuple(notes), accumulation=accumulation)
 
 
 # --- the meta-device model and the visible devices (torch) ------------------------------------------------------------

@@ -308,6 +308,35 @@ def test_sharded_ranks_count_the_parameters_they_gather(config: str) -> None:
     assert plan.device_total == sum(i.per_rank_bytes for i in plan.items if i.where == "device")
 
 
+def test_fsdp_accumulation_keeps_whole_gradients_only_where_they_fit() -> None:
+    """FSDP with 2 micro-steps per step: whole gradients kept across the window (no_sync) are counted where they fit
+    the device and the backend may keep them; otherwise every micro-step reduce-scatters and nothing more is held.
+    The plan did not count them before, whatever the device."""
+    from finetune.plan import unsharded_accumulation_fits
+
+    accumulating = (*WIDE, "launch.num_processes=2", "train.micro_batch_size=8", "train.global_batch_size=32")
+    cfg = _cfg(*accumulating, "launch.accelerate_config=fsdp2")
+    assert cfg.grad_accum == 2
+    cpu = build_plan(cfg, devices=[])
+    assert cpu.accumulation == "reduce_scatter" and cpu.item("accumulation_gradients") is None
+    assert any("reduce-scatters gradients every micro-step (2 per step)" in n for n in cpu.notes)
+    whole = _item(cpu, "gradients").whole_bytes
+    assert whole == 4 * cpu.trainable_params
+    room = cpu.device_total + whole
+    roomy = build_plan(cfg, devices=[("cuda:0", room)])
+    assert roomy.accumulation == "unsharded" and _rank(roomy, "accumulation_gradients") == whole
+    assert roomy.device_total == room and roomy.fit.fits
+    tight = build_plan(cfg, devices=[("cuda:0", room - 1)])
+    assert tight.accumulation == "reduce_scatter" and tight.device_total == cpu.device_total
+    assert [unsharded_accumulation_fits(cfg, n) for n in (room, room - 1, None)] == [True, False, False]
+    # the question does not arise without sharded FSDP gradients or without accumulation
+    for other in (_cfg(*accumulating, "launch.accelerate_config=zero3"),
+                  _cfg(*WIDE, *TWO, "launch.accelerate_config=fsdp2"),
+                  _cfg(*accumulating, "launch.accelerate_config=ddp")):
+        plan = build_plan(other, devices=[("cuda:0", 2**40)])
+        assert plan.accumulation == "none" and plan.item("accumulation_gradients") is None, other.launch
+
+
 def test_fsdp_parameter_offload_moves_all_three_to_host(tmp_path: Path) -> None:
     config = _accelerate_config(tmp_path, "fsdp1", fsdp_offload_params=True)
     plan = _plan(*WIDE, *TWO, f"launch.accelerate_config={config}")
