@@ -7,7 +7,8 @@ is reserved for our own invariants.
 
 Exit codes: 0 done; 1 an internal error or a failed verification (e.g. ``finetune merge``'s logit check);
 2 a user mistake (recipe, data, run dir, flags, I/O such as a full disk); 3 training diverged (non-finite loss or
-gradients); 130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint.
+gradients); 4 an evaluation during a run failed (the run stays resumable, ``final/`` intact); 130 / 143 stopped
+by SIGINT / SIGTERM after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class DataError(FinetuneError):
 
 class RunDirError(FinetuneError):
     """A run or checkpoint directory is missing, incomplete, in use, or would be overwritten."""
+
+
+class EvalError(FinetuneError):
+    """An evaluation during a run failed (e.g. out of memory); the checkpoints and the export are kept."""
+
+    exit_code = 4
 
 
 class NonFiniteError(FinetuneError):

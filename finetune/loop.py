@@ -21,7 +21,7 @@ import torch
 from finetune import checkpoint, hooks
 from finetune.backends import Backend
 from finetune.config import RecipeConfig
-from finetune.errors import NonFiniteError
+from finetune.errors import EvalError, FinetuneError, NonFiniteError
 from finetune.precision import Precision
 from finetune.signals import Interrupted, StopRequest
 from finetune.state import TrainState
@@ -74,7 +74,8 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 
 
 def train(t: Trainer) -> TrainState:
-    """Run optimizer steps until ``max_steps``, with periodic logging, evaluation and checkpoints."""
+    """Run optimizer steps until ``max_steps``, with periodic logging, checkpoints and evaluation (each step's
+    checkpoint first; the last step's eval is the worker's, after the export)."""
     cfg, state = t.cfg, t.state
     batches = iter(t.task.build_dataloader("train", start_sample=state.samples_seen))
     if cfg.eval.at_start and state.step == 0 and cfg.data.eval:
@@ -93,13 +94,13 @@ def train(t: Trainer) -> TrainState:
             t.tracker.log("train", _train_row(t, stats, throughput))
         if stats.nonfinite:
             _nonfinite(t, stats, nonfinite_streak)  # raises NonFiniteError after max_nonfinite_steps in a row
-        if cfg.data.eval and (_due(state.step, cfg.eval.every_steps) or last):
-            t.tracker.log("eval", evaluate(t))
         saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
-        if saved or stats.stop:
+        if saved or stats.stop:  # before this step's eval: an eval that fails loses nothing
             path = checkpoint.save(t.accelerator, cfg, state, t.objects, t.tokenizer, t.run_dir, t.backend.name,
                                    t.run_id)
             t.tracker.log("info", {"message": f"saved checkpoint {path.name}"})
+        if cfg.data.eval and _due(state.step, cfg.eval.every_steps) and not last:  # the last: after the export
+            t.tracker.log("eval", checked_evaluate(t))
         hooks.fire("after_step", trainer=t)
         if stats.stop and not last:
             raise Interrupted(f"stopped by signal after step {state.step}; checkpoint {path.name} saved; continue with "
@@ -173,6 +174,28 @@ def _train_row(t: Trainer, stats: StepStats, throughput: Throughput) -> dict[str
     if stats.nonfinite:
         row["nonfinite"] = True
     return row
+
+
+def checked_evaluate(t: Trainer) -> dict[str, Any]:
+    """:func:`evaluate` during a run: a failure (out of memory, a library error) becomes one EvalError line naming
+    the step, the cause, what is kept and the fix. Eval changes no weight, optimizer state or data cursor, and it runs
+    after the step's checkpoint (and the last step's after the export), so the run stays resumable and ``final/``
+    stays intact."""
+    try:
+        return evaluate(t)
+    except (FinetuneError, Interrupted, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        detail = (str(exc).strip().splitlines() or [""])[0][:200]
+        newest = checkpoint.latest_resumable(t.run_dir)
+        kept = f"{newest.path.name} is the newest resumable checkpoint" if newest else "no checkpoint was saved yet"
+        if t.state.step >= t.max_steps:  # the final eval: the export (if any) is already written
+            then = f"`finetune eval {t.run_dir} eval.batch_size=N`"
+        else:
+            then = f"`finetune resume {t.run_dir} eval.batch_size=N --allow-config-change`"
+        raise EvalError(f"eval at step {t.state.step} failed ({type(exc).__name__}: {detail}); {kept} and nothing "
+                        f"else was changed; lower eval.batch_size (now {t.cfg.eval.batch_size}) or fix the cause, "
+                        f"then {then}") from exc
 
 
 @torch.no_grad()

@@ -243,8 +243,11 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
                 out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
                                               trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
                                               probe=probe_batch(trainer.task, trainer.tokenizer),
-                                              rebuild=clean_copy(trainer))
+                                              rebuild=clean_copy(trainer), precision=trainer.precision)
             trainer.tracker.log("info", {"message": f"exported {out}"})
+        if cfg.data.eval:  # after the export: a final eval that fails (e.g. out of memory) loses nothing
+            with compile_failures(cfg.train.compile):
+                trainer.tracker.log("eval", loop.checked_evaluate(trainer))
         if trainer.accelerator.is_main_process:  # <run>/plots.png; a failure is one warning line, never a failed run
             from finetune.plot import write_run_plot
 
