@@ -203,8 +203,8 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, labels: list[str] | None
     """The model ``finetune eval`` evaluates for a checkpoint: the checkpoint's weights (any backend's layout) in
     the recipe's model, saved to ``scratch`` as an export (a full model, or an adapter for LoRA runs; with
     ``tokenizer``, which a reward model's config is built from), loaded back from there, and checked against the
-    logits the checkpoint recorded (ProbeMismatch, exit 1, when they differ; a checkpoint written before probes
-    existed is evaluated with a note)."""
+    logits the checkpoint recorded, computed in the training precision (ProbeMismatch, exit 1, when they differ; a
+    checkpoint written before probes existed is evaluated with a note)."""
     from finetune import peft as lora
     from finetune import probe
     from finetune.modeling import save_tokenizer
@@ -224,12 +224,15 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, labels: list[str] | None
         log(f"note: {where.checkpoint.name} recorded no probe logits (written before finetune recorded them); its "
             "export was not verified by logits")
         return model
-    tol = probe.tolerance(cfg.model.dtype, cfg.train.mixed_precision, where.backend or "single",
-                          cfg.peft.method == "qlora")
-    delta = probe.max_delta(probe.logits_of(model, recorded.inputs), recorded.logits)
+    from finetune.merge import tolerance_rule
+
+    quantized, mixed = cfg.peft.method == "qlora", cfg.train.mixed_precision
+    tol = probe.tolerance(cfg.model.dtype, mixed, where.backend or "single", quantized, probe.scale_of(recorded.logits))
+    delta = probe.max_delta(probe.logits_of(model, recorded.inputs, mixed), recorded.logits)
     if not delta <= tol:
         raise probe.ProbeMismatch(f"{where.checkpoint}: its export reloaded gives logits up to {delta:.2e} away from "
-                                  f"the ones recorded at step {where.step} (tolerance {tol:g}); not evaluated: this "
+                                  f"the ones recorded at step {where.step} (tolerance {tol:g}: "
+                                  f"{tolerance_rule(cfg.model.dtype, quantized, mixed)}); not evaluated: this "
                                   "checkpoint was not read correctly, please report it")
     log(f"verified: the export reproduces the recorded logits (max |delta| {delta:.2e}, tolerance {tol:g})")
     return model
@@ -241,7 +244,7 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None) -> dict[st
     from finetune.backends import Backend, make_accelerator
     from finetune.data import load_splits
     from finetune.modeling import image_inputs
-    from finetune.precision import Precision
+    from finetune.probe import forward_precision
     from finetune.state import TrainState
     from finetune.tasks import build_task
     from finetune.tracking import NullTracker
@@ -258,6 +261,7 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None) -> dict[st
     else:
         loaded = load_model(cfg, where, data.labels)
     model = accelerator.prepare(loaded)
+    precision = forward_precision(cfg.train.mixed_precision, accelerator.device)  # every forward: as training ran
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes, images=images)
     from finetune.tasks.dpo import DPOTask, compute_reference
 
@@ -266,14 +270,13 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None) -> dict[st
 
         initial = model if hasattr(model, "disable_adapter") else accelerator.prepare(
             build_base(cfg.model, row, cfg.train.seed, data.labels))
-        compute_reference(task, initial, accelerator, Precision(cfg.train.mixed_precision, accelerator.device.type),
-                          lambda message: print(message, file=sys.stderr), splits=("eval",))
+        compute_reference(task, initial, accelerator, precision, lambda message: print(message, file=sys.stderr),
+                          splits=("eval",))
         del initial
     state = TrainState()
     state.step = where.step or 0
-    trainer = loop.Trainer(cfg, accelerator, model, None, None, Precision(cfg.train.mixed_precision,
-                           accelerator.device.type), task, tokenizer, NullTracker(), state, Path(cfg.output_dir or "."),
-                           state.step)
+    trainer = loop.Trainer(cfg, accelerator, model, None, None, precision, task, tokenizer, NullTracker(), state,
+                           Path(cfg.output_dir or "."), state.step)
     metrics = loop.evaluate(trainer)
     if where.checkpoint is None:
         metrics.pop("step")  # an export has no step of its own

@@ -11,9 +11,11 @@ partitions; full or LoRA), the export runs in this ONE process on the CPU, witho
 3. it is written to a fresh hidden ``.tmp`` folder beside ``DIR``: safetensors + config (or a PEFT adapter and
    ``merge_check.safetensors`` for LoRA runs), the tokenizer, the checkpoint's resolved recipe;
 4. a FRESH process (``python -m finetune.reload``) loads that folder as any user would (``from_pretrained``; base +
-   adapter for LoRA) and computes its logits on the probe the checkpoint recorded (:mod:`finetune.probe`); they
-   must equal the recorded ones within the dtype's tolerance. A checkpoint written before probes existed is
-   loaded back the same way and compared with this process's model instead (noted: not verified by logits);
+   adapter for LoRA) and computes its logits on the probe the checkpoint recorded (:mod:`finetune.probe`), under
+   the recipe's ``train.mixed_precision`` as training computed them; they must equal the recorded ones within the
+   tolerance of that compute precision (:func:`finetune.probe.tolerance` says what it allows). A checkpoint
+   written before probes existed is loaded back the same way and compared with this process's model instead
+   (noted: not verified by logits);
 5. only then the manifest (with the verification) is written and the folder becomes ``DIR``; a failed check
    publishes nothing (:class:`finetune.probe.ProbeMismatch`, exit code 1).
 """
@@ -115,17 +117,20 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.check.", suffix=rundir.TMP, dir=out.parent))
     try:
         kind, labels, expected = _write(cfg, where, manifest, recorded, tmp, log)
-        tol = probe.tolerance(cfg.model.dtype, cfg.train.mixed_precision, where.backend or "single",
-                              cfg.peft.method == "qlora")
+        quantized, mixed = cfg.peft.method == "qlora", cfg.train.mixed_precision
+        tol = probe.tolerance(cfg.model.dtype, mixed, where.backend or "single", quantized,
+                              probe.scale_of(expected.logits))
         log(f"verifying {out}: loading it in a fresh process ...")
-        got = reload_logits(tmp, expected.inputs, labels, trust_remote_code, scratch)
+        got = reload_logits(tmp, expected.inputs, labels, trust_remote_code, scratch, mixed)
         delta = probe.max_delta(got, expected.logits)
         against = "the logits recorded at the checkpoint" if expected.recorded else "this process's model"
         if not delta <= tol:
+            from finetune.merge import tolerance_rule
+
             raise probe.ProbeMismatch(
                 f"export check failed: {info.path.name} reloaded from its export gives logits up to {delta:.2e} away "
-                f"from {against} (tolerance {tol:g}); nothing was written to {out}: this checkpoint was not read "
-                "correctly, please report it")
+                f"from {against} (tolerance {tol:g}: {tolerance_rule(cfg.model.dtype, quantized, mixed)}); nothing "
+                f"was written to {out}: this checkpoint was not read correctly, please report it")
         if not expected.recorded:
             log(f"note: {info.path.name} recorded no probe logits (written before finetune recorded them): the "
                 "export was loaded back in a fresh process but not verified against the training run's logits")
@@ -185,8 +190,8 @@ def _write(cfg: Any, where: Any, manifest: dict[str, Any], recorded: Any, folder
     expected = recorded
     if expected is None:  # no record: the reload must reproduce this process's model
         inputs = probe.fixed_inputs(tokenizer)
-        expected = probe.Probe(inputs["input_ids"], inputs["attention_mask"], probe.logits_of(model, inputs),
-                               recorded=False)
+        expected = probe.Probe(inputs["input_ids"], inputs["attention_mask"],
+                               probe.logits_of(model, inputs, cfg.train.mixed_precision), recorded=False)
     adapter = lora.enabled(cfg.peft)
     log(f"writing the {'adapter' if adapter else 'model'} of {where.checkpoint.name} ...")
     _unwrap_without_importing_deepspeed()  # else save_pretrained's unwrap imports DeepSpeed: seconds and a stray line
@@ -199,16 +204,18 @@ def _write(cfg: Any, where: Any, manifest: dict[str, Any], recorded: Any, folder
 
 
 def reload_logits(folder: Path, inputs: dict[str, Any], labels: list[str] | None, trust_remote_code: bool,
-                  scratch: Path) -> Any:
+                  scratch: Path, mixed_precision: str) -> Any:
     """The logits of the export in ``folder``, loaded in a fresh Python process (``python -m finetune.reload``), on
-    ``inputs``; ``scratch`` (outside the export) carries the inputs and the logits as safetensors."""
+    ``inputs``, computed under ``mixed_precision`` autocast (the training precision); ``scratch`` (outside the
+    export) carries the inputs and the logits as safetensors."""
     from safetensors.torch import load_file, save_file
 
     from finetune import probe
 
     given, got = scratch / "inputs.safetensors", scratch / "logits.safetensors"
     save_file({k: v.contiguous() for k, v in inputs.items()}, str(given))
-    argv = [sys.executable, "-m", RELOAD_MODULE, str(folder.resolve()), "--inputs", str(given), "--output", str(got)]
+    argv = [sys.executable, "-m", RELOAD_MODULE, str(folder.resolve()), "--inputs", str(given), "--output", str(got),
+            "--mixed-precision", mixed_precision]
     argv += ["--labels", json.dumps(labels)] if labels is not None else []
     argv += ["--trust-remote-code"] if trust_remote_code else []
     package_root = str(Path(__file__).resolve().parents[1])  # the child runs this very finetune, from any cwd

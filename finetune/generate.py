@@ -422,7 +422,7 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     from finetune.backends import detect, make_accelerator
     from finetune.data.batching import eval_shard
     from finetune.evaluation import load_model
-    from finetune.precision import Precision
+    from finetune.probe import forward_precision
 
     backend = detect()
     if backend.kind not in BACKENDS:
@@ -434,7 +434,7 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
         print(f"note: {job.truncated} prompt(s) longer than data.max_seq_len={job.cfg.data.max_seq_len} tokens: "
               "kept their last tokens, as eval does", file=sys.stderr)
     model = accelerator.prepare_model(load_model(job.cfg, job.where, None), evaluation_mode=True).eval()
-    precision = Precision(job.cfg.train.mixed_precision, accelerator.device.type)
+    precision = forward_precision(job.cfg.train.mixed_precision, accelerator.device)  # the training precision
     tokenizer = job.tokenizer
     stop_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     decode = _decoder(job, model, options, stop_ids, accelerator.device)

@@ -1,6 +1,7 @@
 """``finetune merge``: base + LoRA adapter -> a plain Hugging Face model, verified before it is kept.
 
-The check compares logits on fixed inputs, three ways:
+The check compares logits on fixed inputs, each forward under the recipe's ``train.mixed_precision`` autocast (the
+precision the adapter was trained and recorded in), within :func:`tolerance`, three ways:
 1. base + adapter (as loaded now) vs the reference the training run recorded in ``final/merge_check.safetensors``
    (catches a tampered or mismatched adapter, or a different base);
 2. the merged model, saved and loaded back from disk, vs base + adapter (catches a bad merge or save).
@@ -30,12 +31,35 @@ class MergeCheckError(FinetuneError):
     exit_code = 1
 
 
-def tolerance(dtype: str, quantized: bool = False) -> float:
-    """Max |delta logit| accepted: float32 accumulates ~1e-6 here; half precisions round far more, and 4-bit
-    kernels (QLoRA's recorded logits) are not reproducible to better than ~1e-3 across processes."""
+HALF = ("bfloat16", "float16", "bf16", "fp16")  # weight dtypes and autocast modes that compute in 16 bits
+HALF_FLOOR, HALF_RELATIVE = 5e-2, 2.0 ** -5  # half precision: at least 0.05, or 1/32 of the largest |logit|
+
+
+def tolerance(dtype: str, quantized: bool = False, mixed_precision: str = "no", scale: float = 0.0) -> float:
+    """Max |delta logit| accepted between two forwards of the same weights (what :func:`tolerance_rule` says).
+
+    float32 compute (fp32 weights, no autocast) accumulates ~1e-6 here: 1e-4. 4-bit kernels (QLoRA's recorded
+    logits) are not reproducible to better than ~1e-3 across processes: 2e-2. Half-precision compute (bf16/fp16
+    weights, or ``train.mixed_precision`` bf16/fp16 autocast over fp32 weights) rounds every activation and the
+    logits themselves to 8 (bf16) or 11 (fp16) significant bits, and a probe recorded on one device (a GPU, with
+    flash-attn) is compared with a reload on another (the CPU, with sdpa): the kernels sum in other orders, so a
+    rounding can flip in any layer. One bf16 step at a logit of 20 is already 0.125. So half precision accepts
+    max(0.05, 1/32 of the largest |logit| of the reference, ``scale``): about four bf16 steps at the largest logit,
+    which still refuses a wrong conversion (a missing or swapped layer moves the logits by their own size)."""
+    if dtype in HALF or mixed_precision in HALF:
+        return max(HALF_FLOOR, HALF_RELATIVE * scale)
     if quantized:
         return 2e-2
-    return 1e-4 if dtype == "float32" else 5e-2
+    return 1e-4
+
+
+def tolerance_rule(dtype: str, quantized: bool = False, mixed_precision: str = "no") -> str:
+    """What :func:`tolerance` allows for this compute precision, in a few words for messages."""
+    if dtype in HALF or mixed_precision in HALF:
+        how = f"train.mixed_precision={mixed_precision}" if mixed_precision in HALF else f"model.dtype={dtype}"
+        return (f"half-precision compute ({how}): max({HALF_FLOOR:g}, 1/{round(1 / HALF_RELATIVE)} of the largest "
+                "|logit|), for 16-bit roundings that differ between devices and kernels")
+    return "4-bit kernels" if quantized else "float32 compute"
 
 
 def check_output(out: Path, sources: list[Path], overwrite: bool) -> None:
@@ -82,6 +106,7 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
     from finetune.data import load_splits
     from finetune.evaluation import load_model
     from finetune.modeling import build_tokenizer, save_tokenizer
+    from finetune.probe import forward_precision, scale_of
 
     row = registry.recipe_row(cfg)
     tokenizer = build_tokenizer(cfg.model, row, source=str(where.adapter) if where.adapter else None)
@@ -90,12 +115,15 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
     check_file = where.recipe.parent / rundir.MERGE_CHECK
     reference = load_file(str(check_file)) if check_file.is_file() else None
     probe = _probe(reference, tokenizer)
-    tol = tolerance(cfg.model.dtype, quantized=cfg.peft.method == "qlora")
+    quantized, mixed = cfg.peft.method == "qlora", cfg.train.mixed_precision
+    precision = forward_precision(mixed, next(model.parameters()).device)  # every forward: as training ran
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=rundir.TMP, dir=out.parent))
     try:
-        with torch.no_grad():
+        with torch.no_grad(), precision.autocast():
             live = model(**probe).logits.float()
+            scale = scale_of(live if reference is None else reference["logits"])
+            tol = tolerance(cfg.model.dtype, quantized, mixed, scale)
             report: dict[str, Any] = {"tolerance": tol, "probe_tokens": int(probe["attention_mask"].sum())}
             if reference is not None:
                 report["adapter_vs_recorded"] = float((live - reference["logits"]).abs().max())
@@ -114,8 +142,9 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
             report["merged_vs_adapter"] = float((reloaded(**probe).logits.float() - live).abs().max())
         bad = {k: v for k, v in report.items() if k.endswith(("_recorded", "_adapter")) and not v <= tol}
         if bad:
-            raise MergeCheckError(f"merge check failed: max |delta logit| {bad} > tolerance {tol:g}; nothing written "
-                                  "(a tampered or mismatched adapter, or a different base model)")
+            raise MergeCheckError(f"merge check failed: max |delta logit| {bad} > tolerance {tol:g} "
+                                  f"({tolerance_rule(cfg.model.dtype, quantized, mixed)}); nothing written (a "
+                                  "tampered or mismatched adapter, or a different base model)")
         rundir.write_manifest(tmp, export_manifest(None, where.step))
         rundir.publish(tmp, out, Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", suffix=rundir.TMP,
                                                        dir=out.parent)))
@@ -126,7 +155,8 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
                    f"4-bit vs full precision {report['quantization_gap']:.2e})") if cfg.peft.method == "qlora" else ""
     checks = ", ".join(f"{k} {v:.2e}" for k, v in report.items() if k.endswith(("_recorded", "_adapter")))
     log(f"merged {where.adapter or where.checkpoint} into {row.name} base -> {out}{dequantized}")
-    log(f"merge check passed: max |delta logit| {checks} (tolerance {tol:g}, {report['probe_tokens']} tokens)")
+    log(f"merge check passed: max |delta logit| {checks} (tolerance {tol:g}: "
+        f"{tolerance_rule(cfg.model.dtype, quantized, mixed)}; {report['probe_tokens']} tokens)")
     if reference is None:
         log("note: no merge_check.safetensors recorded with this adapter; only the merge itself was verified")
     return report

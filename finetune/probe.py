@@ -13,6 +13,7 @@ it. :func:`read` gets it back (``None`` for checkpoints written before probes ex
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,12 +37,14 @@ class LogitProbe:
     run's probe inputs and returns ``{input_ids, attention_mask, logits}`` (logits fp32 on the CPU).
 
     ``inputs`` makes the probe inputs (``worker.probe_batch``); it is called once, at the first checkpoint, when
-    the data it reads exists. Every rank must call ``state_dict()`` at the same time under sharded backends."""
+    the data it reads exists. Every rank must call ``state_dict()`` at the same time under sharded backends.
+    ``precision``: the run's :class:`finetune.precision.Precision`; the probe runs under its autocast, as training
+    does (a flash-attn model with fp32 weights cannot run outside it). None: no autocast (fp32 training)."""
 
     optional_in_checkpoint = True  # checkpoints written before probes existed hold none: resume them all the same
 
-    def __init__(self, model: Any, device: Any, inputs: Callable[[], dict[str, Any]]) -> None:
-        self.model, self.device, self._make_inputs = model, device, inputs
+    def __init__(self, model: Any, device: Any, inputs: Callable[[], dict[str, Any]], precision: Any = None) -> None:
+        self.model, self.device, self._make_inputs, self.precision = model, device, inputs, precision
         self._inputs: dict[str, Any] | None = None
 
     def state_dict(self) -> dict[str, Any]:
@@ -52,8 +55,9 @@ class LogitProbe:
             self._inputs = {k: v.detach().cpu() for k, v in self._make_inputs().items()}
         was_training = self.model.training
         self.model.eval()
+        autocast = self.precision.autocast() if self.precision is not None else contextlib.nullcontext()
         try:
-            with torch.no_grad():
+            with torch.no_grad(), autocast:
                 output = self.model(**{k: v.to(self.device) for k, v in self._inputs.items()})
         finally:
             self.model.train(was_training)
@@ -116,13 +120,26 @@ def fixed_inputs(tokenizer: Any) -> dict[str, Any]:
     return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
 
 
-def logits_of(model: Any, inputs: dict[str, Any]) -> Any:
-    """``model``'s fp32 CPU logits on ``inputs`` (eval mode, no grad), on the model's own device."""
+def forward_precision(mixed_precision: str, device: Any) -> Any:
+    """The :class:`finetune.precision.Precision` whose ``autocast()`` every forward outside the training process
+    runs under (eval, export and its fresh-process check, merge, generate): ``train.mixed_precision`` of the
+    model's recipe on ``device`` (a torch device or its type), so that every forward runs in the precision the
+    model was trained in (DESIGN.md). Without it, fp32 weights with a half-only kernel (flash-attn) cannot run."""
+    import torch
+
+    from finetune.precision import Precision
+
+    return Precision(mixed_precision, torch.device(device).type)
+
+
+def logits_of(model: Any, inputs: dict[str, Any], mixed_precision: str) -> Any:
+    """``model``'s fp32 CPU logits on ``inputs`` (eval mode, no grad, the recipe's ``mixed_precision`` autocast:
+    :func:`forward_precision`), on the model's own device."""
     import torch
 
     device = next(model.parameters()).device
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), forward_precision(mixed_precision, device).autocast():
         return model(**{k: v.to(device) for k, v in inputs.items()}).logits.detach().float().cpu()
 
 
@@ -134,13 +151,25 @@ def max_delta(got: Any, expected: Any) -> float:
     return delta if delta == delta else float("inf")  # nan -> inf: never within a tolerance
 
 
-def tolerance(dtype: str, mixed_precision: str, backend: str, quantized: bool) -> float:
+def tolerance(dtype: str, mixed_precision: str, backend: str, quantized: bool, scale: float = 0.0) -> float:
     """Max |delta logit| accepted between the recorded and the reloaded logits: the limits of ``finetune merge``'s
-    check (:func:`finetune.merge.tolerance`, which this calls). float32 accumulates ~1e-6 here; half
-    precisions round far more; 4-bit kernels are not reproducible to better than ~1e-3 across processes. Under
-    DeepSpeed with bf16/fp16 the engine computed the recorded logits with 16-bit copies of the weights, so the
-    half-precision limit applies whatever ``model.dtype`` says."""
+    check (:func:`finetune.merge.tolerance`, which this calls; ``scale``: the largest |recorded logit|,
+    :func:`scale_of`).
+
+    The recorded logits were computed in the training precision on the training device (a GPU: other kernels,
+    flash-attn), and the reload runs on this machine in the same precision (:func:`forward_precision`). float32
+    compute accepts 1e-4 and 4-bit kernels 2e-2. Half-precision compute accepts max(0.05, 1/32 of the largest
+    |logit|) whatever ``backend`` computed the record (DeepSpeed's engine and FSDP's policy with 16-bit copies of
+    the weights, the others under bf16/fp16 autocast of fp32 weights, or a 16-bit ``model.dtype``): a bf16 logit
+    near 20 has steps of 0.125, a probe recorded under bf16 autocast on a GPU differs from its CPU reload by a few
+    such steps where a rounding flips, and a wrong conversion moves the logits by their own size.
+    :func:`finetune.merge.tolerance_rule` says it in messages."""
     from finetune.merge import tolerance as merge_tolerance
 
-    engine_half = backend.startswith("zero") and mixed_precision in ("bf16", "fp16")
-    return merge_tolerance(mixed_precision if engine_half else dtype, quantized)
+    return merge_tolerance(dtype, quantized, mixed_precision, scale)
+
+
+def scale_of(logits: Any) -> float:
+    """The largest |logit| of a reference (what a half-precision tolerance is relative to); 0 when not finite."""
+    value = float(logits.float().abs().max()) if logits.numel() else 0.0
+    return value if value < float("inf") else 0.0

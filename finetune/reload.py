@@ -5,7 +5,9 @@ nothing of the exporting process (its model, its imports, its state) carries ove
 ``finetune eval`` loads an export (:func:`finetune.evaluation.load_model`): ``from_pretrained`` of a full model, or
 the recipe's base plus ``PeftModel.from_pretrained`` of an adapter; data only (safetensors), the folder's own code
 only with ``--trust-remote-code``. The logits on the inputs of ``IN`` (safetensors: input_ids, attention_mask) are
-written to ``OUT`` (safetensors: logits, fp32). Failures are one ``error:`` line and an exit code (run_main).
+computed under ``--mixed-precision`` (the recipe's ``train.mixed_precision``, which the exporting process passes in:
+the forward runs in the training precision, :func:`finetune.probe.forward_precision`) and written to ``OUT``
+(safetensors: logits, fp32). Failures are one ``error:`` line and an exit code (run_main).
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from pathlib import Path
 from finetune.errors import run_main
 
 
-def reload_logits(folder: Path, inputs: Path, output: Path, labels: list[str] | None, trust_remote_code: bool) -> None:
-    """Load the export in ``folder`` and write its logits on ``inputs`` to ``output``."""
+def reload_logits(folder: Path, inputs: Path, output: Path, labels: list[str] | None, trust_remote_code: bool,
+                  mixed_precision: str) -> None:
+    """Load the export in ``folder`` and write its logits on ``inputs``, computed under ``mixed_precision``
+    autocast, to ``output``."""
     from safetensors.torch import load_file, save_file
 
     from finetune import probe
@@ -28,7 +32,7 @@ def reload_logits(folder: Path, inputs: Path, output: Path, labels: list[str] | 
     where = locate(folder)
     cfg = recipe_of(where.recipe, [], trust_remote_code)
     model = load_model(cfg, where, labels)
-    logits = probe.logits_of(model, load_file(str(inputs)))
+    logits = probe.logits_of(model, load_file(str(inputs)), mixed_precision)
     save_file({"logits": logits.contiguous()}, str(output))
 
 
@@ -42,9 +46,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output", type=Path, required=True, help="where the logits are written (safetensors)")
     parser.add_argument("--labels", default=None, help="classification label names (JSON list) the base is built with")
     parser.add_argument("--trust-remote-code", action="store_true")
+    parser.add_argument("--mixed-precision", required=True, choices=("no", "bf16", "fp16"),
+                        help="the autocast the forward runs under: the recipe's train.mixed_precision")
     args = parser.parse_args(argv)
     labels = json.loads(args.labels) if args.labels else None
-    run_main(lambda: reload_logits(args.folder, args.inputs, args.output, labels, args.trust_remote_code))
+    run_main(lambda: reload_logits(args.folder, args.inputs, args.output, labels, args.trust_remote_code,
+                                   args.mixed_precision))
 
 
 if __name__ == "__main__":

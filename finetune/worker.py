@@ -117,7 +117,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
                PARAM_NAMES: param_names,  # makes the checkpoint readable on any layout (finetune.portable)
                # the live model's logits on 2 x 16 probe tokens (made at the first checkpoint; task is bound below):
                # 2 x 16 x vocab fp32 per checkpoint, ~20 MB at a 150k vocabulary
-               "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16))}
+               "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16),
+                                  precision)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
                       lockstep=backend.shards_parameters, images=images)
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "

@@ -89,7 +89,7 @@ def test_the_tolerance_is_finetune_merges(dtype: str, quantized: bool) -> None:
     from finetune.merge import tolerance
 
     assert probe.tolerance(dtype, "no", "fsdp2", quantized) == tolerance(dtype, quantized)
-    assert probe.tolerance(dtype, "bf16", "ddp", quantized) == tolerance(dtype, quantized)
+    assert probe.tolerance(dtype, "bf16", "ddp", quantized) == tolerance(dtype, quantized, "bf16")
 
 
 def test_deepspeed_with_half_precision_gets_the_half_precision_tolerance() -> None:
