@@ -1,0 +1,67 @@
+"""Hooks for tests/distributed/test_fsdp_precision.py, loaded on every rank through FINETUNE_HOOKS: what precision
+really runs inside an FSDP training step.
+
+After step 1 every module of the wrapped model gets a forward pre-hook, and ``torch.distributed``'s
+``reduce_scatter_single`` (FSDP1's and FSDP2's gradient reduce-scatter, looked up on the module at each call) is
+wrapped. During step 2 (the test's recipe accumulates 2 micro-batches per step) they record, in order, each training
+forward of the whole model and each gradient reduce-scatter with its input dtype, plus the dtypes of the weights that
+the model's layers hold inside their forward and whether autocast was on there. After step 2 each rank writes them
+to ``<run_dir>.precision-<rank>.json`` with the dtypes of the parameters the optimizer updates (the master weights).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from finetune import hooks
+from tests.distributed.paths import side_file
+
+RECORD_STEP = 2
+_seen: dict[str, Any] = {"recording": False, "events": [], "weight_dtypes": set(), "autocast": set()}
+
+
+def _reduce_scatter_recorder(original: Any) -> Any:
+    def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if _seen["recording"]:
+            _seen["events"].append(f"reduce_scatter:{input.dtype}")
+        return original(output, input, *args, **kwargs)
+
+    return reduce_scatter_single
+
+
+def _layer_pre_hook(module: torch.nn.Module, args: Any) -> None:
+    if _seen["recording"] and module.training:
+        for param in module.parameters(recurse=False):
+            _seen["weight_dtypes"].add(str(param.dtype))
+        _seen["autocast"].add(torch.is_autocast_enabled("cpu"))
+
+
+def _root_pre_hook(module: torch.nn.Module, args: Any) -> None:
+    if _seen["recording"] and module.training:
+        _seen["events"].append("forward")
+
+
+def _after_step(trainer: Any) -> None:
+    step = trainer.state.step
+    if step == RECORD_STEP - 1:
+        trainer.model.register_forward_pre_hook(_root_pre_hook)
+        for module in trainer.model.modules():
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+                module.register_forward_pre_hook(_layer_pre_hook)
+        dist.reduce_scatter_single = _reduce_scatter_recorder(dist.reduce_scatter_single)
+        _seen["recording"] = True
+    elif step == RECORD_STEP:
+        _seen["recording"] = False
+        master = {str(p.dtype) for group in trainer.optimizer.param_groups for p in group["params"]}
+        facts = {"events": _seen["events"], "weight_dtypes": sorted(_seen["weight_dtypes"]),
+                 "autocast": sorted(_seen["autocast"]), "master_dtypes": sorted(master),
+                 "grad_accum": trainer.cfg.grad_accum, "backend": trainer.backend.name,
+                 "num_processes": trainer.accelerator.num_processes}
+        side_file(trainer.run_dir, f"precision-{trainer.accelerator.process_index}.json").write_text(json.dumps(facts))
+
+
+hooks.register("after_step", _after_step)

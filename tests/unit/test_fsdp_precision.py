@@ -1,0 +1,113 @@
+"""FSDP mixed precision as FSDP means it (the pieces that need no process group): the policy each FSDP version gets,
+who casts (autocast off where FSDP's policy casts the weights), which grad scaler fp16 gets, when gradients are
+reduced every micro-step, and the warning for 16-bit weights with no fp32 master copy.
+tests/distributed/test_fsdp_precision.py shows the policy in effect on 2 processes."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from finetune import backends, plan
+from finetune.backends import Backend, fsdp_mixed_precision
+from finetune.precision import NoScaler, Precision, master_weights_warning
+
+FSDP1, FSDP2 = Backend("fsdp", fsdp_version=1), Backend("fsdp", fsdp_version=2)
+ZERO2, DDP = Backend("deepspeed", zero_stage=2), Backend("ddp")
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fsdp2_computes_in_half_and_reduces_in_fp32(mode: str, dtype: torch.dtype) -> None:
+    policy = fsdp_mixed_precision(mode, 2)
+    assert isinstance(policy, MixedPrecisionPolicy)
+    assert policy.param_dtype == dtype and policy.reduce_dtype == torch.float32
+    assert policy.output_dtype is None and policy.cast_forward_inputs  # losses upcast the logits themselves
+
+
+@pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_fsdp1_computes_in_half_reduces_in_fp32_and_keeps_buffers(mode: str, dtype: torch.dtype) -> None:
+    policy = fsdp_mixed_precision(mode, 1)
+    assert isinstance(policy, MixedPrecision)
+    assert policy.param_dtype == dtype and policy.reduce_dtype == torch.float32
+    assert policy.buffer_dtype is None  # rotary frequencies stay fp32, as under autocast
+    assert not policy.keep_low_precision_grads  # the optimizer sees fp32 gradients
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_no_policy_without_mixed_precision(version: int) -> None:
+    assert fsdp_mixed_precision("no", version) is None
+
+
+def _autocast_on(precision: Precision) -> bool:
+    with precision.autocast():
+        return torch.is_autocast_enabled("cpu")
+
+
+@pytest.mark.parametrize("backend", [FSDP1, FSDP2, ZERO2], ids=lambda b: b.name)
+def test_no_autocast_where_the_backend_casts(backend: Backend) -> None:
+    assert not _autocast_on(Precision("bf16", "cpu", backend))  # the policy (or the engine) casts: no double cast
+
+
+@pytest.mark.parametrize("backend", [None, DDP, Backend("single")], ids=str)
+def test_autocast_where_weights_stay_fp32(backend: Backend | None) -> None:
+    assert _autocast_on(Precision("bf16", "cpu", backend))
+
+
+def test_fp16_scalers() -> None:
+    """FSDP1's flat shards differ per rank: its scaler all-reduces the overflow check. FSDP2's DTensor gradients
+    already do that inside torch's plain scaler. DeepSpeed scales itself."""
+    assert isinstance(Precision("fp16", "cpu", FSDP1).scaler, ShardedGradScaler)
+    fsdp2 = Precision("fp16", "cpu", FSDP2).scaler
+    assert isinstance(fsdp2, torch.amp.GradScaler) and not isinstance(fsdp2, ShardedGradScaler)
+    assert isinstance(Precision("fp16", "cpu", ZERO2).scaler, NoScaler)
+    assert isinstance(Precision("bf16", "cpu", FSDP1).scaler, NoScaler)
+
+
+def test_fsdp_reduces_every_micro_step_unless_told_the_unsharded_gradients_fit() -> None:
+    assert FSDP1.syncs_each_micro_step and FSDP2.syncs_each_micro_step
+    assert not Backend("fsdp", fsdp_version=2, keep_unsharded_grads=True).syncs_each_micro_step
+    assert not DDP.syncs_each_micro_step and not ZERO2.syncs_each_micro_step  # DDP's gradients are whole anyway
+
+
+def test_warning_for_16_bit_weights_without_fp32_master_copy() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    for backend in (Backend("single"), DDP, FSDP2):
+        warning = master_weights_warning(model, backend)
+        assert warning is not None and warning.startswith("warning: model.dtype=bfloat16: 30 trainable parameters")
+        assert "no fp32 master copy" in warning and "model.dtype=float32" in warning
+    assert master_weights_warning(model, ZERO2) is None  # DeepSpeed keeps fp32 master weights itself
+    model.requires_grad_(False)
+    assert master_weights_warning(model, FSDP2) is None  # frozen weights are never updated
+    assert master_weights_warning(torch.nn.Linear(4, 4), FSDP2) is None
+
+
+
+def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:
+    """On GPUs FSDP asks finetune.plan about the smallest visible device; on the CPU, without accumulation or
+    without an answer it reduce-scatters every micro-step."""
+    accumulating, once = types.SimpleNamespace(grad_accum=2), types.SimpleNamespace(grad_accum=1)
+    assert backends._fsdp_accumulation(accumulating, FSDP2) == FSDP2  # this CPU machine: no question asked
+    asked: list[int] = []
+    answer = {"fits": True}
+
+    def fits(cfg: object, device_bytes: int) -> bool:
+        asked.append(device_bytes)
+        if answer["fits"] is None:
+            raise RuntimeError("no plan for this model")
+        return answer["fits"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plan, "visible_devices", lambda: [("cuda:0", 80 << 30), ("cuda:1", 40 << 30)])
+    monkeypatch.setattr(plan, "unsharded_accumulation_fits", fits, raising=False)
+    assert not backends._fsdp_accumulation(accumulating, FSDP1).syncs_each_micro_step
+    answer["fits"] = False
+    assert backends._fsdp_accumulation(accumulating, FSDP2).syncs_each_micro_step
+    answer["fits"] = None
+    assert backends._fsdp_accumulation(accumulating, FSDP2).syncs_each_micro_step
+    assert asked == [40 << 30] * 3
+    assert backends._fsdp_accumulation(once, FSDP2) == FSDP2 and backends._fsdp_accumulation(accumulating, DDP) == DDP
+    assert len(asked) == 3
