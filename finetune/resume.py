@@ -24,8 +24,8 @@ from finetune.config import REMOTE_CODE_KEY, RecipeConfig, compose, remote_code_
 from finetune.config.compose import flatten
 from finetune.errors import FinetuneError, RunDirError
 
-LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "train.micro_batch_size", "logging.progress",
-               "output_dir", REMOTE_CODE_KEY,
+LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "launch.timeout_minutes", "train.micro_batch_size",
+               "logging.progress", "output_dir", REMOTE_CODE_KEY,
                # kernels: the same function computed another way (a resume on a GPU machine may switch them on)
                "model.attn_implementation", "train.compile", "optim.fused")
 

@@ -349,10 +349,17 @@ class LoggingConfig(Section):
 
 
 class LaunchConfig(Section):
-    """How many processes and which accelerate config (a name in accelerate_configs/ or a path)."""
+    """How many processes, which accelerate config (a name in accelerate_configs/ or a path), and how long a
+    collective may wait for a rank."""
 
     accelerate_config: str = "cpu"
     num_processes: int = Field(default=1, ge=1)
+    timeout_minutes: float = Field(
+        default=30.0, gt=0,
+        description="how long a collective (all-reduce, barrier, process-group setup) may wait for the slowest rank "
+        "before the run fails; for every backend (NCCL's own default is 10). Tokenization and downloads happen "
+        "before the process group exists and checkpoint hashing holds no rank, so this bounds real stalls only",
+    )
 
 
 class RecipeConfig(Section):
