@@ -14,12 +14,14 @@ Exports (``final/``) carry the same kind of manifest.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import random
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,9 +59,10 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: Any, backend: str,
+def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sha256: str, backend: str,
              run_id: str) -> dict[str, Any]:
-    """What a later resume compares against, and what ``finetune ls`` shows (the inventory is added on write)."""
+    """What a later resume compares against, and what ``finetune ls`` shows (the inventory is added on write).
+    ``tokenizer_sha256``: :func:`tokenizer_fingerprint` of the run's tokenizer."""
     import accelerate
     import torch
     import transformers
@@ -75,7 +78,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer: A
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "recipe_sha256": hashlib.sha256(to_yaml(cfg).encode()).hexdigest(),
         "data": {"train": data_fingerprint(cfg.data.train), "eval": data_fingerprint(cfg.data.eval)},
-        "tokenizer_sha256": tokenizer_fingerprint(tokenizer),
+        "tokenizer_sha256": tokenizer_sha256,
         "world_size": world_size,  # (also in "layout"; kept for readers of older manifests)
         "backend": backend,
         "layout": layout(backend, world_size),
@@ -274,10 +277,17 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
     ``objects``: name -> object with ``state_dict()`` / ``load_state_dict()`` (scheduler, grad scaler, ...); every
     rank calls ``state_dict()`` (it may be a collective), rank 0 writes it. A failed write (e.g. a full disk) removes
     the partial checkpoint, so the previous one stays the newest resumable checkpoint.
+
+    Publishing (hashing every file into the manifest, then ``step-N.tmp`` -> ``step-N``) is rank 0's alone and,
+    with several processes, runs on a thread while every rank trains on (:class:`_Publisher`): the hashes of a 7B
+    model's ~90 GB of weights and optimizer state take minutes, and a barrier around them would make the other
+    ranks wait past the collective timeout. The returned folder exists once :func:`wait_published` returns.
     """
     final = rundir.step_dir(run_dir, state.step)
     tmp = final.with_name(final.name + rundir.TMP)
     main = accelerator.is_main_process
+    if main:
+        wait_published()  # the previous checkpoint is complete (or its failure raised) before this one starts
     try:
         if main:
             for stale in rundir.stale_checkpoint_dirs(run_dir):
@@ -293,20 +303,94 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
                 write_state(tmp, name, value)
             (tmp / rundir.TRAIN_STATE).write_text(json.dumps(asdict(state), indent=2))
             (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))
-        accelerator.wait_for_everyone()
-        if main:
-            rundir.write_manifest(tmp, manifest(cfg, state, accelerator.num_processes, tokenizer, backend, run_id))
-            if final.exists():
-                rundir.remove_checkpoint(final)
-            tmp.rename(final)
-            prune(run_dir, cfg.checkpoint.keep_last)
+        accelerator.wait_for_everyone()  # every rank's files are in tmp; nobody waits for what follows
     except Exception as exc:  # a full disk surfaces as OSError, SafetensorError or torch's RuntimeError
         if main:
             rundir.remove_checkpoint(tmp)
         raise RunDirError(_write_failure(f"checkpoint {final.name}", exc, run_dir)
                           + f"; then `finetune resume {run_dir}`") from exc
+    if main:
+        snapshot = TrainState(**asdict(state))  # as of this step: training moves on while a thread publishes
+        tokenizer_sha256 = tokenizer_fingerprint(tokenizer)  # in this thread: a tokenizer is not for two at once
+        world = accelerator.num_processes
+
+        def record() -> dict[str, Any]:
+            return manifest(cfg, snapshot, world, tokenizer_sha256, backend, run_id)
+
+        _PUBLISHER.start(lambda: _publish(tmp, final, record, cfg.checkpoint.keep_last), background=world > 1)
     accelerator.wait_for_everyone()
     return final
+
+
+def _publish(tmp: Path, final: Path, record: Callable[[], dict[str, Any]], keep_last: int | None) -> None:
+    """Rank 0: hash every file of a written checkpoint (and the data files, in ``record``) into its manifest,
+    rename it complete, prune old ones."""
+    run_dir = final.parent.parent
+    try:
+        hooks.fire("checkpoint_hashing", path=tmp)
+        rundir.write_manifest(tmp, record())
+        if final.exists():
+            rundir.remove_checkpoint(final)
+        tmp.rename(final)
+        prune(run_dir, keep_last)
+    except Exception as exc:
+        rundir.remove_checkpoint(tmp)
+        raise RunDirError(_write_failure(f"checkpoint {final.name}", exc, run_dir)
+                          + f"; then `finetune resume {run_dir}`") from exc
+
+
+class _Publisher:
+    """The checkpoint rank 0 is publishing (at most one): run in this thread for one process, on a thread when
+    other ranks run (they train on meanwhile: no barrier waits on hashing). Its failure is raised by :meth:`wait`:
+    at the next save, or when the run ends (:func:`publishing`)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, publish: Callable[[], None], background: bool) -> None:
+        self.wait()
+        if not background:
+            publish()
+            return
+
+        def run() -> None:
+            try:
+                publish()
+            except BaseException as exc:  # raised in the training thread by wait()
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, name="finetune-publish-checkpoint")
+        self._thread.start()
+
+    def wait(self, raise_error: bool = True) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None and raise_error:
+            raise error
+
+
+_PUBLISHER = _Publisher()
+
+
+def wait_published() -> None:
+    """Block until the checkpoint rank 0 is publishing is complete; raise its failure (a RunDirError)."""
+    _PUBLISHER.wait()
+
+
+@contextlib.contextmanager
+def publishing() -> Iterator[None]:
+    """Around a run on rank 0: on the way out, wait for its last checkpoint to be published, before the run's lock
+    is released or the process exits. A publish failure fails the run; when the run fails anyway, its own error
+    is the one raised."""
+    try:
+        yield
+    except BaseException:
+        _PUBLISHER.wait(raise_error=False)
+        raise
+    _PUBLISHER.wait()
 
 
 def _write_failure(what: str, exc: Exception, run_dir: Path) -> str:
@@ -424,7 +508,7 @@ def _all_finite(state_dict: dict[str, Any] | None) -> bool:
 
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
                  backend: Backend, run_id: str, step: int, probe: dict[str, Any] | None = None,
-                 rebuild: Callable[[], Any] | None = None, precision: Any = None) -> Path:
+                 rebuild: Callable[[], Any] | None = None) -> Path:
     """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
     ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
@@ -433,10 +517,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
     copy of the model (base and adapter) for a backend that must save from one (see
-    :func:`finetune.backends.export_module`). ``precision``: the run's :class:`finetune.precision.Precision`, whose
-    autocast the reference forward runs under, as training ran (None: no autocast, fp32 training)."""
-    import contextlib
-
+    :func:`finetune.backends.export_module`)."""
     import torch
 
     from finetune.backends import export_module, full_state_dict
@@ -453,8 +534,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     if cfg.peft.method != "none" and probe is not None:
         was_training = model.training
         model.eval()
-        autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
-        with torch.no_grad(), autocast:  # every rank: a forward pass is a collective under sharded backends
+        with torch.no_grad():  # every rank: a forward pass is a collective under sharded backends
             inputs = {k: v.to(accelerator.device) for k, v in probe.items()}
             reference = {**probe, "logits": model(**inputs).logits.float().cpu()}
         model.train(was_training)

@@ -70,6 +70,8 @@ def run(
     flags = _launcher_flags({"output_dir": output_dir, "accelerate_config": accelerate_config,
                              "num_processes": num_processes})
     cfg, composed = _recipe_with_flags(recipe, overrides, **flags)
+    if not launch.under_launcher():  # before the run dir exists: one machine creates it
+        launch.check_one_machine(cfg)
     run_dir = Path(cfg.output_dir or "")
     resolved = run_dir / rundir.RESOLVED
     if dry_run:
@@ -138,18 +140,25 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
            allow_change: bool = False) -> None:
     """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
     running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
-    launcher across exec until every rank has exited."""
+    launcher across exec until every rank has exited. Before a launch, this process fills the caches the ranks
+    read (finetune.prepare): no rank then tokenizes or downloads alone inside the process group."""
     from finetune import launch
 
     if launch.in_process(cfg):
+        from finetune.checkpoint import publishing
         from finetune.worker import run_worker
 
         try:
-            run_worker(cfg, resume_from, allow_change)
+            with publishing():  # rank 0's last checkpoint is complete before the lock goes
+                run_worker(cfg, resume_from, allow_change)
         finally:
             if lock is not None:
                 lock.release()
         return
+    launch.check_one_machine(cfg)
+    from finetune import prepare, registry
+
+    prepare.inputs(cfg, registry.get_model(cfg.model.type, cfg.task))
     worker_args = ["--resume", str(resume_from)] if resume_from else []
     worker_args += ["--allow-config-change"] if allow_change else []
     argv = launch.launch_argv(cfg, resolved, worker_args)

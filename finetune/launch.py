@@ -11,6 +11,7 @@ from pathlib import Path
 
 from finetune.config.schema import RecipeConfig
 from finetune.config.validate import accelerate_config_path
+from finetune.errors import ConfigError
 
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
 
@@ -67,3 +68,24 @@ def accelerate_argv(config: Path, num_processes: int, module: str, args: list[st
         "--num_processes", str(num_processes),
         "-m", module, *args,
     ]
+
+
+def check_one_machine(cfg: RecipeConfig) -> None:
+    """Refuse, in finetune's own front process, an accelerate config that spans several machines. Run on every
+    machine, ``finetune run`` would have each of them create and lock the same run directory on the shared disk
+    (the second refuses, or ``--overwrite`` deletes the first one's run). Under a launcher started on every machine
+    only global rank 0 creates and locks it, so that is the way to start a multi-node run."""
+    import yaml
+
+    config = accelerate_config_path(cfg.launch.accelerate_config)
+    try:
+        data = yaml.safe_load(config.read_text()) if config else {}
+    except (OSError, yaml.YAMLError):  # validation read it already; the launcher reports a file that went bad
+        return
+    machines = data.get("num_machines", 1) if isinstance(data, dict) else 1
+    if isinstance(machines, int) and machines > 1:
+        raise ConfigError(
+            f"launch.accelerate_config: {config} spans {machines} machines, which `finetune run` does not start: run "
+            f"`accelerate launch --config_file {config} --machine_rank <this machine's rank> -m finetune run "
+            "<recipe>` on every machine (only global rank 0 creates and locks the run directory; see "
+            "accelerate_configs/multi_node_example.yaml)")

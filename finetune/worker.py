@@ -31,22 +31,13 @@ def total_steps(cfg: RecipeConfig, train_size: int) -> int:
 def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trainer:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
     ``start_step``: the step a resumed run continues from (its progress display starts there)."""
-    from finetune import checkpoint, loop, registry
+    from finetune import checkpoint, loop, prepare, registry
     from finetune import peft as lora
-    from finetune.backends import extra_checkpoint_state, make_accelerator, model_init
-    from finetune.data import load_splits
-    from finetune.modeling import (
-        build_base,
-        build_tokenizer,
-        check_fits,
-        compile_model,
-        enable_checkpointing,
-        freeze,
-        image_inputs,
-    )
+    from finetune.backends import detect, extra_checkpoint_state, make_accelerator, model_init
+    from finetune.modeling import build_base, check_fits, compile_model, enable_checkpointing, freeze
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.portable import PARAM_NAMES, ParamNames
-    from finetune.precision import Precision, master_weights_warning
+    from finetune.precision import Precision
     from finetune.probe import LogitProbe
     from finetune.state import TrainState
     from finetune.tasks import build_task
@@ -55,20 +46,20 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
 
     row = registry.get_model(cfg.model.type, cfg.task)  # task: reward builds the row's reward-model class
     lora.check_hardware(cfg.peft)
-    accelerator, backend = make_accelerator(cfg, row)
+    backend = detect()  # the launcher's environment
     checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
+    if row.image_token is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
+        raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
+                          f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
+    # before the process group exists, so that no rank waits in a collective while one tokenizes or downloads
+    inputs = prepare.inputs(cfg, row)
+    tokenizer, images, data = inputs.tokenizer, inputs.images, inputs.data
+    accelerator, backend = make_accelerator(cfg, row, backend)
     accelerator.wait_for_everyone()  # under a user's launcher, rank 0 has created the run dir once it gets here
     run_id = rundir.run_id(run_dir)
     if accelerator.num_processes != cfg.launch.num_processes:  # grad_accum (and so the global batch) depends on it
         raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
                           f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
-    tokenizer = build_tokenizer(cfg.model, row)
-    images = image_inputs(tokenizer, row)  # a vision-language row's image processor (else None)
-    if images is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
-        raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
-                          f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
-    with accelerator.main_process_first():  # rank 0 tokenizes and fills the datasets cache; the others reuse it
-        data = load_splits(cfg.data, tokenizer, images=images)
     assert data.train is not None
     max_steps = total_steps(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
     tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, start_step=start_step,
@@ -105,13 +96,11 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
         lora.register_adapter_checkpointing(accelerator)
     if cfg.train.compile:  # in place, after LoRA, before prepare: see modeling.compile_model
         compile_model(model)
-    if warning := master_weights_warning(model, backend):  # 16-bit weights updated without an fp32 copy
-        tracker.log("info", {"level": "warning", "message": warning})
     optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     param_names = ParamNames.of(model, optimizer)  # on the plain model: prepare wraps and may rename
     model, optimizer = accelerator.prepare(model, optimizer)
-    precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend)
+    precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend.engine_owns_precision)
     state = TrainState(train_size=data.train_size)
     # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
     # scheduler is not prepared: accelerate would step it once per process.
@@ -264,8 +253,15 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
 def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
             allow_config_change: bool = False) -> None:
-    """:func:`run_worker` with the CLI's messages and exit codes (finetune.errors.run_main)."""
-    run_main(lambda: run_worker(recipe, resume_from, allow_config_change))
+    """:func:`run_worker` with the CLI's messages and exit codes (finetune.errors.run_main); the process exits once
+    its last checkpoint is published (finetune.checkpoint.publishing)."""
+    from finetune.checkpoint import publishing
+
+    def run() -> None:
+        with publishing():
+            run_worker(recipe, resume_from, allow_config_change)
+
+    run_main(run)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 import numpy as np
 
+from finetune import hooks
 from finetune.data import vision
 from finetune.data.formats import Rendered, render, render_preference
 from finetune.data.loading import (
@@ -77,6 +78,7 @@ class Progress:
         if self.done == 0:
             self._started, self._next = now, now + self.every_s
             self._say(f"tokenizing {self.source}: {self.total} rows (cached for later runs)")
+            hooks.fire("tokenizing", source=self.source)  # a test seam: a real pass starts (never on a cache hit)
         self.done += 1
         if now >= self._next:
             rate = self.done / max(now - self._started, 1e-9)

@@ -1,0 +1,140 @@
+"""What a run reads before its process group exists: the model's hub files, the tokenizer and the tokenized data.
+
+Inside a process group every collective waits at most ``launch.timeout_minutes`` for the slowest rank. Work one
+process does alone must therefore never run while the others wait in a collective: tokenizing (about 1,000 chat
+rows/s here, so 16 minutes for a million rows) or downloading a model's weights. :func:`inputs` does it first:
+
+- ``finetune run`` / ``resume`` with several processes: the front process calls it before it execs
+  ``accelerate launch``, so every rank finds the hub and datasets caches filled (and a bad data row is one error
+  line before anything is launched).
+- On every rank, before the Accelerator (and so the process group) is created: under a user's launcher (no front
+  process of ours) this is where the work happens. The first process to take a file lock beside the datasets cache
+  (``finetune-locks/<key>.lock``, keyed by the data, the model and this code) tokenizes; the others wait on that
+  lock, not in a collective, then read the cache. A cache on a disk that every node shares is filled once, a
+  per-node cache once per node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from finetune.config import RecipeConfig
+
+if TYPE_CHECKING:
+    from finetune.data import DataBundle
+    from finetune.registry import SupportedModel
+
+# Files transformers never reads for a PyTorch model; left out of a hub download (Llama's original/ holds a second
+# copy of the weights in Meta's format).
+NOT_READ = ("*.h5", "*.msgpack", "*.onnx", "*.gguf", "*.ot", "*.tflite", "*.mlmodel", "original/*")
+
+
+@dataclass
+class Inputs:
+    """The tokenizer, a vision-language row's image inputs (else None) and the tokenized splits."""
+
+    tokenizer: Any
+    images: Any
+    data: DataBundle
+
+
+def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
+    """Download ``model.path`` when it is a hub id, build the tokenizer, load and tokenize the data; the first
+    process to get here does the work while the others wait on a file lock, then read the caches."""
+    from finetune.data import load_splits
+    from finetune.modeling import build_tokenizer, image_inputs
+
+    def load() -> Inputs:
+        download(cfg)
+        tokenizer = build_tokenizer(cfg.model, row)
+        images = image_inputs(tokenizer, row)
+        return Inputs(tokenizer, images, load_splits(cfg.data, tokenizer, images=images))
+
+    lock, done = _lock_files(cfg)
+    with _exclusive(lock):  # waits while another process fills the caches; its failure leaves `done` unwritten
+        if not done.exists():
+            result = load()
+            done.touch()
+            return result
+    return load()  # the caches are warm: every process reads them at once
+
+
+def hub_id(cfg: RecipeConfig) -> str | None:
+    """``model.path`` when it names a hub repository (not a local folder, not ``pkg://``), else None."""
+    path = cfg.model.path
+    if not path or "://" in path or Path(path).expanduser().exists():
+        return None
+    return path
+
+
+def ignore_patterns(files: list[str]) -> list[str]:
+    """What a download of a repository with these files leaves out: formats transformers does not read, and the
+    ``.bin`` weights when safetensors are there (transformers reads those)."""
+    if any(name.endswith(".safetensors") for name in files):
+        return [*NOT_READ, "*.bin", "*.pt", "*.pth"]
+    return list(NOT_READ)
+
+
+def download(cfg: RecipeConfig) -> None:
+    """Fill the hub cache with ``model.path``'s files (nothing for a local folder or offline): the weights are then
+    read from disk inside the process group, never downloaded there."""
+    repo = hub_id(cfg)
+    if repo is None:
+        return
+    from huggingface_hub import constants, list_repo_files, snapshot_download
+
+    if constants.HF_HUB_OFFLINE:  # transformers reads the cache, or says what is missing
+        return
+    from finetune.modeling import loading
+
+    with loading("model", repo):
+        snapshot_download(repo, ignore_patterns=ignore_patterns(list_repo_files(repo)))
+
+
+def _lock_files(cfg: RecipeConfig) -> tuple[Path, Path]:
+    """The lock that one process fills the caches under, and the file that says it has, for this recipe's inputs:
+    beside the datasets cache, keyed by the data settings, each local data file (path, size, time), the model and
+    the tokenization code. A key that misses a change costs only parallel work, never a wrong cache: the datasets
+    cache has its own keys."""
+    from datasets import config as datasets_config
+
+    from finetune.data.tokenize import CODE_VERSION
+
+    files = []
+    for source in (*cfg.data.train_sources(), *cfg.data.eval_sources()):
+        path = Path(source.path)
+        stat = path.stat() if path.is_file() else None
+        files.append([source.path, stat.st_size if stat else None, stat.st_mtime_ns if stat else None])
+    key = json.dumps([cfg.data.model_dump(mode="json"), files, cfg.model.model_dump(mode="json"), cfg.task,
+                      CODE_VERSION], sort_keys=True)
+    folder = Path(datasets_config.HF_DATASETS_CACHE) / "finetune-locks"
+    name = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return folder / f"{name}.lock", folder / f"{name}.done"
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (waiting for it). Where none can be taken (an unwritable cache, a
+    file system without locks), go on unlocked: the processes then tokenize side by side, which is correct, only
+    slower."""
+    import fcntl
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock (so does the process dying)

