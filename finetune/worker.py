@@ -37,7 +37,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     from finetune.modeling import build_base, check_fits, compile_model, enable_checkpointing, freeze
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.portable import PARAM_NAMES, ParamNames
-    from finetune.precision import Precision
+    from finetune.precision import Precision, master_weights_warning
     from finetune.probe import LogitProbe
     from finetune.state import TrainState
     from finetune.tasks import build_task
@@ -96,11 +96,13 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
         lora.register_adapter_checkpointing(accelerator)
     if cfg.train.compile:  # in place, after LoRA, before prepare: see modeling.compile_model
         compile_model(model)
+    if warning := master_weights_warning(model, backend):  # 16-bit weights updated without an fp32 copy
+        tracker.log("info", {"level": "warning", "message": warning})
     optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     param_names = ParamNames.of(model, optimizer)  # on the plain model: prepare wraps and may rename
     model, optimizer = accelerator.prepare(model, optimizer)
-    precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend.engine_owns_precision)
+    precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend)
     state = TrainState(train_size=data.train_size)
     # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
     # scheduler is not prepared: accelerate would step it once per process.
@@ -108,7 +110,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
                PARAM_NAMES: param_names,  # makes the checkpoint readable on any layout (finetune.portable)
                # the live model's logits on 2 x 16 probe tokens (made at the first checkpoint; task is bound below):
                # 2 x 16 x vocab fp32 per checkpoint, ~20 MB at a 150k vocabulary
-               "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16))}
+               "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16),
+                                  precision)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
                       lockstep=backend.shards_parameters, images=images)
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
