@@ -15,12 +15,14 @@ On top of it this module supplies what the recipe and the SupportedModel row kno
   process group and must NOT get ``cpu=True`` (it would silently run DDP); FSDP needs the shared PartialState marked
   as a multi-device run before the Accelerator exists, else accelerate silently falls back to DDP.
 
-Mixed precision stays ours (finetune.precision) except under DeepSpeed, whose engine owns it.
+Mixed precision stays ours (finetune.precision) except under DeepSpeed, whose engine owns it, and FSDP, whose
+mixed-precision policy casts the weights (autocast off; our grad scaler still runs fp16).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -40,6 +42,11 @@ class Backend:
     zero_stage: int | None = None
     offload_optimizer: str = "none"
     offload_param: str = "none"
+    # FSDP with gradient accumulation: keep whole (unsharded) fp32 gradients across the window's micro-steps and
+    # reduce-scatter once at its end (less traffic, one model's worth of gradients per rank), instead of reducing
+    # each micro-batch into the sharded gradients. Set only where finetune.plan says those gradients fit
+    # (:func:`_fsdp_accumulation`). See :attr:`syncs_each_micro_step`.
+    keep_unsharded_grads: bool = False
 
     @property
     def name(self) -> str:
@@ -54,6 +61,35 @@ class Backend:
     def engine_owns_precision(self) -> bool:
         """DeepSpeed casts the model and scales the loss itself."""
         return self.kind == "deepspeed"
+
+    @property
+    def casts_parameters(self) -> bool:
+        """FSDP casts the weights itself for bf16/fp16 (FSDP2 ``MixedPrecisionPolicy``, FSDP1 ``MixedPrecision``:
+        16-bit copies for the forward/backward, fp32 gradient reduction, fp32 sharded master weights), so autocast
+        must stay off: casting twice would only cost time. Our grad scaler still runs fp16 (:attr:`sharded_scaler`)."""
+        return self.kind == "fsdp"
+
+    @property
+    def keeps_fp32_master_weights(self) -> bool:
+        """The optimizer updates fp32 master weights whatever ``model.dtype`` is: DeepSpeed's bf16/fp16 optimizer
+        keeps an fp32 partition of its own. Everywhere else the optimizer updates the weights in their own dtype."""
+        return self.engine_owns_precision
+
+    @property
+    def sharded_scaler(self) -> bool:
+        """fp16 needs torch's ShardedGradScaler: FSDP1's flat gradient shards differ per rank, so an overflow found
+        on one rank must skip the step on all (FSDP2's DTensor gradients already all-reduce the plain scaler's
+        overflow check)."""
+        return self.kind == "fsdp" and self.fsdp_version == 1
+
+    @property
+    def syncs_each_micro_step(self) -> bool:
+        """Gradients are reduced on every micro-step, not only the window's last (accelerate's ``sync_each_batch``):
+        under FSDP (as torchtitan does) each micro-batch's gradients are reduce-scattered into the fp32 sharded
+        gradients, so no rank holds whole unsharded gradients across micro-steps, unless
+        :attr:`keep_unsharded_grads` says they fit. The sum is the same: the loop divides every micro-step by the
+        window's tokens, and reduction is linear."""
+        return self.kind == "fsdp" and not self.keep_unsharded_grads
 
     @property
     def shards_parameters(self) -> bool:
@@ -190,8 +226,11 @@ def effective_settings(cfg: RecipeConfig, row: SupportedModel, data: Mapping[str
     backend = from_accelerate_config(data)
     out: dict[str, Any] = {"backend": backend.name}
     if backend.kind == "fsdp":
+        half = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.mixed_precision)
         out["fsdp"] = {**(data.get("fsdp_config") or {}), "transformer_cls_names_to_wrap": list(row.wrap_classes),
-                       "use_orig_params": True, "sync_module_states": False}
+                       "use_orig_params": True, "sync_module_states": False,
+                       "mixed_precision_policy": {"param_dtype": half, "reduce_dtype": "float32"} if half else None,
+                       "reduce_each_micro_step": backend.syncs_each_micro_step and cfg.grad_accum > 1}
     if backend.kind == "deepspeed":
         out["deepspeed_config"] = deepspeed_config(cfg, backend)
     return out
@@ -222,6 +261,25 @@ def deepspeed_config(cfg: RecipeConfig, backend: Backend, pin_memory: bool = Fal
         "steps_per_print": 1 << 62,
         "wall_clock_breakdown": False,
     }
+
+
+def fsdp_mixed_precision(mixed_precision: str, fsdp_version: int) -> Any | None:
+    """FSDP's own mixed precision for ``train.mixed_precision`` (None for ``no``): compute on bf16/fp16 copies of
+    the weights, reduce gradients in fp32, keep the sharded master weights (and so the optimizer) in their fp32.
+    Buffers (rotary frequencies) keep their dtype, as under autocast. FSDP2: ``MixedPrecisionPolicy``; FSDP1:
+    ``MixedPrecision`` (its gradients come back in fp32: ``keep_low_precision_grads`` stays off)."""
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
+    if dtype is None:
+        return None
+    if fsdp_version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    from torch.distributed.fsdp import MixedPrecision
+
+    return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=None)
 
 
 def _mark_cpu_run_as_multi_device(group: dict[str, Any]) -> None:
@@ -258,15 +316,39 @@ def _unwrap_without_importing_deepspeed() -> None:
         other.is_deepspeed_available = _deepspeed_imported
 
 
+def _fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
+    """FSDP with gradient accumulation on GPUs keeps whole gradients across a window's micro-steps only where
+    finetune.plan says the recipe fits the smallest visible device with them (``unsharded_accumulation_fits``);
+    everywhere else (the CPU, no accumulation, a plan that cannot be made) it reduce-scatters every micro-step,
+    which never needs more memory."""
+    import torch
+
+    if backend.kind != "fsdp" or cfg.grad_accum == 1 or backend.keep_unsharded_grads or not torch.cuda.is_available():
+        return backend
+    from finetune.plan import unsharded_accumulation_fits, visible_devices
+
+    try:
+        fits = unsharded_accumulation_fits(cfg, min(size for _, size in visible_devices()))
+    except Exception:  # the plan is an estimate for a speed-up; without one the memory-safe choice stands
+        fits = False
+    return dataclasses.replace(backend, keep_unsharded_grads=fits)
+
+
 def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | None = None) -> tuple[Any, Backend]:
     """An Accelerator for this rank, and the backend it runs.
 
     ``gradient_accumulation_steps`` is the recipe's: the loop uses ``accelerator.accumulate`` so every backend
-    (DeepSpeed included) knows which micro-step ends a window.
+    (DeepSpeed included) knows which micro-step ends a window; whether gradients are also reduced on the other
+    micro-steps is :attr:`Backend.syncs_each_micro_step`. Precision stays ``no`` for accelerate: autocast and the
+    scaler are ours (finetune.precision), and FSDP gets its own policy (:func:`fsdp_mixed_precision`).
     """
     import torch
     from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+    from accelerate.utils import (
+        DeepSpeedPlugin,
+        FullyShardedDataParallelPlugin,
+        GradientAccumulationPlugin,
+    )
 
     backend = backend or detect()
     on_cpu = not torch.cuda.is_available()
@@ -297,10 +379,15 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
             fsdp_version=backend.fsdp_version, auto_wrap_policy="transformer_based_wrap",
             transformer_cls_names_to_wrap=list(row.wrap_classes), use_orig_params=True, sync_module_states=False,
             state_dict_type="SHARDED_STATE_DICT", cpu_ram_efficient_loading=False,
+            mixed_precision_policy=fsdp_mixed_precision(cfg.train.mixed_precision, backend.fsdp_version or 1),
             # accelerate's default offload_to_cpu=True is meant for GPUs; on a CPU run it is a copy at best
             state_dict_config=ShardedStateDictConfig(offload_to_cpu=not on_cpu),
             optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=not on_cpu),
         )
+    backend = _fsdp_accumulation(cfg, backend)
+    if backend.syncs_each_micro_step:
+        kwargs["gradient_accumulation_plugin"] = GradientAccumulationPlugin(
+            num_steps=kwargs.pop("gradient_accumulation_steps"), sync_each_batch=True)
     _start_process_group(group, cpu=on_cpu)  # FSDP on CPU: already started, marked as multi-device
     return Accelerator(cpu=on_cpu, **kwargs), backend
 
