@@ -84,6 +84,10 @@ _IO_ERRNOS = {errno.ENOSPC: "no space left on the device; free some space", errn
               errno.EMFILE: "too many open files", errno.EIO: "input/output error"}
 
 
+# How torch reports a collective that waited past the process group's timeout (gloo; NCCL's watchdog).
+_COLLECTIVE_TIMEOUTS = ("Timed out waiting", "collective operation timeout", "Connection closed by peer")
+
+
 def describe(exc: BaseException) -> tuple[int, list[str]]:
     """The exit code and the lines to print for an exception that ends a command."""
     if isinstance(exc, Interrupted):
@@ -100,6 +104,11 @@ def describe(exc: BaseException) -> tuple[int, list[str]]:
     if isinstance(exc, MemoryError):
         return 1, ["error: out of memory; lower train.micro_batch_size or data.max_seq_len"]
     first = (str(exc).strip().splitlines() or [""])[0][:300]
+    if type(exc).__name__ == "DistBackendError" or any(mark in first for mark in _COLLECTIVE_TIMEOUTS):
+        return 1, [f"error: the processes lost each other in a collective ({type(exc).__name__}: {first}): another "
+                   "rank failed (its error is above, and in train.log) or was busy longer than "
+                   "launch.timeout_minutes allows; raise launch.timeout_minutes if a rank legitimately works alone "
+                   "that long"]
     return 1, [f"error: internal error: {type(exc).__name__}: {first} (FINETUNE_DEBUG=1 shows the traceback; "
                "please report it)"]
 

@@ -26,6 +26,13 @@ def test_each_way_a_command_ends_has_its_code_and_lines(exc: BaseException, code
     assert describe(exc) == (code, lines)
 
 
+def test_a_collective_that_timed_out_names_the_timeout_key_not_an_internal_error() -> None:
+    code, lines = describe(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 6000ms for recv"))
+    assert code == 1 and len(lines) == 1
+    assert "launch.timeout_minutes" in lines[0] and "internal error" not in lines[0]
+    assert "Timed out waiting 6000ms" in lines[0]
+
+
 def test_an_unexpected_exception_is_one_line_that_says_how_to_see_more() -> None:
     code, lines = describe(ValueError("first line\nsecond line"))
     assert code == 1 and len(lines) == 1
