@@ -46,6 +46,8 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
 # what a vision batch adds (finetune.data.vision.VisionCollator): the image processor's outputs and the mask of
 # image tokens (text 0, image 1) that multimodal rotary positions are computed from
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+# the module whose input is the final hidden states and whose output is the logits (causal rows; see output_head)
+OUTPUT_HEAD = "lm_head"
 CUSTOM_WEIGHTS = "model.safetensors"  # a custom (factory) row's export: its state dict, no config.json
 _FACTORY = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*")
 
@@ -71,6 +73,11 @@ class SupportedModel:
     wraps (the vision tower's blocks), ``freeze_groups``, the module-name prefixes of each part ``model.freeze``
     can freeze (``vision``, ``projector``, ``language``), and ``lora_exclude``, a regular expression of module
     names LoRA presets never adapt (the vision tower shares linear names with the language model).
+
+    ``output_head`` names the module of a causal row (found by the last part of its name, through wrappers) that
+    turns the final hidden states into logits: the loss replaces its output by chunked log-prob sums, so full
+    ``[tokens x vocab]`` logits are never built (finetune.tasks.causal_lm.head_logprobs). A model that changes the
+    head's output afterwards is refused at the first forward; None computes the loss from the model's logits.
     """
 
     name: str
@@ -92,6 +99,7 @@ class SupportedModel:
     extra_wrap: tuple[str, ...] = ()
     freeze_groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     lora_exclude: str | None = None
+    output_head: str | None = OUTPUT_HEAD
     description: str = ""
 
     @property

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 
 from finetune import registry
 from finetune.data.tokenize import IGNORE
+from finetune.errors import ConfigError
 from finetune.tasks.base import EvalCounts, TaskData
-from finetune.tasks.losses import summed_cross_entropy
+from finetune.tasks.losses import sequence_logprobs, summed_cross_entropy
 
 
 def normalize(text: str) -> str:
@@ -39,11 +40,85 @@ def count_next_token_targets(labels: torch.Tensor) -> int:
 
 
 def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy (fp32 arithmetic, one chunk of the logits at a time: see
-    :mod:`finetune.tasks.losses`), the number of target tokens, and the targets (IGNORE where none)."""
+    """Summed next-token cross-entropy over logits a caller already holds (fp32 arithmetic, one chunk at a time:
+    see :mod:`finetune.tasks.losses`), the number of target tokens, and the targets (IGNORE where none). The tasks
+    never build those logits (:func:`answer_logprobs`)."""
     targets = next_token_targets(labels)
     loss_sum = summed_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     return loss_sum, (targets != IGNORE).sum(), targets
+
+
+def find_head(model: Any, name: str | None) -> Any:
+    """The module named ``name`` (the row's ``output_head``) in ``model`` through any wrapper (DDP, FSDP, DeepSpeed,
+    peft): the shallowest module whose last name part is ``name``; None when there is none (or no name)."""
+    if not name or not hasattr(model, "named_modules"):  # not an nn.Module (a scripted test double): its logits
+        return None
+    found = [(path.count("."), module) for path, module in model.named_modules() if path.rsplit(".", 1)[-1] == name]
+    return min(found, key=lambda item: item[0])[1] if found else None
+
+
+def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
+                  head: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
+    hits (:func:`finetune.tasks.losses.sequence_logprobs`) instead of ``[tokens x vocab]`` logits.
+
+    The head module's ``forward`` is replaced for the call, so the loss runs inside the model's own forward: every
+    wrapper's hooks (DDP, FSDP's unshard and reshard, DeepSpeed ZeRO-3's parameter gathering, autocast, peft) see
+    the head called as usual, and the sums come out as the output's ``logits``, which carry the wrappers' backward
+    hooks. A plain ``nn.Linear`` head (tied or not) takes the fused chunked path; any other module (a LoRA-adapted
+    head) is called chunk by chunk. A model that alters the head's output afterwards (logit soft-capping) would make
+    the sums wrong, so it is refused."""
+    own = vars(head).get("forward")
+    original = own if own is not None else type(head).forward.__get__(head)
+    picked: dict[str, torch.Tensor] = {}
+
+    @torch.compiler.disable  # train.compile: run eagerly, a graph break after the body (inductor cannot lower it)
+    def forward(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or hidden.shape[:-1] != targets.shape:
+            raise RuntimeError(f"output head {type(head).__name__} was called with {tuple(hidden.shape)}, "
+                               f"expected the final hidden states {tuple(targets.shape)} + (hidden,)")
+        flat = hidden.reshape(-1, hidden.size(-1))
+        fused = type(head) is torch.nn.Linear
+        picked["sums"], picked["hits"] = sequence_logprobs(
+            flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
+            bias=head.bias if fused else None, head=None if fused else original)
+        return picked["sums"]
+
+    head.forward = forward
+    try:
+        out = model(**inputs)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+    sums = out.logits if hasattr(out, "logits") else out
+    # the head's own result, or a view of it (DeepSpeed ZeRO-3 hands on a detached alias); never a new tensor
+    if "sums" not in picked or not isinstance(sums, torch.Tensor) or sums.shape != picked["sums"].shape \
+            or not torch._C._is_alias_of(sums, picked["sums"]):
+        raise ConfigError(f"the model's forward {'never called' if 'sums' not in picked else 'changed what'} its "
+                          f"output head ({type(head).__name__}) {'' if 'sums' not in picked else 'returned '}(e.g. "
+                          "logit soft-capping), so the loss cannot be computed from the head's input; set the row's "
+                          "output_head=None to compute it from the logits")
+    return sums, picked["hits"]
+
+
+def answer_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None,
+                    per_sequence: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-prob sums and argmax hits of a batch's ``[S, T]`` next-token ``targets``: per sequence (``[S]``,
+    DPO) or over the whole batch (``[1]``, SFT's summed loss is minus it). Computed from the final hidden states and
+    the row's output head (:func:`head_logprobs`) when the model has one, else from the model's logits, chunk by
+    chunk either way; no host sync."""
+    sequences, length = targets.shape
+    seq = (torch.arange(sequences, device=targets.device)[:, None].expand(sequences, length).reshape(-1)
+           if per_sequence else torch.zeros(sequences * length, dtype=torch.long, device=targets.device))
+    count = sequences if per_sequence else 1
+    head = find_head(model, head_name)
+    if head is not None:
+        return head_logprobs(model, inputs, targets, seq, count, head)
+    out = model(**inputs)
+    logits = out.logits if hasattr(out, "logits") else out
+    return sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count)
 
 
 def greedy_generate(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -123,30 +198,42 @@ class CausalLMTask(TaskData):
         row = registry.get_model(model.type) if model is not None else None
         self.model_inputs: tuple[str, ...] = row.model_inputs if row is not None else registry.MODEL_INPUTS
         self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
+        self.output_head = row.output_head if row is not None else registry.OUTPUT_HEAD
 
     def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """A padded batch has an attention mask; a packed one (data.packing) position ids and no mask (None). Never
-        a KV cache: with one, transformers skips the packed-sequence detection and samples attend to each other."""
-        return model(**{key: batch.get(key) for key in self.model_inputs}, **self.forward_flags).logits
+        """The full logits of a batch (tests and probes; the loss never builds them: :meth:`_answer`). A padded
+        batch has an attention mask; a packed one (data.packing) position ids and no mask (None). Never a KV cache:
+        with one, transformers skips the packed-sequence detection and samples attend to each other."""
+        out = model(**self._inputs(batch))
+        return out.logits if hasattr(out, "logits") else out
+
+    def _inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The forward's keyword arguments: the row's ``model_inputs`` from the batch and the forward flags."""
+        return {**{key: batch.get(key) for key in self.model_inputs}, **self.forward_flags}
+
+    def _answer(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The summed next-token loss (fp32), the argmax hits and the number of targets of a batch, from the final
+        hidden states and the output head chunk by chunk (:func:`answer_logprobs`)."""
+        targets = next_token_targets(batch["labels"])
+        sums, hits = answer_logprobs(model, self._inputs(batch), targets, self.output_head, per_sequence=False)
+        return -sums.sum(), hits.sum(), (targets != IGNORE).sum()
 
     def count_targets(self, batch: dict[str, Any]) -> int:
         """Next-token targets (a packed batch marks each sample's first label IGNORE, so the count is the same)."""
         return count_next_token_targets(batch["labels"])
 
     def train_output(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        return shifted_loss(self._logits(model, batch), batch["labels"])[0]
+        return self._answer(model, batch)[0]
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
-        logits = self._logits(model, batch)
-        loss_sum, num_tokens, targets = shifted_loss(logits, batch["labels"])
+        loss_sum, hits, num_tokens = self._answer(model, batch)
         counts = EvalCounts(loss_sum, num_tokens)
         metrics = self.cfg.eval.metrics
         if "token_accuracy" in metrics:
-            hits = (logits.argmax(-1) == targets) & (targets != IGNORE)
-            counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits.sum(), num_tokens
+            counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits, num_tokens
         if "exact_match" in metrics:
-            counts.correct["exact_match"] = torch.tensor(self._exact_matches(model, batch), device=logits.device)
-            counts.total["exact_match"] = torch.tensor(len(batch["reference"]), device=logits.device)
+            counts.correct["exact_match"] = torch.tensor(self._exact_matches(model, batch), device=hits.device)
+            counts.total["exact_match"] = torch.tensor(len(batch["reference"]), device=hits.device)
         return counts
 
     def _generate(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:

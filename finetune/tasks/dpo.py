@@ -3,7 +3,8 @@
 A micro-batch of B pairs is ONE right-padded batch of 2B sequences (``PreferenceCollator``: chosen rows first,
 then rejected), so one forward pass scores both sides of every pair. Per sequence, the policy's log-probability
 of its answer is the sum of the next-token log-probs of the answer tokens (labels that are not IGNORE), computed
-chunk by chunk like :mod:`finetune.tasks.losses`: no full fp32 ``[tokens x vocab]`` log-softmax is ever held.
+by the same primitive as the SFT loss (:func:`finetune.tasks.losses.sequence_logprobs`, per sequence) from the final
+hidden states and the output head chunk by chunk: no ``[tokens x vocab]`` logits, no host sync.
 
 With ``h = (pi_c - ref_c) - (pi_r - ref_r)`` (policy minus reference log-ratio of chosen over rejected), the loss of
 a pair is
@@ -34,84 +35,40 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from finetune.data.batching import PreferenceCollator
 from finetune.data.tokenize import IGNORE
+from finetune.registry import OUTPUT_HEAD, get_model
 from finetune.tasks.base import EvalCounts, PairTask
-from finetune.tasks.causal_lm import next_token_targets
-from finetune.tasks.losses import default_chunk_rows, target_segments
+from finetune.tasks.causal_lm import answer_logprobs, next_token_targets
+from finetune.tasks.losses import sequence_logprobs
 
 PROGRESS_EVERY_S = 30.0  # a reference pass that runs longer reports its progress this often
 
 
-class _SequenceLogProbs(torch.autograd.Function):
-    """Per-sequence sums of target log-probs over ``[N, V]`` logits (rows of ``S`` sequences, ``seq`` the sequence
-    of each row), chunk by chunk: forward keeps one fp32 log-softmax chunk alive, backward recomputes a softmax per
-    chunk and writes ``(onehot(target) - softmax) * grad`` into a gradient of the logits' own dtype."""
-
-    @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                chunk_rows: int) -> torch.Tensor:
-        segments = target_segments(targets != IGNORE, chunk_rows)
-        # float64 accumulator: chunk sums add up in another order than one reduction would
-        out = torch.zeros(sequences, dtype=torch.float64, device=logits.device)
-        for start, end in segments:
-            target = targets[start:end]
-            valid = target != IGNORE
-            logp = torch.log_softmax(logits[start:end], dim=-1, dtype=torch.float32)
-            picked = logp.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
-            # where(), not a multiply: an ignored row with non-finite logits must add 0, not nan
-            out.index_add_(0, seq[start:end], torch.where(valid, picked, 0.0).double())
-        ctx.segments = segments
-        ctx.save_for_backward(logits, targets, seq)
-        return out.to(torch.float32)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None, None, None]:
-        if not ctx.needs_input_grad[0]:
-            return None, None, None, None, None
-        logits, targets, seq = ctx.saved_tensors
-        scale_of_sequence = grad_out.to(torch.float32)
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        covered = 0
-        for start, end in ctx.segments:
-            grad[covered:start].zero_()  # rows no segment covers hold no target: gradient 0
-            covered = end
-            target = targets[start:end]
-            valid = target != IGNORE
-            scale = scale_of_sequence[seq[start:end]]
-            probs = torch.softmax(logits[start:end], dim=-1, dtype=torch.float32)
-            probs.mul_(-scale.unsqueeze(1))
-            hit = valid.nonzero().squeeze(1)
-            probs[hit, target[hit]] += scale[hit]
-            probs.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
-            grad[start:end].copy_(probs)  # half precision: rounded once, from fp32
-        grad[covered:].zero_()
-        return grad, None, None, None, None
-
-
 def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
-    """``[S]`` fp32: for each of the ``S`` sequences of ``logits`` ``[S, T, V]``, the sum over positions whose
-    ``targets`` ``[S, T]`` is not IGNORE of ``log_softmax(logits)[target]``, with grad; one fp32 chunk of
-    ``chunk_rows`` rows (default :func:`finetune.tasks.losses.default_chunk_rows`) alive at a time.
+    """``[S]`` fp32: for each of the ``S`` sequences of ``logits`` ``[S, T, V]`` (logits a caller already holds),
+    the sum over positions whose ``targets`` ``[S, T]`` is not IGNORE of ``log_softmax(logits)[target]``, with grad;
+    :func:`finetune.tasks.losses.sequence_logprobs` over the logits, one chunk of ``chunk_rows`` rows at a time.
     ``targets`` are next-token targets (:func:`finetune.tasks.causal_lm.next_token_targets`)."""
     if logits.dim() != 3 or logits.shape[:-1] != targets.shape:
         raise ValueError(f"expected logits [S, T, V] and targets [S, T], got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
     sequences, length, vocab = logits.shape
-    rows = default_chunk_rows(vocab) if chunk_rows is None else chunk_rows
-    seq = torch.arange(sequences, device=logits.device).repeat_interleave(length)
-    return _SequenceLogProbs.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), seq, sequences, rows)
+    seq = torch.arange(sequences, device=logits.device)[:, None].expand(sequences, length).reshape(-1)
+    return sequence_logprobs(logits.reshape(-1, vocab), targets.reshape(-1), seq, sequences, chunk_rows=chunk_rows)[0]
 
 
-def policy_logps(model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def policy_logps(model: Any, batch: dict[str, Any], output_head: str | None = OUTPUT_HEAD) -> tuple[torch.Tensor,
+                                                                                                   torch.Tensor]:
     """The model's summed answer log-prob of every sequence of a preference batch (``[2B]`` fp32) and the number
-    of answer tokens of each. Never a KV cache (training forwards; see CausalLMTask)."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    of answer tokens of each, from the final hidden states and the row's ``output_head`` chunk by chunk (no
+    ``[tokens x vocab]`` logits, no host sync: :func:`finetune.tasks.causal_lm.answer_logprobs`). Never a KV cache
+    (training forwards; see CausalLMTask)."""
     targets = next_token_targets(batch["labels"])
-    return sequence_logps(logits, targets), (targets != IGNORE).sum(1)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
+    logps, _ = answer_logprobs(model, inputs, targets, output_head, per_sequence=True)
+    return logps, (targets != IGNORE).sum(1)
 
 
 def pair_losses(h: torch.Tensor, beta: float, label_smoothing: float = 0.0, kind: str = "sigmoid") -> torch.Tensor:
@@ -130,12 +87,18 @@ class DPOTask(PairTask):
 
     eval_means = ("reward_margin", "logps_chosen", "logps_rejected")
 
+    @property
+    def output_head(self) -> str | None:
+        """The row's output head, which the log-probs are computed from (the default for a hand-made config)."""
+        model = getattr(self.cfg, "model", None)
+        return get_model(model.type).output_head if model is not None else OUTPUT_HEAD
+
     def _pairs(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per pair: the loss and ``h``; and the policy's summed log-probs of the 2B sequences."""
         if "ref_logps" not in batch:
             raise RuntimeError("task dpo: the batch has no ref_logps; compute_reference() must run before training "
                                "and evaluation")
-        logps, tokens = policy_logps(model, batch)
+        logps, tokens = policy_logps(model, batch, self.output_head)
         policy, reference = logps, batch["ref_logps"].to(logps.device, torch.float32)
         dpo = self.cfg.dpo
         if dpo.loss == "ipo":  # per-token averages (IPO), the reference likewise
@@ -239,7 +202,7 @@ def compute_reference(task: DPOTask, model: Any, accelerator: Any, precision: An
 
     def score(batch: dict[str, Any]) -> torch.Tensor:
         with precision.autocast():
-            return policy_logps(model, batch)[0]
+            return policy_logps(model, batch, task.output_head)[0]
 
     was_training = model.training
     model.eval()

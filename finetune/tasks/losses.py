@@ -1,30 +1,36 @@
-"""Summed token cross-entropy that never materialises a full fp32 copy of the logits.
+"""One log-prob primitive for every causal objective: per-sequence sums of target log-probs, computed from the final
+hidden states and the output head chunk by chunk, with no host sync and no data-dependent shape.
 
-Why: the straightforward ``F.cross_entropy(logits.float(), ...)`` upcasts the whole ``[N, V]`` logits to fp32 (for
-a 150k vocabulary at 4k tokens that alone is 2.4 GB per micro-batch), and autograd then keeps the fp32
-log-softmax of the same size alive until backward. :func:`summed_cross_entropy` instead walks the flattened
-logits in row chunks:
+Why: full ``[tokens x vocab]`` logits are the largest tensors of a fine-tuning step (16k tokens at a 152k vocabulary
+are 5 GB in bf16, 10 GB in fp32, and autograd keeps them, or their fp32 log-softmax, until backward).
+:func:`sequence_logprobs` never builds them. For each fixed chunk of rows it computes ``logits = hidden @ W^T (+ b)``,
+an fp32 log-softmax of that chunk only, and picks each row's target; backward recomputes the chunk's logits and
+softmax and accumulates the gradients of the hidden states and of the head (one fp32 ``[V, H]`` buffer). So the
+extra memory at any time is one chunk of logits plus its fp32 softmax, whatever the batch. Summed token
+cross-entropy (SFT), a DPO policy's per-sequence log-probs and token accuracy are all this one function:
+the summed loss is minus the sum over one "sequence" (:func:`summed_cross_entropy`).
 
-* forward runs one fused ``log_softmax`` per chunk, upcast to fp32 (only that chunk; fp32 logits are not copied)
-  and keeps the target entries; it saves only the logits (which exist anyway) and the targets;
-* backward recomputes a fused fp32 ``softmax`` chunk by chunk and writes ``(softmax - onehot(target)) * grad_out``
-  (zero on ignored rows) into a gradient of the logits' own dtype.
+No host syncs: chunk boundaries are fixed by the static row count and :func:`default_chunk_rows`; ignored targets
+are masked with ``where`` and gathered at a clamped index; per-sequence sums use ``index_add_`` over a fixed-size
+output. Nothing calls ``nonzero``, ``.item()``, ``masked_select``, ``unique`` or indexes with a boolean mask, so a
+GPU never waits for the host inside the loss (``tests/unit/test_losses.py`` counts the dispatched ops). The price is
+that rows without a target (padding, masked prompts) are computed like the others and masked: skipping them would
+need their positions on the host, i.e. a sync per micro-batch.
 
-Speed: the same fused kernels as ``F.cross_entropy`` (log_softmax forward, one softmax in backward instead of
-log_softmax's backward over a dense one-hot gradient), and only over the rows that hold targets: long runs of
-ignored rows (the padding of a right-padded batch, masked prompts) are skipped, their gradient is a plain zero fill
-(:func:`target_segments`). ``F.cross_entropy`` computes a softmax for every row, so in a padded batch where 60% of
-the rows are padding this loss does well under half of its work.
+Precision: the chunk's logits are computed in the dtype the model's head would use (the autocast dtype when autocast
+is on, else the weight's dtype), then log-softmax in fp32; sums accumulate in float64, so the chunked sum differs
+from one fused reduction by far less than fp32 rounding of the result. The gradient of the hidden states has their
+dtype, the head's gradient the weight's dtype.
 
-So the extra memory at any time is one fp32 chunk (``chunk_rows x V``) plus the gradient in the logits' dtype
-(which autograd needs anyway), never a full fp32 ``[N, V]``.
+Heads: a plain ``nn.Linear`` (or just a weight and bias, which covers tied embeddings: the weight is the embedding
+matrix) takes the fused path above. Any other head module (a LoRA-adapted or ``modules_to_save``-wrapped head) is
+called on each chunk under activation checkpointing, so its logits are likewise recomputed in backward instead of
+being saved. ``head=None`` and no weight: ``hidden`` already holds logits (a custom model whose head is not named).
 
-Chunk size: by default :func:`default_chunk_rows` picks ``CHUNK_BYTES // (4 * V)`` rows (at least 1), i.e. about
-64 MiB of fp32 per chunk: 524 rows for V = 32000, 110 rows for V = 152064. Big enough that per-chunk Python
-overhead is negligible next to the ``rows x V`` exp/sum work, small enough to be noise next to the logits.
-
-Fused kernels (e.g. ``liger_kernel``'s fused linear cross-entropy, which also avoids materialising the logits)
-go further on GPU, but this module depends on nothing beyond torch and works on CPU and GPU alike.
+Chunk size (:func:`default_chunk_rows`): about ``CHUNK_BYTES[device type]`` of fp32 per chunk. On CPU 64 MiB (524 rows
+at V = 32000, 110 at V = 152064): big enough that per-chunk Python overhead is noise next to the ``rows x V``
+work. On CUDA 256 MiB (441 rows at V = 152064): GEMMs of a few hundred rows by the hidden size run near peak
+throughput, and one chunk's transients (compute-dtype logits, fp32 softmax, fp32 gradient) stay under 1 GiB.
 """
 
 from __future__ import annotations
@@ -36,117 +42,180 @@ from torch.autograd.function import once_differentiable
 
 from finetune.data.tokenize import IGNORE
 
-CHUNK_BYTES = 64 * 2**20  # fp32 bytes per chunk: ~64 MiB
-GAP_ROWS = 32  # ignored runs at least this long are skipped, shorter ones computed and masked (target_segments)
+CHUNK_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # fp32 bytes of one chunk of logits, per device type
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # any other device type
 
 
-def default_chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk so that one fp32 chunk (``rows x vocab_size x 4`` bytes) is about ``CHUNK_BYTES``."""
-    return max(1, CHUNK_BYTES // (4 * max(1, vocab_size)))
+def default_chunk_rows(vocab_size: int, device: str | torch.device = "cpu") -> int:
+    """Rows per chunk so that one fp32 chunk (``rows x vocab_size x 4`` bytes) is about ``CHUNK_BYTES`` of the
+    device type (at least 1 row)."""
+    kind = device if isinstance(device, str) else device.type
+    return max(1, CHUNK_BYTES.get(kind, DEFAULT_CHUNK_BYTES) // (4 * max(1, vocab_size)))
 
 
-def _fp32_log_softmax(chunk: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
-    """fp32 log-softmax of one chunk: fp32 logits are written into ``buffer`` (no fresh allocation per chunk: on
-    CPU a fresh large tensor costs page faults), half-precision ones upcast this chunk only."""
-    if buffer is None:
-        return torch.log_softmax(chunk, dim=-1, dtype=torch.float32)
-    out = buffer[: chunk.size(0)]
-    torch._log_softmax(chunk, -1, False, out=out)
-    return out
+def compute_dtype(reference: torch.Tensor, weight: torch.Tensor | None) -> torch.dtype:
+    """The dtype the head's matmul runs in: the autocast dtype when autocast is on for the tensor's device (as
+    ``F.linear`` would run under it), else the weight's dtype (the logits' own dtype without a weight)."""
+    kind = reference.device.type
+    if weight is not None and torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return (weight if weight is not None else reference).dtype
 
 
-def target_segments(valid: torch.Tensor, chunk_rows: int, gap_rows: int = GAP_ROWS) -> list[tuple[int, int]]:
-    """Row ranges ``[start, end)``, each at most ``chunk_rows`` long, in order, that cover every valid row.
-
-    Runs of ignored rows (padding, masked prompts) of at least ``gap_rows`` rows between valid rows are left out:
-    their loss is 0 and their gradient is 0, so computing a softmax over them is wasted work (in a right-padded
-    batch most rows are padding). Shorter gaps stay inside a range and are masked there, which keeps the number of
-    ranges, and so the Python work per range, small whatever the mask looks like: at most about
-    ``N / gap_rows + N / chunk_rows`` ranges. One host sync (the run boundaries), once per forward.
-    """
-    flags = valid.reshape(-1).to(torch.int8)
-    zero = flags.new_zeros(1)
-    edges = torch.diff(flags, prepend=zero, append=zero)
-    starts = (edges == 1).nonzero().squeeze(1).tolist()
-    ends = (edges == -1).nonzero().squeeze(1).tolist()
-    runs: list[list[int]] = []
-    for start, end in zip(starts, ends, strict=True):
-        if runs and start - runs[-1][1] < gap_rows:
-            runs[-1][1] = end
-        else:
-            runs.append([start, end])
-    return [(row, min(row + chunk_rows, end)) for start, end in runs for row in range(start, end, chunk_rows)]
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """One chunk's logits (``weight`` and ``bias`` already in the compute dtype; no weight: ``hidden`` is logits)."""
+    if weight is None:
+        return hidden
+    return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
 
 
-class _SummedCrossEntropy(torch.autograd.Function):
-    """Chunked summed cross-entropy over ``[N, V]`` logits and ``[N]`` targets; see the module docstring."""
+def _pick(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """fp32 log-softmax of the chunk at each row's target, 0 where the row has none (``where``, not a multiply: an
+    ignored row with non-finite logits must add 0, not nan)."""
+    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+    picked = logp.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(valid, picked, 0.0)
+
+
+def _hits(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """1 where the chunk's argmax is the row's target (teacher-forced token accuracy), else 0."""
+    return ((logits.argmax(-1) == target) & valid).long()
+
+
+class _LinearLogProbs(torch.autograd.Function):
+    """``[S]`` sums of target log-probs over ``[N, H]`` hidden states and an optional ``[V, H]`` head; see the module
+    docstring. Outputs the sums (fp32) and the argmax hits (long, not differentiable)."""
 
     @staticmethod
-    def forward(ctx: Any, logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int) -> torch.Tensor:
-        vocab = logits.size(1)
-        segments = target_segments(targets != IGNORE, chunk_rows)
-        # float64 accumulator over chunks: the chunk sums add up in a different order than one fused reduction,
-        # and a wider accumulator keeps that difference far below fp32 rounding of the result.
-        total = torch.zeros((), dtype=torch.float64, device=logits.device)
-        rows = max((end - start for start, end in segments), default=0)
-        buffer = logits.new_empty((rows, vocab)) if logits.dtype == torch.float32 and rows else None
-        for start, end in segments:
-            target = targets[start:end]
-            valid = target != IGNORE
-            logp = _fp32_log_softmax(logits[start:end], buffer)  # one fused kernel per chunk
-            picked = logp.gather(1, torch.where(valid, target, 0).unsqueeze(1)).squeeze(1)
-            # where(), not a multiply: an ignored row with non-finite logits must add 0, not nan
-            total -= torch.where(valid, picked, 0.0).sum(dtype=torch.float64)
-        ctx.segments = segments
-        ctx.save_for_backward(logits, targets)
-        return total.to(torch.float32)
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype) if weight is not None else None
+            b = bias.to(dtype) if bias is not None else None
+            valid = targets != IGNORE
+            # float64 accumulator: chunk sums add up in another order than one fused reduction would
+            out = torch.zeros(sequences, dtype=torch.float64, device=hidden.device)
+            hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
+            for start in range(0, hidden.size(0), rows):
+                end = start + rows
+                logits = _chunk_logits(hidden[start:end], w, b)
+                out.index_add_(0, seq[start:end], _pick(logits, targets[start:end], valid[start:end]).double())
+                hits.index_add_(0, seq[start:end], _hits(logits, targets[start:end], valid[start:end]))
+        ctx.rows, ctx.dtype, ctx.sequences = rows, dtype, sequences
+        ctx.save_for_backward(hidden, weight, bias, targets, seq)
+        ctx.mark_non_differentiable(hits)
+        return out.to(torch.float32), hits
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        if not ctx.needs_input_grad[0]:
-            return None, None, None
-        logits, targets = ctx.saved_tensors
-        scale = grad_out.to(torch.float32)
-        grad = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        covered = 0
-        for start, end in ctx.segments:
-            grad[covered:start].zero_()  # rows no segment covers are ignored targets: their gradient is 0
-            covered = end
-            chunk, target = logits[start:end], targets[start:end]
-            valid = target != IGNORE
-            if chunk.dtype == torch.float32:  # fused softmax straight into the gradient: no temporary at all
-                probs = grad[start:end]
-                torch._softmax(chunk, -1, False, out=probs)
-            else:
-                probs = torch.softmax(chunk, dim=-1, dtype=torch.float32)
-            probs.mul_(scale)
-            # minus grad_out at the target: (softmax - onehot) * grad_out, with softmax * grad_out rounded first
-            hit = valid.nonzero().squeeze(1)
-            probs[hit, target[hit]] -= scale
-            probs.index_fill_(0, (~valid).nonzero().squeeze(1), 0.0)
-            if probs.data_ptr() != grad[start:end].data_ptr():
-                grad[start:end].copy_(probs)  # half precision: rounded once, from fp32
-        grad[covered:].zero_()
-        return grad, None, None
+    def backward(ctx: Any, grad_out: torch.Tensor, _grad_hits: Any) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, bias, targets, seq = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(ctx.dtype) if weight is not None else None
+            b = bias.to(ctx.dtype) if bias is not None else None
+            valid = targets != IGNORE
+            # d(sum of logp[target]) / d(logits) = (onehot(target) - softmax) * upstream gradient of the sequence
+            scale = torch.where(valid, grad_out.to(torch.float32).index_select(0, seq), 0.0)
+            grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+                if need_weight else None
+            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+            for start in range(0, hidden.size(0), ctx.rows):
+                end = start + ctx.rows
+                h, s, target = hidden[start:end], scale[start:end], targets[start:end]
+                grad = torch.softmax(_chunk_logits(h, w, b), dim=-1, dtype=torch.float32)
+                grad.mul_(-s.unsqueeze(1))
+                grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), s.unsqueeze(1))
+                grad.masked_fill_(~valid[start:end].unsqueeze(1), 0.0)  # non-finite logits of ignored rows: 0
+                if w is None:
+                    if grad_hidden is not None:
+                        grad_hidden[start:end].copy_(grad)  # half precision: rounded once, from fp32
+                    continue
+                grad = grad.to(ctx.dtype)
+                if grad_hidden is not None:
+                    grad_hidden[start:end].copy_(grad @ w)
+                if grad_weight is not None and ctx.dtype == torch.float32:
+                    grad_weight.addmm_(grad.t(), h.to(ctx.dtype))  # no [V, H] temporary
+                elif grad_weight is not None:
+                    grad_weight.add_(grad.t() @ h.to(ctx.dtype))
+                if grad_bias is not None:
+                    grad_bias.add_(grad.sum(0, dtype=torch.float32))
+        return (grad_hidden,
+                grad_weight.to(weight.dtype) if grad_weight is not None else None,
+                grad_bias.to(bias.dtype) if grad_bias is not None else None,
+                None, None, None, None, None)
+
+
+def _module_chunk(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor,
+                  sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through a head module: its per-sequence log-prob sums and hits."""
+    logits = head(hidden)
+    valid = targets != IGNORE
+    out = torch.zeros(sequences, dtype=torch.float32, device=hidden.device)
+    hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
+    return out.index_add(0, seq, _pick(logits, targets, valid)), hits.index_add(0, seq, _hits(logits, targets, valid))
+
+
+def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
+                     rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sequence_logprobs` through any head module, one checkpointed chunk at a time (``split``, so the
+    hidden states' gradient is assembled once, not zero-filled per chunk)."""
+    from torch.utils.checkpoint import checkpoint
+
+    total = torch.zeros(sequences, dtype=torch.float32, device=hidden.device)
+    hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
+    for h, t, s in zip(hidden.split(rows), targets.split(rows), seq.split(rows), strict=True):
+        if torch.is_grad_enabled() and h.requires_grad:
+            part, hit = checkpoint(_module_chunk, head, h, t, s, sequences, use_reentrant=False)
+        else:
+            part, hit = _module_chunk(head, h, t, s, sequences)
+        total, hits = total + part, hits + hit
+    return total, hits
+
+
+def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int, *,
+                      weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, head: Any = None,
+                      chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the sum of ``log_softmax(logits)[target]`` over its rows whose target is not IGNORE, and the
+    number of those rows whose argmax is the target; logits are never materialised beyond one chunk.
+
+    ``hidden`` ``[N, H]``: final hidden states (or ``[N, V]`` logits when neither ``weight`` nor ``head`` is given);
+    ``targets`` ``[N]``; ``seq`` ``[N]`` the sequence (``0..sequences-1``) of each row. The logits are
+    ``hidden @ weight^T + bias`` (``weight`` ``[V, H]``), or ``head(hidden)`` for any other head module.
+    Returns ``([S]`` fp32 with grad, ``[S]`` long). ``chunk_rows`` defaults to :func:`default_chunk_rows`."""
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or seq.shape != targets.shape:
+        raise ValueError(f"expected hidden [N, H] with targets and seq [N], got {tuple(hidden.shape)}, "
+                         f"{tuple(targets.shape)} and {tuple(seq.shape)}")
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden states / logits must be floating point, got {hidden.dtype}")
+    if head is not None and weight is not None:
+        raise ValueError("give a head module or a weight, not both")
+    vocab = weight.size(0) if weight is not None else None
+    if vocab is None:
+        vocab = getattr(head, "out_features", None) if head is not None else hidden.size(1)
+    rows = default_chunk_rows(vocab or hidden.size(1), hidden.device) if chunk_rows is None else chunk_rows
+    if rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {rows}")
+    targets, seq = targets.long(), seq.long()
+    if head is not None:
+        return _module_logprobs(head, hidden, targets, seq, sequences, rows)
+    return _LinearLogProbs.apply(hidden, weight, bias, targets, seq, sequences, rows,
+                                 compute_dtype(hidden, weight))
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
-    """Sum (fp32 scalar) of per-token cross-entropy over the targets that are not ``IGNORE``.
+    """Sum (fp32 scalar) of per-token cross-entropy over the targets that are not ``IGNORE``: minus
+    :func:`sequence_logprobs` of one sequence over ``[..., V]`` logits (any float dtype) and ``[...]`` targets.
 
-    ``logits`` is ``[..., V]`` in any float dtype (fp32, bf16, fp16) and ``targets`` the matching ``[...]`` long
-    tensor. Equal to ``F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE,
-    reduction="sum")`` but with one fp32 chunk of ``chunk_rows`` rows alive at a time (default:
-    :func:`default_chunk_rows`). Pass contiguous logits: a non-contiguous tensor is copied once (in its own
-    dtype) by the flattening reshape. For next-token loss, shift the labels rather than slicing the logits, e.g.
-    ``F.pad(labels[:, 1:], (0, 1), value=IGNORE)``, so the logits stay contiguous.
-    """
+    Equal to ``F.cross_entropy(logits.float().reshape(-1, V), targets.reshape(-1), ignore_index=IGNORE,
+    reduction="sum")`` with one fp32 chunk alive at a time. For next-token loss, shift the labels rather than
+    slicing the logits, e.g. ``F.pad(labels[:, 1:], (0, 1), value=IGNORE)``, so the logits stay contiguous."""
     if logits.shape[:-1] != targets.shape:
         raise ValueError(f"targets shape {tuple(targets.shape)} does not match logits {tuple(logits.shape)}[:-1]")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
-    vocab = logits.size(-1)
-    rows = default_chunk_rows(vocab) if chunk_rows is None else chunk_rows
-    if rows < 1:
-        raise ValueError(f"chunk_rows must be >= 1, got {rows}")
-    return _SummedCrossEntropy.apply(logits.reshape(-1, vocab), targets.reshape(-1).long(), rows)
+    flat = targets.reshape(-1)
+    seq = torch.zeros_like(flat, dtype=torch.long)
+    return -sequence_logprobs(logits.reshape(-1, logits.size(-1)), flat, seq, 1, chunk_rows=chunk_rows)[0][0]
