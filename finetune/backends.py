@@ -22,7 +22,6 @@ mixed-precision policy casts the weights (autocast off; our grad scaler still ru
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -45,7 +44,7 @@ class Backend:
     # FSDP with gradient accumulation: keep whole (unsharded) fp32 gradients across the window's micro-steps and
     # reduce-scatter once at its end (less traffic, one model's worth of gradients per rank), instead of reducing
     # each micro-batch into the sharded gradients. Set only where finetune.plan says those gradients fit
-    # (:func:`_fsdp_accumulation`). See :attr:`syncs_each_micro_step`.
+    # (the worker asks it: ``worker.fsdp_accumulation``). See :attr:`syncs_each_micro_step`.
     keep_unsharded_grads: bool = False
 
     @property
@@ -316,24 +315,6 @@ def _unwrap_without_importing_deepspeed() -> None:
         other.is_deepspeed_available = _deepspeed_imported
 
 
-def _fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
-    """FSDP with gradient accumulation on GPUs keeps whole gradients across a window's micro-steps only where
-    finetune.plan says the recipe fits the smallest visible device with them (``unsharded_accumulation_fits``);
-    everywhere else (the CPU, no accumulation, a plan that cannot be made) it reduce-scatters every micro-step,
-    which never needs more memory."""
-    import torch
-
-    if backend.kind != "fsdp" or cfg.grad_accum == 1 or backend.keep_unsharded_grads or not torch.cuda.is_available():
-        return backend
-    from finetune.plan import unsharded_accumulation_fits, visible_devices
-
-    try:
-        fits = unsharded_accumulation_fits(cfg, min(size for _, size in visible_devices()))
-    except Exception:  # the plan is an estimate for a speed-up; without one the memory-safe choice stands
-        fits = False
-    return dataclasses.replace(backend, keep_unsharded_grads=fits)
-
-
 def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | None = None) -> tuple[Any, Backend]:
     """An Accelerator for this rank, and the backend it runs.
 
@@ -384,7 +365,6 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
             state_dict_config=ShardedStateDictConfig(offload_to_cpu=not on_cpu),
             optim_state_dict_config=ShardedOptimStateDictConfig(offload_to_cpu=not on_cpu),
         )
-    backend = _fsdp_accumulation(cfg, backend)
     if backend.syncs_each_micro_step:
         kwargs["gradient_accumulation_plugin"] = GradientAccumulationPlugin(
             num_steps=kwargs.pop("gradient_accumulation_steps"), sync_each_batch=True)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,7 @@ from finetune.errors import ConfigError, RunDirError, run_main, unreadable
 from finetune.signals import Interrupted
 
 if TYPE_CHECKING:
+    from finetune.backends import Backend
     from finetune.loop import Trainer
 
 
@@ -26,6 +28,24 @@ def total_steps(cfg: RecipeConfig, train_size: int) -> int:
         return cfg.train.max_steps
     assert cfg.train.epochs is not None, "the schema requires max_steps or epochs"
     return max(1, math.ceil(cfg.train.epochs * train_size / cfg.train.global_batch_size))
+
+
+def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
+    """FSDP with gradient accumulation on GPUs keeps whole gradients across a window's micro-steps only where
+    finetune.plan says the recipe fits the smallest visible device with them (``unsharded_accumulation_fits``);
+    everywhere else (the CPU, no accumulation, a plan that cannot be made) it reduce-scatters every micro-step,
+    which never needs more memory. Asked here, above both, so that backends never imports the plan."""
+    import torch  # heavy: imported only when a worker builds a run
+
+    if backend.kind != "fsdp" or cfg.grad_accum == 1 or backend.keep_unsharded_grads or not torch.cuda.is_available():
+        return backend
+    from finetune.plan import unsharded_accumulation_fits, visible_devices
+
+    try:
+        fits = unsharded_accumulation_fits(cfg, min(size for _, size in visible_devices()))
+    except Exception:  # the plan is an estimate for a speed-up; without one the memory-safe choice stands
+        fits = False
+    return dataclasses.replace(backend, keep_unsharded_grads=fits)
 
 
 def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trainer:
@@ -46,7 +66,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
 
     row = registry.get_model(cfg.model.type, cfg.task)  # task: reward builds the row's reward-model class
     lora.check_hardware(cfg.peft)
-    backend = detect()  # the launcher's environment
+    backend = fsdp_accumulation(cfg, detect())  # the launcher's environment
     checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
     if row.image_token is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
         raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "

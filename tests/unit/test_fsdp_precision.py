@@ -12,7 +12,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from finetune import backends, plan
+from finetune import plan, worker
 from finetune.backends import Backend, fsdp_mixed_precision
 from finetune.precision import NoScaler, Precision, master_weights_warning
 
@@ -87,10 +87,10 @@ def test_warning_for_16_bit_weights_without_fp32_master_copy() -> None:
 
 
 def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:
-    """On GPUs FSDP asks finetune.plan about the smallest visible device; on the CPU, without accumulation or
+    """On GPUs the worker asks finetune.plan about the smallest visible device; on the CPU, without accumulation or
     without an answer it reduce-scatters every micro-step."""
     accumulating, once = types.SimpleNamespace(grad_accum=2), types.SimpleNamespace(grad_accum=1)
-    assert backends._fsdp_accumulation(accumulating, FSDP2) == FSDP2  # this CPU machine: no question asked
+    assert worker.fsdp_accumulation(accumulating, FSDP2) == FSDP2  # this CPU machine: no question asked
     asked: list[int] = []
     answer = {"fits": True}
 
@@ -103,11 +103,11 @@ def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(plan, "visible_devices", lambda: [("cuda:0", 80 << 30), ("cuda:1", 40 << 30)])
     monkeypatch.setattr(plan, "unsharded_accumulation_fits", fits, raising=False)
-    assert not backends._fsdp_accumulation(accumulating, FSDP1).syncs_each_micro_step
+    assert not worker.fsdp_accumulation(accumulating, FSDP1).syncs_each_micro_step
     answer["fits"] = False
-    assert backends._fsdp_accumulation(accumulating, FSDP2).syncs_each_micro_step
+    assert worker.fsdp_accumulation(accumulating, FSDP2).syncs_each_micro_step
     answer["fits"] = None
-    assert backends._fsdp_accumulation(accumulating, FSDP2).syncs_each_micro_step
+    assert worker.fsdp_accumulation(accumulating, FSDP2).syncs_each_micro_step
     assert asked == [40 << 30] * 3
-    assert backends._fsdp_accumulation(once, FSDP2) == FSDP2 and backends._fsdp_accumulation(accumulating, DDP) == DDP
+    assert worker.fsdp_accumulation(once, FSDP2) == FSDP2 and worker.fsdp_accumulation(accumulating, DDP) == DDP
     assert len(asked) == 3
