@@ -49,7 +49,12 @@ counted, per rank:
               + 2h                                hidden dropout > 0: the masks of the two residual dropouts
       mask  = s                                   sdpa as above: the boolean mask, once per forward
       final = r*2h + c*h                          the final norm and the LM head's input
-      lora  = (c + 1) * sum(in_features)          LoRA dropout > 0: each adapted module's dropped-out input + mask
+      PEFT (frozen base): layer loses r*2h (the norms' normalized values, kept only for the norm weights'
+      gradients) and final is r*h (a frozen norm and LM head keep only the norm's input)
+      lora  = (c + 1) * sum(in_features)          LoRA dropout > 0: each adapted module's dropped-out input + mask;
+                                                  the frozen linear layers then save no input of their own (no
+                                                  weight gradient), so layer loses c*(2h + q + f): the two norms'
+                                                  outputs and the inputs of the output and down projections
 
   and the estimate is ``T*(L*layer + final + lora + mask)`` without gradient checkpointing and
   ``T*(L*r*h + final + mask) + T*(layer + lora/L)`` with it (each layer keeps only its input; one layer is
@@ -60,7 +65,9 @@ counted, per rank:
 * **logits and loss**: the logits ``T x vocab`` in the compute dtype, saved for backward, and their gradient of the
   same size (finetune's chunked loss never makes a full fp32 copy, see :mod:`finetune.tasks.losses`), plus one fp32
   chunk of ``min(T, default_chunk_rows(vocab))`` rows; a classification head's logits are ``micro_batch_size x
-  labels``.
+  labels``. With gradient checkpointing, backward recomputes the last layer only after the logits, their gradient
+  and the final norm's tensors are freed: the smaller of the two is taken off once (**not held at once**, a
+  negative line), so the device total is the peak of the step, not the sum of two moments.
 
 The totals are per rank: device memory (a GPU, or the CPU's memory where the run trains on the CPU) and host
 memory (what offload puts in CPU memory). Where CUDA devices are visible, the device total is compared with the
@@ -196,6 +203,16 @@ class Activations:
     without_checkpointing: int
     logits_bytes: int  # logits + their gradient + the loss's fp32 chunk
     eval_logits_bytes: int  # one eval batch's logits (no grad), at another time than training
+    # with checkpointing: the one recomputed layer (and LoRA share), and the final norm + LM-head input; the first is
+    # recomputed only after the second and the logits are freed, so the two never meet
+    recomputed_layer: int = 0
+    final: int = 0
+
+    @property
+    def not_at_once(self) -> int:
+        """Bytes counted twice when the recipe checkpoints: the smaller of (final tensors + logits) and the
+        recomputed layer, which backward holds one after the other."""
+        return min(self.final + self.logits_bytes, self.recomputed_layer) if self.checkpointing else 0
 
     @property
     def used(self) -> int:
@@ -341,14 +358,20 @@ def scores_materialized(shape: ModelShape, cuda: bool) -> bool:
 
 def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_len: int, packing: bool,
                          residual_bytes: int, compute_bytes: int, lora_in_features: int,
-                         cuda: bool = False) -> tuple[int, int]:
-    """(without, with) gradient checkpointing: the bytes one rank keeps for backward (module docstring formula).
-    ``cuda``: the run trains on a CUDA device (sdpa then keeps no scores even with attention dropout)."""
+                         cuda: bool = False, frozen_base: bool = False) -> tuple[int, int, int, int]:
+    """(without, with) gradient checkpointing: the bytes one rank keeps for backward (module docstring formula);
+    then the parts of ``with`` that backward holds one after the other: the recomputed layer, the final tensors.
+    ``cuda``: the run trains on a CUDA device (sdpa then keeps no scores even with attention dropout);
+    ``frozen_base``: PEFT, the base model's weights get no gradient."""
     h, r, c = shape.hidden, residual_bytes, compute_bytes
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tokens = micro_batch_size * max_seq_len
     row = tokens if packing else max_seq_len
     layer = r * 4 * h + c * (2 * h + 3 * q + 2 * kv + (4 if shape.gated_mlp else 2) * shape.intermediate)
+    if frozen_base:  # the norms' normalized values were kept for their weights' gradients only
+        layer -= r * 2 * h
+    if lora_in_features:  # dropped-out copies replace the inputs only the frozen weights' gradients needed
+        layer -= c * (2 * h + q + shape.intermediate)
     mask = 0
     if scores_materialized(shape, cuda):
         layer += shape.heads * row * (4 + (c if c != 4 else 0) + ((1 + c) if shape.attention_dropout > 0 else 0))
@@ -357,11 +380,12 @@ def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_le
         mask = row  # the boolean [rows, 1, s, s] mask itself, built once per forward (kept by checkpointing)
     if shape.hidden_dropout > 0:
         layer += 2 * h  # the bool masks of the two residual-branch dropouts
-    final = r * 2 * h + c * h
+    final = r * h if frozen_base else r * 2 * h + c * h  # a frozen norm and LM head keep only the norm's input
     lora = (c + 1) * lora_in_features
     without = tokens * (shape.layers * layer + final + lora + mask)
-    with_checkpointing = tokens * (shape.layers * r * h + final + mask) + tokens * (layer + lora / max(1, shape.layers))
-    return math.ceil(without), math.ceil(with_checkpointing)
+    recomputed = tokens * (layer + lora / max(1, shape.layers))
+    with_checkpointing = tokens * (shape.layers * r * h + final + mask) + recomputed
+    return math.ceil(without), math.ceil(with_checkpointing), math.ceil(recomputed), tokens * final
 
 
 def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size: int, compute_bytes: int) -> int:
@@ -548,13 +572,14 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
               "QLoRA: peft's prepare_model_for_kbit_training turns it on" if prec.qlora else
               "train.gradient_checkpointing: false")
     lora_in = facts.adapted_in_features if cfg.peft.method != "none" and cfg.peft.dropout > 0 else 0
-    without, with_ = estimate_activations(shape, micro_batch_size=mbs, max_seq_len=seq, packing=cfg.data.packing,
-                                          residual_bytes=prec.residual, compute_bytes=prec.compute,
-                                          lora_in_features=lora_in, cuda=cuda)
+    without, with_, recomputed, final = estimate_activations(
+        shape, micro_batch_size=mbs, max_seq_len=seq, packing=cfg.data.packing, residual_bytes=prec.residual,
+        compute_bytes=prec.compute, lora_in_features=lora_in, cuda=cuda, frozen_base=cfg.peft.method != "none")
     logits = estimate_logits(facts.task, shape, mbs * seq, mbs, prec.compute)
     eval_logits = (cfg.eval.batch_size * seq * shape.vocab * prec.compute if facts.task in CAUSAL_TASKS
                    else cfg.eval.batch_size * shape.num_labels * 4)
-    return Activations(mbs * seq, mbs, seq, checkpointing, reason, with_, without, logits, eval_logits)
+    return Activations(mbs * seq, mbs, seq, checkpointing, reason, with_, without, logits, eval_logits, recomputed,
+                       final)
 
 
 def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
@@ -573,6 +598,10 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
     items.append(Item("logits_loss", "logits + loss", acts.logits_bytes, acts.logits_bytes, 1, "device",
                       ("logits + their gradient + one fp32 loss chunk" if causal else "classification logits")
                       + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
+    if acts.not_at_once:
+        items.append(Item("not_at_once", "not held at once", -acts.not_at_once, -acts.not_at_once, 1, "device",
+                          "checkpointing: backward recomputes the last layer after the logits, their gradient and "
+                          "the final norm's tensors are freed; the smaller of the two is counted once"))
     notes = []
     accumulation, accumulated, note = _accumulation(
         cfg, facts, sharding, sum(i.per_rank_bytes for i in items if i.where == "device"), devices)
@@ -726,7 +755,9 @@ def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = No
 
 
 def format_bytes(n: int) -> str:
-    """1536 -> '1.50 KiB' (binary units)."""
+    """1536 -> '1.50 KiB' (binary units); a negative ``n`` (what is not held at once) with a minus sign."""
+    if n < 0:
+        return "-" + format_bytes(-n)
     if n < 1024:
         return f"{n} B"
     value = float(n)

@@ -393,6 +393,8 @@ def _saved_for_backward(cfg: RecipeConfig) -> tuple[int, Any]:
 
     row = get_model(cfg.model.type)
     model = build_base(cfg.model, row, 0, lora._label_names(cfg) if row.task == "classification" else None)
+    if lora.enabled(cfg.peft):
+        model = lora.apply(model, cfg.peft, row)
     model.train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}
@@ -427,7 +429,11 @@ def _saved_for_backward(cfg: RecipeConfig) -> tuple[int, Any]:
     (MINILM, ("train.mixed_precision=bf16",)),
     (QUICKSTART, ("data.packing=true",)),
     (QUICKSTART, ("data.packing=true", "train.mixed_precision=bf16")),
-], ids=["fp32", "bf16-autocast", "eager", "gqa", "minilm", "minilm-bf16", "packed-sdpa", "packed-sdpa-bf16"])
+    (QUICKSTART, ("peft.method=lora",)),
+    (QUICKSTART, ("peft.method=lora", "peft.dropout=0")),
+    (QUICKSTART, ("peft.method=lora", "peft.preset=attn")),
+], ids=["fp32", "bf16-autocast", "eager", "gqa", "minilm", "minilm-bf16", "packed-sdpa", "packed-sdpa-bf16", "lora",
+        "lora-no-dropout", "lora-attn"])
 def test_activation_estimate_tracks_what_autograd_saves(recipe: Path, overrides: tuple[str, ...]) -> None:
     """An estimate, but a close one: within 20% of the bytes autograd really keeps for backward (plus the autocast
     weight copies, which autograd keeps too). Packed with sdpa, the additive block-diagonal mask every layer saves
