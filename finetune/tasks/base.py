@@ -90,18 +90,29 @@ class TaskData:
             )
             collate = self.train_collator()
             # own generator: creating the iterator must not draw from the global RNG (exact resume of dropout)
-            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator())
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate, generator=torch.Generator(),
+                              **self.loader_options())
         assert split == "eval" and self.data.eval is not None
         full = self.data.eval.dataset
         collate = self.eval_collator()
         shard = full.select(eval_shard(len(full), self.rank, self.world))
         loader = DataLoader(shard, batch_size=self.cfg.eval.batch_size, shuffle=False, drop_last=False,
-                            collate_fn=collate, generator=torch.Generator())
+                            collate_fn=collate, generator=torch.Generator(), **self.loader_options())
         if not self.lockstep:
             return loader
         # rank 0 holds the largest shard; the others pad with marked filler batches that count nothing
         batches = math.ceil(math.ceil(len(full) / self.world) / self.cfg.eval.batch_size)
         return _padded(loader, batches, lambda: {**collate([full[0]]), "filler": True})
+
+    def loader_options(self) -> dict[str, Any]:
+        """Worker processes and pinned memory (``data.num_workers``; null: 2 and pinned on CUDA, none on the CPU).
+        Workers only collate the batches the sampler names, in its order, so the data order, the cursor and exact
+        resume do not depend on them; collating uses no random numbers."""
+        cuda = torch.cuda.is_available()
+        workers = self.cfg.data.num_workers if self.cfg.data.num_workers is not None else (2 if cuda else 0)
+        if workers == 0:
+            return {"pin_memory": cuda}
+        return {"num_workers": workers, "pin_memory": cuda, "prefetch_factor": 2, "persistent_workers": False}
 
     def train_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
         """How a training micro-batch's rows become tensors: padded, or packed with ``data.packing``."""

@@ -84,7 +84,7 @@ def _no_hooks():
     hooks.clear()
 
 
-@pytest.mark.parametrize("case", ["mid_epoch", "across_epoch_boundary", "fp16", "packing"])
+@pytest.mark.parametrize("case", ["mid_epoch", "across_epoch_boundary", "fp16", "packing_with_workers"])
 def test_straight_equals_sigterm_and_resume(tmp_path: Path, case: str) -> None:
     """12 straight steps == 6 steps, SIGTERM (checkpoint, exit 143), `finetune resume`, 6 more; bit-identical."""
     sections: dict = {}
@@ -93,8 +93,8 @@ def test_straight_equals_sigterm_and_resume(tmp_path: Path, case: str) -> None:
                     "train": {"micro_batch_size": 5, "global_batch_size": 10, "max_steps": 12}}
     if case == "fp16":
         sections = {"train": {"mixed_precision": "fp16"}}
-    if case == "packing":
-        sections = {"data": {"packing": True}}
+    if case == "packing_with_workers":  # 2 DataLoader worker processes collate ahead: the same batches, in order
+        sections = {"data": {"packing": True, "num_workers": 2}}
     recipe = resume_recipe(**sections)
     assert _cli("run", str(_write(tmp_path, recipe, "straight"))) == 0
 
