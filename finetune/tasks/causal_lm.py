@@ -58,7 +58,7 @@ def find_head(model: Any, name: str | None) -> Any:
 
 
 def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                  head: Any) -> tuple[torch.Tensor, torch.Tensor]:
+                  head: Any, count_hits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
     hits (:func:`finetune.tasks.losses.sequence_logprobs`) instead of ``[tokens x vocab]`` logits.
 
@@ -81,7 +81,7 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
         fused = type(head) is torch.nn.Linear
         picked["sums"], picked["hits"] = sequence_logprobs(
             flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
-            bias=head.bias if fused else None, head=None if fused else original)
+            bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits)
         return picked["sums"]
 
     head.forward = forward
@@ -104,21 +104,22 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
 
 
 def answer_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None,
-                    per_sequence: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                    per_sequence: bool, count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Target log-prob sums and argmax hits of a batch's ``[S, T]`` next-token ``targets``: per sequence (``[S]``,
     DPO) or over the whole batch (``[1]``, SFT's summed loss is minus it). Computed from the final hidden states and
     the row's output head (:func:`head_logprobs`) when the model has one, else from the model's logits, chunk by
-    chunk either way; no host sync."""
+    chunk either way; no host sync. Hits are counted only with ``count_hits`` (zeros otherwise)."""
     sequences, length = targets.shape
     seq = (torch.arange(sequences, device=targets.device)[:, None].expand(sequences, length).reshape(-1)
            if per_sequence else torch.zeros(sequences * length, dtype=torch.long, device=targets.device))
     count = sequences if per_sequence else 1
     head = find_head(model, head_name)
     if head is not None:
-        return head_logprobs(model, inputs, targets, seq, count, head)
+        return head_logprobs(model, inputs, targets, seq, count, head, count_hits)
     out = model(**inputs)
     logits = out.logits if hasattr(out, "logits") else out
-    return sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count)
+    return sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count,
+                             count_hits=count_hits)
 
 
 def greedy_generate(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
@@ -211,11 +212,13 @@ class CausalLMTask(TaskData):
         """The forward's keyword arguments: the row's ``model_inputs`` from the batch and the forward flags."""
         return {**{key: batch.get(key) for key in self.model_inputs}, **self.forward_flags}
 
-    def _answer(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The summed next-token loss (fp32), the argmax hits and the number of targets of a batch, from the final
-        hidden states and the output head chunk by chunk (:func:`answer_logprobs`)."""
+    def _answer(self, model: Any, batch: dict[str, Any],
+                count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The summed next-token loss (fp32), the argmax hits (with ``count_hits``) and the number of targets of a
+        batch, from the final hidden states and the output head chunk by chunk (:func:`answer_logprobs`)."""
         targets = next_token_targets(batch["labels"])
-        sums, hits = answer_logprobs(model, self._inputs(batch), targets, self.output_head, per_sequence=False)
+        sums, hits = answer_logprobs(model, self._inputs(batch), targets, self.output_head, per_sequence=False,
+                                     count_hits=count_hits)
         return -sums.sum(), hits.sum(), (targets != IGNORE).sum()
 
     def count_targets(self, batch: dict[str, Any]) -> int:
@@ -226,9 +229,9 @@ class CausalLMTask(TaskData):
         return self._answer(model, batch)[0]
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
-        loss_sum, hits, num_tokens = self._answer(model, batch)
-        counts = EvalCounts(loss_sum, num_tokens)
         metrics = self.cfg.eval.metrics
+        loss_sum, hits, num_tokens = self._answer(model, batch, count_hits="token_accuracy" in metrics)
+        counts = EvalCounts(loss_sum, num_tokens)
         if "token_accuracy" in metrics:
             counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits, num_tokens
         if "exact_match" in metrics:

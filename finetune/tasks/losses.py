@@ -88,8 +88,8 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
-                targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int, dtype: torch.dtype,
+                count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype) if weight is not None else None
             b = bias.to(dtype) if bias is not None else None
@@ -101,7 +101,8 @@ class _LinearLogProbs(torch.autograd.Function):
                 end = start + rows
                 logits = _chunk_logits(hidden[start:end], w, b)
                 out.index_add_(0, seq[start:end], _pick(logits, targets[start:end], valid[start:end]).double())
-                hits.index_add_(0, seq[start:end], _hits(logits, targets[start:end], valid[start:end]))
+                if count_hits:  # an argmax pass over the chunk: eval's token accuracy only
+                    hits.index_add_(0, seq[start:end], _hits(logits, targets[start:end], valid[start:end]))
         ctx.rows, ctx.dtype, ctx.sequences = rows, dtype, sequences
         ctx.save_for_backward(hidden, weight, bias, targets, seq)
         ctx.mark_non_differentiable(hits)
@@ -145,21 +146,23 @@ class _LinearLogProbs(torch.autograd.Function):
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None,
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
-def _module_chunk(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor,
-                  sequences: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _module_chunk(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
+                  count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk through a head module: its per-sequence log-prob sums and hits."""
     logits = head(hidden)
     valid = targets != IGNORE
     out = torch.zeros(sequences, dtype=torch.float32, device=hidden.device)
     hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
-    return out.index_add(0, seq, _pick(logits, targets, valid)), hits.index_add(0, seq, _hits(logits, targets, valid))
+    if count_hits:
+        hits = hits.index_add(0, seq, _hits(logits, targets, valid))
+    return out.index_add(0, seq, _pick(logits, targets, valid)), hits
 
 
 def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                     rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+                     rows: int, count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_logprobs` through any head module, one checkpointed chunk at a time (``split``, so the
     hidden states' gradient is assembled once, not zero-filled per chunk)."""
     from torch.utils.checkpoint import checkpoint
@@ -168,23 +171,24 @@ def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq
     hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
     for h, t, s in zip(hidden.split(rows), targets.split(rows), seq.split(rows), strict=True):
         if torch.is_grad_enabled() and h.requires_grad:
-            part, hit = checkpoint(_module_chunk, head, h, t, s, sequences, use_reentrant=False)
+            part, hit = checkpoint(_module_chunk, head, h, t, s, sequences, count_hits, use_reentrant=False)
         else:
-            part, hit = _module_chunk(head, h, t, s, sequences)
+            part, hit = _module_chunk(head, h, t, s, sequences, count_hits)
         total, hits = total + part, hits + hit
     return total, hits
 
 
 def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int, *,
                       weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, head: Any = None,
-                      chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_rows: int | None = None, count_hits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, the sum of ``log_softmax(logits)[target]`` over its rows whose target is not IGNORE, and the
     number of those rows whose argmax is the target; logits are never materialised beyond one chunk.
 
     ``hidden`` ``[N, H]``: final hidden states (or ``[N, V]`` logits when neither ``weight`` nor ``head`` is given);
     ``targets`` ``[N]``; ``seq`` ``[N]`` the sequence (``0..sequences-1``) of each row. The logits are
     ``hidden @ weight^T + bias`` (``weight`` ``[V, H]``), or ``head(hidden)`` for any other head module.
-    Returns ``([S]`` fp32 with grad, ``[S]`` long). ``chunk_rows`` defaults to :func:`default_chunk_rows`."""
+    Returns ``([S]`` fp32 with grad, ``[S]`` long; zeros without ``count_hits``, which saves an argmax pass per
+    chunk in training). ``chunk_rows`` defaults to :func:`default_chunk_rows`."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or seq.shape != targets.shape:
         raise ValueError(f"expected hidden [N, H] with targets and seq [N], got {tuple(hidden.shape)}, "
                          f"{tuple(targets.shape)} and {tuple(seq.shape)}")
@@ -200,9 +204,9 @@ def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Te
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
     targets, seq = targets.long(), seq.long()
     if head is not None:
-        return _module_logprobs(head, hidden, targets, seq, sequences, rows)
+        return _module_logprobs(head, hidden, targets, seq, sequences, rows, count_hits)
     return _LinearLogProbs.apply(hidden, weight, bias, targets, seq, sequences, rows,
-                                 compute_dtype(hidden, weight))
+                                 compute_dtype(hidden, weight), count_hits)
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
@@ -218,4 +222,6 @@ def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     flat = targets.reshape(-1)
     seq = torch.zeros_like(flat, dtype=torch.long)
-    return -sequence_logprobs(logits.reshape(-1, logits.size(-1)), flat, seq, 1, chunk_rows=chunk_rows)[0][0]
+    sums, _ = sequence_logprobs(logits.reshape(-1, logits.size(-1)), flat, seq, 1, chunk_rows=chunk_rows,
+                                count_hits=False)
+    return -sums[0]

@@ -431,18 +431,38 @@ def test_vision_row_loss_and_grads_match_full_logits(tmp_path: Path, monkeypatch
     assert_same_loss_and_grads(model, _task("tiny-qwen2-vl", ("token_accuracy",)), batch)
 
 
-def test_the_task_loss_adds_no_sync_op_to_the_model_body() -> None:
-    """A micro-batch's train_output + backward issues exactly the counted ops of the model body's own forward and
-    backward (transformers' mask checks: one ``.item()`` here, and one more plus a boolean index when a row is
-    padded), whatever the batch: the loss adds none. Fails on the old loss (nonzero per chunk, .tolist())."""
+@pytest.mark.parametrize("objective", ["sft", "dpo", "reward"])
+def test_the_task_loss_adds_no_sync_op_to_the_model_body(objective: str) -> None:
+    """A micro-batch's loss + backward issues exactly the counted ops of the model body's own forward and backward
+    (transformers' mask checks: one or two ``.item()`` and a boolean index when a row is padded), whatever the
+    batch: the loss adds none. SFT's summed loss, DPO's per-sequence log-probs (the same primitive) and the reward
+    model's Bradley-Terry loss. Fails on the old loss (nonzero twice per chunk, .tolist() per forward)."""
+    from transformers import LlamaForSequenceClassification
+
+    from finetune.tasks.dpo import pair_losses, policy_logps
+    from finetune.tasks.reward import bradley_terry_sum, pair_rewards
+
     model, task = _llama(False), _task()
-    for pads in ([0, 0], [0, 6], [5, 9, 0], [11, 11]):  # no padding, some, more rows, nothing to train
-        batch = _text_batch(97, len(pads), 12, pads)
+    if objective == "reward":
+        torch.manual_seed(0)
+        model = LlamaForSequenceClassification(model.config.__class__(**{**model.config.to_dict(), "num_labels": 1,
+                                                                         "pad_token_id": 0}))
+
+    def loss_of(batch: dict[str, Any]) -> torch.Tensor:
+        if objective == "sft":
+            return task.train_output(model, batch)
+        if objective == "dpo":
+            logps = policy_logps(model, batch)[0]
+            return pair_losses(logps[:batch["pairs"]] - logps[batch["pairs"]:], 0.1).sum()
+        return bradley_terry_sum(*pair_rewards(model, batch))
+
+    for pads in ([0, 0], [0, 6], [5, 9, 0, 2], [11, 11]):  # no padding, some, more rows, nothing to train
+        batch = {**_text_batch(97, len(pads), 12, pads), "pairs": len(pads) // 2}
         with SyncOps() as body:
             model.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                         use_cache=False).last_hidden_state.sum().backward()
         with SyncOps() as whole:
-            task.train_output(model, batch).backward()
+            loss_of(batch).backward()
         assert whole.seen == body.seen, pads
         assert len(body.seen) <= 3
 

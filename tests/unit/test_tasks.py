@@ -38,7 +38,7 @@ def make_cfg(metrics: list[str] | None = None, max_new_tokens: int = 8, **train:
     return SimpleNamespace(
         eval=SimpleNamespace(metrics=metrics or [], max_new_tokens=max_new_tokens, batch_size=2),
         train=SimpleNamespace(**{"global_batch_size": 4, "micro_batch_size": 2, "seed": 0, **train}),
-        data=SimpleNamespace(shuffle=True, packing=False),
+        data=SimpleNamespace(shuffle=True, packing=False, num_workers=None),
     )
 
 
