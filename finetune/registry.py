@@ -22,8 +22,9 @@ from finetune.errors import ConfigError
 # reward: a causal LM row built by for_task(row, "reward"); vision_causal_lm: a causal LM that also reads images
 Task = Literal["causal_lm", "vision_causal_lm", "classification", "reward"]
 CAUSAL_TASKS = frozenset({"causal_lm", "vision_causal_lm"})  # next-token logits over the vocabulary
-# "preference": a causal LM row that can train on preference pairs (task: dpo / reward)
-CAPABILITIES = frozenset({"packing", "gradient_checkpointing", "generation", "preference"})
+# "preference": a causal LM row that can train on preference pairs (task: dpo / reward); "flex_attention": its
+# transformers class runs model.attn_implementation=flex_attention (the class declares _supports_flex_attn)
+CAPABILITIES = frozenset({"packing", "gradient_checkpointing", "generation", "preference", "flex_attention"})
 TASK_METRICS: Mapping[Task, frozenset[str]] = {
     "causal_lm": frozenset({"token_accuracy", "exact_match"}),
     "vision_causal_lm": frozenset({"token_accuracy", "exact_match"}),
@@ -43,6 +44,10 @@ TASK_FORMATS: Mapping[Task, frozenset[str]] = {
 
 # the batch keys a causal LM forward can take; HF rows take all three (and use_cache=False, see tasks/causal_lm.py)
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
+# the sample boundaries of a packed row (finetune.data.batching.PackingCollator), as transformers' flattening collator
+# names them: a row that lists them in model_inputs gets them, and flash-attention runs varlen on them with no
+# boundary detection in each layer (sdpa and eager ignore them and keep the block-diagonal mask from position_ids)
+PACKED_ATTENTION_INPUTS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # what a vision batch adds (finetune.data.vision.VisionCollator): the image processor's outputs and the mask of
 # image tokens (text 0, image 1) that multimodal rotary positions are computed from
 VISION_INPUTS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
@@ -113,7 +118,8 @@ _DECODER_LORA = {
     "attn_mlp": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "all_linear": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 }
-_DECODER_CAPS = frozenset({"packing", "gradient_checkpointing", "generation", "preference"})
+_DECODER_CAPS = frozenset({"packing", "gradient_checkpointing", "generation", "preference", "flex_attention"})
+_DECODER_INPUTS = (*MODEL_INPUTS, *PACKED_ATTENTION_INPUTS)  # HF decoders take the boundaries through **kwargs
 _TINY_DECODER = {
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -169,16 +175,19 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "llama": SupportedModel(
         name="llama", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
         decoder_layer="LlamaDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        model_inputs=_DECODER_INPUTS,
         tiny_config=_TINY_DECODER, model_types=("llama",), description="Llama 2/3 and compatible decoders",
     ),
     "qwen2": SupportedModel(
         name="qwen2", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="Qwen2Config",
         decoder_layer="Qwen2DecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        model_inputs=_DECODER_INPUTS,
         tiny_config=_TINY_DECODER, model_types=("qwen2",), description="Qwen2 / Qwen2.5 decoders",
     ),
     "mistral": SupportedModel(
         name="mistral", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="MistralConfig",
         decoder_layer="MistralDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        model_inputs=_DECODER_INPUTS,
         tiny_config=_TINY_DECODER, model_types=("mistral",), description="Mistral decoders",
     ),
     "gpt2": SupportedModel(
@@ -211,6 +220,7 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "tiny-llama": SupportedModel(
         name="tiny-llama", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
         decoder_layer="LlamaDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        model_inputs=_DECODER_INPUTS,
         tiny_config=_TINY_DECODER, model_types=("llama",), debug_build=True, tokenizer="tiny-llama-tokenizer",
         description="debug: 2-layer Llama built from a config + bundled tokenizer (no download)",
     ),
@@ -281,7 +291,7 @@ def _inputs_problem(row: SupportedModel) -> str | None:
     """``model_inputs``: known batch keys, with the two every forward gets (eval, logit probes); packing needs
     position ids."""
     inputs = tuple(row.model_inputs)
-    known = MODEL_INPUTS + (VISION_INPUTS if row.task == "vision_causal_lm" else ())
+    known = MODEL_INPUTS + PACKED_ATTENTION_INPUTS + (VISION_INPUTS if row.task == "vision_causal_lm" else ())
     unknown = [key for key in inputs if key not in known]
     if unknown:
         return f"model_inputs {unknown} are not batch keys; use some of {list(known)}"

@@ -50,11 +50,12 @@ class ModelConfig(Section):
         default_factory=dict,
         description="keys set on the HF model config before building (e.g. attention_dropout: 0.1)",
     )
-    attn_implementation: Literal["sdpa", "flash_attention_2", "eager"] | None = Field(
+    attn_implementation: Literal["sdpa", "flash_attention_2", "eager", "flex_attention"] | None = Field(
         default=None,
         description="attention kernel passed to transformers; null: the model's own default (sdpa where supported). "
         "flash_attention_2 needs the flash-attn package, a CUDA device and half precision "
-        "(model.dtype bfloat16/float16 or train.mixed_precision bf16/fp16)",
+        "(model.dtype bfloat16/float16 or train.mixed_precision bf16/fp16); flex_attention needs a model type with "
+        "the flex_attention capability (finetune models)",
     )
     freeze: list[str] = Field(
         default_factory=list,
@@ -161,6 +162,13 @@ class DataConfig(Section):
         description="padding-free packing: each training micro-batch's samples are concatenated into one row with "
         "position ids restarting per sample (no attention across samples); the batch stays a number of samples",
     )
+    pack_to_multiple_of: int | None = Field(
+        default=None, ge=1,
+        description="fixed-length packing (needs data.packing): each packed row is padded up to a multiple of this "
+        "many tokens with a padding segment that trains nothing, so torch.compile (train.compile) sees at most "
+        "ceil(micro_batch_size x max_seq_len / this) row lengths and compiles each once; null: rows as long as "
+        "their samples",
+    )
     train_on_prompt: bool = False
     num_workers: int | None = Field(
         default=None, ge=0, le=64,
@@ -230,8 +238,10 @@ class TrainConfig(Section):
     )
     compile: bool = Field(
         default=False,
-        description="compile the model in place with torch.compile (nn.Module.compile: parameter names, checkpoints "
-        "and exports are unchanged); the first steps are slower while it compiles",
+        description="compile each decoder layer in place with torch.compile (nn.Module.compile, before DDP/FSDP "
+        "wrap it: parameter names, checkpoints and exports are unchanged; not with DeepSpeed); the first steps are "
+        "slower while it compiles. With data.pack_to_multiple_of the layers compile for static shapes, once per row "
+        "length",
     )
 
     @model_validator(mode="after")

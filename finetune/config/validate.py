@@ -140,15 +140,21 @@ def accelerate_config_path(name: str) -> Path | None:
     return found.resolve() if found is not None else None
 
 
-def _single_process_config(path: Path) -> bool:
-    """True when an accelerate config starts a single process whatever --num_processes says."""
+def _distributed_type(path: Path) -> str:
+    """An accelerate config's ``distributed_type`` (NO, MULTI_GPU, FSDP, DEEPSPEED, ...), upper case; "" when the
+    file is not YAML."""
     import yaml
 
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError:
-        return False
-    return str(data.get("distributed_type", "NO")).upper() == "NO"
+        return ""
+    return str(data.get("distributed_type", "NO")).upper() if isinstance(data, dict) else ""
+
+
+def _single_process_config(path: Path) -> bool:
+    """True when an accelerate config starts a single process whatever --num_processes says."""
+    return _distributed_type(path) == "NO"
 
 
 @dataclass
@@ -217,6 +223,9 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                   cfg.train is not None and cfg.train.gradient_checkpointing)]
         lines += [f"{key}: {row.name} does not support {cap}; set it to false"
                   for key, cap, on in flags if on and cap not in row.capabilities]
+        if cfg.model.attn_implementation == "flex_attention" and "flex_attention" not in row.capabilities:
+            lines.append(f"model.attn_implementation: {row.name} does not support flex_attention; use sdpa (or null, "
+                         "the model's default)")
         lines += _freeze_lines(cfg, row)
         if row.factory is not None:
             lines += _factory_lines(cfg, row)
@@ -239,6 +248,9 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             lines.append("model.attn_implementation: flash_attention_2 runs in fp16/bf16 only, but model.dtype is "
                          "float32 without autocast; set train.mixed_precision=bf16 (or model.dtype=bfloat16), or use "
                          "model.attn_implementation=sdpa")
+    if cfg.data is not None and cfg.data.pack_to_multiple_of is not None and not cfg.data.packing:
+        lines.append("data.pack_to_multiple_of: pads packed rows, but data.packing is false; set data.packing=true "
+                     "or remove data.pack_to_multiple_of")
     if cfg.data is not None:
         lines += _preference_lines(cfg.task, cfg.data)
         lines += _source_lines(cfg.data, row)
@@ -255,6 +267,11 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
                          f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
                          "use a multi-process config such as launch.accelerate_config=ddp")
+        elif cfg.train is not None and cfg.train.compile and _distributed_type(config_path) == "DEEPSPEED" \
+                and cfg.launch.num_processes > 1:
+            lines.append(f"train.compile: not supported with DeepSpeed (launch.accelerate_config="
+                         f"{cfg.launch.accelerate_config}): its engine would have to compile the model itself; set "
+                         "train.compile=false, or use ddp or fsdp2")
     return lines
 
 

@@ -13,12 +13,14 @@ positions to dataset indices: the cursor, the split into steps, ranks and micro-
 source keeps the plain stream above, bit for bit.
 
 A training micro-batch is collated padded (:class:`Collator`) or packed (:class:`PackingCollator`, for
-``data.packing``): the same samples either way, so the data cursor, the global batch (a number of samples) and
+``data.packing``, its row padded to a multiple of ``data.pack_to_multiple_of`` where set): the same samples either
+way, so the data cursor, the global batch (a number of samples) and
 the set of target tokens do not depend on the choice.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
@@ -126,27 +128,54 @@ class PackingCollator:
     """Padding-free packing: concatenate a micro-batch's samples into one row ``[1, total]``.
 
     ``position_ids`` restart at 0 for every sample and no ``attention_mask`` is passed: transformers then derives
-    the sample boundaries from the position ids (flash-attention varlen on GPU, a block-diagonal mask with sdpa
-    and eager), so no token attends across a boundary; tests/unit/test_packing.py proves it for every row that
-    claims the ``packing`` capability. The first label of every sample is IGNORE: in a padded batch the first
-    token of a sample is never a target, and here it would otherwise be the target of the previous sample's last
-    token. So the targets (and their count) are exactly those of the padded batch.
+    the sample boundaries from the position ids (a block-diagonal mask with sdpa, eager and flex_attention), so no
+    token attends across a boundary; tests/unit/test_packing.py proves it for every row that claims the ``packing``
+    capability. The boundaries are also given as transformers' flattening collator gives them: ``cu_seq_lens_q/k``
+    (int32 ``[samples + 1]`` cumulative lengths, moved to the device with the batch) and ``max_length_q/k`` (the
+    longest sample, a Python int), so flash-attention runs varlen directly, with no detection from the position ids
+    and no host sync in each layer. The first label of every sample is IGNORE: in a padded batch the first token of
+    a sample is never a target, and here it would otherwise be the target of the previous sample's last token. So
+    the targets (and their count) are exactly those of the padded batch.
+
+    ``multiple`` (``data.pack_to_multiple_of``): the row is padded up to a multiple of that many tokens with one
+    more segment of ``pad_id`` tokens (positions restarting at 0, labels IGNORE, its own boundary), which attends
+    only to itself and holds no target; a compiled model then sees few row lengths.
     """
+
+    def __init__(self, multiple: int | None = None, pad_id: int = 0) -> None:
+        self.multiple, self.pad_id = multiple, pad_id
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         ids: list[int] = []
         positions: list[int] = []
         labels: list[int] = []
+        bounds = [0]
         for row in filter(lambda r: r["input_ids"], rows):
             ids.extend(row["input_ids"])
             positions.extend(range(len(row["input_ids"])))
             labels.append(IGNORE)
             labels.extend(row["labels"][1:])
+            bounds.append(len(ids))
+        if fill := (-len(ids)) % self.multiple if self.multiple else 0:
+            ids.extend([self.pad_id] * fill)
+            positions.extend(range(fill))
+            labels.extend([IGNORE] * fill)
+            bounds.append(len(ids))
+        cu_seq_lens = torch.tensor(bounds, dtype=torch.int32)
+        longest = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
         return {
             "input_ids": torch.tensor([ids], dtype=torch.long),
             "position_ids": torch.tensor([positions], dtype=torch.long),
             "labels": torch.tensor([labels], dtype=torch.long),
+            "cu_seq_lens_q": cu_seq_lens, "cu_seq_lens_k": cu_seq_lens,
+            "max_length_q": longest, "max_length_k": longest,
         }
+
+
+def packed_lengths(micro_batch_size: int, max_seq_len: int, multiple: int) -> int:
+    """How many row lengths packing with ``data.pack_to_multiple_of`` can give: a micro-batch holds at most
+    ``micro_batch_size x max_seq_len`` tokens, and every row is a positive multiple of ``multiple``."""
+    return -(-micro_batch_size * max_seq_len // multiple)
 
 
 class PreferenceCollator:

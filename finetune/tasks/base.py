@@ -116,7 +116,8 @@ class TaskData:
 
     def train_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
         """How a training micro-batch's rows become tensors: padded, or packed with ``data.packing``."""
-        return PackingCollator() if self.cfg.data.packing else Collator(self.pad_id)
+        return PackingCollator(self.cfg.data.pack_to_multiple_of, self.pad_id) if self.cfg.data.packing \
+            else Collator(self.pad_id)
 
     def eval_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
         """How an eval batch's rows become tensors (padded; with left-padded prompts for generation)."""
