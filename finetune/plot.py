@@ -13,10 +13,8 @@ its Agg canvas without pyplot: no window, no global figure state.
 
 from __future__ import annotations
 
-import contextlib
 import io
 import math
-import os
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -253,17 +251,11 @@ def _colours(count: int) -> list[Any]:
 
 def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
     """Write ``data`` to ``tmp`` (default: a fresh hidden file beside ``path``), then rename it onto ``path``, so
-    ``path`` is never half written and nothing is left behind on failure."""
-    if tmp is None:  # created here (O_EXCL: never someone else's file), with the umask's usual permissions
+    ``path`` is never half written and nothing is left behind on failure; never through a link
+    (:func:`finetune.rundir.write_bytes_atomic`)."""
+    if tmp is None:  # a fresh random name (O_EXCL there: never someone else's file)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{rundir.TMP}")
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666))
-    try:
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    rundir.write_bytes_atomic(path, data, tmp)
 
 
 def _output_problem(output: Path, overwrite: bool) -> str | None:
@@ -278,6 +270,10 @@ def _output_problem(output: Path, overwrite: bool) -> str | None:
                 f"elsewhere, or to {run / rundir.PLOTS}")
     if (output.exists() or output.is_symlink()) and not overwrite:
         return f"-o {output} already exists; pass --overwrite to replace it, or choose another -o"
+    try:
+        rundir.check_write_target(output)
+    except RunDirError as exc:
+        return str(exc)
     return None
 
 

@@ -125,7 +125,7 @@ def begin(run_dir: Path, overrides: list[str], from_name: str | None, allow_chan
             notes = [*resume.skipped, f"resume from {resume.checkpoint.path.name} (step {resume.checkpoint.step})",
                      *(f"resume: changed {c} (allowed)" for c in resume.changes),
                      *(f"resume: layout {c}" for c in resume.layout_changes)]
-            with (run_dir / rundir.TRAIN_LOG).open("a", encoding="utf-8") as log:
+            with rundir.open_append(run_dir / rundir.TRAIN_LOG) as log:
                 log.writelines(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {note}\n" for note in notes)
             rundir.write_resolved(resume.cfg, run_dir, rundir.RESUMING)
     except BaseException:

@@ -13,12 +13,14 @@ No torch here: the CLI uses this module before anything heavy is imported.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -55,6 +57,8 @@ _FILES = frozenset({MARKER, MARKER + TMP, LOCK, RESOLVED, RESOLVED + TMP, RESUMI
                     TRAIN_LOG, WANDB_RUN_ID, PLOTS, PLOTS + TMP})
 _TREES = frozenset({WANDB, TENSORBOARD, FINAL_TMP, FINAL_OLD,  # written whole by finetune (or a sink for it)
                     RESHARD_TMP})
+LAYOUT_FILES = _FILES  # every file name finetune writes at the top of a run dir (tests enumerate these)
+LAYOUT_TREES = _TREES | {CHECKPOINTS, FINAL}  # every folder it writes there
 _STEP = re.compile(r"step-(\d{6,})")
 _HASH_BLOCK = 1 << 20
 
@@ -87,6 +91,110 @@ def checkpoint_dirs(run_dir: Path) -> list[Path]:
 def stale_checkpoint_dirs(run_dir: Path) -> list[Path]:
     """``step-N.tmp`` folders: writes that never completed (a crash), never resumed from."""
     return _step_folders(run_dir, tmp=True)
+
+
+# --- writing: never through a link, never into what finetune did not make ----------------------------------------
+
+
+def _not_plain(st: os.stat_result) -> str | None:
+    """What makes ``st`` something finetune may not write (None for a regular file with one link)."""
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link"
+    if stat.S_ISDIR(st.st_mode):
+        return "a folder"
+    if not stat.S_ISREG(st.st_mode):
+        return "a FIFO, socket or device"
+    if st.st_nlink != 1:
+        return f"a file with {st.st_nlink} hard links (another name shares its bytes)"
+    return None
+
+
+def _refusal(path: Path, what: str) -> RunDirError:
+    return RunDirError(f"{path}: finetune writes this file, but it is {what}; finetune never writes through it: "
+                       "move it away (nothing was written)")
+
+
+def check_write_target(path: Path) -> None:
+    """Refuse (one RunDirError line) unless ``path`` is absent or a regular file with one link: finetune writes
+    only files it creates, or its own earlier files, never through a symlink or hard link, into a FIFO or over a
+    folder."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    what = _not_plain(st)
+    if what:
+        raise _refusal(path, what)
+
+
+def check_write_tree(path: Path) -> None:
+    """Refuse unless ``path`` is absent or a real folder (not a symlink to one, not a file)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a folder"
+        raise RunDirError(f"{path}: finetune writes into this folder, but it is {what}; finetune never writes "
+                          "through it: move it away (nothing was written)")
+
+
+def check_layout(run_dir: Path) -> None:
+    """Before a command writes an existing run: every name of the layout is absent or what finetune writes there
+    (a plain file for a file name, a real folder for a folder name), and so is every step folder name in
+    ``checkpoints/``; else one RunDirError line, before any work."""
+    for name in sorted(LAYOUT_FILES):
+        check_write_target(run_dir / name)
+    for name in sorted(LAYOUT_TREES):
+        check_write_tree(run_dir / name)
+    root = run_dir / CHECKPOINTS
+    if root.is_dir():
+        for entry in sorted(root.iterdir()):
+            if _STEP.fullmatch(entry.name.removesuffix(TMP)):
+                check_write_tree(entry)
+
+
+def open_checked(path: Path, flags: int) -> int:
+    """``os.open`` a file finetune writes (created when missing), refusing what :func:`check_write_target`
+    refuses, checked on the opened file itself (a swap between the check and the open is caught too). Never
+    blocks on a FIFO. Returns the descriptor."""
+    check_write_target(path)
+    try:
+        fd = os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o666)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+            raise _refusal(path, "not a regular file") from None
+        raise
+    what = _not_plain(os.fstat(fd))
+    if what:
+        os.close(fd)
+        raise _refusal(path, what)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def open_append(path: Path) -> Any:
+    """Open a log finetune appends to (train.log, metrics.jsonl) as text, refusing links, FIFOs and folders."""
+    return os.fdopen(open_checked(path, os.O_WRONLY | os.O_APPEND), "a", encoding="utf-8")
+
+
+def write_bytes_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
+    """Write ``path`` through a temporary file + rename, so a reader never sees half a file. ``tmp`` (default
+    ``path.tmp``) is created fresh (an earlier one of finetune's is removed first; anything else there is refused,
+    as is anything but a plain file at ``path``); nothing is left behind on failure."""
+    tmp = path.with_name(path.name + TMP) if tmp is None else tmp
+    check_write_target(path)
+    check_write_target(tmp)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        tmp.replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 # --- inventories: what a checkpoint or export holds -------------------------------------------------------------
@@ -270,6 +378,7 @@ def reshard_scratch(run_dir: Path) -> Path:
 def publish(tmp: Path, out: Path, old: Path) -> None:
     """Put the completed folder ``tmp`` at ``out``. A previous ``out`` is moved to ``old`` first and deleted only
     once the new one is in place, so a crash at any moment leaves a complete export at ``out`` or at ``old``."""
+    check_write_tree(out)  # a symlink or a file at ``out`` is refused before anything moves
     if old.exists():
         remove_scratch(old)
     if out.exists():
@@ -299,7 +408,9 @@ def check_location(run_dir: Path, protected: Iterable[Path | str] = ()) -> None:
     why = "it is the root folder" if target.parent == target else next(
         (f"{what} is in it" if where != target else f"it is {what}" for where, what in places
          if _is_at_or_above(target, where)), None)
-    if why is None and target.exists() and not target.is_dir():
+    if why is None and run_dir.is_symlink():
+        why = "it is a symbolic link; finetune never writes through one"
+    elif why is None and target.exists() and not target.is_dir():
         why = "it is a file"
     enclosing = enclosing_run(target.parent) if why is None else None
     if enclosing is not None:
@@ -337,8 +448,10 @@ class RunLock:
     def check_free(cls, run_dir: Path) -> None:
         """Raise like :meth:`acquire` when a live process holds the run, without creating or keeping anything."""
         try:
-            fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(run_dir / LOCK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
+            return
+        except OSError:  # not a lockable file (a link, a folder): check_layout / acquire say what it is
             return
         cls._take(fd, run_dir)
         os.close(fd)
@@ -346,7 +459,7 @@ class RunLock:
     @classmethod
     def acquire(cls, run_dir: Path, command: str) -> RunLock:
         """Take the run's lock, or raise a RunDirError naming the live process that holds it."""
-        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        fd = open_checked(run_dir / LOCK, os.O_RDWR)
         cls._take(fd, run_dir)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} (`{command}`, since {time.strftime('%Y-%m-%d %H:%M:%S')})\n".encode(), 0)
@@ -374,9 +487,7 @@ class RunLock:
 
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``path`` through ``path.tmp`` + rename, so a reader never sees half a file."""
-    tmp = path.with_name(path.name + TMP)
-    tmp.write_text(text, encoding="utf-8")
-    tmp.replace(path)
+    write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_resolved(cfg: RecipeConfig, run_dir: Path, name: str = RESOLVED) -> Path:
@@ -400,6 +511,7 @@ def adopt_resumed(cfg: RecipeConfig | None, run_dir: Path) -> None:
 
 def run_id(run_dir: Path) -> str:
     """The run's id from its marker; a RunDirError when ``run_dir`` is not a finetune run."""
+    check_write_target(run_dir / MARKER)  # a link or FIFO is no marker of finetune's (and a FIFO would hang)
     try:
         data = json.loads((run_dir / MARKER).read_text(encoding="utf-8"))
         return str(data["run_id"])
@@ -453,6 +565,7 @@ def open_existing(run_dir: Path, command: str) -> tuple[RunLock, str]:
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: not a run directory (no such folder); start one with `finetune run`")
     rid = run_id(run_dir)
+    check_layout(run_dir)
     return RunLock.acquire(run_dir, command), rid
 
 

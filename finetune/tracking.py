@@ -103,7 +103,7 @@ class _LineFile:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self._fh = path.open("a", encoding="utf-8")
+        self._fh = rundir.open_append(path)  # never through a link, into a FIFO or someone else's file
 
     def write(self, line: str) -> None:
         """Append one line (the newline is added here) and flush it to the OS."""
@@ -171,7 +171,7 @@ def truncate_metrics(run_dir: Path, step: int) -> int:
     if not path.is_file():
         return 0
     read_metrics(run_dir)  # a corrupted file (not just a torn last line) is an error before anything is cut
-    with path.open("r+b") as handle:
+    with os.fdopen(rundir.open_checked(path, os.O_RDWR), "r+b") as handle:
         offset, cut, dropped = 0, None, 0
         for line in handle:
             if cut is None:
@@ -452,7 +452,8 @@ def wandb_run_id(run_dir: Path) -> str:
         return saved
     run_id = "".join(secrets.choice(string.ascii_lowercase + string.digits) for _ in range(8))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(run_id + "\n", encoding="utf-8")
+    with os.fdopen(rundir.open_checked(path, os.O_WRONLY | os.O_TRUNC), "w", encoding="utf-8") as handle:
+        handle.write(run_id + "\n")
     return run_id
 
 

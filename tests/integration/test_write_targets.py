@@ -1,0 +1,178 @@
+"""Writes never follow a link or land in what finetune did not make (issue 22 item 1).
+
+For every name finetune writes in a run directory (enumerated from finetune.rundir's layout, not a hand list) and
+for every output path of every command, a symlink to a user file or folder, a hard link to a user file, a folder
+and a FIFO are planted in its place; the command then exits 2 with one line before any work, or works without
+touching the user's files. Either way the user's files are byte-identical afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from finetune import rundir
+from tests.cli_helpers import assert_user_error, main_exit
+from tests.integration.conftest import DATA, trained_run
+
+pytestmark = pytest.mark.integration
+
+LORA = {"method": "lora", "preset": "attn", "r": 4, "alpha": 8, "dropout": 0.0}
+SHORT = {"train": {"max_steps": 2}, "checkpoint": {"every_steps": 2, "keep_last": 2}, "data": {"eval": None},
+         "peft": LORA}
+KINDS = ("symlink", "hardlink", "folder", "fifo")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 2-step LoRA run (a checkpoint and final/); each case plants into it and puts it back."""
+    return trained_run(tmp_path_factory.mktemp("targets"), "run", **SHORT)
+
+
+class User:
+    """The user's own files, which nothing finetune does may change: a diary, and a folder holding a note."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir()
+        self.diary = root / "diary.txt"
+        self.diary.write_text("dear diary\n")
+        self.folder = root / "folder"
+        self.folder.mkdir()
+        (self.folder / "note.md").write_text("mine\n")
+
+    def snapshot(self) -> dict[str, bytes]:
+        return {str(p): p.read_bytes() for p in sorted(self.diary.parent.rglob("*")) if p.is_file()}
+
+
+def plant(path: Path, kind: str, user: User, *, tree: bool) -> None:
+    """Put ``kind`` at ``path``: a symlink to the user's file (or, where finetune writes a folder, to the user's
+    folder), a hard link to the user's file, a folder holding a user note, or a FIFO."""
+    if kind == "symlink":
+        path.symlink_to(user.folder if tree else user.diary)
+    elif kind == "hardlink":
+        os.link(user.diary, path)
+    elif kind == "folder":
+        path.mkdir()
+        (path / "mine.md").write_text("mine\n")
+    else:
+        os.mkfifo(path)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def layout_cases() -> list[tuple[str, str]]:
+    """Every file and folder name of the run directory layout with every kind of thing finetune may not write
+    through (a real folder where finetune writes a folder is what it expects, so that one is left out)."""
+    names = [(name, kind) for name in sorted(rundir.LAYOUT_FILES) for kind in KINDS]
+    names += [(name, kind) for name in sorted(rundir.LAYOUT_TREES) for kind in KINDS if kind != "folder"]
+    names += [(f"{rundir.CHECKPOINTS}/step-000009{suffix}", kind) for suffix in ("", rundir.TMP)
+              for kind in ("symlink", "hardlink", "fifo")]
+    return names
+
+
+def test_the_layout_is_enumerated() -> None:
+    """The cases come from rundir's own names: a name added to the layout is covered without editing this test."""
+    assert {rundir.TRAIN_LOG, rundir.METRICS, rundir.PLOTS + rundir.TMP, rundir.RESUMING + rundir.TMP,
+            rundir.LOCK} <= rundir.LAYOUT_FILES
+    assert {rundir.FINAL_TMP, rundir.WANDB, rundir.CHECKPOINTS, rundir.FINAL} <= rundir.LAYOUT_TREES
+    assert len(layout_cases()) == 4 * len(rundir.LAYOUT_FILES) + 3 * len(rundir.LAYOUT_TREES) + 6
+
+
+@pytest.mark.parametrize(("name", "kind"), layout_cases())
+def test_resume_and_merge_refuse_what_finetune_did_not_make(run: Path, tmp_path: Path, name: str, kind: str,
+                                                            monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """`finetune resume` (which appends to the logs, truncates metrics.jsonl, writes the recipes, the plot, the
+    export and checkpoints) and `finetune merge` (which takes the run's lock) on a run with something planted in
+    the place of a layout name: one line, exit 2, before any work; the user's files are untouched."""
+    user = User(tmp_path / "user")
+    before = user.snapshot()
+    path = run / name
+    aside = tmp_path / "aside"
+    if path.exists() or path.is_symlink():
+        path.rename(aside)
+    try:
+        plant(path, kind, user, tree=name in rundir.LAYOUT_TREES or name.startswith(rundir.CHECKPOINTS))
+        logs = {p: p.read_bytes() for p in (run / rundir.TRAIN_LOG, run / rundir.METRICS) if p.is_file()}
+        code, out, err = main_exit(monkeypatch, capsys, "resume", str(run), "train.max_steps=4")
+        assert_user_error(code, out, err, str(path))
+        if name == rundir.LOCK:  # merge takes the lock: the same refusal
+            code, out, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged"))
+            assert_user_error(code, out, err, str(path))
+            assert not (tmp_path / "merged").exists()
+        assert user.snapshot() == before
+        assert {p: p.read_bytes() for p in logs} == logs  # refused before any work: nothing appended or cut
+    finally:
+        _remove(path)
+        if aside.exists() or aside.is_symlink():
+            aside.rename(path)
+
+
+def _export(run: Path, out: Path) -> list[str]:
+    return ["export", str(run), "-o", str(out)]
+
+
+def _merge(run: Path, out: Path) -> list[str]:
+    return ["merge", str(run), "-o", str(out)]
+
+
+def _generate(run: Path, out: Path) -> list[str]:
+    prompts = out.parent / "prompts.jsonl"
+    prompts.write_text("".join((DATA / "reverse_eval.jsonl").read_text().splitlines(keepends=True)[:2]))
+    return ["generate", str(run), str(prompts), "-o", str(out), "--max-new-tokens", "2"]
+
+
+def _plot(run: Path, out: Path) -> list[str]:
+    return ["plot", str(run), "-o", str(out)]
+
+
+# Every command that writes an -o, and whether it writes a folder there.
+OUTPUTS: dict[str, tuple[Callable[[Path, Path], list[str]], bool, str]] = {
+    "export": (_export, True, "exported"), "merge": (_merge, True, "merged"),
+    "generate": (_generate, False, "out.jsonl"), "plot": (_plot, False, "plot.png")}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("command", sorted(OUTPUTS))
+def test_outputs_never_written_through(run: Path, tmp_path: Path, command: str, kind: str,
+                                       monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's -o, with --overwrite, planted: refused in one line (exit 2), or written without touching
+    the user's files (a symlink or hard link at a file output is replaced, never written through)."""
+    build, is_tree, name = OUTPUTS[command]
+    if kind == "folder" and is_tree:
+        pytest.skip("a folder is what export and merge write: --overwrite's inventory rule covers it")
+    user = User(tmp_path / "user")
+    before = user.snapshot()
+    out = tmp_path / name
+    plant(out, kind, user, tree=is_tree)
+    code, stdout, err = main_exit(monkeypatch, capsys, *build(run, out), "--overwrite")
+    if code != 0:
+        assert_user_error(code, stdout, err)
+    else:  # written: a fresh file in the link's place, the user's file untouched
+        assert out.is_file() and not out.is_symlink() and out.stat().st_nlink == 1
+    assert user.snapshot() == before
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(rundir.TMP)]  # no scratch left behind
+
+
+def test_run_overwrite_never_writes_through(run: Path, tmp_path: Path) -> None:
+    """`--overwrite` of a run whose layout files are hard links to the user's file unlinks them (the user's bytes
+    stay) and leaves a fresh run."""
+    user = User(tmp_path / "user")
+    before = user.snapshot()
+    copy = tmp_path / "copy"
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(rundir.LOCK), symlinks=True)
+    for name in (rundir.TRAIN_LOG, rundir.METRICS, rundir.RESOLVED):
+        (copy / name).unlink()
+        os.link(user.diary, copy / name)
+    rundir.create(copy, overwrite=True).release()
+    assert user.snapshot() == before
+    assert sorted(p.name for p in copy.iterdir()) == sorted([rundir.LOCK, rundir.MARKER])
