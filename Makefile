@@ -4,7 +4,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all lint clean
+.PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all lint clean gpu-check gpu-check-dry
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,15 @@ test: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m distributed tests/distributed
+
+# The GPU check (scripts/gpu_check.py): a short matrix of real runs on this machine's GPUs, one report in runs/gpu-check/.
+# On a GPU machine install the CUDA torch you want BEFORE the first setup (or TORCH_SPEC=torch make gpu-check), and
+# flash-attn to have it checked. gpu-check-dry runs the same matrix shrunk to the CPU (what the test suite runs).
+gpu-check: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py --out runs/gpu-check
+
+gpu-check-dry: $(STAMP)
+	$(BIN)/python scripts/gpu_check.py --dry-run --out runs/gpu-check
 
 lint: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
