@@ -395,20 +395,34 @@ def compile_failures(enabled: bool) -> Iterator[None]:
                           "train.compile=false to train without it") from exc
 
 
-def compile_model(model: torch.nn.Module) -> None:
-    """Compile ``model`` in place (``nn.Module.compile``) for ``train.compile``.
+def compile_model(model: torch.nn.Module, row: SupportedModel) -> int:
+    """Compile each of the model's decoder layers (the row's ``decoder_layer`` class) in place for
+    ``train.compile``; returns how many.
 
-    In place, not ``torch.compile(model)``: the module keeps its class and its state_dict keys (no ``_orig_mod.``
-    prefix), so checkpoints, exports, LoRA adapters and accelerate's unwrap_model see the model they always did.
-    Called after LoRA is applied (the adapters are part of the compiled graph) and before accelerate.prepare (which
-    wraps it for DDP/FSDP; accelerate's own dynamo plugin is not used). The compilation itself happens at the first
-    forward pass; :func:`compile_failures` turns its failure into a ConfigError."""
+    Per block, as torchtitan does, not the whole model: every layer runs the same code, so dynamo traces one graph
+    that all layers share (their parameters are graph inputs), compile time does not grow with depth, and what
+    runs between the layers (embedding, the chunked loss, hooks of the wrappers) stays eager. Shapes follow
+    dynamo's default: the first row length compiles a static graph, a second one a graph with the length dynamic,
+    which serves every later length; ``data.pack_to_multiple_of`` keeps the lengths few.
+
+    In place (``nn.Module.compile``), not ``torch.compile(layer)``: modules keep their class and the state_dict its
+    keys (no ``_orig_mod.`` part), so checkpoints, exports, LoRA adapters and accelerate's unwrap_model see the
+    model they always did, and FSDP still finds the layers it wraps by class name. Called after LoRA is applied
+    (the adapters are part of the compiled layers) and before accelerate.prepare wraps the model for DDP/FSDP
+    (accelerate's own dynamo plugin is not used; DeepSpeed is refused by the recipe validator). The compilation
+    itself happens at the first forward pass; :func:`compile_failures` turns its failure into a ConfigError."""
+    layers = [module for module in model.modules() if type(module).__name__ == row.decoder_layer]
+    if not layers:
+        raise ConfigError(f"train.compile: compiles each {row.decoder_layer} (the decoder_layer of {row.name}), but "
+                          "the model has none; set train.compile=false")
     try:
-        model.compile()
+        for layer in layers:
+            layer.compile()
     except RuntimeError as exc:  # torch.compile refuses up front on a Python version dynamo does not support
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:240]
         raise ConfigError(f"train.compile: torch.compile is not available here ({first}); set "
                           "train.compile=false") from exc
+    return len(layers)
 
 
 def freeze(model: torch.nn.Module, row: SupportedModel, parts: list[str]) -> int:

@@ -115,7 +115,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
                                         f"{', '.join(lora.target_modules(cfg.peft, row))}"})
         lora.register_adapter_checkpointing(accelerator)
     if cfg.train.compile:  # in place, after LoRA, before prepare: see modeling.compile_model
-        compile_model(model)
+        compile_model(model, row)
     if warning := master_weights_warning(model, backend):  # 16-bit weights updated without an fp32 copy
         tracker.log("info", {"level": "warning", "message": warning})
     optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)

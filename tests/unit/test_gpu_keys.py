@@ -254,8 +254,9 @@ def test_fused_true_on_a_device_without_the_kernel_is_one_line() -> None:
 def test_compile_is_in_place_and_keeps_parameter_names() -> None:
     model = build_model(ModelConfig(type="tiny-llama"), ROW)
     names = list(model.state_dict())
-    compile_model(model)
-    assert type(model) is transformers.LlamaForCausalLM
+    assert compile_model(model, ROW) == 2  # each decoder layer, in place
+    assert type(model) is transformers.LlamaForCausalLM and model._compiled_call_impl is None
+    assert all(layer._compiled_call_impl is not None for layer in model.model.layers)
     assert list(model.state_dict()) == names
 
 
