@@ -26,7 +26,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -110,11 +109,8 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
                    backend=layout.of(manifest).backend)
     log(f"loading {info.path.name} of {run_dir} ({layout.of(manifest).describe()}) ...")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=rundir.TMP, dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private (0700); the export is a folder like any other
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.check.", suffix=rundir.TMP, dir=out.parent))
+    tmp = rundir.scratch_dir(out)  # (stale scratch of a killed export is removed first)
+    scratch = rundir.scratch_dir(out, "check")
     try:
         kind, labels, expected = _write(cfg, where, manifest, recorded, tmp, log)
         quantized, mixed = cfg.peft.method == "qlora", cfg.train.mixed_precision
@@ -142,8 +138,7 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
                                     "verified": verified})
         if out.is_dir() and any(out.iterdir()):  # again: something may have been put there meanwhile
             rundir.check_replaceable_export(out)
-        rundir.publish(tmp, out, Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", suffix=rundir.TMP,
-                                                       dir=out.parent)))
+        rundir.publish(tmp, out, rundir.scratch_dir(out, "old"))
     finally:
         for folder in (tmp, scratch):
             if folder.exists():

@@ -386,8 +386,10 @@ def write_lines(output: Path, rows: list[dict[str, Any]]) -> None:
     """Write ``rows`` as JSON lines to a fresh hidden ``.tmp`` beside ``output`` (created here, never someone
     else's file), then rename it onto ``output``; nothing is left behind on failure."""
     output.parent.mkdir(parents=True, exist_ok=True)
+    rundir.clear_stale_scratch(output)  # what a killed generate left beside it
     tmp = output.with_name(f".{output.name}.{secrets.token_hex(4)}{rundir.TMP}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    rundir.hold_scratch(tmp)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             for row in rows:
@@ -396,6 +398,8 @@ def write_lines(output: Path, rows: list[dict[str, Any]]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        rundir.release_scratch(tmp)
 
 
 def gather_json(accelerator: Any, value: Any) -> list[Any]:

@@ -14,7 +14,6 @@ file). A QLoRA adapter is merged into the full-precision (dequantized) base, and
 from __future__ import annotations
 
 import contextlib
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +117,7 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
     quantized, mixed = cfg.peft.method == "qlora", cfg.train.mixed_precision
     precision = forward_precision(mixed, next(model.parameters()).device)  # every forward: as training ran
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=rundir.TMP, dir=out.parent))
+    tmp = rundir.scratch_dir(out)  # (stale scratch of a killed merge is removed first)
     try:
         with torch.no_grad(), precision.autocast():
             live = model(**probe).logits.float()
@@ -146,8 +145,7 @@ def _merge(where: Any, cfg: Any, out: Path, log: Any) -> dict[str, Any]:
                                   f"({tolerance_rule(cfg.model.dtype, quantized, mixed)}); nothing written (a "
                                   "tampered or mismatched adapter, or a different base model)")
         rundir.write_manifest(tmp, export_manifest(None, where.step))
-        rundir.publish(tmp, out, Path(tempfile.mkdtemp(prefix=f".{out.name}.old.", suffix=rundir.TMP,
-                                                       dir=out.parent)))
+        rundir.publish(tmp, out, rundir.scratch_dir(out, "old"))
     finally:
         if tmp.exists():
             rundir.remove_scratch(tmp)

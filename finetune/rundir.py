@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import stat
+import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
@@ -242,7 +243,7 @@ def read_manifest(folder: Path) -> dict[str, Any]:
         data = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ManifestError(folder, f"no {MANIFEST}") from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: nested too deep
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ManifestError(folder, f"{MANIFEST} is corrupted ({detail})") from None
     files = data.get("files") if isinstance(data, dict) else None
@@ -362,11 +363,79 @@ def remove_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# A scratch folder or file beside an output ``out``: ``.<out>.[check.|old.]<8 random chars>.tmp``. Its writer holds an
+# flock on it for as long as it lives, so a later command on the same output can tell a live one (skip it) from
+# one a killed export, merge or generate left behind (remove it).
+_SCRATCH_SUFFIX = re.compile(r"\.(?:(?:check|old)\.)?[A-Za-z0-9_]{8}" + re.escape(TMP))
+_held: dict[str, int] = {}  # scratch path -> the descriptor holding its flock, for this process's scratch
+
+
+def _scratch_of(out: Path, entry: Path) -> bool:
+    prefix = f".{out.name}"
+    return entry.name.startswith(prefix) and bool(_SCRATCH_SUFFIX.fullmatch(entry.name[len(prefix):]))
+
+
+def clear_stale_scratch(out: Path) -> list[Path]:
+    """Remove the hidden scratch folders and files beside ``out`` that a killed command left behind (no live
+    process holds their flock); returns what was removed. Links and anything not named like finetune's scratch
+    are never touched."""
+    removed: list[Path] = []
+    if not out.parent.is_dir():
+        return removed
+    for entry in sorted(out.parent.iterdir()):
+        if str(entry) in _held or entry.is_symlink() or not _scratch_of(out, entry):
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live export, merge or generate is writing it
+        finally:
+            os.close(fd)
+        if entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(entry)
+    return removed
+
+
+def scratch_dir(out: Path, kind: str = "") -> Path:
+    """A fresh hidden folder beside ``out`` (``kind``: ``check``, ``old`` or the export itself), held under this
+    process's flock until :func:`remove_scratch` or :func:`publish`; stale ones of killed commands are removed
+    first. Its mode is the umask's usual one (mkdtemp's 0700 would make the export private)."""
+    clear_stale_scratch(out)
+    path = Path(tempfile.mkdtemp(prefix=f".{out.name}.{kind + '.' if kind else ''}", suffix=TMP, dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o777 & ~umask)
+    hold_scratch(path)
+    return path
+
+
+def hold_scratch(path: Path) -> None:
+    """Take the flock that marks ``path`` (a scratch folder or file this process just created) as live."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    _held[str(path)] = fd
+
+
+def release_scratch(path: Path) -> None:
+    """Drop the flock of a scratch path of this process (renamed into place, or removed)."""
+    fd = _held.pop(str(path), None)
+    if fd is not None:
+        os.close(fd)
+
+
 def remove_scratch(path: Path) -> None:
     """Delete a ``.tmp`` folder that this process created (an export or merge being written)."""
     if not path.name.endswith(TMP) or path.is_symlink():
         raise AssertionError(f"not a scratch folder: {path}")
     shutil.rmtree(path, ignore_errors=True)
+    release_scratch(path)
 
 
 def reshard_scratch(run_dir: Path) -> Path:
@@ -384,8 +453,10 @@ def publish(tmp: Path, out: Path, old: Path) -> None:
     if out.exists():
         out.rename(old)
     tmp.rename(out)
+    release_scratch(tmp)
     if old.exists():
         remove_scratch(old)
+    release_scratch(old)
 
 
 # --- where a run dir may be ------------------------------------------------------------------------------------
@@ -518,7 +589,7 @@ def run_id(run_dir: Path) -> str:
     except FileNotFoundError:
         raise RunDirError(f"{run_dir}: not a finetune run directory (no {MARKER}; runs made by finetune before "
                           "0.2 have none); start a run with `finetune run`") from None
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError):
         raise RunDirError(f"{run_dir / MARKER} is corrupted; this run cannot be verified") from None
 
 

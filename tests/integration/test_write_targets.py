@@ -176,3 +176,36 @@ def test_run_overwrite_never_writes_through(run: Path, tmp_path: Path) -> None:
     rundir.create(copy, overwrite=True).release()
     assert user.snapshot() == before
     assert sorted(p.name for p in copy.iterdir()) == sorted([rundir.LOCK, rundir.MARKER])
+
+
+def test_scratch_left_by_a_killed_command_is_removed_by_the_next_one(run: Path, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Hidden ``.<out>.XXXXXXXX.tmp`` scratch that a killed generate (a file) or export/merge (a folder) left
+    behind is removed by the next command on the same output; one a live process still holds (its flock), and
+    anything not named like finetune's scratch, are kept."""
+    import fcntl
+
+    out = tmp_path / "out.jsonl"
+    stale = tmp_path / ".out.jsonl.0123abcd.tmp"
+    stale.write_text("half written\n")
+    live = tmp_path / ".out.jsonl.89abcdef.tmp"
+    live.write_text("being written\n")
+    other = tmp_path / ".out.jsonl.mine.tmp"
+    other.write_text("mine\n")
+    holder = os.open(live, os.O_RDONLY)
+    fcntl.flock(holder, fcntl.LOCK_EX)  # as the live command's own flock
+    try:
+        code, _, err = main_exit(monkeypatch, capsys, *_generate(run, out))
+        assert code == 0, err
+        assert out.is_file() and not stale.exists() and live.is_file() and other.is_file()
+        export = tmp_path / "exported"
+        folder = tmp_path / ".exported.old.a1b2c3d4.tmp"
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"half")
+        fresh = rundir.scratch_dir(export)
+        assert not folder.exists() and fresh.is_dir()
+        assert rundir.clear_stale_scratch(export) == []  # this process's own scratch is live
+        rundir.remove_scratch(fresh)
+    finally:
+        os.close(holder)
