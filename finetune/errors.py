@@ -65,6 +65,10 @@ def unreadable(message: Callable[[str], str]) -> Iterator[None]:
         raise RunDirError(message(f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__)) from exc
 
 
+class Aborted(KeyboardInterrupt):
+    """A second Ctrl+C during training: the loop stops at once, without the checkpoint the first one asks for."""
+
+
 class Interrupted(Exception):
     """Training stopped on a signal after saving a checkpoint; ``exit_code`` is 128 + signal."""
 
@@ -88,19 +92,51 @@ _IO_ERRNOS = {errno.ENOSPC: "no space left on the device; free some space", errn
 _COLLECTIVE_TIMEOUTS = ("Timed out waiting", "collective operation timeout", "Connection closed by peer")
 
 
+# How libraries word an I/O error they re-raise as their own exception (safetensors, torch's file writers).
+_IO_TEXT = {"No space left on device": errno.ENOSPC, "Disk quota exceeded": errno.EDQUOT,
+            "Read-only file system": errno.EROFS}
+
+
+def _io_cause(exc: BaseException) -> OSError | None:
+    """The I/O error the user can fix behind ``exc``: ``exc`` itself, an OSError it was raised from (a library
+    wrapping a full disk), or one its message names; None otherwise."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _IO_ERRNOS:
+            return current
+        text = str(current)
+        code = next((number for words, number in _IO_TEXT.items() if words in text), None)
+        if code is not None:
+            return OSError(code, os.strerror(code))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _command() -> str:
+    """``finetune <command>`` of this process (for a message about what was stopped)."""
+    words = [a for a in sys.argv[1:3] if not a.startswith("-")][:1]
+    return " ".join(["finetune", *words])
+
+
 def describe(exc: BaseException) -> tuple[int, list[str]]:
     """The exit code and the lines to print for an exception that ends a command."""
     if isinstance(exc, Interrupted):
         return exc.exit_code, [str(exc)]
     if isinstance(exc, BrokenPipeError):  # the reader of our output went away (`finetune ls x | head`): say nothing
         return 141, []
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, Aborted):
         return 130, ["aborted (second interrupt): no checkpoint written for the current step"]
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl+C where no training loop was there to stop at a step boundary
+        return 130, [f"interrupted (Ctrl+C): `{_command()}` stopped before it finished; nothing it was writing was "
+                     "published (an output appears only complete; a run keeps its checkpoints: resume it)"]
     if isinstance(exc, FinetuneError):
         return exc.exit_code, [f"error: {line}" for line in str(exc).splitlines() or [type(exc).__name__]]
-    if isinstance(exc, OSError) and exc.errno in _IO_ERRNOS:
-        where = exc.filename or "a file"
-        return 2, [f"error: cannot use {where}: {_IO_ERRNOS[exc.errno]}"]
+    io = _io_cause(exc)
+    if io is not None:
+        where = io.filename or "a file"
+        return 2, [f"error: cannot use {where}: {_IO_ERRNOS[io.errno]}"]
     if isinstance(exc, MemoryError):
         return 1, ["error: out of memory; lower train.micro_batch_size or data.max_seq_len"]
     first = (str(exc).strip().splitlines() or [""])[0][:300]
@@ -113,8 +149,53 @@ def describe(exc: BaseException) -> tuple[int, list[str]]:
                "please report it)"]
 
 
+class _SurvivesClosedPipe:
+    """stdout / stderr that outlive their reader: when the pipe is closed (`finetune run ... | head -1`), the
+    stream's file descriptor is pointed at /dev/null and the command goes on (training keeps logging to
+    train.log); a closed pipe never stops a command. Everything else is the wrapped stream's."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _drop(self) -> None:
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no real descriptor: swap the stream
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._stream.fileno())
+            os.close(null)
+            return
+        self._stream = open(os.devnull, "w")  # noqa: SIM115  (lives as long as the process)
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            self._drop()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._drop()
+            with contextlib.suppress(BrokenPipeError, OSError, ValueError):
+                self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def keep_output_going() -> None:
+    """Wrap ``sys.stdout`` and ``sys.stderr`` in :class:`_SurvivesClosedPipe` (once)."""
+    for name in ("stdout", "stderr"):
+        stream = getattr(sys, name)
+        if stream is not None and not isinstance(stream, _SurvivesClosedPipe):
+            setattr(sys, name, _SurvivesClosedPipe(stream))
+
+
 def run_main(fn: Callable[[], Any]) -> None:
-    """Run a command; every way it can fail ends here as one message per problem and its exit code."""
+    """Run a command; every way it can fail ends here as one message per problem and its exit code. Output to a
+    closed pipe never stops it (:func:`keep_output_going`)."""
+    keep_output_going()
     try:
         fn()
     except SystemExit:

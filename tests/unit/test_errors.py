@@ -6,7 +6,7 @@ import errno
 
 import pytest
 
-from finetune.errors import ConfigError, Interrupted, NonFiniteError, RunDirError, describe, run_main
+from finetune.errors import Aborted, ConfigError, Interrupted, NonFiniteError, RunDirError, describe, run_main
 
 
 @pytest.mark.parametrize(("exc", "code", "lines"), [
@@ -14,7 +14,7 @@ from finetune.errors import ConfigError, Interrupted, NonFiniteError, RunDirErro
     (RunDirError("runs/x is in use by pid 7"), 2, ["error: runs/x is in use by pid 7"]),
     (NonFiniteError("training diverged"), 3, ["error: training diverged"]),
     (Interrupted("stopped by signal after step 4", 143), 143, ["stopped by signal after step 4"]),
-    (KeyboardInterrupt(), 130, ["aborted (second interrupt): no checkpoint written for the current step"]),
+    (Aborted(), 130, ["aborted (second interrupt): no checkpoint written for the current step"]),
     (OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"), 2,
      ["error: cannot use /runs/x/metrics.jsonl: no space left on the device; free some space"]),
     (PermissionError(errno.EACCES, "Permission denied", "/runs"), 2, ["error: cannot use /runs: permission denied"]),
@@ -51,3 +51,45 @@ def test_run_main_prints_and_exits(capsys, monkeypatch) -> None:
     monkeypatch.setenv("FINETUNE_DEBUG", "1")
     with pytest.raises(RunDirError):  # the traceback is shown
         run_main(fail)
+
+
+def test_ctrl_c_outside_the_loop_says_what_was_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.argv", ["finetune", "export", "runs/q", "-o", "q"])
+    code, lines = describe(KeyboardInterrupt())
+    assert code == 130 and len(lines) == 1 and "`finetune export` stopped before it finished" in lines[0]
+
+
+def test_a_full_disk_behind_a_library_error_is_one_line_exit_2() -> None:
+    """safetensors and torch re-raise a full disk as their own error: still one line, exit 2."""
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", "/out/.q.tmp/model.safetensors")
+        except OSError as exc:
+            raise RuntimeError("failed to write the file") from exc
+    except RuntimeError as wrapped:
+        assert describe(wrapped) == (2, ["error: cannot use /out/.q.tmp/model.safetensors: no space left on the "
+                                         "device; free some space"])
+    code, lines = describe(RuntimeError("SafetensorError: Error while serializing: IoError(Os { code: 28, kind: "
+                                        "StorageFull, message: \"No space left on device\" })"))
+    assert code == 2 and lines == ["error: cannot use a file: no space left on the device; free some space"]
+
+
+def test_a_closed_pipe_never_stops_a_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    """stdout's reader goes away (`| head -1`): the command goes on to its end and exits 0."""
+    import os
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)
+    monkeypatch.setattr(sys, "stdout", os.fdopen(write, "w", buffering=1))
+    monkeypatch.setattr(sys, "stderr", sys.stderr)  # run_main wraps both: put them back after the test
+    done = []
+
+    def command() -> None:
+        for step in range(3):
+            print(f"step {step}", flush=True)
+            done.append(step)
+
+    with pytest.raises(SystemExit) as info:
+        run_main(lambda: (command(), sys.exit(0)))
+    assert info.value.code == 0 and done == [0, 1, 2]
