@@ -5,8 +5,10 @@ keeps one live process per run, the content inventories (size and sha256 of ever
 exports, and the rules for where a run directory may be. Nothing else in the package names a run-dir entry or
 removes one.
 
-What may be deleted: only entries of the layout below, and inside ``checkpoints/`` and ``final/`` only files that
-the folder's own ``manifest.json`` lists. Everything else is the user's: ``--overwrite`` refuses, listing it.
+What may be deleted: only entries of the layout below, and inside every folder of it (``checkpoints/step-N``,
+``final/``, the trackers' ``wandb/`` and ``tensorboard/``, and the scratch ``final.tmp``, ``final.old.tmp``,
+``reshard.tmp``, ``checkpoints/step-N.tmp``) only what the folder's own ``manifest.json`` lists. Everything else is
+the user's: ``--overwrite`` refuses, listing it.
 No torch here: the CLI uses this module before anything heavy is imported.
 """
 
@@ -285,12 +287,39 @@ def write_manifest(folder: Path, data: dict[str, Any]) -> None:
 # --- what is finetune's ----------------------------------------------------------------------------------------
 
 
+def tree_names(folder: Path) -> set[str]:
+    """The relative names of every file and link under ``folder`` now (what a tracker found there at its start)."""
+    if not folder.is_dir() or folder.is_symlink():
+        return set()
+    return {rel for rel, entry in _walk(folder) if not entry.is_dir(follow_symlinks=False) and rel != MANIFEST}
+
+
+def record_tree(folder: Path, before: set[str]) -> None:
+    """Write the inventory of a folder a library writes for finetune (``wandb/``, ``tensorboard/``): what its
+    manifest listed already, plus every file and link that appeared since ``before`` (:func:`tree_names` at the
+    tracker's start), so ``--overwrite`` deletes those and nothing a user put there."""
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    try:
+        listed = dict(read_manifest(folder)["files"])
+    except ManifestError:
+        listed = {}
+    for rel, entry in sorted(_walk(folder)):
+        if rel in before or rel in listed or rel == MANIFEST or entry.is_dir(follow_symlinks=False):
+            continue
+        listed[rel] = ({"link": os.readlink(entry.path)} if entry.is_symlink()
+                       else {"size": entry.stat(follow_symlinks=False).st_size})
+    write_text_atomic(folder / MANIFEST, json.dumps({"kind": "tracker", "files": listed}, indent=2))
+
+
 def _foreign_in_listed(folder: Path, label: str) -> list[str]:
-    """Entries of a checkpoint or export folder that its manifest does not list (all of it, without one)."""
+    """Entries of a folder finetune writes that its manifest does not list (all of it, without one: a crashed
+    write's scratch or a killed tracker's folder cannot be told from the user's, so the user decides)."""
     try:
         listed = read_manifest(folder)["files"]
     except ManifestError:
-        return [f"{label}/ (no readable {MANIFEST}: not written by finetune)"]
+        return [f"{label}/ (no readable {MANIFEST}: not written by finetune, or a write it never finished; look "
+                "inside and remove it yourself)"]
     return [f"{label}/{rel}" for rel, entry in sorted(_walk(folder))
             if rel != MANIFEST and rel not in listed and not (entry.is_dir(follow_symlinks=False)
                                                                and any(k.startswith(rel + "/") for k in listed))]
@@ -305,10 +334,10 @@ def foreign_entries(run_dir: Path) -> list[str]:
             is_dir = entry.is_dir(follow_symlinks=False)
             if entry.is_symlink():
                 foreign.append(name)
-            elif (name in _FILES and entry.is_file(follow_symlinks=False)) or (name in _TREES and is_dir):
+            elif name in _FILES and entry.is_file(follow_symlinks=False):
                 continue
-            elif name == FINAL and is_dir:
-                foreign += _foreign_in_listed(path, FINAL)
+            elif (name == FINAL or name in _TREES) and is_dir:
+                foreign += _foreign_in_listed(path, name)
             elif name == CHECKPOINTS and is_dir:
                 foreign += _foreign_in_checkpoints(path)
             else:
@@ -320,9 +349,9 @@ def _foreign_in_checkpoints(root: Path) -> list[str]:
     foreign: list[str] = []
     for entry in sorted(root.iterdir()):
         label = f"{CHECKPOINTS}/{entry.name}"
-        if _is_step_folder(entry, tmp=False):
+        if _is_step_folder(entry, tmp=False) or _is_step_folder(entry, tmp=True):
             foreign += _foreign_in_listed(entry, label)
-        elif not _is_step_folder(entry, tmp=True):
+        else:
             foreign.append(label)
     return foreign
 

@@ -469,6 +469,7 @@ class WandbTracker:
         run_dir = Path(run_dir)
         wandb_dir = run_dir / rundir.WANDB
         wandb_dir.mkdir(parents=True, exist_ok=True)
+        self._dir, self._before = wandb_dir, rundir.tree_names(wandb_dir)  # what this run adds is recorded at close
         # WANDB_DIR is the folder wandb creates its "wandb/" in, so the run dir itself (as dir= below).
         os.environ.update({
             "WANDB_DIR": str(run_dir),
@@ -501,8 +502,10 @@ class WandbTracker:
             self._run.log(_prefixed(kind, row), step=int(row["step"]))
 
     def close(self) -> None:
-        """Finish the wandb run (offline: writes it to disk for a later ``wandb sync``)."""
+        """Finish the wandb run (offline: writes it to disk for a later ``wandb sync``), then record what it wrote
+        in ``wandb/manifest.json`` (what ``--overwrite`` may delete)."""
         self._run.finish()
+        rundir.record_tree(self._dir, self._before)
 
 
 class TensorboardTracker:
@@ -517,7 +520,10 @@ class TensorboardTracker:
         except ImportError as exc:
             raise ConfigError("logging.tensorboard is true but tensorboard is not installed: pip install "
                               "tensorboard, or set logging.tensorboard: false") from exc
-        self._writer = SummaryWriter(log_dir=str(Path(run_dir) / rundir.TENSORBOARD))
+        self._dir = Path(run_dir) / rundir.TENSORBOARD
+        rundir.check_write_tree(self._dir)
+        self._before = rundir.tree_names(self._dir)  # what this run adds is recorded at close
+        self._writer = SummaryWriter(log_dir=str(self._dir))
 
     def log(self, kind: str, row: Row) -> None:
         """Add a ``train/<key>`` or ``eval/<key>`` scalar per numeric key; events are not sent (train.log has them)."""
@@ -528,8 +534,10 @@ class TensorboardTracker:
             self._writer.add_scalar(tag, float(value), global_step=step)
 
     def close(self) -> None:
-        """Flush and close the event file."""
+        """Flush and close the event file, then record it in ``tensorboard/manifest.json`` (what ``--overwrite``
+        may delete)."""
         self._writer.close()
+        rundir.record_tree(self._dir, self._before)
 
 
 def build_tracker(cfg: RecipeConfig, run_dir: Path, *, is_main: bool, start_step: int = 0,

@@ -39,8 +39,10 @@ def pure_run(root: Path) -> Path:
         (run / name).write_text("x\n")
     (run / rundir.WANDB / "run-1").mkdir(parents=True)
     (run / rundir.WANDB / "run-1" / "events").write_text("wandb's own files\n")
+    (run / rundir.WANDB / "latest-run").symlink_to("run-1")
+    rundir.record_tree(run / rundir.WANDB, set())  # as the tracker does at its close
     make_checkpoint(rundir.step_dir(run, 2), {"model.safetensors": b"weights", "train_state.json": b"{}"})
-    (run / rundir.CHECKPOINTS / "step-000004.tmp").mkdir()
+    make_checkpoint(run / rundir.CHECKPOINTS / "step-000004.tmp", {"model.safetensors": b"w"})  # renamed next
     make_checkpoint(run / rundir.FINAL, {"config.json": b"{}", "model.safetensors": b"w"})
     return run
 
@@ -58,6 +60,16 @@ def test_a_pure_run_has_nothing_foreign(tmp_path: Path) -> None:
     (lambda run: (run / rundir.FINAL / "my_notes.md").write_text("mine"), "final/my_notes.md"),
     (lambda run: (run / rundir.FINAL / rundir.MANIFEST).unlink(), "final/ (no readable manifest.json"),
     (lambda run: (run / rundir.CHECKPOINTS / "step-000009").symlink_to(Path.home()), "checkpoints/step-000009"),
+    # inside the folders finetune or its trackers write (issue 22 item 2): the same inventory rule
+    (lambda run: (run / rundir.WANDB / "my-notes.md").write_text("mine"), "wandb/my-notes.md"),
+    (lambda run: (run / rundir.WANDB / "run-1" / "mine.md").write_text("mine"), "wandb/run-1/mine.md"),
+    (lambda run: (run / rundir.TENSORBOARD).mkdir(), "tensorboard/ (no readable manifest.json"),
+    (lambda run: (run / rundir.CHECKPOINTS / "step-000004.tmp" / "mine.md").write_text("x"),
+     "checkpoints/step-000004.tmp/mine.md"),
+    (lambda run: (run / rundir.CHECKPOINTS / "step-000006.tmp").mkdir(), "checkpoints/step-000006.tmp/ (no readable"),
+    (lambda run: (run / rundir.FINAL_TMP).mkdir(), "final.tmp/ (no readable"),
+    (lambda run: (run / rundir.FINAL_OLD).mkdir(), "final.old.tmp/ (no readable"),
+    (lambda run: (run / rundir.RESHARD_TMP).mkdir(), "reshard.tmp/ (no readable"),
 ])
 def test_anything_finetune_did_not_write_is_foreign(tmp_path: Path, plant, expected: str) -> None:
     run = pure_run(tmp_path)
@@ -191,3 +203,15 @@ def test_run_id_of_a_folder_that_is_not_a_run(tmp_path: Path) -> None:
     (tmp_path / rundir.MARKER).write_text("{broken")
     with pytest.raises(RunDirError, match="corrupted"):
         rundir.run_id(tmp_path)
+
+
+def test_a_tracker_folder_lists_only_what_appeared_while_it_ran(tmp_path: Path) -> None:
+    """A note put in wandb/ before a resumed run stays the user's after that run records its folder."""
+    run = pure_run(tmp_path)
+    folder = run / rundir.WANDB
+    (folder / "my-notes.md").write_text("mine")
+    before = rundir.tree_names(folder)
+    (folder / "run-2").mkdir()
+    (folder / "run-2" / "events").write_text("the resumed run's\n")
+    rundir.record_tree(folder, before)
+    assert rundir.foreign_entries(run) == ["wandb/my-notes.md"]
