@@ -17,7 +17,7 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from finetune import resources, rundir
+from finetune import outputs, resources, rundir
 from finetune.config import Composed, load_recipe, to_yaml
 from finetune.config.schema import RecipeConfig
 from finetune.errors import FinetuneError, RunDirError, run_main
@@ -67,6 +67,8 @@ def run(
     """Train a recipe: compose, validate, write <output_dir>/recipe.resolved.yaml, then train."""
     from finetune import launch
 
+    if output_dir is not None:
+        outputs.given(output_dir)  # `-o ''` (an unset variable) is a mistake, not the recipe's default
     flags = _launcher_flags({"output_dir": output_dir, "accelerate_config": accelerate_config,
                              "num_processes": num_processes})
     cfg, composed = _recipe_with_flags(recipe, overrides, **flags)
@@ -115,12 +117,12 @@ def plan(
 def _effective_settings(cfg: RecipeConfig) -> str:
     """The backend settings the worker will use, as commented YAML."""
     from finetune.backends import effective_settings
-    from finetune.config.validate import accelerate_config_path
+    from finetune.config.validate import accelerate_config_path, read_accelerate_config
     from finetune.registry import recipe_row
 
     path = accelerate_config_path(cfg.launch.accelerate_config)
-    data = yaml.safe_load(path.read_text()) if path else {}
-    settings = effective_settings(cfg, recipe_row(cfg), data or {})
+    data = read_accelerate_config(path) if path else {}
+    settings = effective_settings(cfg, recipe_row(cfg), data)
     text = yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
     return "\n".join(f"# {line}" for line in [f"effective settings ({path}):", *text.splitlines()])
 
@@ -246,7 +248,7 @@ def _resume_targets(manifest: dict[str, Any]) -> str:
 @app.command()
 def export(
     run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<name>), or one of its checkpoints")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="the folder to write the Hugging Face model to")],
+    output: Annotated[str, typer.Option("-o", "--output", help="the folder to write the Hugging Face model to")],
     from_: Annotated[str | None, typer.Option(
         "--from", help="checkpoint name, e.g. step-000100 (default: the newest resumable one)")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an export finetune wrote there")] = False,
@@ -255,7 +257,7 @@ def export(
     """Export any checkpoint (any backend, full or LoRA) as a Hugging Face folder, verified in a fresh process."""
     from finetune.export import export as export_checkpoint
 
-    done = export_checkpoint(run_dir, from_, output, overwrite, trust_remote_code)
+    done = export_checkpoint(run_dir, from_, outputs.given(output), overwrite, trust_remote_code)
     check = (f"verified in a fresh process: logits match the recorded probe, max |delta| {done.delta:.2e} <= "
              f"{done.tolerance:g}" if done.recorded
              else "loaded back in a fresh process; no recorded probe, not verified by logits")
@@ -285,14 +287,14 @@ def eval_(
 @app.command()
 def merge(
     target: Annotated[Path, typer.Argument(help="a LoRA run dir, its final/ adapter, or an adapter checkpoint")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="where the merged model is written")],
+    output: Annotated[str, typer.Option("-o", "--output", help="where the merged model is written")],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace what a previous merge wrote there")] = False,
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Merge a LoRA adapter into its base model (safetensors), verifying the logits before keeping it."""
     from finetune.merge import merge as merge_adapter
 
-    merge_adapter(target, output, overwrite, trust_remote_code=trust_remote_code, log=typer.echo)
+    merge_adapter(target, outputs.given(output), overwrite, trust_remote_code=trust_remote_code, log=typer.echo)
 
 
 @app.command()
@@ -302,7 +304,7 @@ def generate(
     prompts: Annotated[Path, typer.Argument(
         help="JSON lines: {prompt: text}, {messages: [...]} without the final assistant turn, or the recipe's own "
              "prompt fields (alpaca: instruction, input); other keys are copied to the output")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="the JSON lines file to write")],
+    output: Annotated[str, typer.Option("-o", "--output", help="the JSON lines file to write")],
     max_new_tokens: Annotated[int, typer.Option(help="most tokens generated per prompt")] = 128,
     temperature: Annotated[float, typer.Option(help="0: greedy; > 0: sample from softmax(logits / t)")] = 0.0,
     top_p: Annotated[float, typer.Option(help="sampling: keep the smallest set of tokens with this mass")] = 1.0,
@@ -318,7 +320,7 @@ def generate(
     from finetune.generate import Options, start
 
     options = Options(max_new_tokens, temperature, top_p, seed, batch_size, overwrite, trust_remote_code)
-    argv = start(target, prompts, output, options, num_processes, accelerate_config, log=typer.echo)
+    argv = start(target, prompts, outputs.given(output), options, num_processes, accelerate_config, log=typer.echo)
     if argv:  # several processes: accelerate launch runs finetune.generate on every rank
         sys.stdout.flush()
         os.execvp(argv[0], argv)
@@ -327,13 +329,13 @@ def generate(
 @app.command()
 def plot(
     runs: Annotated[list[Path], typer.Argument(help="run directories (runs/<name>); several are overlaid")],
-    output: Annotated[Path, typer.Option("-o", "--output", help="the PNG to write")] = Path("plot.png"),
+    output: Annotated[str, typer.Option("-o", "--output", help="the PNG to write")] = "plot.png",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing -o file")] = False,
 ) -> None:
     """Plot loss, lr, grad norm and every eval metric against step into one PNG, one colour per run."""
     from finetune.plot import plot_runs
 
-    panels = plot_runs(runs, output, overwrite=overwrite)
+    panels = plot_runs(runs, outputs.given(output), overwrite=overwrite)
     typer.echo(f"wrote {output}: {len(panels)} panels ({', '.join(p.key for p in panels)}) for "
                f"{len(runs)} run(s)")
 

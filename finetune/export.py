@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import layout, rundir
+from finetune import layout, outputs, rundir
 from finetune.errors import RunDirError
 
 RELOAD_MODULE = "finetune.reload"  # what the fresh process runs
@@ -105,6 +105,7 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
     manifest = checkpoint.verify(info.path, run_id)
     recorded = probe.read(info.path)
     cfg = recipe_of(info.path / rundir.RESOLVED, [], trust_remote_code)
+    outputs.check_not_input(out, outputs.recipe_inputs(cfg))
     where = Target(info.path / rundir.RESOLVED, checkpoint=info.path, step=info.step,
                    backend=layout.of(manifest).backend)
     log(f"loading {info.path.name} of {run_dir} ({layout.of(manifest).describe()}) ...")
@@ -207,10 +208,12 @@ def reload_logits(folder: Path, inputs: dict[str, Any], labels: list[str] | None
 
     from finetune import probe
 
+    scratch = scratch.resolve()  # the child runs in scratch: a relative path (-o q-100) would name another file
     given, got = scratch / "inputs.safetensors", scratch / "logits.safetensors"
     save_file({k: v.contiguous() for k, v in inputs.items()}, str(given))
-    argv = [sys.executable, "-m", RELOAD_MODULE, str(folder.resolve()), "--inputs", str(given), "--output", str(got),
-            "--mixed-precision", mixed_precision]
+    # -P: the child's sys.path never starts with its working folder (no module planted there is imported)
+    argv = [sys.executable, "-P", "-m", RELOAD_MODULE, str(folder.resolve()), "--inputs", str(given),
+            "--output", str(got), "--mixed-precision", mixed_precision]
     argv += ["--labels", json.dumps(labels)] if labels is not None else []
     argv += ["--trust-remote-code"] if trust_remote_code else []
     package_root = str(Path(__file__).resolve().parents[1])  # the child runs this very finetune, from any cwd

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from finetune import rundir
+from finetune import outputs, rundir
 from finetune.data.loading import ROLES, error_detail, line_of, short_repr
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
 
@@ -273,21 +273,16 @@ def launcher_config(num_processes: int, accelerate_config: str | None) -> Path |
     name = accelerate_config or ("ddp" if num_processes > 1 else None)
     if name is None:
         return None
-    import yaml
-
     from finetune import resources
     from finetune.backends import from_accelerate_config
-    from finetune.config.validate import accelerate_config_path
+    from finetune.config.validate import accelerate_config_path, read_accelerate_config
 
     path = accelerate_config_path(name)
     if path is None:
         raise FinetuneError(f"--accelerate-config {name}: neither a file nor a shipped accelerate config; use a path "
                             f"or one of {resources.accelerate_config_names()}")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise FinetuneError(f"--accelerate-config {name}: cannot be read ({error_detail(exc)})") from None
-    backend = from_accelerate_config(data if isinstance(data, dict) else {})
+    data = read_accelerate_config(path, f"--accelerate-config {name}")
+    backend = from_accelerate_config(data)
     if backend.kind not in BACKENDS:
         raise FinetuneError(f"--accelerate-config {name}: generate runs whole models (one process, or one copy per "
                             f"process with ddp), not {backend.name}, which shards them; use --accelerate-config ddp")
@@ -310,6 +305,7 @@ def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
         raise FinetuneError("\n".join(problems))
     check_output(output, prompts, target, options.overwrite)
     where, cfg = open_target(target, [], options.trust_remote_code)
+    outputs.check_not_input(output, [("the prompts file", prompts), ("the model", target), *outputs.recipe_inputs(cfg)])
     row = registry.recipe_row(cfg)
     if "generation" not in row.capabilities:
         raise ConfigError(f"{target}: a {row.task} model ({row.name}) does not generate text; generate needs a "

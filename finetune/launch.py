@@ -75,14 +75,11 @@ def check_one_machine(cfg: RecipeConfig) -> None:
     machine, ``finetune run`` would have each of them create and lock the same run directory on the shared disk
     (the second refuses, or ``--overwrite`` deletes the first one's run). Under a launcher started on every machine
     only global rank 0 creates and locks it, so that is the way to start a multi-node run."""
-    import yaml
+    from finetune.config.validate import read_accelerate_config
 
     config = accelerate_config_path(cfg.launch.accelerate_config)
-    try:
-        data = yaml.safe_load(config.read_text()) if config else {}
-    except (OSError, yaml.YAMLError):  # validation read it already; the launcher reports a file that went bad
-        return
-    machines = data.get("num_machines", 1) if isinstance(data, dict) else 1
+    data = read_accelerate_config(config) if config else {}
+    machines = data.get("num_machines", 1)
     if isinstance(machines, int) and machines > 1:
         raise ConfigError(
             f"launch.accelerate_config: {config} spans {machines} machines, which `finetune run` does not start: run "

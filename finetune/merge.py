@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from finetune import rundir
+from finetune import outputs, rundir
 from finetune.config import to_yaml
 from finetune.errors import FinetuneError, RunDirError
 
@@ -92,6 +92,7 @@ def merge(target: Path, out: Path, overwrite: bool = False, trust_remote_code: b
             raise RunDirError(f"{target}: not a LoRA run or adapter (peft.method is {cfg.peft.method}); nothing to "
                               "merge")
         check_output(out, [p for p in (target, where.recipe.parent, run_dir) if p is not None], overwrite)
+        outputs.check_not_input(out, outputs.recipe_inputs(cfg))  # the base model (model.path) above all
         return _merge(where, cfg, out, log)
 
 

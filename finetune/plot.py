@@ -72,12 +72,19 @@ def is_eval_metric(key: str) -> bool:
     return key.startswith("eval_") and key not in EVAL_COUNTS and not key.endswith(COUNT_SUFFIXES)
 
 
+LARGEST = 1e100  # beyond this a value is a gap: matplotlib's axis range of +-1.7e308 overflows (internal errors)
+
+
 def _number(value: Any) -> float | None:
-    """A plottable float from a row value: ints and floats (non-finite ones become NaN, a gap); None otherwise."""
+    """A plottable float from a row value: ints and floats (non-finite ones, and ones beyond +-LARGEST, which no
+    step, loss or metric reaches, become NaN, a gap); None otherwise."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
-    number = float(value)
-    return number if math.isfinite(number) else math.nan
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond float's range
+        return math.nan
+    return number if math.isfinite(number) and abs(number) <= LARGEST else math.nan
 
 
 def _finite(value: float | None) -> bool:

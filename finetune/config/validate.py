@@ -140,16 +140,39 @@ def accelerate_config_path(name: str) -> Path | None:
     return found.resolve() if found is not None else None
 
 
-def _distributed_type(path: Path) -> str:
-    """An accelerate config's ``distributed_type`` (NO, MULTI_GPU, FSDP, DEEPSPEED, ...), upper case; "" when the
-    file is not YAML."""
+def read_accelerate_config(path: Path, key: str = "launch.accelerate_config") -> dict[str, Any]:
+    """The settings of the accelerate config file ``path``; one ConfigError line (naming ``key``, the file and the
+    cause) when it cannot be read, is not UTF-8 text (a binary file), is not YAML, or is not a mapping (a list)."""
     import yaml
 
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError:
+        text = path.read_text(encoding="utf-8")
+        data = yaml.safe_load(text) if "\x00" not in text else None
+    except UnicodeDecodeError:
+        text, data = "\x00", None
+    except OSError as exc:
+        raise ConfigError(f"{key}: {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{key}: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
+    if "\x00" in text:
+        raise ConfigError(f"{key}: {path} is a binary file, not an accelerate config (YAML text); give the path of "
+                          "one, or a shipped name (cpu, ddp, zero2, fsdp2, ...)")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{key}: {path} holds a YAML {type(data).__name__}, not the mapping of settings an "
+                          "accelerate config is (distributed_type: ..., num_processes: ...)")
+    return data
+
+
+def _distributed_type(path: Path) -> str:
+    """An accelerate config's ``distributed_type`` (NO, MULTI_GPU, FSDP, DEEPSPEED, ...), upper case; "" when the
+    file cannot be read as one (validation reports that)."""
+    try:
+        data = read_accelerate_config(path)
+    except ConfigError:
         return ""
-    return str(data.get("distributed_type", "NO")).upper() if isinstance(data, dict) else ""
+    return str(data.get("distributed_type", "NO")).upper()
 
 
 def _single_process_config(path: Path) -> bool:
@@ -260,9 +283,17 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                          "set data.eval or clear eval.metrics/every_steps")
     if cfg.launch is not None:
         config_path = accelerate_config_path(cfg.launch.accelerate_config)
+        unreadable = None
+        if config_path is not None:
+            try:
+                read_accelerate_config(config_path)
+            except ConfigError as exc:
+                unreadable = str(exc)
         if config_path is None:
             lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a file nor a "
                          f"shipped accelerate config; use a path or one of {resources.accelerate_config_names()}")
+        elif unreadable:
+            lines.append(unreadable)
         elif cfg.launch.num_processes > 1 and _single_process_config(config_path):
             lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
                          f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
@@ -272,7 +303,22 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             lines.append(f"train.compile: not supported with DeepSpeed (launch.accelerate_config="
                          f"{cfg.launch.accelerate_config}): its engine would have to compile the model itself; set "
                          "train.compile=false, or use ddp or fsdp2")
+    lines += _half_weights_lines(cfg)
     return lines
+
+
+def _half_weights_lines(cfg: RecipeConfig | _Sections) -> list[str]:
+    """model.dtype=float16 with train.mixed_precision=fp16: the fp16 loss scaler unscales gradients, and torch's
+    GradScaler refuses fp16 ones ("Attempting to unscale FP16 gradients") at the first step. DeepSpeed keeps its own
+    fp32 master weights and scaler, so only its configs take the pair."""
+    if cfg.model is None or cfg.train is None or cfg.model.dtype != "float16" or cfg.train.mixed_precision != "fp16":
+        return []
+    path = accelerate_config_path(cfg.launch.accelerate_config) if cfg.launch is not None else None
+    if path is not None and _distributed_type(path) == "DEEPSPEED":
+        return []
+    return ["train.mixed_precision: fp16 scales the loss of fp32 weights, but model.dtype=float16 makes the weights "
+            "(and their gradients) fp16, which the loss scaler cannot unscale; use model.dtype=float32 with fp16 "
+            "(the usual mixed precision), or train.mixed_precision=no for pure fp16 without loss scaling"]
 
 
 def _factory_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) -> list[str]:

@@ -212,6 +212,23 @@ CASES = [
          needle="overlaps the source"),
     Case("merge-above-source", lambda e: ["merge", str(e.copy("lora")), "-o", str(e.root), "--overwrite"],
          needle="overlaps the source"),
+    # --- no output may be an input (model.path base, data files, prompts), and no blank -o ------------------
+    Case("merge-onto-base", lambda e: ["merge", str(e.copy("based")), "-o", str(e.runs["based"].parent / "base"),
+                                       "--overwrite"], needle="is the model (model.path)"),
+    Case("merge-inside-base", lambda e: ["merge", str(e.copy("based")), "-o",
+                                         str(e.runs["based"].parent / "base" / "m")], needle="lies inside the model"),
+    Case("export-onto-base", lambda e: ["export", str(e.copy("based")), "-o", str(e.runs["based"].parent / "base"),
+                                        "--overwrite"], needle="is the model (model.path)"),
+    Case("generate-onto-data", lambda e: ["generate", str(e.copy("based")),
+                                          str(e.write("p.jsonl", '{"prompt": "a"}\n')),
+                                          "-o", str(e.runs["based"].parent / "based-data" / "train.jsonl"),
+                                          "--overwrite"], needle="is a data file (data.train)"),
+    *[Case(f"{cmd}-o-blank{i}", lambda e, cmd=cmd, blank=blank: [*{
+        "run": lambda: ["run", e.recipe()], "export": lambda: ["export", str(e.copy("full"))],
+        "merge": lambda: ["merge", str(e.copy("lora"))],
+        "generate": lambda: ["generate", str(e.copy("full")), str(e.write("p.jsonl", '{"prompt": "a"}\n'))],
+        "plot": lambda: ["plot", str(e.copy("full"))]}[cmd](), "-o", blank], needle="empty; give the path to write")
+      for cmd in ("run", "export", "merge", "generate", "plot") for i, blank in enumerate(("", " "))],
     Case("merge-not-lora", lambda e: ["merge", str(e.copy("full")), "-o", str(e.root / "m")], needle="not a LoRA run"),
     Case("merge-over-user-folder", lambda e: [e.write("m/thesis.tex", "x"), "merge", str(e.copy("lora")), "-o",
                                               str(e.root / "m"), "--overwrite"][1:], needle="did not write"),
@@ -375,6 +392,24 @@ CASES = [
          needle="override"),
     Case("accelerate-config-missing", lambda e: ["run", e.recipe(), "--accelerate-config", "nope"],
          needle="launch.accelerate_config"),
+    # --- every remaining traceback is one line naming the real cause ------------------------------------------
+    *[Case(f"accelerate-config-{kind}-{cmd}", lambda e, content=content, cmd=cmd: [*{
+        "run": lambda: ["run", e.recipe()], "dry-run": lambda: ["run", e.recipe(), "--dry-run"],
+        "generate": lambda: ["generate", str(e.copy("full")), str(e.write("p.jsonl", '{"prompt": "a"}\n')), "-o",
+                             "o.jsonl", "--num-processes", "2"]}[cmd](),
+        "--accelerate-config", str(e.write("acc.yaml", content))], needle=needle)
+      for kind, content, needle in (("list", "- distributed_type: NO\n- 2\n", "holds a YAML list"),
+                                    ("binary", b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is a binary file"),
+                                    ("nul", "distributed_type: NO\x00\n", "is a binary file"))
+      for cmd in ("run", "dry-run", "generate")],
+    Case("fp16-weights-fp16-autocast", lambda e: ["run", e.recipe("r", model={"type": "tiny-llama", "dtype": "float16"},
+                                                                  train={"max_steps": 1, "mixed_precision": "fp16"})],
+         needle="model.dtype=float16"),
+    Case("plot-step-1e308", lambda e: [
+        (e.copy("full") / rundir.METRICS).open("a").write('{"kind": "train", "step": 1.7e308, "loss": 1e308}\n'),
+        "plot", str(e.root / "run"), "-o", "p.png"][1:], code=0, creates="p.png"),
+    Case("ls-manifest-nested", ls_with(lambda r: (ckpt(r) / rundir.MANIFEST).write_text("[" * 100000 + "]" * 100000)),
+         code=0),
 ]
 
 
@@ -410,7 +445,14 @@ def prepared(tmp_path_factory) -> dict[str, Path]:
         model.save_pretrained(folder / name)
         transformers.AutoTokenizer.from_pretrained(ASSETS / "tiny-llama-tokenizer").save_pretrained(folder / name)
         models[name] = folder / name
-    return {"full": full, "lora": lora, **models}
+    # a LoRA run on a model.path base (an earlier export) and its own data file: "no output may be an input"
+    shutil.copytree(full / rundir.FINAL, folder / "base")
+    (folder / "based-data").mkdir()
+    (folder / "based-data" / "train.jsonl").write_text(ALPACA_ROW * 8)
+    based = trained_run(folder, "based", train={"max_steps": 1}, peft={"method": "lora"}, checkpoint={"every_steps": 1},
+                        model={"type": "llama", "path": str(folder / "base")},
+                        data={"train": str(folder / "based-data" / "train.jsonl"), "eval": None})
+    return {"full": full, "lora": lora, "based": based, **models}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -255,3 +255,24 @@ def test_recipes_lists_quickstart_with_its_description():
     assert line.split(None, 1)[1] == description
     for recipe in sorted((REPO / "recipes").glob("*.yaml")):
         assert re.search(rf"^{re.escape(recipe.name)} ", result.stdout, re.MULTILINE)
+
+
+def test_no_output_may_be_an_input(tmp_path: Path) -> None:
+    """The one check every -o goes through: blank is refused; is / lies inside / contains an input is refused,
+    through a symbolic link too; a sibling is fine."""
+    from finetune import outputs
+    from finetune.errors import RunDirError
+
+    for blank in ("", " ", "\t"):
+        with pytest.raises(RunDirError, match="empty; give the path to write"):
+            outputs.given(blank)
+    base = tmp_path / "base"
+    (base / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(base)
+    inputs = [("the model (model.path)", base)]
+    for out, how in ((base, "is"), (tmp_path / "link", "is"), (base / "sub" / "m", "lies inside"),
+                     (tmp_path, "contains")):
+        with pytest.raises(RunDirError, match=f"-o .*: {how} the model \\(model.path\\)"):
+            outputs.check_not_input(out, inputs)
+    outputs.check_not_input(tmp_path / "base-merged", inputs)
+    outputs.check_not_input(tmp_path / "x", [("nothing", None)])
