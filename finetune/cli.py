@@ -167,7 +167,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
     if lock is not None:
         lock.inherit()
     sys.stdout.flush()
-    os.execvp(argv[0], argv)
+    os.execvpe(argv[0], argv, launch.child_env())
 
 
 def _launcher_flags(flags: dict[str, Any]) -> dict[str, Any]:
@@ -322,8 +322,10 @@ def generate(
     options = Options(max_new_tokens, temperature, top_p, seed, batch_size, overwrite, trust_remote_code)
     argv = start(target, prompts, outputs.given(output), options, num_processes, accelerate_config, log=typer.echo)
     if argv:  # several processes: accelerate launch runs finetune.generate on every rank
+        from finetune.launch import child_env
+
         sys.stdout.flush()
-        os.execvp(argv[0], argv)
+        os.execvpe(argv[0], argv, child_env())
 
 
 @app.command()

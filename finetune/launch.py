@@ -26,6 +26,13 @@ def isolate_sys_path() -> None:
         del sys.path[0]
 
 
+def child_env() -> dict[str, str]:
+    """The environment of every process finetune starts (``accelerate launch`` and, through it, every rank):
+    ``PYTHONSAFEPATH`` keeps the current folder off their ``sys.path`` (``python -m accelerate.commands.launch`` and
+    torchrun's ``python -m finetune.worker`` would otherwise import a yaml.py or typer.py planted there)."""
+    return {**os.environ, "PYTHONSAFEPATH": "1"}
+
+
 def die_with_launcher() -> None:
     """A rank started by ``accelerate launch`` dies with it (Linux ``PR_SET_PDEATHSIG``). The launcher holds the
     run's lock; ranks that outlived a SIGKILLed launcher would go on writing an unlocked run dir."""
@@ -63,7 +70,7 @@ def accelerate_argv(config: Path, num_processes: int, module: str, args: list[st
     """``accelerate launch`` running ``python -m module args`` on ``num_processes`` ranks with ``config`` (the
     training worker, or ``finetune generate``'s)."""
     return [
-        sys.executable, "-m", "accelerate.commands.launch",
+        sys.executable, "-P", "-m", "accelerate.commands.launch",  # -P: no current folder on its sys.path
         "--config_file", str(config),
         "--num_processes", str(num_processes),
         "-m", module, *args,

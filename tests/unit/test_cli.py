@@ -276,3 +276,24 @@ def test_no_output_may_be_an_input(tmp_path: Path) -> None:
             outputs.check_not_input(out, inputs)
     outputs.check_not_input(tmp_path / "base-merged", inputs)
     outputs.check_not_input(tmp_path / "x", [("nothing", None)])
+
+
+def test_no_module_is_imported_from_the_current_folder(tmp_path: Path) -> None:
+    """``python -m finetune`` and the ``accelerate launch`` command finetune execs (with its environment, which its
+    ranks inherit) never import a typer.py / yaml.py planted in the folder they run in."""
+    from finetune.launch import accelerate_argv, child_env
+
+    for name in ("typer", "yaml"):
+        (tmp_path / f"{name}.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'a').write('{name} ')\n"
+                                             "raise SystemExit('planted module imported')\n")
+    env = {k: v for k, v in child_env().items() if k not in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    done = subprocess.run([sys.executable, "-m", "finetune", "models"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not (tmp_path / "imported").exists(), done.stderr[-2000:]
+    launcher = accelerate_argv(Path("cpu.yaml"), 1, "finetune.worker", [])[:4]
+    done = subprocess.run([*launcher, "--help"], cwd=tmp_path, env=child_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and not (tmp_path / "imported").exists(), done.stderr[-2000:]
+    rank = subprocess.run([sys.executable, "-c", "import sys, yaml; print(sys.path[0])"], cwd=tmp_path,
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+    assert rank.returncode == 0 and not (tmp_path / "imported").exists(), rank.stderr[-2000:]
