@@ -295,7 +295,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint_resumable(tmp_path: Path) -> 
 
 def test_a_live_run_cannot_be_replaced_resumed_merged_or_rerun(tmp_path: Path) -> None:
     """Two processes: while `finetune run` trains, every command that would write its run dir refuses with its pid;
-    once it is SIGKILLed the kernel drops the lock and the run resumes."""
+    once it is SIGKILLed the kernel drops the lock and the run resumes. The run's stdout is a pipe whose reader goes
+    away after the first line (`finetune run ... | head -1`): the run trains on, logging to train.log."""
     recipe = recipe_file(tmp_path, "live", model={"type": "tiny-llama", "config_overrides": {"hidden_size": 256,
                           "intermediate_size": 1024, "num_hidden_layers": 4}}, peft={"method": "lora"},
                           train={"max_steps": 100000}, checkpoint={"every_steps": 1, "keep_last": 1},
@@ -304,6 +305,8 @@ def test_a_live_run_cannot_be_replaced_resumed_merged_or_rerun(tmp_path: Path) -
     live = subprocess.Popen([sys.executable, "-m", "finetune", "run", str(recipe)], env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
+        assert live.stdout is not None and live.stdout.readline()
+        live.stdout.close()  # the reader is gone: every later line of the run hits a closed pipe
         deadline = time.monotonic() + 120
         while not rundir.checkpoint_dirs(run):
             assert live.poll() is None and time.monotonic() < deadline, "the run ended before the test"
@@ -314,7 +317,12 @@ def test_a_live_run_cannot_be_replaced_resumed_merged_or_rerun(tmp_path: Path) -
                                   timeout=120)
             line = one_error_line(done.stderr)
             assert done.returncode == 2 and f"is in use by pid {live.pid} (`finetune run" in line, (args, line)
-        assert live.poll() is None and (run / rundir.MARKER).is_file()
+        logged = len(read_metrics(run))
+        deadline = time.monotonic() + 60
+        while len(read_metrics(run)) <= logged + 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert live.poll() is None and (run / rundir.MARKER).is_file(), "the run stopped"
+        assert len(read_metrics(run)) > logged + 1  # still training, its output gone nowhere
     finally:
         live.send_signal(signal.SIGKILL)
         live.wait()
