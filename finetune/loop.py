@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, hooks
+from finetune import checkpoint, hooks, meter
 from finetune.backends import Backend
 from finetune.config import RecipeConfig
 from finetune.errors import EvalError, FinetuneError, NonFiniteError
@@ -52,6 +52,7 @@ class Trainer:
     stop: StopRequest = field(default_factory=StopRequest)
     run_id: str = ""
     objects: dict[str, Any] = field(default_factory=dict)  # checkpointed state besides model/optimizer/TrainState
+    flops: meter.StepFlops | None = None  # the model's FLOPs and the device's peak, for flops_per_token and mfu
 
 
 @dataclass
@@ -63,6 +64,8 @@ class StepStats:
     skipped: bool
     stop: bool = False
     nonfinite: bool = False
+    inputs: int = 0  # input tokens of the window on all ranks (padding left out)
+    squares: int = 0  # the sum of their samples' squared lengths (the attention FLOPs)
 
 
 def _due(step: int, every: int | None) -> bool:
@@ -81,13 +84,15 @@ def train(t: Trainer) -> TrainState:
     if cfg.eval.at_start and state.step == 0 and cfg.data.eval:
         t.tracker.log("eval", evaluate(t))
     started = time.perf_counter() - state.elapsed_s
-    throughput = Throughput(state.tokens_seen, state.elapsed_s)  # from where this process starts (a resume: its ckpt)
+    throughput = Throughput(state.tokens_seen, state.elapsed_s,  # from where this process starts (resume: its ckpt)
+                            processes=t.accelerator.num_processes, flops=t.flops)
     t.model.train()
     nonfinite_streak = 0
     while state.step < t.max_steps:
         stats = train_step(t, [next(batches) for _ in range(cfg.grad_accum)])
         state.advance(micro_steps=cfg.grad_accum, samples=cfg.train.global_batch_size, tokens=stats.tokens)
         state.elapsed_s = time.perf_counter() - started
+        throughput.add(stats.inputs, stats.squares)
         nonfinite_streak = nonfinite_streak + 1 if stats.nonfinite else 0
         last = state.step == t.max_steps
         if _due(state.step, cfg.logging.every_steps) or last or stats.nonfinite:
@@ -113,6 +118,8 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     window's loss or gradient norm is not finite."""
     acc, device = t.accelerator, t.accelerator.device
     local_tokens = torch.tensor(float(sum(map(t.task.count_targets, window))), device=device)  # counted on host
+    tail = t.cfg.data.pack_to_multiple_of is not None
+    inputs, squares = map(sum, zip(*(meter.input_lengths(b, padded_tail=tail) for b in window), strict=True))
     window = [_to_device(b, device) for b in window]
     total_tokens = acc.reduce(local_tokens, reduction="sum")  # sync: the window's label tokens on all ranks
     # The one division: sum(loss over window and ranks) / total_tokens. Data-parallel backends average gradients
@@ -130,9 +137,10 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     t.precision.scaler.unscale_(t.optimizer)
     max_norm = t.cfg.train.max_grad_norm or math.inf
     grad_norm = float(acc.clip_grad_norm_(t.model.parameters(), max_norm))  # sync
-    # sync: the window's loss over all ranks, and whether any rank was asked to stop (all stop after this step)
-    flag = torch.tensor(float(t.stop.requested), device=device, dtype=torch.float64)
-    summed = acc.reduce(torch.stack([loss_sum_local, flag]), reduction="sum")
+    # sync: the window's loss over all ranks, whether any rank was asked to stop (all stop after this step), and
+    # its input tokens and squared sample lengths (for tok/s and the FLOPs), in this one reduce
+    host = torch.tensor([float(t.stop.requested), inputs, squares], device=device, dtype=torch.float64)
+    summed = acc.reduce(torch.cat([loss_sum_local.reshape(1), host]), reduction="sum")
     loss = float(summed[0] / total_tokens.clamp(min=1.0).double())
     finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the same on every rank: both are all-reduced
     stepped = t.precision.step(t.optimizer, apply=finite)  # (DeepSpeed's engine skips such a step itself)
@@ -142,7 +150,7 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     # an fp16 overflow that the dynamic loss scale explains is the scaler's business, not a divergence
     nonfinite = not finite and not (math.isfinite(loss) and t.precision.absorbs_overflow())
     return StepStats(loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(total_tokens), skipped=not stepped,
-                     stop=bool(summed[1] > 0), nonfinite=nonfinite)
+                     stop=bool(summed[1] > 0), nonfinite=nonfinite, inputs=int(summed[2]), squares=int(summed[3]))
 
 
 def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
@@ -160,12 +168,12 @@ def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
 
 
 def _train_row(t: Trainer, stats: StepStats, throughput: Throughput) -> dict[str, Any]:
-    """The logged train row; ``tokens_per_s`` (since the previous row) is computed here once, for every sink."""
-    rate = throughput.update(t.state.tokens_seen, t.state.elapsed_s)
+    """The logged train row; the rates since the previous row (``tokens_per_s``, ``mfu``, ...) and this device's
+    memory peaks are computed here once, for every sink."""
     row: dict[str, Any] = {
         "step": t.state.step, "loss": stats.loss, "lr": stats.lr,
         "grad_norm": stats.grad_norm, "tokens": t.state.tokens_seen, "elapsed_s": round(t.state.elapsed_s, 3),
-        "tokens_per_s": round(rate, 1),
+        **throughput.rates(t.state.tokens_seen, t.state.elapsed_s), **meter.memory_peaks(t.accelerator.device),
     }
     if t.precision.loss_scale is not None:
         row["loss_scale"] = t.precision.loss_scale

@@ -28,7 +28,10 @@ from finetune.tracking import read_metrics
 
 # The train panels, in order: (row key, panel title, y-axis label).
 TRAIN_PANELS = (("loss", "train loss", "loss"), ("lr", "learning rate", "lr"),
-                ("grad_norm", "gradient norm", "grad_norm"))
+                ("grad_norm", "gradient norm", "grad_norm"),
+                # logged only where known (mfu: a peak FLOPs; memory: CUDA): a panel no run logged is left out
+                ("mfu", "MFU (per device)", "mfu"), ("mem_alloc_gb", "peak memory allocated", "GB"),
+                ("mem_reserved_gb", "peak memory reserved", "GB"))
 # Eval keys drawn first, in this order; every other eval_* key that is not a count follows in first-logged order.
 EVAL_FIRST = ("eval_loss", "eval_ppl")
 # Eval keys that are counts, not metrics.
@@ -178,8 +181,9 @@ def _eval_keys(runs: Iterable[RunMetrics]) -> list[str]:
 
 
 def plan_panels(runs: Sequence[RunMetrics]) -> list[Panel]:
-    """The panels to draw, in order: loss, lr, grad_norm, then each eval metric. A panel holds one series per run
-    that logged its key and is left out when no run did (a run without eval rows gets train panels only)."""
+    """The panels to draw, in order: loss, lr, grad_norm, mfu and peak memory (allocated, reserved), then each eval
+    metric. A panel holds one series per run that logged its key and is left out when no run did (a run without
+    eval rows gets train panels only)."""
     wanted = [("train", key, title, ylabel) for key, title, ylabel in TRAIN_PANELS]
     wanted += [("eval", key, "eval " + key.removeprefix("eval_"), key) for key in _eval_keys(runs)]
     panels = []

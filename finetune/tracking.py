@@ -11,8 +11,8 @@ bar on a terminal, else one line per row), and adds Weights & Biases and TensorB
 wandb and tensorboard (which imports torch) are imported only when enabled, so importing this module stays cheap
 for the CLI.
 
-Tokens per second is computed once per train row, by the loop's :class:`Throughput`, and travels in the row as
-``tokens_per_s``; every sink that shows it reads it from there.
+Tokens per second (and the FLOPs per token, MFU) are computed once per train row, by the loop's
+:class:`Throughput`, and travel in the row as ``tokens_per_s`` etc.; every sink that shows them reads them from there.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from finetune import rundir
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError, RunDirError
+
+if TYPE_CHECKING:
+    from finetune.meter import StepFlops
 
 Row = Mapping[str, Any]
 """A row: name -> value. Train and eval rows always hold ``step``; an info row holds ``message``."""
@@ -37,8 +40,10 @@ Row = Mapping[str, Any]
 KINDS: tuple[str, ...] = ("train", "eval", "info")
 """The kinds of row a tracker is given:
 
-- ``train``: step, loss, lr, grad_norm, tokens (cumulative), elapsed_s (cumulative), tokens_per_s (since the
-  previous train row of this process), and optionally loss_scale, skipped, nonfinite;
+- ``train``: step, loss, lr, grad_norm, tokens (cumulative target tokens), elapsed_s (cumulative), and since the
+  previous train row of this process, per device: tokens_per_s (input tokens, padding left out) and
+  target_tokens_per_s, flops_per_token and mfu (when the model's FLOPs, and for mfu the device's peak, are known);
+  mem_alloc_gb / mem_reserved_gb (this device's peaks, CUDA only); and optionally loss_scale, skipped, nonfinite;
 - ``eval``: step, eval_loss, eval_ppl, eval_samples, eval_<metric> with eval_<metric>_correct / _total, and
   eval_correct / eval_total (the first metric's counts);
 - ``info``: an event, ``{"message": "saved checkpoint step-000100"}``; ``"level": "warning"`` marks one the user
@@ -190,17 +195,22 @@ def truncate_metrics(run_dir: Path, step: int) -> int:
 
 
 class Throughput:
-    """Tokens per second between successive train rows, from cumulative ``tokens`` and ``elapsed_s``.
+    """Rates between successive train rows: target tokens from cumulative ``tokens`` and ``elapsed_s``, input
+    tokens and FLOPs from the steps :meth:`add` counted.
 
-    The one place tok/s is computed: the loop owns one and puts its rate into each train row as ``tokens_per_s``.
-    A per-interval rate (not the run average) shows slowdowns as they happen. The first row is measured from the
-    baseline, which is where this process started: zero for a new run, and the checkpoint's tokens and elapsed time
-    for a resumed one, so the resumed steps never count as tokens processed in no time.
+    The one place tok/s, FLOPs per token and MFU are computed: the loop owns one and puts :meth:`rates` into each
+    train row. A per-interval rate (not the run average) shows slowdowns as they happen. The first row is measured
+    from the baseline, which is where this process started: zero for a new run, and the checkpoint's tokens and
+    elapsed time for a resumed one, so the resumed steps never count as tokens processed in no time. Rates are per
+    device: the counts are summed over ``processes`` ranks and divided by them.
     """
 
-    def __init__(self, tokens: float = 0.0, elapsed_s: float = 0.0) -> None:
+    def __init__(self, tokens: float = 0.0, elapsed_s: float = 0.0, *, processes: int = 1,
+                 flops: StepFlops | None = None) -> None:
         self._tokens = float(tokens)
         self._elapsed = float(elapsed_s)
+        self.processes, self.flops = processes, flops
+        self._inputs = self._squares = 0.0
 
     def update(self, tokens: float, elapsed_s: float) -> float:
         """Tokens per second since the previous call (or the baseline); 0.0 when no time has passed."""
@@ -208,6 +218,27 @@ class Throughput:
         rate = (tokens - self._tokens) / seconds if seconds > 0 else 0.0
         self._tokens, self._elapsed = float(tokens), float(elapsed_s)
         return rate
+
+    def add(self, inputs: float, squares: float) -> None:
+        """Count one step: its input tokens and the sum of its samples' squared lengths, over all ranks."""
+        self._inputs += inputs
+        self._squares += squares
+
+    def rates(self, tokens: float, elapsed_s: float) -> dict[str, float]:
+        """The row's ``tokens_per_s`` (input tokens), ``target_tokens_per_s``, ``flops_per_token`` and ``mfu``
+        since the previous row, per device; the FLOPs fields only with a FLOPs model, ``mfu`` only with a peak."""
+        seconds = elapsed_s - self._elapsed
+        targets = self.update(tokens, elapsed_s) / self.processes
+        inputs, squares = self._inputs, self._squares
+        self._inputs = self._squares = 0.0
+        per_device = 1.0 / (seconds * self.processes) if seconds > 0 else 0.0
+        row = {"tokens_per_s": round(inputs * per_device, 1), "target_tokens_per_s": round(targets, 1)}
+        if self.flops is not None and inputs > 0:
+            flops = self.flops.of(inputs, squares)
+            row["flops_per_token"] = round(flops / inputs, 1)
+            if self.flops.peak and per_device:
+                row["mfu"] = round(flops * per_device / self.flops.peak, 6)
+        return row
 
 
 class Eta:
@@ -245,10 +276,12 @@ def _number(value: Any, spec: str = ".4f") -> str:
 
 
 def format_train_line(row: Row, *, max_steps: int | None) -> str:
-    """``step 10/200 | loss 2.3141 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120`` (+ loss_scale, skipped).
+    """``step 10/200 | loss 2.3141 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120 | mfu 41.3% | mem 61.2/70.0 GB``
+    (+ loss_scale, skipped).
 
     Fields missing from the row (or None) are left out; ``/max_steps`` is left out when the length is unknown.
-    tok/s is the row's ``tokens_per_s`` (see :class:`Throughput`).
+    tok/s is the row's ``tokens_per_s`` (input tokens per second per device, see :class:`Throughput`); mem is the
+    device's peak allocated / reserved memory.
     """
     total = f"/{max_steps}" if max_steps is not None else ""
     parts = [f"step {row['step']}{total}"]
@@ -257,6 +290,10 @@ def format_train_line(row: Row, *, max_steps: int | None) -> str:
             parts.append(f"{key} {format(float(row[key]), spec)}")
     if row.get("tokens_per_s") is not None:
         parts.append(f"tok/s {float(row['tokens_per_s']):.0f}")
+    if row.get("mfu") is not None:
+        parts.append(f"mfu {100 * float(row['mfu']):.1f}%")
+    if row.get("mem_alloc_gb") is not None and row.get("mem_reserved_gb") is not None:
+        parts.append(f"mem {float(row['mem_alloc_gb']):.1f}/{float(row['mem_reserved_gb']):.1f} GB")
     if row.get("loss_scale") is not None:
         parts.append(f"loss_scale {float(row['loss_scale']):.0f}")
     if row.get("nonfinite"):

@@ -54,6 +54,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     from finetune import checkpoint, loop, prepare, registry
     from finetune import peft as lora
     from finetune.backends import detect, extra_checkpoint_state, make_accelerator, model_init
+    from finetune.meter import step_flops
     from finetune.modeling import build_base, check_fits, compile_model, enable_checkpointing, freeze
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.portable import PARAM_NAMES, ParamNames
@@ -121,6 +122,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
     optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     param_names = ParamNames.of(model, optimizer)  # on the plain model: prepare wraps and may rename
+    flops = step_flops(model, cfg.train.peak_tflops, accelerator.device)  # plain names, whole sizes (ZeRO-3 too)
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend)
     state = TrainState(train_size=data.train_size)
@@ -146,7 +148,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
             compute_reference(task, model, accelerator, precision,
                               lambda message: tracker.log("info", {"message": message}))
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
-                        run_dir, max_steps, backend, run_id=run_id, objects=objects)
+                        run_dir, max_steps, backend, run_id=run_id, objects=objects, flops=flops)
 
 
 def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> dict[str, Any]:

@@ -243,6 +243,12 @@ class TrainConfig(Section):
         "slower while it compiles. With data.pack_to_multiple_of the layers compile for static shapes, once per row "
         "length",
     )
+    peak_tflops: float | None = Field(
+        default=None, gt=0,
+        description="this device's peak dense TFLOP/s, for the logged mfu; null: looked up by GPU name (bf16 dense "
+        "tensor-core figures of common GPUs, finetune.flops.PEAK_BF16_TFLOPS); on the CPU or an unknown GPU the mfu "
+        "is then omitted, never guessed",
+    )
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:

@@ -144,6 +144,7 @@ def test_resume_on_a_terminal_starts_the_bar_at_the_checkpoint_and_counts_only_i
     # checkpoint's tokens or time taken as this process's work
     # (the row's elapsed_s is rounded to the millisecond, so the rate is known within those bounds)
     tokens, seconds = first["tokens"] - checkpoint["tokens_seen"], first["elapsed_s"] - checkpoint["elapsed_s"]
-    assert tokens / (seconds + 5e-4) - 0.1 <= first["tokens_per_s"] <= tokens / (seconds - 5e-4) + 0.1
+    # (tokens counts label tokens: their rate is target_tokens_per_s; tokens_per_s counts input tokens)
+    assert tokens / (seconds + 5e-4) - 0.1 <= first["target_tokens_per_s"] <= tokens / (seconds - 5e-4) + 0.1
     own_time = first["elapsed_s"] - checkpoint["elapsed_s"]
-    assert first["tokens_per_s"] < 0.5 * first["tokens"] / own_time  # 4 steps' tokens in 1 step's time: no
+    assert first["target_tokens_per_s"] < 0.5 * first["tokens"] / own_time  # 4 steps' tokens in 1 step's time: no
