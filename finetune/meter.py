@@ -34,15 +34,28 @@ class StepFlops:
         return self.per_token * tokens + self.per_square * squares
 
 
-def _params(model: Any) -> tuple[list[Param], int]:
-    """The formula's parameter list with WHOLE sizes (ZeRO-3 partitions parameters at birth: ``full_numel``), and
-    the tied head's size (0 when the head has a weight of its own: a tied head is not listed by named_parameters)."""
+def _numel(param: Any) -> int:
+    """The element count of the weight a parameter stands for: a 4-bit QLoRA weight stores two values per byte
+    (its shape is the packed one; bitsandbytes keeps the real shape in ``quant_state.shape``); ZeRO-3 partitions
+    parameters at birth (``backends.full_numel`` gives the whole size)."""
     from finetune.backends import full_numel
 
-    params = [Param(name, full_numel(p), bool(p.requires_grad)) for name, p in model.named_parameters()]
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    if shape is not None:
+        count = 1
+        for n in shape:
+            count *= int(n)
+        return count
+    return full_numel(param)
+
+
+def _params(model: Any) -> tuple[list[Param], int]:
+    """The formula's parameter list with whole sizes (:func:`_numel`), and the tied head's size (0 when the head
+    has a weight of its own: a tied head is not listed by named_parameters)."""
+    params = [Param(name, _numel(p), bool(p.requires_grad)) for name, p in model.named_parameters()]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     has_own = any("lm_head" in p.name.split(".") for p in params)
-    tied = full_numel(head.weight) if head is not None and getattr(head, "weight", None) is not None and not has_own \
+    tied = _numel(head.weight) if head is not None and getattr(head, "weight", None) is not None and not has_own \
         else 0
     return params, tied
 

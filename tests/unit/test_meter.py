@@ -63,8 +63,8 @@ def _llama(tied: bool) -> LlamaForCausalLM:
 
 def test_step_flops_is_the_formula_for_any_lengths_tied_or_partitioned() -> None:
     """StepFlops (two coefficients) equals flops.train_flops on the lengths themselves; a tied head costs what an
-    untied head of the same size costs; ZeRO-3's empty placeholders (``ds_shape``) give the whole sizes; the CPU has
-    no peak unless train.peak_tflops gives one."""
+    untied head of the same size costs; ZeRO-3's empty placeholders (``ds_shape``) and packed 4-bit weights
+    (``quant_state.shape``) count their whole sizes; the CPU has no peak unless train.peak_tflops gives one."""
     untied = _llama(tied=False)
     want = flops.train_flops(flops.params_of(untied), flops.attention_of(untied.config), [5, 17, 64])
     cpu = torch.device("cpu")
@@ -73,6 +73,12 @@ def test_step_flops_is_the_formula_for_any_lengths_tied_or_partitioned() -> None
     assert got.of(5 + 17 + 64, 25 + 289 + 4096) == want
     tied = _llama(tied=True)
     assert meter.step_flops(tied, 2.0, cpu) == meter.StepFlops(got.per_token, got.per_square, 2.0e12)
+    quantized = _llama(tied=False)
+    for name, param in quantized.named_parameters():  # a 4-bit weight: two values per byte, its shape in quant_state
+        if name.endswith("proj.weight"):
+            param.quant_state = type("QuantState", (), {"shape": param.shape})()
+            param.data = torch.empty(param.numel() // 2, 1)
+    assert meter.step_flops(quantized, None, cpu) == got
     for param in untied.parameters():  # as deepspeed.zero.Init leaves them
         param.ds_shape = param.shape
         param.data = torch.empty(0)
