@@ -551,3 +551,48 @@ def test_peak_memory_of_a_qwen_like_step_is_under_half_of_the_full_logits_path()
     assert abs(loss.item() - ref.item()) <= RTOL * abs(ref.item())
     for name, grad in grads.items():
         assert (grad - ref_grads[name]).norm().item() <= RTOL * ref_grads[name].norm().item(), name
+
+
+@pytest.mark.parametrize("sequences", [1, 3])
+def test_a_summed_loss_through_a_head_costs_the_head_three_matmuls_not_four(sequences: int) -> None:
+    """One summed sequence (the SFT loss): the gradients are made in the forward, as an unfused head's would be
+    (1 matmul forward, 2 backward); per-sequence sums (DPO) recompute each chunk's logits in backward (a 4th). Counted
+    by a dispatch mode over every matmul op, in-place ``addmm_`` included (FlopCounterMode skips that one), and the
+    gradients equal full logits' either way."""
+    n, h, v = 24, 16, 50
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(n, h, generator=gen, requires_grad=True)
+    weight = torch.randn(v, h, generator=gen, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=gen)
+    targets[::4] = IGNORE
+    seq = torch.arange(n) % sequences
+    with MatmulFlops() as counter:
+        sums, _ = sequence_logprobs(hidden, targets, seq, sequences, weight=weight, chunk_rows=7, count_hits=False)
+        (sums * torch.arange(1.0, sequences + 1)).sum().backward()
+    head_matmuls = counter.flops / (2 * n * h * v)
+    assert head_matmuls == (3 if sequences == 1 else 4)
+    logp = torch.log_softmax(hidden.detach() @ weight.detach().t(), -1)
+    ref_h, ref_w = hidden.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    picked = torch.log_softmax(ref_h @ ref_w.t(), -1).gather(1, targets.clamp(min=0)[:, None])[:, 0]
+    ref = torch.zeros(sequences).index_add(0, seq, torch.where(targets != IGNORE, picked, 0.0))
+    (ref * torch.arange(1.0, sequences + 1)).sum().backward()
+    assert torch.allclose(sums.detach(), ref.detach(), rtol=1e-6) and logp.isfinite().all()
+    assert torch.allclose(hidden.grad, ref_h.grad, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(weight.grad, ref_w.grad, rtol=1e-5, atol=1e-6)
+
+
+class MatmulFlops(TorchDispatchMode):
+    """2 x m x k x n for every matrix multiply dispatched (mm, addmm, addmm_, bmm), forward and backward."""
+
+    OPS = frozenset({"mm", "addmm", "addmm_", "bmm"})
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = func._overloadpacket.__name__
+        if name in self.OPS:
+            a, b = (args[0], args[1]) if name in {"mm", "bmm"} else (args[1], args[2])
+            self.flops += 2 * a.numel() * b.shape[-1]
+        return func(*args, **(kwargs or {}))
