@@ -16,8 +16,11 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 
@@ -192,13 +195,43 @@ def keep_output_going() -> None:
             setattr(sys, name, _SurvivesClosedPipe(stream))
 
 
+_CTRL_C: list[KeyboardInterrupt] = []  # every Ctrl+C raised in this process, the last one last
+
+
+def ctrl_c(exc: KeyboardInterrupt | None = None) -> KeyboardInterrupt:
+    """Record a Ctrl+C as it is raised and return it to raise: Typer turns a KeyboardInterrupt into a silent exit
+    130, after which :func:`run_main` still says what was stopped."""
+    exc = KeyboardInterrupt() if exc is None else exc
+    _CTRL_C.append(exc)
+    return exc
+
+
+def _on_sigint(signum: int, frame: FrameType | None) -> None:
+    raise ctrl_c()
+
+
 def run_main(fn: Callable[[], Any]) -> None:
     """Run a command; every way it can fail ends here as one message per problem and its exit code. Output to a
-    closed pipe never stops it (:func:`keep_output_going`)."""
+    closed pipe never stops it (:func:`keep_output_going`), and a Ctrl+C always says what it stopped."""
     keep_output_going()
+    own_sigint = (threading.current_thread() is threading.main_thread()
+                  and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if own_sigint:
+        signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        _run(fn)
+    finally:
+        if own_sigint:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _run(fn: Callable[[], Any]) -> None:
     try:
         fn()
-    except SystemExit:
+    except SystemExit as exc:
+        if exc.code == 130 and _CTRL_C:  # a Ctrl+C that Typer ended silently
+            for line in describe(_CTRL_C[-1])[1]:
+                print(line, file=sys.stderr)
         raise
     except BaseException as exc:
         if os.environ.get("FINETUNE_DEBUG") and not isinstance(exc, Interrupted):

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-from finetune.errors import Aborted, Interrupted
+from finetune.errors import Aborted, Interrupted, ctrl_c
 
 __all__ = ["Interrupted", "StopRequest"]
 
@@ -34,7 +34,7 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None and signum == signal.SIGINT:
-            raise Aborted  # second Ctrl+C: abort now, no checkpoint
+            raise ctrl_c(Aborted())  # second Ctrl+C: abort now, no checkpoint
         self.signum = signum
 
     @contextlib.contextmanager

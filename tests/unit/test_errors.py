@@ -93,3 +93,27 @@ def test_a_closed_pipe_never_stops_a_command(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(SystemExit) as info:
         run_main(lambda: (command(), sys.exit(0)))
     assert info.value.code == 0 and done == [0, 1, 2]
+
+
+def test_ctrl_c_that_typer_turns_into_exit_130_still_says_what_stopped(monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Typer catches KeyboardInterrupt and exits 130 without a word; run_main still prints the line."""
+    import os
+    import signal
+    import sys
+    import time
+
+    monkeypatch.setattr(sys, "argv", ["finetune", "export", "runs/q", "-o", "q"])
+
+    def typer_like() -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            sys.exit(130)
+
+    with pytest.raises(SystemExit) as info:
+        run_main(typer_like)
+    err = capsys.readouterr().err
+    assert info.value.code == 130 and "`finetune export` stopped before it finished" in err, err
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
