@@ -191,7 +191,8 @@ def _preference_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len:
     """A preference pair as the columns of the data contract: ``chosen_input_ids``, ``chosen_labels``,
     ``rejected_input_ids``, ``rejected_labels`` (labels: the ids of answer tokens, IGNORE on the prompt). Each
     sequence keeps its start when cut to ``max_len``, so the prompt stays whole where it fits; ``n_labels`` is the
-    smaller answer count of the two, so a pair with no answer token left on either side is skipped."""
+    smaller answer count of the two, so a pair with no answer token left on either side is skipped, and so is a
+    pair whose two sides are the same tokens once cut (its loss is ln 2 whatever the model: nothing to learn)."""
     _tick()
     check_row(row, index, "preference", source)
     chosen, rejected = _rendered(lambda: render_preference(row, tokenizer), line_of(source, index),
@@ -203,7 +204,8 @@ def _preference_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len:
         out["overlong"] |= len(ids) > max_len
         out[f"{side}_input_ids"], out[f"{side}_labels"] = ids[:max_len], labels[:max_len]
         counts.append(_answer_tokens(labels[:max_len]))
-    out["n_labels"] = min(counts)
+    same = out["chosen_input_ids"] == out["rejected_input_ids"] and out["chosen_labels"] == out["rejected_labels"]
+    out["n_labels"] = 0 if same else min(counts)
     return out
 
 

@@ -104,6 +104,17 @@ def test_a_pair_without_answer_tokens_is_skipped_and_counted(tok: Any) -> None:
     assert tok.decode(_answer_ids(out.dataset[0]["chosen_labels"]), skip_special_tokens=True).strip() == "b a"
 
 
+def test_a_pair_identical_once_cut_is_skipped_and_counted(tok: Any) -> None:
+    """Answers that differ only after max_seq_len leave the same tokens on both sides: the DPO/reward loss is ln 2
+    whatever the model (nothing to learn), so the pair is skipped and counted like one without answer tokens."""
+    prompt_len = len(tok(PROMPT, add_special_tokens=False)["input_ids"]) + 1
+    late = {"prompt": PROMPT, "chosen": "a b c d e f g h i j k l m z", "rejected": "a b c d e f g h i j k l m y"}
+    out = _tokenize([late, PAIR], tok, max_len=prompt_len + 4)
+    assert len(out.dataset) == 1 and out.no_answer == 1 and out.truncated == 2
+    row = out.dataset[0]
+    assert row["chosen_input_ids"] != row["rejected_input_ids"]  # PAIR's answers differ in their first tokens
+
+
 BAD_ROWS = [
     ({"prompt": PROMPT, "chosen": "a"}, "missing field 'rejected'"),
     ({"chosen": "a", "rejected": "b"}, "missing field 'prompt'"),
