@@ -329,3 +329,22 @@ def test_a_live_run_cannot_be_replaced_resumed_merged_or_rerun(tmp_path: Path) -
     resumed = subprocess.run([sys.executable, "-m", "finetune", "resume", str(run), "train.max_steps=1",
                               "--allow-config-change"], env=ENV, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
+
+
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(trained: Path, tmp_path: Path, monkeypatch,
+                                                                  capsys) -> None:
+    """`finetune export -o` onto a full disk (a 100 kB tmpfs): safetensors re-raises ENOSPC as its own error; still
+    one line, exit 2, and no hidden scratch is left on the disk."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(disk)], capture_output=True,
+                      check=False).returncode:
+        pytest.skip("no tmpfs can be mounted here")
+    try:
+        code, _, err = main_exit(monkeypatch, capsys, "export", str(trained), "-o", str(disk / "exported"))
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert code == 2 and "Traceback" not in err and len(errors) == 1, err
+        assert "no space left on the device" in errors[0], err
+        assert list(disk.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
