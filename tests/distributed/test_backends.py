@@ -162,6 +162,10 @@ def test_packed_parity_with_one_process(workdir: Path, reference: Path, backend:
     assert max_rel_diff(final_weights(reference), final_weights(run)) <= 1e-4
     tokens = [[r["tokens"] for r in read_metrics(x) if r["kind"] == "train"] for x in (run, reference)]
     assert tokens[0] == tokens[1]
+    # the same samples per step: the input tokens and squared lengths summed over both ranks (in the step's one
+    # reduce) and the whole (unpartitioned) parameter sizes give the 1-process run's FLOPs per token
+    per_token = [[r["flops_per_token"] for r in read_metrics(x) if r["kind"] == "train"] for x in (run, reference)]
+    assert per_token[0] == pytest.approx(per_token[1], rel=1e-9)
 
 
 def test_exports_load_with_from_pretrained(workdir: Path) -> None:
