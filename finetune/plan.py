@@ -62,11 +62,12 @@ counted, per rank:
   ``r*4h + c*2h``); attention saves q, k, v, its output and the output projection's input; the MLP its gate, up,
   activation and product. It does not count gradients of activations in flight or allocator fragmentation; frozen
   linear layers (LoRA) save somewhat less than it says.
-* **logits and loss**: the logits ``T x vocab`` in the compute dtype, saved for backward, and their gradient of the
-  same size (finetune's chunked loss never makes a full fp32 copy, see :mod:`finetune.tasks.losses`), plus one fp32
-  chunk of ``min(T, default_chunk_rows(vocab))`` rows; a classification head's logits are ``micro_batch_size x
-  labels``. With gradient checkpointing, backward recomputes the last layer only after the logits, their gradient
-  and the final norm's tensors are freed: the smaller of the two is taken off once (**not held at once**, a
+* **logits and loss**: finetune's loss never builds the ``T x vocab`` logits (:mod:`finetune.tasks.losses`): one
+  chunk of ``min(T, default_chunk_rows(vocab, device))`` rows (its logits in the compute dtype, fp32 softmax and
+  gradient), plus the gradients the summed loss makes in its forward and keeps until backward (``T x hidden`` for
+  the hidden states, and an fp32 ``vocab x hidden`` buffer when the head trains); a classification head's logits
+  are ``micro_batch_size x labels``. With gradient checkpointing, backward recomputes the last layer only after the
+  loss's tensors and the final norm's are freed: the smaller of the two is taken off once (**not held at once**, a
   negative line), so the device total is the peak of the step, not the sum of two moments.
 
 The totals are per rank: device memory (a GPU, or the CPU's memory where the run trains on the CPU) and host
@@ -388,14 +389,20 @@ def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_le
     return math.ceil(without), math.ceil(with_checkpointing), math.ceil(recomputed), tokens * final
 
 
-def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size: int, compute_bytes: int) -> int:
-    """Logits saved for backward + their gradient + the chunked loss's one fp32 chunk (causal LM), or the small
-    classification logits (fp32 copy and gradient)."""
+def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size: int, compute_bytes: int,
+                    residual_bytes: int = 4, head_trains: bool = True, cuda: bool = False) -> int:
+    """What the loss holds (causal LM: :mod:`finetune.tasks.losses` never builds the ``T x vocab`` logits): one
+    chunk's logits in the compute dtype, its fp32 softmax and its gradient; the gradients a summed loss makes in
+    its forward and keeps until backward (the hidden states' and, when the head trains, an fp32 ``vocab x hidden``
+    buffer for the head). A classification head's small logits: fp32 copy and gradient."""
     if task == "classification":
         return micro_batch_size * shape.num_labels * (compute_bytes + 4 + 4)
     from finetune.tasks.losses import default_chunk_rows
 
-    return 2 * tokens * shape.vocab * compute_bytes + 4 * min(tokens, default_chunk_rows(shape.vocab)) * shape.vocab
+    rows = min(tokens, default_chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
+    chunk = rows * shape.vocab * (4 + 2 * compute_bytes)
+    early = tokens * shape.hidden * residual_bytes + (4 * shape.vocab * shape.hidden if head_trains else 0)
+    return chunk + early
 
 
 def check_fit(device_total: int, devices: Sequence[tuple[str, int]] | None) -> DeviceFit:
@@ -575,8 +582,12 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
     without, with_, recomputed, final = estimate_activations(
         shape, micro_batch_size=mbs, max_seq_len=seq, packing=cfg.data.packing, residual_bytes=prec.residual,
         compute_bytes=prec.compute, lora_in_features=lora_in, cuda=cuda, frozen_base=cfg.peft.method != "none")
-    logits = estimate_logits(facts.task, shape, mbs * seq, mbs, prec.compute)
-    eval_logits = (cfg.eval.batch_size * seq * shape.vocab * prec.compute if facts.task in CAUSAL_TASKS
+    logits = estimate_logits(facts.task, shape, mbs * seq, mbs, prec.compute, prec.residual,
+                             head_trains=cfg.peft.method == "none", cuda=cuda)
+    from finetune.tasks.losses import default_chunk_rows  # imports torch
+
+    eval_logits = (min(cfg.eval.batch_size * seq, default_chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
+                   * shape.vocab * (prec.compute + 4) if facts.task in CAUSAL_TASKS  # one chunk, no grad
                    else cfg.eval.batch_size * shape.num_labels * 4)
     return Activations(mbs * seq, mbs, seq, checkpointing, reason, with_, without, logits, eval_logits, recomputed,
                        final)
@@ -596,7 +607,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                       f"{format_bytes(other)})"))
     causal = facts.task in CAUSAL_TASKS
     items.append(Item("logits_loss", "logits + loss", acts.logits_bytes, acts.logits_bytes, 1, "device",
-                      ("logits + their gradient + one fp32 loss chunk" if causal else "classification logits")
+                      ("one loss chunk + the gradients the loss makes early" if causal else "classification logits")
                       + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
     if acts.not_at_once:
         items.append(Item("not_at_once", "not held at once", -acts.not_at_once, -acts.not_at_once, 1, "device",
