@@ -264,7 +264,8 @@ def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
     """Write ``data`` to ``tmp`` (default: a fresh hidden file beside ``path``), then rename it onto ``path``, so
     ``path`` is never half written and nothing is left behind on failure; never through a link
     (:func:`finetune.rundir.write_bytes_atomic`)."""
-    if tmp is None:  # a fresh random name (O_EXCL there: never someone else's file)
+    if tmp is None:  # a fresh random name (O_EXCL there: never someone else's file); a killed plot's is removed
+        rundir.clear_stale_scratch(path)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{rundir.TMP}")
     rundir.write_bytes_atomic(path, data, tmp)
 

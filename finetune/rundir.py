@@ -190,10 +190,12 @@ def write_bytes_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None
     check_write_target(tmp)
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # live while written: clear_stale_scratch leaves it alone
     try:
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
-        tmp.replace(path)
+            handle.flush()
+            tmp.replace(path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()

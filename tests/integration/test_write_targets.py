@@ -209,3 +209,13 @@ def test_scratch_left_by_a_killed_command_is_removed_by_the_next_one(run: Path, 
         rundir.remove_scratch(fresh)
     finally:
         os.close(holder)
+
+
+def test_a_killed_plots_scratch_is_removed_by_the_next_plot(run: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    stale = tmp_path / ".plot.png.0123abcd.tmp"
+    stale.write_bytes(b"half a png")
+    code, _, err = main_exit(monkeypatch, capsys, *_plot(run, tmp_path / "plot.png"))
+    assert code == 0, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
