@@ -21,6 +21,8 @@ def isolate_sys_path() -> None:
     ``sys.path``; the ``finetune`` console script does not. Drop it, so that a module named by a recipe
     (``model.plugin``) is imported only from what is installed or on PYTHONPATH, never from whatever folder, such as
     a run directory, the command happens to run in."""
+    if sys.flags.safe_path:  # PYTHONSAFEPATH / -P: Python added no current folder; sys.path[0] is PYTHONPATH's
+        return
     here = os.getcwd()
     if sys.path and sys.path[0] in ("", here):
         del sys.path[0]
