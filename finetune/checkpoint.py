@@ -453,6 +453,10 @@ def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any
     ``model_and_optimizer=False``: everything but the model and the optimizer (a portable resume has loaded those
     already, finetune.portable); objects marked ``holds_optimizer_state`` are then skipped too. An object marked
     ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as built."""
+    from finetune import restored
+
+    restored.check(ckpt, **{name: read_state(ckpt, name) for name in ("scheduler", "scaler")
+                            if name in objects and (ckpt / f"{name}.json").is_file()})  # before anything loads
     optimizers = _torch_optimizers([*getattr(accelerator, "_optimizers", []), *objects.values()])
     kernels = [[{k: group[k] for k in KERNEL_KEYS if k in group} for group in opt.param_groups] for opt in optimizers]
     if model_and_optimizer:

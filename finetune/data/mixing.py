@@ -28,7 +28,10 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
+from finetune.errors import DataError
+
 EPOCH_STREAM, SOURCE_STREAM = 0, 1  # the two kinds of permutations, kept apart in the seed sequence
+MAX_EPOCH = 1 << 28  # samples in one mixture epoch: its shuffled order (int64) is held in memory, 2 GiB at most
 
 
 def draws_for(weight: float, rows: int) -> int:
@@ -50,9 +53,19 @@ class Mixture:
 
     @classmethod
     def from_weights(cls, sizes: Sequence[int], weights: Sequence[float]) -> Mixture:
-        """The mixture of sources with ``sizes`` rows and these weights (see the module docstring)."""
-        return cls(tuple(int(n) for n in sizes), tuple(draws_for(w, int(n)) for w, n in zip(weights, sizes,
-                                                                                               strict=True)))
+        """The mixture of sources with ``sizes`` rows and these weights (see the module docstring). A weight that
+        would make a mixture epoch longer than MAX_EPOCH samples (1e9 ran out of memory, 1e308 overflowed) is one
+        DataError line naming it."""
+        for i, (weight, rows) in enumerate(zip(weights, sizes, strict=True)):
+            if not weight * int(rows) < MAX_EPOCH:  # also inf: 1e308 x rows
+                raise DataError(f"data.train[{i}].weight={weight:g}: draws {weight * int(rows):.3g} samples of its "
+                                f"{int(rows)} rows per mixture epoch, over the {MAX_EPOCH:,} a mixture epoch may hold "
+                                f"(its order is kept in memory); use a weight below {MAX_EPOCH / int(rows):.3g}")
+        draws = tuple(draws_for(w, int(n)) for w, n in zip(weights, sizes, strict=True))
+        if sum(draws) >= MAX_EPOCH:
+            raise DataError(f"data.train: the weights draw {sum(draws):,} samples per mixture epoch, over the "
+                            f"{MAX_EPOCH:,} a mixture epoch may hold (its order is kept in memory); lower the weights")
+        return cls(tuple(int(n) for n in sizes), draws)
 
     @property
     def rows(self) -> int:

@@ -78,6 +78,16 @@ def fix_manifest(folder: Path) -> None:
     (folder / rundir.MANIFEST).write_text(json.dumps(data))
 
 
+def forge(path: Path, **changes: object) -> None:
+    """Change keys of the JSON file ``path`` (under ``__dict__`` for a state file) and re-hash its checkpoint's
+    manifest, as whoever can write the folder can."""
+    data = json.loads(path.read_text())
+    data.get("__dict__", data).update(changes)
+    path.write_text(json.dumps(data))
+    if path.name != rundir.MANIFEST:
+        fix_manifest(path.parent)
+
+
 def flip_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-3] ^= 0x55
@@ -245,6 +255,17 @@ CASES = [
     Case("resume-no-checkpoints", resume_with(lambda r: shutil.rmtree(r / "checkpoints")),
          needle="no complete resumable checkpoint"),
     Case("resume-from-missing", resume_with(lambda r: None, "--from", "step-999999"), needle="no such complete"),
+    # restored state is checked, not trusted: forged counters with the manifest re-hashed
+    *[Case(f"resume-forged-{what}", resume_with(change, "--from", "step-000002"),
+           needle="restored state does not agree")
+      for what, change in (
+          ("step", lambda r: forge(ckpt(r) / rundir.TRAIN_STATE, step=999999)),
+          ("samples-negative", lambda r: forge(ckpt(r) / rundir.TRAIN_STATE, samples_seen=-64)),
+          ("samples-shifted", lambda r: forge(ckpt(r) / rundir.TRAIN_STATE, samples_seen=40)),
+          ("step-and-manifest", lambda r: [forge(ckpt(r) / rundir.MANIFEST, step=999999),
+                                           forge(ckpt(r) / rundir.TRAIN_STATE, step=999999)]),
+          ("extra-key", lambda r: forge(ckpt(r) / rundir.TRAIN_STATE, x=1)),
+          ("scheduler", lambda r: forge(ckpt(r) / "scheduler.json", last_epoch=999)))],
     Case("resume-from-tmp", resume_with(lambda r: None, "--from", "step-000002.tmp"), needle="no such complete"),
     Case("resume-corrupt-manifest", resume_with(lambda r: (ckpt(r, 4) / rundir.MANIFEST).write_text("{no"),
                                                 "--from", "step-000004"), needle="manifest.json is corrupted"),
@@ -405,6 +426,9 @@ CASES = [
     Case("fp16-weights-fp16-autocast", lambda e: ["run", e.recipe("r", model={"type": "tiny-llama", "dtype": "float16"},
                                                                   train={"max_steps": 1, "mixed_precision": "fp16"})],
          needle="model.dtype=float16"),
+    *[Case(f"mixing-weight-{weight:g}", lambda e, weight=weight: ["run", e.recipe("r", data={
+        "format": "alpaca", "eval": None, "train": [{"path": EVAL}, {"path": EVAL, "weight": weight}]})],
+        needle="data.train[1].weight=", creates="r") for weight in (1e308, 1e9)],
     Case("plot-step-1e308", lambda e: [
         (e.copy("full") / rundir.METRICS).open("a").write('{"kind": "train", "step": 1.7e308, "loss": 1e308}\n'),
         "plot", str(e.root / "run"), "-o", "p.png"][1:], code=0, creates="p.png"),
