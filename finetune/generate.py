@@ -339,7 +339,8 @@ def _image_grids(prompt: Prompt, text: str, images: Any) -> list[list[int]]:
     from finetune.data import vision
 
     vision.check_placeholders(text, images.image_token, len(prompt.images), prompt.where)
-    return images.grids([vision.open_image(Path(path), prompt.where) for path in prompt.images])
+    return images.grids([vision.open_image(Path(path), prompt.where) for path in prompt.images], prompt.where,
+                        prompt.images)
 
 
 # --- generation ---------------------------------------------------------------------------------------------------

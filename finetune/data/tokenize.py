@@ -165,7 +165,7 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     where = line_of(source, index)
     messages = row["messages"]
     paths = [vision.resolve(ref, source) for ref in vision.image_refs(row)]
-    grids = images.grids([vision.open_image(path, where) for path in paths])
+    grids = images.grids([vision.open_image(path, where) for path in paths], where, paths)
     counts = [images.tokens(grid) for grid in grids]
     conversation = vision.for_template(messages)
     out = _rendered(lambda: render({"messages": conversation}, "chat", tokenizer, train_on_prompt), where,

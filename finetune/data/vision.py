@@ -213,11 +213,20 @@ class ImageInputs:
         merge = int(getattr(self.processor, "merge_size", 1) or 1)
         return math.prod(grid) // (merge * merge)
 
-    def grids(self, images: list[Any]) -> list[list[int]]:
-        """Each image's patch grid (what the processor will make of it)."""
+    def grids(self, images: list[Any], where: str = "data", paths: Sequence[Any] = ()) -> list[list[int]]:
+        """Each image's patch grid (what the processor will make of it). An image the processor refuses (a 1x300
+        strip: Qwen2-VL's 'absolute aspect ratio must be smaller than 200', or a side below its patch size) is one
+        DataError line naming ``where``, the image (from ``paths``), its size and the processor's reason."""
         if not images:
             return []
-        return self.processor(images=images, return_tensors="pt")["image_grid_thw"].tolist()
+        try:
+            return self.processor(images=images, return_tensors="pt")["image_grid_thw"].tolist()
+        except ValueError as exc:
+            reason = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+            named = list(paths) or [f"image {i + 1}" for i in range(len(images))]
+            sizes = ", ".join(f"{name} is {img.width}x{img.height}" for name, img in zip(named, images, strict=False))
+            raise DataError(f"{where}: the model's image processor refuses an image ({sizes}): {reason}; use images "
+                            "with sides of at least a few dozen pixels and a moderate aspect ratio") from None
 
     def pixels(self, images: list[Any]) -> dict[str, torch.Tensor]:
         """The processor's tensors for ``images`` (pixel_values, image_grid_thw)."""

@@ -130,6 +130,22 @@ def test_a_bad_row_is_one_line_naming_it(tools, tmp_path: Path, bad: dict, messa
     assert "\n" not in str(caught.value)
 
 
+def test_an_image_the_processor_refuses_is_one_line_in_training_and_in_generate(tools, tmp_path: Path) -> None:
+    """A 1x300 strip: Qwen2-VL's processor raises 'absolute aspect ratio must be smaller than 200' (an internal
+    error before); tokenizing the data and generate's prompt check both say which line, image and size."""
+    from finetune.generate import Prompt, _image_grids
+
+    thin = image(tmp_path / "thin.png", size=(1, 300))
+    with pytest.raises(DataError) as caught:
+        tokenize(tools, write(tmp_path, [qa(image(tmp_path / "a.png")), qa(thin)]))
+    assert "data.jsonl:2: the model's image processor refuses an image" in str(caught.value)
+    assert "thin.png is 1x300" in str(caught.value) and "aspect ratio" in str(caught.value)
+    images = tools[1]
+    prompt = Prompt({}, "prompts.jsonl:1", images=(str(tmp_path / "thin.png"),))
+    with pytest.raises(DataError, match=r"prompts.jsonl:1: the model's image processor refuses .* is 1x300"):
+        _image_grids(prompt, images.image_token, images)
+
+
 def test_an_over_long_sample_is_cut_before_an_image_never_inside_it(tools, tmp_path: Path) -> None:
     _, images = tools
     names = [image(tmp_path / f"{i}.png") for i in range(2)]
