@@ -7,7 +7,11 @@ directory, say) is never imported."""
 import os
 import sys
 
-if sys.path and sys.path[0] in ("", os.getcwd()):
+try:
+    _here: str | None = os.getcwd()
+except OSError:  # the current folder was deleted: the CLI says so in one line
+    _here = None
+if sys.path and sys.path[0] in ("", _here):
     del sys.path[0]
 
 from finetune.cli import main  # after the path is safe

@@ -422,6 +422,11 @@ def _app() -> None:
     from typer.exceptions import TyperException
 
     try:
+        os.getcwd()  # relative paths (runs/<name>, data, -o) all start here
+    except FileNotFoundError:
+        raise FinetuneError("the current folder no longer exists (it was deleted or moved away); cd to an existing "
+                            "folder and run the command again") from None
+    try:
         result = app(standalone_mode=False, prog_name="finetune")
     except TyperException as exc:
         context = getattr(exc, "ctx", None)

@@ -358,6 +358,20 @@ def error_detail(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def _check_cache_error(exc: BaseException, source: str) -> None:
+    """An OSError about another path than the data file (the datasets cache under an unwritable or broken $HOME,
+    HF_HOME or HF_DATASETS_CACHE) is that path's problem: one DataError naming it, not "cannot read the data"."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    where = getattr(cause, "filename", None)
+    if not isinstance(cause, OSError) or not where or Path(str(where)).resolve() == Path(source).resolve():
+        return
+    raise DataError(f"cannot write the datasets cache at {where} ({cause.strerror or type(cause).__name__}) while "
+                    f"loading {source}; make $HOME writable, or set HF_DATASETS_CACHE (or HF_HOME) to a writable "
+                    "folder") from None
+
+
 def load_raw(source: str, subset: str | None = None, split: str = "train") -> Dataset:
     """Load one split's raw rows from a local file or a hub dataset name (``subset``: the hub dataset's
     configuration name, ``split``: its split; a local file is the one split ``train``)."""
@@ -377,6 +391,7 @@ def load_raw(source: str, subset: str | None = None, split: str = "train") -> Da
             with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."):
                 return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train")
         except Exception as exc:  # datasets wraps parse errors in several exception types
+            _check_cache_error(exc, source)
             # find the offending line (only on failure: a full parse costs seconds per 1M rows)
             if suffix == ".jsonl":
                 _scan_jsonl(source)

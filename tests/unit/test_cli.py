@@ -143,7 +143,7 @@ def test_dry_run_with_two_processes_prints_the_accelerate_argv(tmp_path, monkeyp
                                    "launch.accelerate_config=ddp")
     assert resolved["launch"]["num_processes"] == 2
     argv = plan.split()
-    assert argv[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+    assert argv[:4] == [sys.executable, "-P", "-m", "accelerate.commands.launch"]  # -P: no cwd on its sys.path
     assert " --num_processes 2 " in plan
     assert argv[argv.index("--config_file") + 1] == str(REPO / "accelerate_configs" / "ddp.yaml")
     assert argv[-3:] == ["-m", "finetune.worker", str(out / "recipe.resolved.yaml")]
@@ -297,3 +297,31 @@ def test_no_module_is_imported_from_the_current_folder(tmp_path: Path) -> None:
     rank = subprocess.run([sys.executable, "-c", "import sys, yaml; print(sys.path[0])"], cwd=tmp_path,
                           env=child_env(), capture_output=True, text=True, timeout=120)
     assert rank.returncode == 0 and not (tmp_path / "imported").exists(), rank.stderr[-2000:]
+
+
+def test_a_deleted_current_folder_is_named_as_the_cause(tmp_path: Path) -> None:
+    """Run from a folder that was deleted: one line saying so (exit 2), not a traceback or a missing file."""
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    script = (f"import os, subprocess, sys; os.chdir({str(gone)!r}); os.rmdir({str(gone)!r}); "
+              "done = subprocess.run([sys.executable, '-m', 'finetune', 'models'], capture_output=True, text=True); "
+              "sys.stderr.write(done.stderr); sys.exit(done.returncode)")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == ("error: the current folder no longer exists (it was deleted or moved away); cd "
+                                   "to an existing folder and run the command again")
+
+
+def test_an_unwritable_datasets_cache_is_named_not_the_data_file(tmp_path: Path) -> None:
+    """$HOME is a file (so ~/.cache cannot be made): the line names the cache and the fix, not the data file."""
+    home = tmp_path / "home"
+    home.write_text("not a folder")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME")}
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    done = subprocess.run([sys.executable, "-m", "finetune", "run", str(recipe), "-o", str(tmp_path / "run"),
+                           "train.max_steps=1"], cwd=tmp_path, env={**env, "HOME": str(home)}, capture_output=True,
+                          text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode == 2 and len(errors) == 1, done.stderr[-2000:]
+    assert errors[0].startswith(f"error: cannot write the datasets cache at {home}/.cache"), errors
+    assert "HF_DATASETS_CACHE" in errors[0]
