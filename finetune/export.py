@@ -22,17 +22,18 @@ partitions; full or LoRA), the export runs in this ONE process on the CPU, witho
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune import layout, outputs, rundir
-from finetune.errors import RunDirError
+from finetune.errors import FinetuneError, RunDirError
 
 RELOAD_MODULE = "finetune.reload"  # what the fresh process runs
 
@@ -102,9 +103,10 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
     run_id = rundir.run_id(run_dir)
     info = _find(run_dir, name)
     check_output(out, run_dir, overwrite)
-    manifest = checkpoint.verify(info.path, run_id)
-    recorded = probe.read(info.path)
-    cfg = recipe_of(info.path / rundir.RESOLVED, [], trust_remote_code)
+    with _pruned_is_said(info.path, run_dir):
+        manifest = checkpoint.verify(info.path, run_id)
+        recorded = probe.read(info.path)
+        cfg = recipe_of(info.path / rundir.RESOLVED, [], trust_remote_code)
     outputs.check_not_input(out, outputs.recipe_inputs(cfg))
     where = Target(info.path / rundir.RESOLVED, checkpoint=info.path, step=info.step,
                    backend=layout.of(manifest).backend)
@@ -113,7 +115,8 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
     tmp = rundir.scratch_dir(out)  # (stale scratch of a killed export is removed first)
     scratch = rundir.scratch_dir(out, "check")
     try:
-        kind, labels, expected = _write(cfg, where, manifest, recorded, tmp, log)
+        with _pruned_is_said(info.path, run_dir):
+            kind, labels, expected = _write(cfg, where, manifest, recorded, tmp, log)
         quantized, mixed = cfg.peft.method == "qlora", cfg.train.mixed_precision
         tol = probe.tolerance(cfg.model.dtype, mixed, where.backend or "single", quantized,
                               probe.scale_of(expected.logits))
@@ -145,6 +148,20 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
             if folder.exists():
                 rundir.remove_scratch(folder)
     return Exported(out, info.path, info.step, kind, delta, tol, expected.recorded)
+
+
+@contextlib.contextmanager
+def _pruned_is_said(ckpt: Path, run_dir: Path) -> Iterator[None]:
+    """A checkpoint deleted while this export reads it (a live run's keep_last pruned it) is said to be so, in one
+    line, instead of whatever file it lacked first ("recipe file not found", a missing manifest)."""
+    try:
+        yield
+    except (FinetuneError, OSError):
+        if ckpt.is_dir():
+            raise
+        raise RunDirError(f"{ckpt.name} of {run_dir} was pruned (deleted, e.g. by the run's checkpoint.keep_last) "
+                          f"while this export read it; export a newer one (`finetune ls {run_dir}` lists them)") \
+            from None
 
 
 def _find(run_dir: Path, name: str | None) -> Any:

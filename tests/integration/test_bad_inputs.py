@@ -529,3 +529,29 @@ def test_a_tampered_recipe_yaml_in_a_checkpoint_is_refused_like_any_other(prepar
     assert done.value.code == 2 and "aliases" in err and "Traceback" not in err, err
     assert os.path.exists(run / rundir.METRICS)
     assert yaml.safe_load((run / rundir.RESOLVED).read_text())["name"] == "full"
+
+
+def test_a_checkpoint_pruned_while_an_export_reads_it_is_said_to_be(prepared: dict[str, Path], tmp_path: Path,
+                                                                   monkeypatch, capsys) -> None:
+    """A live run's keep_last deletes the checkpoint an export has verified: the line says it was pruned (exit 2),
+    not 'recipe file not found'."""
+    from finetune import probe
+
+    run = tmp_path / "run"
+    shutil.copytree(prepared["full"], run)
+    read = probe.read
+
+    def pruned_meanwhile(folder: Path):  # the run prunes right after the export verified the checkpoint
+        shutil.rmtree(folder)
+        return read(folder)
+
+    monkeypatch.setattr(probe, "read", pruned_meanwhile)
+    monkeypatch.setattr(sys, "argv", ["finetune", "export", str(run), "--from", "step-000002", "-o",
+                                      str(tmp_path / "out")])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        main()
+    err = capsys.readouterr().err
+    assert done.value.code == 2, err
+    assert "step-000002 of" in err and "was pruned" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
