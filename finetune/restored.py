@@ -78,9 +78,9 @@ def check(ckpt: Path, scheduler: Any = None, scaler: Any = None) -> None:
     try:
         state = json.loads((ckpt / rundir.TRAIN_STATE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        found = [f"{rundir.TRAIN_STATE} cannot be read ({type(exc).__name__})"]
-    else:
-        found = problems(ckpt.name, manifest, state, scheduler, scaler)
+        raise RunDirError(f"{ckpt}: {rundir.TRAIN_STATE} cannot be loaded ({type(exc).__name__}); it was altered or "
+                          "is corrupted: resume from another checkpoint (finetune ls lists them)") from None
+    found = problems(ckpt.name, manifest, state, scheduler, scaler)
     if found:
         raise RunDirError(f"{ckpt}: its restored state does not agree ({'; '.join(found)}); it was altered or is "
                           "corrupted, so it is not resumed: resume from another checkpoint (finetune ls lists them)")
