@@ -3,7 +3,7 @@
 The block is parsed from README.md, so a command added there is run here (or fails this test until it is given
 what it needs). The commands run through the real entry point in this process (:func:`finetune.cli.main`) with the
 current folder set to a temporary one holding what the commands name: ``recipes/quickstart.yaml`` (the quickstart
-made small: tiny-llama, 100 steps of 4 rows, a checkpoint at step 100), ``recipe.yaml``, ``prompts.jsonl`` and the
+made small: tiny-llama, 100 steps of 2 rows, a checkpoint at step 100), ``recipe.yaml``, ``prompts.jsonl`` and the
 runs ``runs/q``, ``runs/a``, ``runs/b``, ``runs/theirs``, ``runs/x`` (copies of the ``runs/quickstart`` the first
 command trains). ``finetune run quickstart`` (a shipped recipe by name, from any folder) runs in a second, empty
 folder with ``FINETUNE_RECIPES_DIR`` pointing at a 2-step quickstart. A shell redirect (``> file``) is done here.
@@ -35,7 +35,7 @@ def readme_commands() -> list[str]:
 
 
 def _small_recipes(folder: Path, steps: int) -> Path:
-    """``folder/recipes``: the shipped quickstart made small (same keys, ``steps`` steps of 4 rows, a checkpoint at
+    """``folder/recipes``: the shipped quickstart made small (same keys, ``steps`` steps of 2 rows, a checkpoint at
     the last), its data cut to a few rows."""
     recipes = folder / "recipes"
     (recipes / "data").mkdir(parents=True)
@@ -44,7 +44,7 @@ def _small_recipes(folder: Path, steps: int) -> Path:
         (recipes / "data" / name).write_text("\n".join(lines) + "\n")
     recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
     recipe["model"]["config_overrides"] = {}
-    recipe["train"].update(micro_batch_size=4, global_batch_size=4, max_steps=steps)
+    recipe["train"].update(micro_batch_size=2, global_batch_size=2, max_steps=steps)
     recipe["eval"].update(every_steps=None, at_start=False, max_new_tokens=4, batch_size=8)
     recipe["checkpoint"].update(every_steps=steps)
     recipe["logging"]["every_steps"] = 50
