@@ -11,7 +11,7 @@ try:
     _here: str | None = os.getcwd()
 except OSError:  # the current folder was deleted: the CLI says so in one line
     _here = None
-if sys.path and sys.path[0] in ("", _here):
+if not sys.flags.safe_path and sys.path and sys.path[0] in ("", _here):  # under -P, sys.path[0] is PYTHONPATH's
     del sys.path[0]
 
 from finetune.cli import main  # after the path is safe
