@@ -512,7 +512,7 @@ def _all_finite(state_dict: dict[str, Any] | None) -> bool:
 
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
                  backend: Backend, run_id: str, step: int, probe: dict[str, Any] | None = None,
-                 rebuild: Callable[[], Any] | None = None) -> Path:
+                 rebuild: Callable[[], Any] | None = None, precision: Any = None) -> Path:
     """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
     ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
@@ -521,7 +521,10 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
     copy of the model (base and adapter) for a backend that must save from one (see
-    :func:`finetune.backends.export_module`)."""
+    :func:`finetune.backends.export_module`). ``precision``: the run's :class:`finetune.precision.Precision`, whose
+    autocast the reference forward runs under, as training ran (None: no autocast, fp32 training)."""
+    import contextlib
+
     import torch
 
     from finetune.backends import export_module, full_state_dict
@@ -538,7 +541,8 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     if cfg.peft.method != "none" and probe is not None:
         was_training = model.training
         model.eval()
-        with torch.no_grad():  # every rank: a forward pass is a collective under sharded backends
+        autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
+        with torch.no_grad(), autocast:  # every rank: a forward pass is a collective under sharded backends
             inputs = {k: v.to(accelerator.device) for k, v in probe.items()}
             reference = {**probe, "logits": model(**inputs).logits.float().cpu()}
         model.train(was_training)
