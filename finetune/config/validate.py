@@ -443,7 +443,11 @@ def validate(composed: Composed) -> RecipeConfig:
     lines = _semantic_lines(cfg)
     if lines:
         raise ConfigError("\n".join(lines))
-    cfg.output_dir = str(Path(cfg.output_dir or Path("runs") / cfg.name).resolve())
+    out = Path(cfg.output_dir or Path("runs") / cfg.name)
+    if out.is_symlink():  # a link as the run directory itself (a linked parent folder is fine)
+        raise ConfigError(f"output_dir: {out} is a symbolic link (to {out.resolve()}); finetune never writes through "
+                          "a link: give the folder itself, or another output_dir / -o")
+    cfg.output_dir = str(out.resolve())
     return cfg
 
 

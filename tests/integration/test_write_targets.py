@@ -178,6 +178,19 @@ def test_run_overwrite_never_writes_through(run: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in copy.iterdir()) == sorted([rundir.LOCK, rundir.MARKER])
 
 
+def test_run_into_a_symlinked_output_dir_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`finetune run -o LINK` where LINK points at an empty folder of the user's: one line, nothing written there
+    (the recipe resolved the link first, so the run trained into the user's folder)."""
+    target, link = tmp_path / "users-empty-folder", tmp_path / "link"
+    target.mkdir()
+    link.symlink_to(target)
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    code, out, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", str(link), "train.max_steps=1")
+    assert_user_error(code, out, err, "output_dir", "symbolic link")
+    assert list(target.iterdir()) == [] and link.is_symlink()
+
+
 def test_scratch_left_by_a_killed_command_is_removed_by_the_next_one(run: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
