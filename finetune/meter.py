@@ -66,8 +66,14 @@ def step_flops(model: Any, peak_tflops: float | None, device: Any) -> StepFlops 
     None when the formula does not know a part of the model (a vision tower, a classification head)."""
     import torch
 
+    config = getattr(model, "config", None)  # a custom (factory) row has none: no formula, no MFU
+    try:
+        attention = attention_of(config) if config is not None else None
+    except AttributeError:  # a config without the layer / head / width fields the formula reads
+        attention = None
+    if attention is None:
+        return None
     params, tied = _params(model)
-    attention = attention_of(model.config)
     one = train_flops(params, attention, [1], tied_head_numel=tied)
     two = train_flops(params, attention, [2], tied_head_numel=tied)
     if one is None or two is None:
