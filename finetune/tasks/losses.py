@@ -82,46 +82,6 @@ def _hits(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> to
     return ((logits.argmax(-1) == target) & valid).long()
 
 
-class _Grads:
-    """The gradients of ONE sequence's log-prob sum, accumulated chunk by chunk in the forward (as Liger's fused
-    linear cross-entropy does): the loss is the last node of the graph, so its upstream gradient is a scalar known
-    only in backward, which then multiplies. This saves the recomputation of every chunk's logits (a ``[rows, H] x
-    [H, V]`` matmul) in backward: the head costs one matmul forward and two backward, as an unfused head does."""
-
-    def __init__(self, needs: tuple[bool, ...], hidden: torch.Tensor, weight: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> None:
-        self.dtypes = (hidden.dtype, None if weight is None else weight.dtype, None if bias is None else bias.dtype)
-        self.hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if needs[0] else None
-        self.weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if weight is not None and needs[1] else None
-        self.bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
-            if bias is not None and needs[2] else None
-
-    def add_chunk(self, start: int, end: int, h: torch.Tensor, grad: torch.Tensor, target: torch.Tensor,
-                  ok: torch.Tensor, w: torch.Tensor) -> None:
-        """``grad`` (the chunk's fp32 softmax, overwritten) becomes d(sum of target log-probs)/d(logits) =
-        onehot(target) - softmax on rows with a target, 0 elsewhere; then into the hidden / weight / bias grads."""
-        grad.mul_(-ok.unsqueeze(1))
-        grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), ok.unsqueeze(1))
-        grad.masked_fill_(ok.unsqueeze(1) == 0, 0.0)  # non-finite logits of ignored rows: 0
-        assert w is not None, "early gradients need a head weight (see sequence_logprobs)"
-        grad = grad.to(w.dtype)
-        if self.hidden is not None:
-            self.hidden[start:end].copy_(grad @ w)
-        if self.weight is not None and w.dtype == torch.float32:
-            self.weight.addmm_(grad.t(), h.to(w.dtype))  # no [V, H] temporary
-        elif self.weight is not None:
-            self.weight.add_(grad.t() @ h.to(w.dtype))
-        if self.bias is not None:
-            self.bias.add_(grad.sum(0, dtype=torch.float32))
-
-    def scaled(self, upstream: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """The three gradients times the upstream gradient, each in its tensor's dtype."""
-        scale = upstream.to(torch.float32)
-        return tuple(None if g is None else (g * scale).to(dtype)
-                     for g, dtype in zip((self.hidden, self.weight, self.bias), self.dtypes, strict=True))
-
-
 class _LinearLogProbs(torch.autograd.Function):
     """``[S]`` sums of target log-probs over ``[N, H]`` hidden states and an optional ``[V, H]`` head; see the module
     docstring. Outputs the sums (fp32) and the argmax hits (long, not differentiable)."""
@@ -129,7 +89,7 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int, dtype: torch.dtype,
-                count_hits: bool, early_grads: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype) if weight is not None else None
             b = bias.to(dtype) if bias is not None else None
@@ -137,31 +97,20 @@ class _LinearLogProbs(torch.autograd.Function):
             # float64 accumulator: chunk sums add up in another order than one fused reduction would
             out = torch.zeros(sequences, dtype=torch.float64, device=hidden.device)
             hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
-            grads = _Grads(ctx.needs_input_grad[:3], hidden, weight, bias) if early_grads else None
             for start in range(0, hidden.size(0), rows):
                 end = start + rows
                 logits = _chunk_logits(hidden[start:end], w, b)
-                target, ok = targets[start:end], valid[start:end]
-                if grads is None:
-                    picked = _pick(logits, target, ok)
-                else:  # the log-softmax is turned into the chunk's gradient in place (one fp32 chunk alive)
-                    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-                    picked = torch.where(ok, logp.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
-                    grads.add_chunk(start, end, hidden[start:end], logp.exp_(), target, ok.to(torch.float32), w)
-                out.index_add_(0, seq[start:end], picked.double())
+                out.index_add_(0, seq[start:end], _pick(logits, targets[start:end], valid[start:end]).double())
                 if count_hits:  # an argmax pass over the chunk: eval's token accuracy only
-                    hits.index_add_(0, seq[start:end], _hits(logits, target, ok))
-        ctx.rows, ctx.dtype, ctx.sequences, ctx.grads = rows, dtype, sequences, grads
-        if grads is None:
-            ctx.save_for_backward(hidden, weight, bias, targets, seq)
+                    hits.index_add_(0, seq[start:end], _hits(logits, targets[start:end], valid[start:end]))
+        ctx.rows, ctx.dtype, ctx.sequences = rows, dtype, sequences
+        ctx.save_for_backward(hidden, weight, bias, targets, seq)
         ctx.mark_non_differentiable(hits)
         return out.to(torch.float32), hits
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor, _grad_hits: Any) -> tuple[torch.Tensor | None, ...]:
-        if ctx.grads is not None:  # computed in the forward for an upstream gradient of 1: scale them
-            return (*ctx.grads.scaled(grad_out[0]), None, None, None, None, None, None, None)
         hidden, weight, bias, targets, seq = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
@@ -197,7 +146,7 @@ class _LinearLogProbs(torch.autograd.Function):
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def _module_chunk(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
@@ -256,12 +205,8 @@ def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Te
     targets, seq = targets.long(), seq.long()
     if head is not None:
         return _module_logprobs(head, hidden, targets, seq, sequences, rows, count_hits)
-    trains = any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    # a summed loss through a head weight: gradients in the forward (over bare logits they would be a second
-    # [N, V] tensor kept until backward)
-    early = sequences == 1 and weight is not None and trains and torch.is_grad_enabled()
     return _LinearLogProbs.apply(hidden, weight, bias, targets, seq, sequences, rows,
-                                 compute_dtype(hidden, weight), count_hits, early)
+                                 compute_dtype(hidden, weight), count_hits)
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
