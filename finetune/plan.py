@@ -64,8 +64,8 @@ counted, per rank:
   linear layers (LoRA) save somewhat less than it says.
 * **logits and loss**: finetune's loss never builds the ``T x vocab`` logits (:mod:`finetune.tasks.losses`): one
   chunk of ``min(T, default_chunk_rows(vocab, device))`` rows (its logits in the compute dtype, fp32 softmax and
-  gradient), plus the gradients the summed loss makes in its forward and keeps until backward (``T x hidden`` for
-  the hidden states, and an fp32 ``vocab x hidden`` buffer when the head trains); a classification head's logits
+  gradient), plus the gradients the loss's backward assembles (``T x hidden`` for the hidden states, and an fp32
+  ``vocab x hidden`` buffer when the head trains); a classification head's logits
   are ``micro_batch_size x labels``. With gradient checkpointing, backward recomputes the last layer only after the
   loss's tensors and the final norm's are freed: the smaller of the two is taken off once (**not held at once**, a
   negative line), so the device total is the peak of the step, not the sum of two moments.
@@ -392,17 +392,17 @@ def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_le
 def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size: int, compute_bytes: int,
                     residual_bytes: int = 4, head_trains: bool = True, cuda: bool = False) -> int:
     """What the loss holds (causal LM: :mod:`finetune.tasks.losses` never builds the ``T x vocab`` logits): one
-    chunk's logits in the compute dtype, its fp32 softmax and its gradient; the gradients a summed loss makes in
-    its forward and keeps until backward (the hidden states' and, when the head trains, an fp32 ``vocab x hidden``
-    buffer for the head). A classification head's small logits: fp32 copy and gradient."""
+    chunk's logits in the compute dtype, its fp32 softmax and its gradient; the gradients its backward assembles
+    (the hidden states' and, when the head trains, an fp32 ``vocab x hidden`` buffer for the head). A
+    classification head's small logits: fp32 copy and gradient."""
     if task == "classification":
         return micro_batch_size * shape.num_labels * (compute_bytes + 4 + 4)
     from finetune.tasks.losses import default_chunk_rows
 
     rows = min(tokens, default_chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
     chunk = rows * shape.vocab * (4 + 2 * compute_bytes)
-    early = tokens * shape.hidden * residual_bytes + (4 * shape.vocab * shape.hidden if head_trains else 0)
-    return chunk + early
+    grads = tokens * shape.hidden * residual_bytes + (4 * shape.vocab * shape.hidden if head_trains else 0)
+    return chunk + grads
 
 
 def check_fit(device_total: int, devices: Sequence[tuple[str, int]] | None) -> DeviceFit:
@@ -607,7 +607,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                       f"{format_bytes(other)})"))
     causal = facts.task in CAUSAL_TASKS
     items.append(Item("logits_loss", "logits + loss", acts.logits_bytes, acts.logits_bytes, 1, "device",
-                      ("one loss chunk + the gradients the loss makes early" if causal else "classification logits")
+                      ("one loss chunk + the hidden and head gradients" if causal else "classification logits")
                       + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
     if acts.not_at_once:
         items.append(Item("not_at_once", "not held at once", -acts.not_at_once, -acts.not_at_once, 1, "device",

@@ -447,7 +447,7 @@ def test_activation_estimate_tracks_what_autograd_saves(recipe: Path, overrides:
     estimate = plan.activations.without_checkpointing + (copies.per_rank_bytes if copies else 0)
     assert 0.8 < estimate / measured < 1.25, (estimate, measured)
     if plan.task == "causal_lm":  # no full logits: one chunk (compute-dtype logits, fp32 softmax, gradient) and
-        # the gradients the summed loss makes in its forward (hidden states; an fp32 head buffer when it trains)
+        # the gradients its backward assembles (hidden states; an fp32 head buffer when it trains)
         tokens, vocab = logits.shape[0] * logits.shape[1], logits.shape[-1]
         hidden, compute = cfg_hidden(cfg), logits.element_size()
         residual = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4
