@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -29,3 +32,14 @@ def assert_user_error(code: int, out: str, err: str, *needles: str) -> list[str]
     for needle in needles:
         assert needle in err, (needle, err)
     return lines
+
+
+def load_script(name: str, module_name: str) -> ModuleType:
+    """``scripts/<name>`` imported as module ``module_name`` (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / name
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module

@@ -4,29 +4,20 @@ measurements into figures are checked on made-up numbers (no training)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from tests.cli_helpers import load_script
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check_under_test", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = load_script("gpu_check.py", "gpu_check_under_test")
 
 
 @pytest.mark.integration

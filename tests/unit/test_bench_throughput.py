@@ -3,29 +3,16 @@ checks that keep a wrong variant from reporting a number. Nothing here trains.""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 import statistics
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_throughput.py"
+from tests.cli_helpers import load_script
 
-
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-bt = _load()
+bt = load_script("bench_throughput.py", "bench_throughput")
 
 SAMPLES = [
     {"input_ids": [1, 10, 11, 2], "labels": [-100, 10, 11, 2]},
