@@ -63,9 +63,9 @@ counted, per rank:
   activation and product. It does not count gradients of activations in flight or allocator fragmentation; frozen
   linear layers (LoRA) save somewhat less than it says.
 * **logits and loss**: finetune's loss never builds the ``T x vocab`` logits (:mod:`finetune.tasks.losses`): one
-  chunk of ``min(T, default_chunk_rows(vocab, device))`` rows (its logits in the compute dtype, fp32 softmax and
-  gradient), plus the gradients the loss's backward assembles (``T x hidden`` for the hidden states, and an fp32
-  ``vocab x hidden`` buffer when the head trains); a classification head's logits
+  chunk of ``min(T, default_chunk_rows(vocab, device))`` rows (its logits in the compute dtype and their fp32
+  softmax, which becomes the chunk's gradient), plus the hidden states' gradient (``T x hidden``) its backward
+  assembles, and an fp32 ``vocab x hidden`` buffer when a 16-bit head trains; a classification head's logits
   are ``micro_batch_size x labels``. With gradient checkpointing, backward recomputes the last layer only after the
   loss's tensors and the final norm's are freed: the smaller of the two is taken off once (**not held at once**, a
   negative line), so the device total is the peak of the step, not the sum of two moments.
@@ -392,17 +392,19 @@ def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_le
 def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size: int, compute_bytes: int,
                     residual_bytes: int = 4, head_trains: bool = True, cuda: bool = False) -> int:
     """What the loss holds (causal LM: :mod:`finetune.tasks.losses` never builds the ``T x vocab`` logits): one
-    chunk's logits in the compute dtype, its fp32 softmax and its gradient; the gradients its backward assembles
-    (the hidden states' and, when the head trains, an fp32 ``vocab x hidden`` buffer for the head). A
-    classification head's small logits: fp32 copy and gradient."""
+    chunk at a time, its logits in the compute dtype and their fp32 softmax (which becomes the chunk's gradient,
+    the logits being freed); the hidden states' gradient its backward assembles (in the weights' dtype); and,
+    when the head trains in 16-bit weights, the fp32 ``vocab x hidden`` buffer the head's gradient is summed in
+    (with fp32 weights that buffer is the gradient itself, already counted under gradients). A classification
+    head's small logits: fp32 copy and gradient."""
     if task == "classification":
         return micro_batch_size * shape.num_labels * (compute_bytes + 4 + 4)
     from finetune.tasks.losses import default_chunk_rows
 
     rows = min(tokens, default_chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
-    chunk = rows * shape.vocab * (4 + 2 * compute_bytes)
-    grads = tokens * shape.hidden * residual_bytes + (4 * shape.vocab * shape.hidden if head_trains else 0)
-    return chunk + grads
+    chunk = rows * shape.vocab * (4 + compute_bytes)
+    head = 4 * shape.vocab * shape.hidden if head_trains and residual_bytes < 4 else 0
+    return chunk + tokens * shape.hidden * residual_bytes + head
 
 
 def check_fit(device_total: int, devices: Sequence[tuple[str, int]] | None) -> DeviceFit:
@@ -607,7 +609,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                       f"{format_bytes(other)})"))
     causal = facts.task in CAUSAL_TASKS
     items.append(Item("logits_loss", "logits + loss", acts.logits_bytes, acts.logits_bytes, 1, "device",
-                      ("one loss chunk + the hidden and head gradients" if causal else "classification logits")
+                      ("one loss chunk + the hidden states' gradient" if causal else "classification logits")
                       + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
     if acts.not_at_once:
         items.append(Item("not_at_once", "not held at once", -acts.not_at_once, -acts.not_at_once, 1, "device",
