@@ -26,13 +26,17 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    # plain help (Click's layout): flags render as flags (`--overwrite`, not `--overwrite <bool>`), and help in a
+    # pipe is not squashed into rich's 80-column boxes
+    rich_markup_mode=None,
     help="Config-driven fine-tuning of Hugging Face models. Start with: finetune run quickstart",
 )
 
 Overrides = Annotated[list[str] | None, typer.Argument(help="dotted overrides, e.g. train.max_steps=50")]
 RECIPE_HELP = "recipe YAML, or the name of a shipped recipe (see `finetune recipes`), e.g. quickstart"
 TrustRemoteCode = Annotated[bool, typer.Option(
-    "--trust-remote-code", help="run the model folder's own Python code (never taken from a run's files)")]
+    "--trust-remote-code", help="run the model folder's own Python code, and import the model.plugin module a run's "
+    "recipe names (never taken from a run's files)")]
 
 
 def _recipe_with_flags(recipe: str, overrides: list[str] | None, **flags: Any) -> tuple[RecipeConfig, Any]:
@@ -95,7 +99,7 @@ def run(
         lock = rundir.create(run_dir, overwrite=overwrite, protected=_protected(cfg, composed),
                              command=f"finetune run {recipe}")
         rundir.write_resolved(cfg, run_dir)
-    _start(cfg, resolved, lock)
+    _start(cfg, resolved, lock, allow_plugin=True)  # the recipe was named on this command line
 
 
 @app.command()
@@ -139,7 +143,7 @@ def _peft_summary(cfg: RecipeConfig) -> str:
 
 
 def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resume_from: Path | None = None,
-           allow_change: bool = False) -> None:
+           allow_change: bool = False, *, allow_plugin: bool) -> None:
     """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
     running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
     launcher across exec until every rank has exited. Before a launch, this process fills the caches the ranks
@@ -163,6 +167,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
     prepare.inputs(cfg, registry.get_model(cfg.model.type, cfg.task))
     worker_args = ["--resume", str(resume_from)] if resume_from else []
     worker_args += ["--allow-config-change"] if allow_change else []
+    worker_args += ["--allow-plugin"] if allow_plugin else []  # the workers read the resolved file: say so, explicitly
     argv = launch.launch_argv(cfg, resolved, worker_args)
     if lock is not None:
         lock.inherit()
@@ -199,7 +204,8 @@ def resume(
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
     plan, lock = begin(run_dir, [*(overrides or []), *extra], from_, allow_config_change, trust_remote_code,
                        is_main=_is_rank0(), warn=lambda note: typer.echo(f"warning: {note}", err=True))
-    _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change)
+    _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change,
+           allow_plugin=trust_remote_code)
 
 
 @app.command("ls")
@@ -376,16 +382,21 @@ def config(
 @app.command()
 def models() -> None:
     """List the SupportedModel table."""
-    from rich.console import Console
-    from rich.table import Table
-
     from finetune.registry import SUPPORTED_MODELS
 
-    table = Table("type", "task", "HF class", "FSDP wraps", "capabilities", "about")
-    for row in SUPPORTED_MODELS.values():
-        table.add_row(row.name, row.task, row.auto_class, row.decoder_layer, ", ".join(sorted(row.capabilities)),
-                      row.description)
-    Console().print(table)
+    header = ("type", "task", "HF class", "FSDP wraps", "capabilities", "about")
+    rows = [(row.name, row.task, row.auto_class, row.decoder_layer or "-", ", ".join(sorted(row.capabilities)) or "-",
+             row.description) for row in SUPPORTED_MODELS.values()]
+    for line in plain_table(header, rows):
+        typer.echo(line)
+
+
+def plain_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns two spaces apart, each as wide as its widest cell: the same full text on a terminal
+    and in a pipe (a rich table squashes itself to 80 columns when stdout is not a terminal)."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows, strict=True)]
+    return ["  ".join(f"{cell!s:<{width}}" for cell, width in zip(line, widths, strict=True)).rstrip()
+            for line in (header, *rows)]
 
 
 def _describe(path: Path) -> str:

@@ -243,8 +243,32 @@ def test_eval_on_an_empty_dir_subprocess(tmp_path):
 def test_models_lists_every_supported_model():
     result = invoke("models")
     assert result.exit_code == 0
-    first_column = {line.split("│")[1].strip() for line in result.stdout.splitlines() if line.startswith("│")}
+    first_column = {line.split()[0] for line in result.stdout.splitlines()[1:]}
     assert set(SUPPORTED_MODELS) <= first_column, result.stdout
+
+
+def test_models_in_a_pipe_is_not_squashed_to_80_columns():
+    """stdout is a pipe and COLUMNS is unset: every row still holds its full type, class, capabilities and
+    description on one line (rich squashed the table to 80 columns with ellipses and wrapped cells)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    done = subprocess.run([sys.executable, "-m", "finetune", "models"], capture_output=True, text=True, env=env,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 1 + len(SUPPORTED_MODELS) and "…" not in done.stdout, done.stdout
+    for line, row in zip(lines[1:], SUPPORTED_MODELS.values(), strict=True):
+        assert line.startswith(row.name + " ") and row.auto_class in line and line.endswith(row.description), line
+        assert ", ".join(sorted(row.capabilities)) in line, line
+
+
+def test_help_shows_flags_as_flags():
+    """A boolean option is a flag: `--overwrite  replace ...`, not `--overwrite <bool>`."""
+    for command in ("run", "eval", "resume", "plan", "export"):
+        done = cli(command, "--help")
+        assert done.returncode == 0, done.stderr
+        assert "<bool>" not in done.stdout and "╭" not in done.stdout, done.stdout
+    assert re.search(r"^\s+--overwrite\s+replace an existing run directory", cli("run", "--help").stdout,
+                     re.MULTILINE)
 
 
 def test_recipes_lists_quickstart_with_its_description():
