@@ -38,6 +38,8 @@ EVAL_FIRST = ("eval_loss", "eval_ppl")
 EVAL_COUNTS = frozenset({"eval_samples", "eval_correct", "eval_total"})
 COUNT_SUFFIXES = ("_correct", "_total")
 PNG_SUFFIX = ".png"
+# Panels drawn on a log y axis (a loss spans decades; perplexity is its exponential), said so on the axis label.
+LOG_SCALE = frozenset({"loss", "eval_loss", "eval_ppl"})
 # A panel whose series have at most this many points marks each point, so a single eval is visible.
 _MARKER_POINTS = 30
 
@@ -62,12 +64,14 @@ class Series:
 
 @dataclass(frozen=True)
 class Panel:
-    """One subplot: the metric key it shows, its title and y label, and one series per run that logged it."""
+    """One subplot: the metric key it shows, its title and y label, one series per run that logged it, and
+    whether its y axis is logarithmic (``log``: loss and perplexity whose values are all positive)."""
 
     key: str
     title: str
     ylabel: str
     series: tuple[Series, ...]
+    log: bool = False
 
 
 def is_eval_metric(key: str) -> bool:
@@ -98,8 +102,8 @@ def _finite(value: float | None) -> bool:
 def _kind(row: dict[str, Any]) -> str:
     """``train`` or ``eval``: the row's tag, else guessed from its keys."""
     kind = row.get("kind")
-    if kind in ("train", "eval"):
-        return str(kind)
+    if isinstance(kind, str):  # train, eval, or a row that is no point on a curve (the run's end row)
+        return kind
     return "eval" if any(key.startswith("eval_") for key in row) else "train"
 
 
@@ -190,7 +194,8 @@ def plan_panels(runs: Sequence[RunMetrics]) -> list[Panel]:
     for kind, key, title, ylabel in wanted:
         series = tuple(s for run in runs if (s := _series(run, kind, key)) is not None)
         if series:
-            panels.append(Panel(key, title, ylabel, series))
+            log = key in LOG_SCALE and all(v > 0 for s in series for v in s.values if not math.isnan(v))
+            panels.append(Panel(key, title, f"{ylabel} (log scale)" if log else ylabel, series, log))
     if not panels:
         names = ", ".join(str(run.path) for run in runs)
         raise RunDirError(f"{names}: {rundir.METRICS} holds no loss, lr, grad_norm or eval metric to plot yet")
@@ -204,7 +209,8 @@ def panel_summary(panels: Iterable[Panel]) -> dict[str, list[tuple[str, int]]]:
 
 def draw(panels: Sequence[Panel], labels: Sequence[str]) -> Any:
     """A matplotlib Figure (on the Agg canvas) with the panels as a grid: a title and step / metric axis labels on
-    each, one colour per run (``labels``, in order) and one legend above the grid naming every run."""
+    each (a log y axis where the panel says so), one colour per run (``labels``, in order), one legend above the
+    grid naming every run, and the run names as the figure's title."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.lines import Line2D
@@ -230,12 +236,23 @@ def draw(panels: Sequence[Panel], labels: Sequence[str]) -> Any:
         ax.set_xlim(min(steps) - pad, max(steps) + pad)
         ax.set_ylabel(panel.ylabel)
         ax.grid(True, alpha=0.3)
-        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
+        if panel.log:
+            ax.set_yscale("log")
+            ax.grid(True, which="minor", alpha=0.1)
+        else:  # (a log axis has its own tick formatter)
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 4), useOffset=False)
     for ax in axes[len(panels):]:
         ax.set_visible(False)
     handles = [Line2D([], [], color=colour[label], linewidth=2) for label in labels]
+    fig.suptitle(figure_title(labels))
     fig.legend(handles, list(labels), loc="outside upper center", ncols=min(len(labels), 4), frameon=False)
     return fig
+
+
+def figure_title(labels: Sequence[str], most: int = 4) -> str:
+    """The figure's title: the runs' names (``a vs b``), the first ``most`` and a count beyond them."""
+    shown = " vs ".join(labels[:most])
+    return shown + (f" (+{len(labels) - most} more)" if len(labels) > most else "")
 
 
 def render(panels: Sequence[Panel], labels: Sequence[str]) -> bytes:

@@ -123,6 +123,29 @@ def test_figure_is_a_titled_labelled_grid_with_one_legend_entry_per_run(tmp_path
     assert len(eval_ax.get_lines()) == 2  # the run without eval rows is absent from eval panels only
 
 
+def test_loss_and_perplexity_are_on_a_log_axis_that_says_so_and_the_figure_names_the_runs(tmp_path) -> None:
+    """Loss, eval loss and perplexity span decades: a log y axis, labelled ``(log scale)``; lr and the metrics
+    stay linear; a panel with a value <= 0 stays linear. The figure's title names the runs; the run's end row
+    (kind ``end``) is no point on any curve."""
+    a = make_run(tmp_path / "runs" / "alpha", train_steps=6, eval_every=2)
+    b = make_run(tmp_path / "runs" / "beta", train_steps=6, eval_every=3)
+    log_row(a, "end", {"step": 6, "loss": 123.0, "samples": 48, "tokens": 384, "train_s": 0.6, "wall_s": 1.0})
+    panels = plot.plan_panels(plot.load_runs([a, b]))
+    assert plot.panel_summary(panels)["loss"] == [("alpha", 6), ("beta", 6)]
+    fig = plot.draw(panels, ["alpha", "beta"])
+    axes = {panel.key: ax for panel, ax in zip(panels, fig.axes, strict=False)}
+    for key in ("loss", "eval_loss", "eval_ppl"):
+        assert axes[key].get_yscale() == "log" and axes[key].get_ylabel().endswith("(log scale)"), key
+    for key in ("lr", "grad_norm", "eval_exact_match"):
+        assert axes[key].get_yscale() == "linear" and "log" not in axes[key].get_ylabel(), key
+    assert fig.get_suptitle() == "alpha vs beta"
+    assert plot.render(panels, ["alpha", "beta"]).startswith(PNG_SIGNATURE)
+    log_row(b, "train", {"step": 7, "loss": 0.0, "lr": 1e-3, "grad_norm": 0.1})
+    (loss,) = [p for p in plot.plan_panels(plot.load_runs([a, b])) if p.key == "loss"]
+    assert not loss.log and loss.ylabel == "loss"
+    assert plot.figure_title([f"r{i}" for i in range(6)]) == "r0 vs r1 vs r2 vs r3 (+2 more)"
+
+
 def test_run_with_train_rows_only_plots_train_panels(tmp_path, monkeypatch, capsys) -> None:
     run = make_run(tmp_path / "runs" / "noeval", train_steps=9, eval_every=None)
     code, out, err = main_exit(monkeypatch, capsys, "plot", str(run))
