@@ -18,9 +18,9 @@ import typer
 import yaml
 
 from finetune import outputs, resources, rundir
-from finetune.config import Composed, load_recipe, to_yaml
+from finetune.config import Composed, compose, load_recipe, to_yaml
 from finetune.config.schema import RecipeConfig
-from finetune.errors import FinetuneError, RunDirError, run_main
+from finetune.errors import ConfigError, FinetuneError, RunDirError, run_main
 
 app = typer.Typer(
     add_completion=False,
@@ -110,12 +110,32 @@ def plan(
     num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="print the plan's figures as one JSON object")] = False,
 ) -> None:
-    """Print the per-rank memory plan (parameters, gradients, optimizer states, activations) before launching."""
+    """Print the per-rank memory plan (parameters, gradients, optimizer states, activations) before launching.
+    model.path may be a folder or hub name with only config.json: no weights or tokenizer are read."""
     from finetune.plan import build_plan, render, to_json
 
-    cfg, _ = _recipe_with_flags(recipe, overrides, accelerate_config=accelerate_config, num_processes=num_processes)
+    cfg = _plan_recipe(recipe, overrides, accelerate_config=accelerate_config, num_processes=num_processes)
     memory = build_plan(cfg)
     typer.echo(to_json(memory) if as_json else render(memory))
+
+
+WEIGHTLESS = "holds no weights"  # the one validation problem (config/validate.py) that a memory plan does not have
+
+
+def _plan_recipe(recipe: str, overrides: list[str] | None, **flags: Any) -> RecipeConfig:
+    """The recipe to plan: validated as for a run, except that a model folder may hold only config.json (the plan
+    builds the model on the meta device from its config; weights are what a run needs, not a plan)."""
+    try:
+        return _recipe_with_flags(recipe, overrides, **flags)[0]
+    except ConfigError as exc:
+        lines = str(exc).splitlines()
+        if not lines or not all(line.startswith("model.path:") and WEIGHTLESS in line for line in lines):
+            raise
+    extra = [f"{key}={value}" for key, value in (("launch.accelerate_config", flags.get("accelerate_config")),
+                                                  ("launch.num_processes", flags.get("num_processes")))
+             if value is not None]
+    composed = compose(resources.resolve_recipe(recipe), [*(overrides or []), *extra])
+    return RecipeConfig.model_validate(composed.data)  # every other check passed: it was the only problem
 
 
 def _effective_settings(cfg: RecipeConfig) -> str:

@@ -1,0 +1,52 @@
+"""``finetune plan`` needs only a model's config.json: a Llama-2-7B-shaped folder with no weights and no tokenizer
+is planned (the numbers the README shows), while ``finetune run`` on it is still refused before anything starts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cli_helpers import assert_user_error, main_exit
+
+REPO = Path(__file__).resolve().parents[2]
+LLAMA_2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+              "intermediate_size": 11008, "num_attention_heads": 32, "num_hidden_layers": 32,
+              "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+              "hidden_act": "silu", "torch_dtype": "float16", "tie_word_embeddings": False}
+
+
+@pytest.fixture
+def recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A recipe whose model.path is a folder holding only Llama-2-7B's config.json."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FINETUNE_DEBUG", raising=False)
+    (tmp_path / "llama-2-7b").mkdir()
+    (tmp_path / "llama-2-7b" / "config.json").write_text(json.dumps(LLAMA_2_7B))
+    path = tmp_path / "llama7b.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "llama7b", "model": {"type": "llama", "path": "llama-2-7b", "dtype": "bfloat16"},
+        "data": {"format": "alpaca", "train": str(REPO / "recipes" / "data" / "reverse_train.jsonl"),
+                 "max_seq_len": 2048},
+        "train": {"micro_batch_size": 1, "global_batch_size": 8, "max_steps": 100, "mixed_precision": "bf16",
+                  "gradient_checkpointing": True}}, sort_keys=False))
+    return path
+
+
+def test_plan_of_a_config_only_7b_folder(recipe: Path, monkeypatch: pytest.MonkeyPatch,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = main_exit(monkeypatch, capsys, "plan", str(recipe), "--accelerate-config", "zero3",
+                               "--num-processes", "8")
+    assert code == 0, err
+    print(out)  # the README's 7B example is this output (pytest -s shows it)
+    assert "parameters: 6,738,415,616 total, 6,738,415,616 trainable" in out, out
+    assert "sharding: DeepSpeed ZeRO-3: parameters, gradients and optimizer states / 8" in out
+    # training needs the weights: still one line before anything is created
+    code, out, err = main_exit(monkeypatch, capsys, "run", str(recipe))
+    assert_user_error(code, out, err, "holds no weights")
+    assert not (recipe.parent / "runs").exists()
+    # any other problem is still reported
+    code, out, err = main_exit(monkeypatch, capsys, "plan", str(recipe), "train.max_stepz=3")
+    assert_user_error(code, out, err, "train.max_stepz: unknown key")
