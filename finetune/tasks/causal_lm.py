@@ -181,9 +181,17 @@ def generate_tokens(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
-        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
-                    past_key_values=out.past_key_values, use_cache=True)
+        out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
+                    **_kv_cache(out))
     return torch.stack(new_tokens, dim=1)
+
+
+def _kv_cache(out: Any) -> dict[str, Any]:
+    """The KV cache of a forward's output, as the keyword argument the model takes it back by: ``cache`` since
+    transformers 5.24 (which deprecates ``past_key_values`` both ways, with a warning), else ``past_key_values``."""
+    if "cache" in out:
+        return {"cache": out["cache"]}
+    return {"past_key_values": out.past_key_values}
 
 
 class CausalLMTask(TaskData):
