@@ -267,7 +267,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _rng_name(rank: int) -> str:
-    return f"rng_state_{rank}"
+    from finetune.restored import rng_name
+
+    return rng_name(rank)
 
 
 def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[str, Any], tokenizer: Any,
@@ -455,8 +457,8 @@ def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any
     ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as built."""
     from finetune import restored
 
-    restored.check(ckpt, **{name: read_state(ckpt, name) for name in ("scheduler", "scaler")
-                            if name in objects and (ckpt / f"{name}.json").is_file()})  # before anything loads
+    restored.check(ckpt, read_state, {name: objects[name].state_dict() for name in ("scheduler", "scaler")
+                                      if name in objects})  # before anything loads
     optimizers = _torch_optimizers([*getattr(accelerator, "_optimizers", []), *objects.values()])
     kernels = [[{k: group[k] for k in KERNEL_KEYS if k in group} for group in opt.param_groups] for opt in optimizers]
     if model_and_optimizer:

@@ -3,8 +3,11 @@
 A checkpoint's files are hashed into its manifest, but whoever can write the folder can re-hash it: a forged
 ``train_state.json`` (step 999999, or samples_seen -64) once trained nothing, or trained on a shifted data cursor,
 and exited 0. Before a resume loads anything, :func:`check` compares the loop's counters with the manifest's step
-and samples, the folder's name, each other, the scheduler's step count and the loss scale, and refuses the
-checkpoint in one line when any of them disagrees. No torch here.
+and samples, the folder's name and each other; the scheduler's and the loss scaler's states with the step and with
+the ones this build made (no key a build does not have: ``load_state_dict`` copies every key into the object); and
+every rank's RNG state, ours (JSON) and accelerate's (``random_states_<rank>.pkl``, loaded as data only, never
+unpickled), with the manifest's world size and with what a generator accepts. Any disagreement refuses the
+checkpoint in one line. torch and numpy are imported only by the RNG check (a generator is the judge of its state).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -63,24 +67,220 @@ def problems(name: str, manifest: dict[str, Any], state: Any, scheduler: Any = N
     if state["train_size"] > 0 and state["epoch"] != samples // state["train_size"]:
         found.append(f"epoch {state['epoch']}, but {samples} samples of a {state['train_size']}-row data set are "
                      f"epoch {samples // state['train_size']}")
-    last = scheduler.get("last_epoch") if isinstance(scheduler, dict) else None
-    if last is not None and last != step:
-        found.append(f"the scheduler has taken {last!r} steps, the loop {step}")
-    scale = scaler.get("scale") if isinstance(scaler, dict) else None
-    if scale is not None and not (_is_number(scale) and math.isfinite(scale) and scale > 0):
-        found.append(f"the loss scale is {scale!r}")
+    if scheduler is not None:
+        found += scheduler_problems(scheduler, step)
+    if scaler is not None:
+        found += scaler_problems(scaler)
     return found
 
 
-def check(ckpt: Path, scheduler: Any = None, scaler: Any = None) -> None:
-    """Refuse, in one line, a checkpoint whose restored state disagrees (see :func:`problems`)."""
+# Keys a scheduler's state must hold (LambdaLR's; torch versions add private flags, which a build names).
+SCHEDULER_KEYS = frozenset({"base_lrs", "last_epoch", "_step_count", "_last_lr", "lr_lambdas"})
+SCALER_KEYS = frozenset({"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"})
+
+
+def _rates(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_number(v) and math.isfinite(v) and v >= 0 for v in value)
+
+
+def scheduler_problems(restored: Any, step: int, built: dict[str, Any] | None = None) -> list[str]:
+    """What is wrong with a restored LambdaLR state after ``step`` optimizer steps, given the state this build's
+    scheduler has (``built``; None: only what the state must say by itself)."""
+    if not isinstance(restored, dict):
+        return ["the scheduler's state is not a mapping"]
+    keys, allowed = set(restored), SCHEDULER_KEYS | set(built or ())
+    if not keys >= SCHEDULER_KEYS or keys - allowed:
+        odd = sorted((SCHEDULER_KEYS - keys) | (keys - allowed))
+        return [f"the scheduler's state has other keys than a scheduler's ({', '.join(odd)})"]
+    found = []
+    if restored["last_epoch"] != step or not _is_int(restored["last_epoch"]):
+        found.append(f"the scheduler has taken {restored['last_epoch']!r} steps, the loop {step}")
+    if restored["_step_count"] != step + 1 or not _is_int(restored["_step_count"]):
+        found.append(f"the scheduler counts {restored['_step_count']!r} calls, not {step + 1} after step {step}")
+    groups = len(built["base_lrs"]) if built is not None and isinstance(built.get("base_lrs"), list) else None
+    for key in ("base_lrs", "_last_lr"):
+        if not _rates(restored[key]) or (groups is not None and len(restored[key]) != groups):
+            found.append(f"the scheduler's {key} is {restored[key]!r}, not {groups or 'its'} learning rates")
+    lambdas = restored["lr_lambdas"]
+    if not isinstance(lambdas, list) or any(v is not None for v in lambdas) or (
+            groups is not None and len(lambdas) != groups):
+        found.append(f"the scheduler's lr_lambdas is {lambdas!r} (a schedule is code: it is never restored)")
+    for key in sorted(set(restored) - SCHEDULER_KEYS):  # torch's private flags
+        if not isinstance(restored[key], bool):
+            found.append(f"the scheduler's {key} is {restored[key]!r}, not a flag")
+    return found
+
+
+def scaler_problems(restored: Any, built: dict[str, Any] | None = None) -> list[str]:
+    """What is wrong with a restored loss-scaler state, given this build's (``built``: ``{}`` for bf16/fp32, whose
+    scaler ignores what it is given; None: only what the state must say by itself)."""
+    if not isinstance(restored, dict):
+        return ["the loss scaler's state is not a mapping"]
+    if not restored:
+        return ["the loss scaler's state is empty, but this run scales its fp16 loss"] if built else []
+    if set(restored) != SCALER_KEYS:
+        odd = sorted(set(restored) ^ SCALER_KEYS)
+        return [f"the loss scaler's state has other keys than a scaler's ({', '.join(odd)})"]
+    found = []
+    scale = restored["scale"]
+    if not (_is_number(scale) and math.isfinite(scale) and scale > 0):
+        found.append(f"the loss scale is {scale!r}")
+    for key in ("growth_factor", "backoff_factor", "growth_interval"):  # settings, never changed by training
+        if built and restored[key] != built.get(key):
+            found.append(f"the loss scaler's {key} is {restored[key]!r}, this run's is {built.get(key)!r}")
+    interval, tracker = restored["growth_interval"], restored["_growth_tracker"]
+    if not _is_int(tracker) or not _is_int(interval) or not 0 <= tracker < max(interval, 1):
+        found.append(f"the loss scaler's _growth_tracker is {tracker!r} (growth_interval {interval!r})")
+    return found
+
+
+# --- RNG states ---------------------------------------------------------------------------------------------------
+
+OURS = re.compile(r"rng_state_(\d+)\.json")  # finetune's, one per rank (JSON + safetensors)
+ACCELERATE = re.compile(r"random_states_(\d+)\.pkl")  # accelerate's, one per rank (torch.save)
+
+
+def rng_name(rank: int) -> str:
+    """The name (without ``.json``) of rank ``rank``'s RNG state that finetune writes in a checkpoint."""
+    return f"rng_state_{rank}"
+
+
+def generator_problem(kind: str, value: Any) -> str | None:
+    """Why ``value`` is not a state of RNG ``kind`` (python, numpy, torch, or an accelerator's list of generator
+    states); None when a generator of that kind accepts it. A scratch generator is the judge: the live ones are not
+    touched."""
+    import random
+
+    import numpy as np
+    import torch
+
+    try:
+        if kind == "python":
+            if not isinstance(value, tuple):
+                return "not a tuple"
+            random.Random().setstate(value)
+        elif kind == "numpy":
+            if not isinstance(value, tuple) or not isinstance(value[1], np.ndarray):
+                return "not numpy's state tuple"
+            np.random.RandomState().set_state(value)
+        elif kind == "torch":
+            if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+                return "not a byte tensor"
+            torch.Generator().set_state(value)
+        else:  # a device's generators: one byte tensor per device
+            if not isinstance(value, list | tuple) or not all(
+                    isinstance(v, torch.Tensor) and v.dtype == torch.uint8 and v.dim() == 1 for v in value):
+                return "not a list of byte tensors"
+            if kind == "cuda" and torch.cuda.is_available() and value:
+                size = torch.cuda.get_rng_state().numel()
+                if any(v.numel() != size for v in value):
+                    return f"not {size}-byte generator states"
+    except (TypeError, ValueError, OverflowError, IndexError, KeyError, RuntimeError) as exc:
+        return f"refused by a generator ({type(exc).__name__})"
+    return None
+
+
+def _entries(state: Any) -> str:
+    return ", ".join(map(str, state)) if isinstance(state, dict) else type(state).__name__
+
+
+def _ours_problems(state: Any) -> list[str]:
+    """finetune's RNG file (finetune.checkpoint.rng_state): python, numpy, torch and, where present, cuda."""
+    if not isinstance(state, dict) or not set(state) >= {"python", "numpy", "torch"} or set(state) - {
+            "python", "numpy", "torch", "cuda"}:
+        return [f"has other entries than python, numpy, torch and cuda ({_entries(state)})"]
+    return [f"its {kind} state is {why}" for kind in sorted(state) if (why := generator_problem(kind, state[kind]))]
+
+
+_ACCELERATE_KINDS = {"random_state": "python", "numpy_random_seed": "numpy", "torch_manual_seed": "torch"}
+
+
+def _accelerate_problems(state: Any, micro_step: int, grad_accum: int | None) -> list[str]:
+    """accelerate's RNG file: its generators, and its ``step`` (the micro-step count from which accelerate decides
+    where a gradient-accumulation window ends: restored into the accelerator, a shifted one moves every window)."""
+    if not isinstance(state, dict) or not {"step", *_ACCELERATE_KINDS} <= set(state):
+        return [f"has not accelerate's entries ({_entries(state)})"]
+    found = []
+    for key in sorted(set(state) - {"step"}):
+        kind = _ACCELERATE_KINDS.get(key) or (key.removeprefix("torch_").removesuffix("_manual_seed")
+                                              if key.startswith("torch_") and key.endswith("_manual_seed") else None)
+        if kind is None:
+            found.append(f"holds an unknown entry {key!r}")
+        elif why := generator_problem(kind, state[key]):
+            found.append(f"its {key} is {why}")
+    step = state["step"]
+    if not _is_int(step) or not 0 <= step <= micro_step or (grad_accum and step % grad_accum):
+        found.append(f"its step is {step!r}, not a whole number of {grad_accum or '?'}-micro-step windows up to "
+                     f"the loop's {micro_step} micro-steps")
+    return found
+
+
+def load_accelerate_rng(path: Path) -> Any:
+    """accelerate's ``random_states_<rank>.pkl`` as data only (``weights_only``: tensors, numpy arrays and plain
+    values; anything else, e.g. a planted payload, fails to load instead of running), as accelerate reads it."""
+    from accelerate.utils import load
+
+    return load(path, map_location="cpu", weights_only=True)
+
+
+def rng_problems(ckpt: Path, manifest: dict[str, Any], micro_step: int,
+                 read: Callable[[Path, str], Any]) -> list[str]:
+    """Every rank's RNG states (ours, read with ``read``, and accelerate's): one of each per rank of the manifest's
+    world size, none for another rank, each a state its generators accept."""
+    world = manifest.get("world_size")
+    if not _is_int(world) or world < 1:
+        return [f"the manifest's world_size is {world!r}"]
+    names = [p.name for p in ckpt.iterdir()]
+    found = []
+    for pattern, what in ((OURS, "rng_state_<rank>.json"), (ACCELERATE, "random_states_<rank>.pkl")):
+        ranks = sorted(int(m.group(1)) for n in names if (m := pattern.fullmatch(n)))
+        if ranks != list(range(world)):
+            found.append(f"{what} exists for ranks {ranks}, but the checkpoint was written by {world} process(es)")
+    if found:
+        return found
+    gbs, mbs = manifest.get("global_batch_size"), manifest.get("micro_batch_size")
+    grad_accum = gbs // (mbs * world) if _is_int(gbs) and _is_int(mbs) and mbs > 0 and gbs >= mbs * world else None
+    for rank in range(world):
+        ours, theirs = f"{rng_name(rank)}.json", f"random_states_{rank}.pkl"
+        for name, load in ((ours, lambda r=rank: read(ckpt, rng_name(r))),
+                           (theirs, lambda n=theirs: load_accelerate_rng(ckpt / n))):
+            try:
+                state = load()
+            except Exception as exc:  # any failure to read it back is a refusal, in one line
+                found.append(f"{name} cannot be loaded as data ({type(exc).__name__})")
+                continue
+            why = _ours_problems(state) if name.endswith(".json") else _accelerate_problems(state, micro_step,
+                                                                                            grad_accum)
+            found += [f"{name} {w}" for w in why]
+    return found
+
+
+def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dict[str, Any] | None = None) -> None:
+    """Refuse, in one line, a checkpoint whose restored state disagrees (see :func:`problems`, and with ``read``
+    (finetune.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
+    build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint)."""
     manifest = rundir.read_manifest(ckpt)
     try:
         state = json.loads((ckpt / rundir.TRAIN_STATE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise RunDirError(f"{ckpt}: {rundir.TRAIN_STATE} cannot be loaded ({type(exc).__name__}); it was altered or "
                           "is corrupted: resume from another checkpoint (finetune ls lists them)") from None
-    found = problems(ckpt.name, manifest, state, scheduler, scaler)
+    found = problems(ckpt.name, manifest, state)
+    if not found and read is not None:
+        for name, judge in (("scheduler", lambda s, b: scheduler_problems(s, state["step"], b)),
+                            ("scaler", scaler_problems)):
+            if name not in (built or {}):
+                continue
+            if not (ckpt / f"{name}.json").is_file():
+                found.append(f"{name}.json is missing")
+                continue
+            try:
+                restored = read(ckpt, name)
+            except Exception as exc:  # any failure to read it back is a refusal, in one line
+                found.append(f"{name}.json cannot be loaded as data ({type(exc).__name__})")
+                continue
+            found += judge(restored, (built or {})[name])
+        found += rng_problems(ckpt, manifest, state["micro_step"], read)
     if found:
         raise RunDirError(f"{ckpt}: its restored state does not agree ({'; '.join(found)}); it was altered or is "
                           "corrupted, so it is not resumed: resume from another checkpoint (finetune ls lists them)")

@@ -101,13 +101,90 @@ def test_a_payload_in_any_checkpoint_file_never_runs(trained: Path, tmp_path: Pa
                 if command[0] == "resume":
                     assert (run / rundir.METRICS).read_bytes() == rows_before, "rows dropped before a failed load"
             outcomes[(name, command[0])] = code
-    # resume reads every file but accelerate's RNG pickle (its failed load is ignored; our JSON RNG state is used),
+    # resume reads every file (accelerate's RNG pickle too, as data only: a payload is a refusal, never ignored),
     # and accelerate refuses an unregistered custom_checkpoint_0.pkl without opening it; eval reads the manifest, the
     # recipe, the weights and the recorded probe (the export it evaluates is checked against it)
-    ignored = {"random_states_0.pkl"}
+    ignored: set[str] = set()
     read_by_eval = {rundir.MANIFEST, rundir.RESOLVED, "model.safetensors", "probe.json", "probe.safetensors"}
     assert outcomes == {**{(n, "resume"): 0 if n in ignored else 2 for n in names},
                         **{(n, "eval"): 2 if n in read_by_eval else 0 for n in names}}
+
+
+def _state(folder: Path, name: str) -> dict:
+    """The ``__dict__`` of finetune's state file ``name``.json (scheduler, scaler, rng_state_N) to change in place."""
+    return json.loads((folder / f"{name}.json").read_text())["__dict__"]
+
+
+def _forge_state(folder: Path, name: str, change) -> None:
+    data = json.loads((folder / f"{name}.json").read_text())
+    change(data["__dict__"])
+    (folder / f"{name}.json").write_text(json.dumps(data))
+
+
+def _forge_accelerate_rng(folder: Path, change) -> None:
+    """Rewrite accelerate's random_states_0.pkl (read back as data) with ``change`` applied, as torch.save does."""
+    path = folder / "random_states_0.pkl"
+    from accelerate.utils import load
+
+    state = load(path, weights_only=True)
+    torch.save(change(state), path)
+
+
+def _copy_rank(folder: Path, *names: str) -> None:
+    for name in names:
+        shutil.copy(folder / name, folder / name.replace("_0", "_1"))
+
+
+# Each forges one restored field of step-000002 (the manifest re-hashed after it, as whoever can write the folder
+# can); every one resumed (exit 0, or an internal error from deep inside a library) before restored.py checked it.
+FORGED_STATE = {
+    "rng-ours-missing": lambda c: [(c / "rng_state_0.json").unlink(), (c / "rng_state_0.safetensors").unlink()],
+    "rng-accelerate-missing": lambda c: (c / "random_states_0.pkl").unlink(),
+    "rng-ours-extra-rank": lambda c: _copy_rank(c, "rng_state_0.json", "rng_state_0.safetensors"),
+    "rng-accelerate-extra-rank": lambda c: _copy_rank(c, "random_states_0.pkl"),
+    "rng-python-shape": lambda c: _forge_state(c, "rng_state_0", lambda d: d["python"]["__tuple__"][1].update(
+        __tuple__=d["python"]["__tuple__"][1]["__tuple__"][:10])),
+    "rng-numpy-type": lambda c: _forge_state(c, "rng_state_0", lambda d: d.update(numpy=[1, 2, 3])),
+    "rng-torch-type": lambda c: _forge_state(c, "rng_state_0", lambda d: d.update(torch="seed")),
+    "rng-extra-entry": lambda c: _forge_state(c, "rng_state_0", lambda d: d.update(xla=1)),
+    "rng-accelerate-not-a-state": lambda c: torch.save([1, 2, 3], c / "random_states_0.pkl"),
+    "rng-accelerate-torch-shape": lambda c: _forge_accelerate_rng(c, lambda s: {
+        **s, "torch_manual_seed": s["torch_manual_seed"][:100]}),
+    "rng-accelerate-numpy-shape": lambda c: _forge_accelerate_rng(c, lambda s: {
+        **s, "numpy_random_seed": (s["numpy_random_seed"][0], s["numpy_random_seed"][1][:5],
+                                   *s["numpy_random_seed"][2:])}),
+    "rng-accelerate-step": lambda c: _forge_accelerate_rng(c, lambda s: {**s, "step": 3}),  # mid-window (accum 2)
+    "scheduler-step-count": lambda c: _forge_state(c, "scheduler", lambda d: d.update(_step_count=999)),
+    "scheduler-foreign-key": lambda c: _forge_state(c, "scheduler", lambda d: d.update(optimizer=None)),
+    "scheduler-lambdas": lambda c: _forge_state(c, "scheduler", lambda d: d.update(lr_lambdas=[{"x": 1}, None])),
+    "scheduler-base-lrs": lambda c: _forge_state(c, "scheduler", lambda d: d.update(base_lrs=[0.001])),
+    "scheduler-missing": lambda c: (c / "scheduler.json").unlink(),
+    "scaler-not-a-scaler": lambda c: _forge_state(c, "scaler", lambda d: d.update(scale=2.0)),
+}
+
+
+@pytest.mark.parametrize("field", sorted(FORGED_STATE))
+def test_forged_restored_state_is_refused_in_one_line(field: str, trained: Path, tmp_path: Path, monkeypatch,
+                                                      capsys) -> None:
+    """Restored state is checked, not trusted (issue 22 item 5): the RNG states of every rank (ours and
+    accelerate's), the scheduler and the scaler must agree with the manifest and with themselves."""
+    run = copy_run(trained, tmp_path)
+    ckpt = rundir.step_dir(run, 2)
+    FORGED_STATE[field](ckpt)
+    fix_manifest(ckpt)
+    rows = (run / rundir.METRICS).read_bytes()
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(run), "--from", "step-000002")
+    assert code == 2 and "restored state does not agree" in one_error_line(err), (code, err)
+    assert (run / rundir.METRICS).read_bytes() == rows
+
+
+def test_an_unchanged_checkpoint_passes_the_restored_state_check(trained: Path) -> None:
+    """The check refuses forgeries, not what finetune wrote: both checkpoints of a real run pass it."""
+    from finetune import checkpoint, restored
+
+    built = {"scheduler": _state(rundir.step_dir(trained, 2), "scheduler"), "scaler": {}}
+    for step in (2, 4):
+        restored.check(rundir.step_dir(trained, step), checkpoint.read_state, built)
 
 
 def test_changed_bytes_of_the_same_size_are_refused_before_anything_is_touched(trained: Path, tmp_path: Path,
