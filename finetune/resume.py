@@ -7,7 +7,8 @@ difference) unless the user passes ``--allow-config-change``; then the differenc
 that change how the work is laid out but not the math (process count, accelerate config, micro-batch size, progress
 bar, and the kernels: attention implementation, torch.compile, fused AdamW) are always allowed: the data cursor and
 the token-weighted loss do not depend on them. ``trust_remote_code`` comes only from this command line
-(``--trust-remote-code``), never from the run's files. The tokenizer is compared in the worker, which loads it
+(``--trust-remote-code``), never from the run's files; it also decides whether the recipe's ``model.plugin`` may be
+imported, here and in the launched workers (``--allow-plugin``). The tokenizer is compared in the worker, which loads it
 anyway.
 """
 
@@ -92,10 +93,10 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
     checkpoint.verify(info.path, run_id)
     stored = info.path / rundir.RESOLVED
     here = f"output_dir={run_dir.resolve()}"
-    cfg = validate(compose(stored, [*overrides, here]))
+    cfg = validate(compose(stored, [*overrides, here]), allow_plugin=trust_remote_code)
     composed = compose(stored, [here])
     try:  # the stored recipe under today's schema: keys added since then hold their defaults, not "changes"
-        before = validate(composed).model_dump(mode="json")
+        before = validate(composed, allow_plugin=trust_remote_code).model_dump(mode="json")
     except FinetuneError:
         before = composed.data
     changes, layout = recipe_changes(before, cfg.model_dump(mode="json"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -18,6 +20,7 @@ from finetune.errors import ConfigError, RunDirError, run_main, unreadable
 from finetune.signals import Interrupted
 
 if TYPE_CHECKING:
+    from finetune import prepare
     from finetune.backends import Backend
     from finetune.loop import Trainer
 
@@ -48,9 +51,11 @@ def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
     return dataclasses.replace(backend, keep_unsharded_grads=fits)
 
 
-def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trainer:
+def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs: prepare.Inputs | None = None
+                  ) -> Trainer:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
-    ``start_step``: the step a resumed run continues from (its progress display starts there)."""
+    ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
+    tokenizer and data this process already read (`finetune run` reads them before it creates the run folder)."""
     from finetune import checkpoint, loop, prepare, registry
     from finetune import peft as lora
     from finetune.backends import detect, extra_checkpoint_state, make_accelerator, model_init
@@ -73,7 +78,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0) -> Trai
         raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
                           f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
     # before the process group exists, so that no rank waits in a collective while one tokenizes or downloads
-    inputs = prepare.inputs(cfg, row)
+    inputs = inputs or prepare.inputs(cfg, row)
     tokenizer, images, data = inputs.tokenizer, inputs.images, inputs.data
     accelerator, backend = make_accelerator(cfg, row, backend)
     accelerator.wait_for_everyone()  # under a user's launcher, rank 0 has created the run dir once it gets here
@@ -229,18 +234,23 @@ def resumed_step(checkpoint_dir: str | Path | None) -> int:
 
 
 def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
-               allow_config_change: bool = False) -> None:
+               allow_config_change: bool = False, allow_plugin: bool = False, *,
+               inputs: prepare.Inputs | None = None) -> None:
     """Train a run on this rank, then export it. ``recipe``: the resolved recipe file (what a relaunched worker
     reads), or the validated recipe itself when the CLI already runs on every rank under a launcher (the other
-    ranks must not race rank 0 writing the file).
+    ranks must not race rank 0 writing the file). ``allow_plugin``: the file's ``model.plugin`` may be imported
+    (what the launching command allowed: ``finetune run`` always, ``finetune resume`` with --trust-remote-code).
+
+    ``inputs``: see :func:`build_trainer`.
 
     Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
     from finetune import checkpoint, loop
     from finetune.modeling import compile_failures
 
-    cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe)
-    trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(resume_from))
+    started = time.monotonic()
+    cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe, allow_plugin)
+    trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(resume_from), inputs=inputs)
     try:
         if resume_from is not None:
             main = trainer.accelerator.is_main_process
@@ -268,37 +278,58 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
             from finetune.plot import write_run_plot
 
             write_run_plot(trainer.run_dir, log=lambda row: trainer.tracker.log("info", row))
-    except Interrupted as exc:
-        trainer.tracker.log("info", {"message": str(exc)})
+            report_end(trainer, time.monotonic() - started)
+    except Interrupted as exc:  # in train.log; the console gets it once, from the exit (finetune.errors)
+        trainer.tracker.log("info", {"message": str(exc), "console": False})
         raise
     finally:
         trainer.tracker.close()
         trainer.accelerator.end_training()
 
 
+def report_end(trainer: Trainer, wall_s: float) -> None:
+    """Rank 0, once the run has finished: the end row in metrics.jsonl, then the run's summary read back from what
+    it wrote (:mod:`finetune.summary`, which ``finetune ls`` shows again), on the console and in train.log."""
+    from finetune.summary import read_summary, render
+
+    state = trainer.state
+    trainer.tracker.log("end", {"step": state.step, "samples": state.samples_seen, "tokens": state.tokens_seen,
+                                "train_s": round(state.elapsed_s, 3), "wall_s": round(wall_s, 3)})
+    summary = read_summary(trainer.run_dir)
+    for line in render(summary) if summary else []:
+        trainer.tracker.log("info", {"message": line})
+
+
 def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
-            allow_config_change: bool = False) -> None:
+            allow_config_change: bool = False, allow_plugin: bool = False) -> None:
     """:func:`run_worker` with the CLI's messages and exit codes (finetune.errors.run_main); the process exits once
     its last checkpoint is published (finetune.checkpoint.publishing)."""
     from finetune.checkpoint import publishing
 
     def run() -> None:
         with publishing():
-            run_worker(recipe, resume_from, allow_config_change)
+            try:
+                run_worker(recipe, resume_from, allow_config_change, allow_plugin)
+            except Interrupted as exc:
+                if os.environ.get("RANK", "0") != "0":  # every rank stops; rank 0 says so, once
+                    raise SystemExit(exc.exit_code) from None
+                raise
 
     run_main(run)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m finetune.worker RESOLVED [--resume CKPT] [--allow-config-change]`` on every rank."""
+    """``python -m finetune.worker RESOLVED [--resume CKPT] [--allow-config-change] [--allow-plugin]`` on every
+    rank."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m finetune.worker")
     parser.add_argument("resolved", help="runs/<name>/recipe.resolved.yaml")
     parser.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     parser.add_argument("--allow-config-change", action="store_true")
+    parser.add_argument("--allow-plugin", action="store_true", help="import the recipe's model.plugin")
     args = parser.parse_args(argv)
-    execute(args.resolved, args.resume, args.allow_config_change)
+    execute(args.resolved, args.resume, args.allow_config_change, args.allow_plugin)
 
 
 if __name__ == "__main__":

@@ -433,8 +433,34 @@ def _model_folder_lines(path: str | None, row: registry.SupportedModel) -> list[
     return []
 
 
-def validate(composed: Composed) -> RecipeConfig:
-    """Turn a composed recipe into a RecipeConfig, or raise one ConfigError listing every problem."""
+def plugin_refusal(composed: Composed) -> str | None:
+    """The one line that refuses to import the ``model.plugin`` a run's recipe names (None: it names none).
+
+    Importing a plugin runs its code. A recipe named on the command line (``finetune run RECIPE``) is the user's
+    own choice; a recipe stored in a run directory (what eval, export, merge, generate and resume read) is not,
+    so its plugin is imported only when the command line says so, as ``--trust-remote-code`` does for the code
+    of a model folder."""
+    model = composed.data.get("model")
+    plugin = model.get("plugin") if isinstance(model, dict) else None
+    if not isinstance(plugin, str) or not plugin:  # no plugin, or not a module name (the schema reports that)
+        return None
+    where = composed.provenance.get("model.plugin") or (str(composed.files[0]) if composed.files else "the recipe")
+    return (f"model.plugin: the run's recipe ({where}) names the plugin module {plugin!r}, and importing it runs its "
+            "code, which finetune does for a recipe read from a run only when this command line says so; pass "
+            "--trust-remote-code to import it")
+
+
+def validate(composed: Composed, allow_plugin: bool = True) -> RecipeConfig:
+    """Turn a composed recipe into a RecipeConfig, or raise one ConfigError listing every problem.
+
+    ``allow_plugin``: whether the recipe's ``model.plugin`` module may be imported (which runs its code). True for
+    a recipe named on this command line (``finetune run``, ``plan``, ``config``); for a recipe read from a run or
+    an export (eval, export, merge, generate, resume, and the processes they start) it is the command line's
+    ``--trust-remote-code``, and without it a recipe naming a plugin is refused in one line
+    (:func:`plugin_refusal`) before anything is imported."""
+    refusal = None if allow_plugin else plugin_refusal(composed)
+    if refusal:
+        raise ConfigError(refusal)
     try:
         cfg = RecipeConfig.model_validate(composed.data)
     except ValidationError as exc:  # report the other problems of the valid sections in the same error
@@ -451,8 +477,10 @@ def validate(composed: Composed) -> RecipeConfig:
     return cfg
 
 
-def load_resolved(path: str | Path) -> RecipeConfig:
-    """Read a recipe.resolved.yaml written by :func:`write_resolved` (what every worker reads)."""
+def load_resolved(path: str | Path, allow_plugin: bool = False) -> RecipeConfig:
+    """Read a recipe.resolved.yaml written by :func:`write_resolved` (what every worker reads). A run's file: its
+    ``model.plugin`` is imported only with ``allow_plugin``, which the launching process passes explicitly
+    (``finetune.worker --allow-plugin``), never inferred from the file."""
     from finetune.config.compose import compose
 
-    return validate(compose(path))
+    return validate(compose(path), allow_plugin=allow_plugin)

@@ -72,7 +72,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     run_stopped_after(write_named(folder, "resumed", recipe), 5)
     resumed = folder / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
-    assert cli_exit_code("resume", str(resumed)) == 0
+    assert cli_exit_code("resume", str(resumed), "--trust-remote-code") == 0
     return {"straight": folder / "straight", "resumed": resumed, "folder": folder}
 
 
@@ -134,7 +134,7 @@ def test_final_is_a_state_dict_that_eval_loads_into_the_factory_model(runs: dict
         {p.name for p in final.iterdir()}
     exported = final_weights(run)
     assert "blocks.1.attn.qkv.weight" in exported and sum(t.numel() for t in exported.values()) < 30_000
-    code, stdout, stderr = main_exit(monkeypatch, capsys, "eval", str(run), "--json")
+    code, stdout, stderr = main_exit(monkeypatch, capsys, "eval", str(run), "--json", "--trust-remote-code")
     assert code == 0, stderr
     got = json.loads(stdout)
     logged = [r for r in read_metrics(run) if r["kind"] == "eval"][-1]
@@ -203,15 +203,17 @@ def test_commands_that_need_a_hugging_face_model_refuse_in_one_line(runs: dict[s
     write nothing."""
     run, ckpt = runs["straight"], runs["straight"] / "checkpoints" / "step-000012"
     out = tmp_path / "exported"
-    _refused_after_progress(*main_exit(monkeypatch, capsys, "export", str(run), "-o", str(out)), "is a custom model")
+    _refused_after_progress(*main_exit(monkeypatch, capsys, "export", str(run), "-o", str(out), "--trust-remote-code"),
+                            "is a custom model")
     assert not out.exists() and not list(tmp_path.glob(".exported*"))
-    _refused_after_progress(*main_exit(monkeypatch, capsys, "eval", str(ckpt)), "is a custom model")
+    _refused_after_progress(*main_exit(monkeypatch, capsys, "eval", str(ckpt), "--trust-remote-code"),
+                            "is a custom model")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "abc"}) + "\n")
     assert_user_error(*main_exit(monkeypatch, capsys, "generate", str(run), str(prompts), "-o",
-                                 str(tmp_path / "out.jsonl")), "does not generate text")
+                                 str(tmp_path / "out.jsonl"), "--trust-remote-code"), "does not generate text")
     assert not (tmp_path / "out.jsonl").exists()
-    assert_user_error(*main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged")),
-                      "not a LoRA run")
+    assert_user_error(*main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged"),
+                                 "--trust-remote-code"), "not a LoRA run")
     recipe = write_named(tmp_path, "planned", custom_recipe())
     assert_user_error(*main_exit(monkeypatch, capsys, "plan", str(recipe)), "without a Hugging Face config")

@@ -72,7 +72,7 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         eval={"every_steps": 2, "metrics": ["exact_match"], "max_new_tokens": 4, "batch_size": 8},
         checkpoint={"every_steps": 3, "keep_last": 3}))
     run_stopped_after(write_named(folder, "lora", recipe), 1)
-    assert cli_exit_code("resume", str(folder / "lora")) == 0
+    assert cli_exit_code("resume", str(folder / "lora"), "--trust-remote-code") == 0
     return folder / "lora"
 
 
@@ -93,24 +93,26 @@ def test_eval_export_merge_and_generate_run_in_the_training_precision(lora_run: 
     """`finetune eval` of the run and of a checkpoint (its export reloaded and checked against the recorded probe),
     `finetune export` of a checkpoint (checked in a fresh process), `finetune merge` and `finetune generate` all
     run their forwards under the recipe's bf16 autocast, and reproduce what training computed."""
-    code, out, err = main_exit(monkeypatch, capsys, "eval", str(lora_run), "--json")
+    code, out, err = main_exit(monkeypatch, capsys, "eval", str(lora_run), "--json", "--trust-remote-code")
     assert code == 0, err
     last = [r for r in read_metrics(lora_run) if r["kind"] == "eval"][-1]
     assert json.loads(out)["eval_exact_match_total"] == 8
     assert json.loads(out)["eval_loss"] == pytest.approx(last["eval_loss"], abs=1e-4)
-    code, out, err = main_exit(monkeypatch, capsys, "eval", str(lora_run / "checkpoints" / "step-000002"), "--json")
+    code, out, err = main_exit(monkeypatch, capsys, "eval", str(lora_run / "checkpoints" / "step-000002"), "--json",
+                               "--trust-remote-code")
     assert code == 0 and "verified: the export reproduces the recorded logits" in err, err
     code, out, err = main_exit(monkeypatch, capsys, "export", str(lora_run), "--from", "step-000003", "-o",
-                               str(tmp_path / "exported"))
+                               str(tmp_path / "exported"), "--trust-remote-code")
     assert code == 0, err
     verified = json.loads((tmp_path / "exported" / "manifest.json").read_text())["verified"]
     assert verified["fresh_process"] and verified["max_abs_logit_delta"] <= verified["tolerance"]
-    code, out, err = main_exit(monkeypatch, capsys, "merge", str(lora_run), "-o", str(tmp_path / "merged"))
+    code, out, err = main_exit(monkeypatch, capsys, "merge", str(lora_run), "-o", str(tmp_path / "merged"),
+                               "--trust-remote-code")
     assert code == 0 and "merge check passed" in out + err, err
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"instruction": "Reverse the letters.", "input": "a b c"}) + "\n")
     code, out, err = main_exit(monkeypatch, capsys, "generate", str(lora_run), str(prompts), "-o",
-                               str(tmp_path / "out.jsonl"), "--max-new-tokens", "3")
+                               str(tmp_path / "out.jsonl"), "--max-new-tokens", "3", "--trust-remote-code")
     assert code == 0, err
     assert json.loads((tmp_path / "out.jsonl").read_text())["finish_reason"] in ("eos", "length")
 
@@ -125,7 +127,7 @@ def test_dpo_scores_its_reference_and_checkpoints_under_bf16(tmp_path: Path, mon
         train={"max_steps": 2}, checkpoint={"every_steps": 2}), task="dpo")
     assert cli_exit_code("run", str(write_named(tmp_path, "dpo", recipe))) == 0
     code, out, err = main_exit(monkeypatch, capsys, "eval", str(tmp_path / "dpo" / "checkpoints" / "step-000002"),
-                               "--json")
+                               "--json", "--trust-remote-code")
     assert code == 0 and json.loads(out)["eval_preference_accuracy_total"] == 8, err
 
 
@@ -149,7 +151,7 @@ def test_a_vision_language_run_generates_with_images_under_bf16(tmp_path: Path, 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"messages": rows[0]["messages"][:-1]}) + "\n")
     code, _, err = main_exit(monkeypatch, capsys, "generate", str(tmp_path / "vlm"), str(prompts), "-o",
-                             str(tmp_path / "out.jsonl"), "--max-new-tokens", "3")
+                             str(tmp_path / "out.jsonl"), "--max-new-tokens", "3", "--trust-remote-code")
     assert code == 0, err
     assert json.loads((tmp_path / "out.jsonl").read_text())["finish_reason"] in ("eos", "length")
 
