@@ -447,6 +447,22 @@ def schema() -> None:
     typer.echo(json.dumps(recipe_file_schema(), indent=2))
 
 
+def _print_version(value: bool) -> None:
+    """``finetune --version``: the versions a bug report needs, from package metadata, then exit."""
+    if value:  # importlib.metadata only: no torch import (finetune/version.py)
+        from finetune.version import report
+
+        typer.echo("\n".join(report()))
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="print finetune's version and its key libraries' (torch, transformers, ...), then exit")] = False) -> None:
+    """Options of ``finetune`` itself, before any command (only ``--version``)."""
+
+
 def _app() -> None:
     """The Typer app, with usage mistakes (an unknown flag or command, a missing argument, a value of the wrong type)
     as one FinetuneError line instead of Click's usage box."""
