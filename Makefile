@@ -1,18 +1,22 @@
 # One command sets up and runs the quickstart, one sets up and runs the tests. Both create .venv if missing.
+# Installs take the exact versions of constraints.txt (what the suite ran with); pyproject.toml keeps the ranges.
+# `make test-latest` runs the suite against the newest versions those ranges allow, in a venv of its own.
 PY      ?= python3
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+CONSTRAINTS := constraints.txt
+LATEST  ?= .venv-latest
 
-.PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all lint clean gpu-check gpu-check-dry
+.PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all test-latest constraints lint clean gpu-check gpu-check-dry
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	# CPU wheel first: a bare `torch` requirement would pull a multi-GB CUDA build on a CPU-only machine.
 	# On a GPU machine, install the CUDA torch you want first instead (or set TORCH_SPEC=torch).
-	$(BIN)/pip install --quiet "$${TORCH_SPEC:-torch==2.13.0}"
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) "$${TORCH_SPEC:-torch==2.13.0}"
+	$(BIN)/pip install --quiet -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -34,6 +38,24 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/python -m pytest -q -m distributed tests/distributed
 
+# The suite against the newest releases pyproject.toml allows (no constraints), in a fresh $(LATEST): what the next
+# `make constraints` would pin. The same torch as `make setup` (TORCH_SPEC), so only the other libraries move.
+test-latest:
+	rm -rf $(LATEST)
+	$(PY) -m venv $(LATEST)
+	$(LATEST)/bin/pip install --quiet --upgrade pip
+	$(LATEST)/bin/pip install --quiet "$${TORCH_SPEC:-torch==2.13.0}"
+	$(LATEST)/bin/pip install --quiet -e '.[dev]'
+	$(LATEST)/bin/pip freeze --exclude-editable > $(LATEST)/versions.txt
+	@echo "testing against: $$(grep -E '^(transformers|accelerate|peft|datasets|deepspeed)==' $(LATEST)/versions.txt | tr '\n' ' ')"
+	FINETUNE_TEST_LATEST=1 $(LATEST)/bin/ruff check finetune tests scripts
+	FINETUNE_TEST_LATEST=1 $(LATEST)/bin/python -m pytest -q
+	FINETUNE_TEST_LATEST=1 $(LATEST)/bin/python -m pytest -q -m distributed tests/distributed
+
+# Rewrite constraints.txt from the versions installed in $(VENV) (after a green `make test-latest`, say).
+constraints: $(STAMP)
+	$(BIN)/python scripts/freeze_constraints.py --out $(CONSTRAINTS)
+
 # The GPU check (scripts/gpu_check.py): a short matrix of real runs on this machine's GPUs, one report in runs/gpu-check/.
 # On a GPU machine install the CUDA torch you want BEFORE the first setup (or TORCH_SPEC=torch make gpu-check), and
 # flash-attn to have it checked. gpu-check-dry runs the same matrix shrunk to the CPU (what the test suite runs).
@@ -47,4 +69,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(LATEST) runs .pytest_cache

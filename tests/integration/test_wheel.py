@@ -9,6 +9,7 @@ also has this project installed in editable mode, so every check first asserts w
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,6 +38,7 @@ class Installed:
     target: Path
     cwd: Path
     env: dict[str, str]
+    build_log: str  # what the build backend printed (pip -v)
 
     def finetune(self, *args: str) -> subprocess.CompletedProcess:
         """The installed ``finetune`` console script, run in the empty folder against the installed package."""
@@ -51,11 +53,13 @@ class Installed:
         return done.stdout
 
 
-def _pip(*args: str) -> None:
-    """Run pip offline (nothing is downloaded: --no-index, --no-deps, and the venv's setuptools builds)."""
+def _pip(*args: str, verbose: bool = False) -> str:
+    """Run pip offline (nothing is downloaded: --no-index, --no-deps, and the venv's setuptools builds); its output
+    (the build backend's too with ``verbose``)."""
     done = subprocess.run([sys.executable, "-m", "pip", *args, "--no-deps", "--no-index", "--disable-pip-version-check",
-                           "-q"], capture_output=True, text=True, timeout=300)
+                           "-v" if verbose else "-q"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +70,14 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     root = tmp_path_factory.mktemp("wheel")
     source, wheels, target, cwd = root / "source", root / "wheels", root / "target", root / "empty"
     shutil.copytree(REPO, source, ignore=NOT_SOURCES, symlinks=True)
-    _pip("wheel", "--no-build-isolation", "-w", str(wheels), str(source))
+    build_log = _pip("wheel", "--no-build-isolation", "-w", str(wheels), str(source), verbose=True)
     wheel = next(wheels.glob("finetune-*.whl"))
     _pip("install", "--no-compile", "--target", str(target), str(wheel))
     cwd.mkdir()
     env = {k: v for k, v in os.environ.items()
            if k not in (*LAUNCHER_ENV, "PYTHONPATH", "FINETUNE_RECIPES_DIR", "FINETUNE_DEBUG")}
     env.update(PYTHONPATH=str(target), HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", COLUMNS="200")
-    return Installed(wheel, target, cwd, env)
+    return Installed(wheel, target, cwd, env, build_log)
 
 
 def _shipped_sources() -> dict[str, Path]:
@@ -99,6 +103,28 @@ def test_the_wheel_carries_every_module_recipe_and_accelerate_config(installed: 
         for name in ("finetune/_recipes/quickstart.yaml", "finetune/_accelerate_configs/zero2.yaml"):
             assert wheel.read(name) == expected[name].read_bytes()
     assert not any(name.startswith(("recipes/", "accelerate_configs/", "tests/")) for name in names)
+
+
+def test_the_build_warns_about_nothing(installed: Installed) -> None:
+    """setuptools warns (one block per folder, ~50 lines each) about every data folder that ships as package data
+    of a parent package without being listed in [tool.setuptools] packages (recipes/data/shapes and its images
+    were); the build prints no warning of setuptools at all."""
+    warned = [line.strip() for line in installed.build_log.splitlines()
+              if re.search(r"\w*Warning\b|absent from the `packages`", line)]
+    assert not warned, "\n".join(warned)
+    with zipfile.ZipFile(installed.wheel) as wheel:
+        names = set(wheel.namelist())
+        info = next(name for name in names if name.endswith(".dist-info/METADATA"))
+        metadata = wheel.read(info).decode()
+    shapes = sorted((REPO / "recipes" / "data" / "shapes").rglob("*.*"))
+    assert shapes and all(f"finetune/_recipes/data/{p.relative_to(REPO / 'recipes' / 'data').as_posix()}" in names
+                          for p in shapes)
+    # the version is finetune.__version__ (read by setuptools from the file), and every requirement has an upper bound
+    from finetune import __version__
+
+    assert re.search(rf"^Version: {re.escape(__version__)}$", metadata, re.M)
+    requirements = re.findall(r"^Requires-Dist: (.*)$", metadata, re.M)
+    assert requirements and all("<" in requirement.split(";")[0] for requirement in requirements), requirements
 
 
 def test_the_installed_package_and_its_shipped_files_win_over_the_checkout(installed: Installed) -> None:
