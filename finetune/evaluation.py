@@ -16,6 +16,7 @@ use (overrides may change them):
 from __future__ import annotations
 
 import contextlib
+import errno
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from typing import Any
 from finetune import layout, rundir
 from finetune.config import RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import apply_overrides
-from finetune.errors import ConfigError, FinetuneError, RunDirError, unreadable
+from finetune.errors import ConfigError, FinetuneError, RunDirError, _io_cause, unreadable
 from finetune.registry import CUSTOM_WEIGHTS
 
 
@@ -195,6 +196,12 @@ def scratch_folder(prefix: str, parent: Path | None = None) -> Iterator[Path]:
     folder = Path(tempfile.mkdtemp(prefix=prefix, suffix=rundir.TMP, dir=parent))
     try:
         yield folder
+    except Exception as exc:  # a full TMPDIR: one line that says where (a library's error does not), exit 2
+        full = _io_cause(exc)
+        if full is None or full.errno not in (errno.ENOSPC, errno.EDQUOT) or isinstance(exc, FinetuneError):
+            raise
+        raise RunDirError(f"no room for the scratch export in {folder.parent} (the temporary folder: TMPDIR): "
+                          f"{full.strerror}; free space there or point TMPDIR at a folder with room") from exc
     finally:
         rundir.remove_scratch(folder)
 
