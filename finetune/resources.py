@@ -114,11 +114,23 @@ def resolve_recipe(recipe: str | Path) -> Path:
     if _is_file(path):
         return path
     text = str(recipe)
-    if not text or os.sep in text or "/" in text or path.suffix.lower() in RECIPE_SUFFIXES or text in (".", ".."):
+    if not is_recipe_name(text):
         return path
-    names = recipe_names()
-    if text in names:
-        return recipes_dir() / f"{text}.yaml"
-    shipped = ", ".join(names) or "none"
-    raise ConfigError(f"recipe {text!r}: no such file, and no shipped recipe of that name (shipped: {shipped}); "
-                      "pass a recipe .yaml path or a name from `finetune recipes`")
+    shipped = shipped_recipe(text)
+    if shipped is not None:
+        return shipped
+    raise ConfigError(f"recipe {text!r}: no such file, and no shipped recipe of that name (shipped: "
+                      f"{', '.join(recipe_names()) or 'none'}); pass a recipe .yaml path or a name from "
+                      "`finetune recipes`")
+
+
+def is_recipe_name(text: str) -> bool:
+    """True when ``text`` can only mean a shipped recipe by name: no folder, no .yaml/.yml suffix, not . or .."""
+    return bool(text) and os.sep not in text and "/" not in text and text not in (".", "..") \
+        and Path(text).suffix.lower() not in RECIPE_SUFFIXES
+
+
+def shipped_recipe(name: str) -> Path | None:
+    """The shipped recipe called ``name`` (``quickstart`` -> .../quickstart.yaml), or None. The one lookup by name,
+    for the command line (:func:`resolve_recipe`) and ``extends:`` (finetune.config.compose) alike."""
+    return recipes_dir() / f"{name}.yaml" if is_recipe_name(name) and name in recipe_names() else None

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
-from finetune.resources import recipes_dir
+from finetune.resources import is_recipe_name, recipe_names, recipes_dir, shipped_recipe
 
 PATH_KEYS = ("data.train", "data.eval", "model.path")
 SOURCE_KEYS = ("data.train", "data.eval")  # a path, or a list of sources {path, ...} whose paths resolve alike
@@ -386,7 +386,9 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve_extends(entry: Any, owner: Path, where: str) -> Path:
     """The recipe file an ``extends:`` entry names: next to ``owner`` first, then in the shipped recipes folder
-    (found by :func:`finetune.resources.recipes_dir`, so ``extends: presets/smoke.yaml`` works from an installed wheel).
+    (found by :func:`finetune.resources.recipes_dir`, so ``extends: presets/smoke.yaml`` works from an installed wheel),
+    then, for a bare name (``quickstart``), the shipped recipe of that name, looked up as ``finetune run quickstart``
+    looks it up (:func:`finetune.resources.shipped_recipe`).
 
     ``where`` is ``owner:line`` of the ``extends:`` key, for messages. A directory or special file of that name is
     reported as such (not as "not found") unless a regular file is found in the other place.
@@ -403,13 +405,19 @@ def _resolve_extends(entry: Any, owner: Path, where: str) -> Path:
                 other = candidate
         except (OSError, RuntimeError, ValueError):  # a symlink loop, an embedded NUL: no such recipe here
             continue
+    shipped = shipped_recipe(entry)
+    if shipped is not None:  # as on the command line, a folder or special file of that name does not hide it
+        return shipped.resolve()
     if other is not None:
         try:
             kind = "a directory" if other.is_dir() else f"not a regular file ({_file_kind(other.stat().st_mode)})"
         except OSError:  # gone meanwhile
             kind = "not a regular file"
         raise ConfigError(f"{where}: extends: {_show(entry)} is {kind}: {other}; name a .yaml recipe file")
-    raise ConfigError(f"{where}: extends: {_show(entry)} not found relative to {owner.parent} or {recipes_dir()}")
+    names = f", and no shipped recipe of that name (shipped: {', '.join(recipe_names()) or 'none'})" \
+        if is_recipe_name(entry) else ""
+    raise ConfigError(f"{where}: extends: {_show(entry)} not found relative to {owner.parent} or {recipes_dir()}"
+                      f"{names}")
 
 
 def _resolved(value: Any, base: Path) -> Any:

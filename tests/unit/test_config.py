@@ -89,6 +89,34 @@ def test_extends_falls_back_to_the_shipped_recipes_folder(write_recipe, minimal_
     assert load_recipe(user)[0].optim.lr == 0.02
 
 
+@pytest.mark.parametrize("base", ["quickstart.yaml", "quickstart"])
+def test_the_readme_editor_example_trains_into_runs_of_its_own_name(write_recipe, tmp_path, base):
+    """README, Editor support: ``name: mine`` over ``extends: [quickstart.yaml]`` (or the bare name, as
+    ``finetune run quickstart`` takes it) is the shipped quickstart renamed, and it trains into runs/mine: no
+    shipped recipe pins output_dir, and a bare name finds the same file as the command line does."""
+    from finetune.resources import resolve_recipe
+
+    mine = write_recipe(f"# yaml-language-server: $schema=recipe.schema.json\nname: mine\nextends: [{base}]\n",
+                        "mine.yaml", tmp_path / "my-recipes")
+    cfg, composed = load_recipe(mine)
+    assert cfg.name == "mine" and cfg.output_dir == str(tmp_path / "runs" / "mine")
+    assert composed.files[0] == resolve_recipe("quickstart").resolve() == (REPO / "recipes" / "quickstart.yaml")
+    shipped, _ = load_recipe(REPO / "recipes" / "quickstart.yaml")
+    assert cfg.model_dump() == {**shipped.model_dump(), "name": "mine", "output_dir": cfg.output_dir}
+
+
+def test_a_folder_of_that_name_does_not_hide_a_shipped_recipe_named_in_extends(write_recipe, tmp_path):
+    (tmp_path / "quickstart").mkdir()  # as on the command line, where `finetune run quickstart` ignores a folder
+    cfg, _ = load_recipe(write_recipe("name: mine\nextends: quickstart\n", "mine.yaml"))
+    assert cfg.train.max_steps == load_recipe(REPO / "recipes" / "quickstart.yaml")[0].train.max_steps
+
+
+def test_an_unknown_name_in_extends_lists_the_shipped_recipes(write_recipe):
+    message = one_error(write_recipe("name: mine\nextends: [quickstrat]\n", "mine.yaml"))
+    assert "extends: 'quickstrat' not found" in message and "no shipped recipe of that name" in message
+    assert "quickstart" in message.split("shipped:", 1)[1]
+
+
 def test_extends_cycle_is_an_error_naming_the_chain(write_recipe, tmp_path):
     write_recipe({"extends": "b.yaml", "name": "a"}, "a.yaml")
     write_recipe({"extends": ["c.yaml"], "name": "b"}, "b.yaml")
@@ -480,8 +508,10 @@ def test_resolved_recipe_round_trips(write_recipe, tmp_path, monkeypatch):
 @pytest.mark.parametrize("recipe", SHIPPED_RECIPES, ids=[p.name for p in SHIPPED_RECIPES])
 def test_shipped_recipe_validates_from_any_cwd(recipe, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    cfg, _ = load_recipe(recipe)
+    cfg, composed = load_recipe(recipe)
     assert cfg.name
+    # runs/<name> follows name: a recipe that extends this one and renames it must not train into this one's folder
+    assert "output_dir" not in composed.data and cfg.output_dir == str(tmp_path / "runs" / cfg.name)
     first = recipe.read_text().splitlines()[0]
     assert first.startswith("# finetune "), "a recipe's header comment is the command that runs it"
 
