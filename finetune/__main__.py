@@ -14,7 +14,10 @@ except OSError:  # the current folder was deleted: the CLI says so in one line
 if not sys.flags.safe_path and sys.path and sys.path[0] in ("", _here):  # under -P, sys.path[0] is PYTHONPATH's
     del sys.path[0]
 
+from finetune import quiet
 from finetune.cli import main  # after the path is safe
+
+quiet.install()  # its logging filters wait for a safe path (finetune/quiet.py)
 
 if __name__ == "__main__":
     main()

@@ -1,5 +1,6 @@
 """A single-process run is quiet: DeepSpeed is never imported, ``datasets`` shows no bars or info lines while
-finetune loads and tokenizes, and a tokenization pass that really runs says so in our own words."""
+finetune loads and tokenizes, and a tokenization pass that really runs says so in our own words. The library lines
+finetune/quiet.py lists stay off the terminal once finetune is imported, and nothing else of those libraries does."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import importlib.util
 import io
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -124,3 +126,84 @@ def test_tokenizing_prints_one_line_of_ours_then_nothing_on_a_cache_hit(tmp_path
     assert out == ""
     assert err == f"tokenizing {path}: 40 rows (cached for later runs)\n"
     assert tokenize() == ("", "")
+
+
+# What the libraries print that finetune/quiet.py silences, each triggered by the libraries' own code: transformers'
+# deprecated-alias warning that peft asks for, bitsandbytes' kernel probe (on a CPU with avx512-bf16: the check is
+# forced and its module reloaded), DeepSpeed's CPU guess, transformers' load report. Then lines that must still show.
+LIBRARY_LINES = textwrap.dedent("""
+    import importlib, logging, sys, warnings
+    warnings.simplefilter("default")  # as `python -W default` sets it at start-up: every warning shows
+    if sys.argv[1] == "finetune":
+        import finetune
+    from transformers import LlamaConfig, LlamaForCausalLM
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, vocab_size=32))
+    model.is_gradient_checkpointing  # what peft's PeftModel asks
+    import bitsandbytes.functional
+    bitsandbytes.functional.has_avx512bf16 = lambda: True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (torch says the reload overrides the kernels registered on import)
+        importlib.reload(importlib.import_module("bitsandbytes.backends.cpu.ops"))
+    import deepspeed
+    from transformers.utils.loading_report import LoadStateDictInfo, log_state_dict_report
+    info = LoadStateDictInfo(missing_keys={"classifier.weight", "classifier.bias"}, unexpected_keys=set(),
+                             mismatched_keys=set(), error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
+    log_state_dict_report(model, "some/bert", True, info, logger=logging.getLogger("transformers.modeling_utils"))
+    # what still shows: another warning of the same library, another record of the same loggers
+    warnings.warn("a FutureWarning of the user's own", FutureWarning)
+    logging.getLogger("bitsandbytes.backends.cpu.ops").warning("another bitsandbytes warning")
+    logging.getLogger("DeepSpeed").warning("another DeepSpeed warning")
+    logging.getLogger("transformers.modeling_utils").warning("another transformers warning")
+""")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("bitsandbytes") is None,
+                    reason="deepspeed and bitsandbytes are needed to trigger their lines")
+def test_the_library_lines_quiet_lists_are_off_once_finetune_is_imported_and_nothing_else() -> None:
+    def lines(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-P", "-c", LIBRARY_LINES, *args], cwd=REPO, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout + done.stderr
+
+    noise = ("`is_gradient_checkpointing` is deprecated", "Failed to load CPU gemm_4bit_forward from kernels-community",
+             "LOAD REPORT", "\x1b[")
+    still = ("a FutureWarning of the user's own", "another bitsandbytes warning", "another DeepSpeed warning",
+             "another transformers warning")
+    import torch
+
+    without = lines("alone")  # the probe really triggers each line (else this test could not fail)
+    assert all(needle in without for needle in (*noise, *still)), without
+    assert torch.cuda.is_available() or "Setting accelerator to CPU" in without
+    quiet = lines("finetune")
+    assert not [needle for needle in (*noise, "Setting accelerator") if needle in quiet], quiet
+    assert all(needle in quiet for needle in still), quiet
+    # the load report is one line of finetune's, with its facts
+    assert ("note: loading LlamaForCausalLM from some/bert: 2 weights newly initialized (not in the checkpoint): "
+            "classifier.bias, classifier.weight") in quiet.splitlines(), quiet
+
+
+def test_a_load_report_becomes_one_line_and_a_report_it_cannot_read_stays_whole() -> None:
+    from finetune.quiet import MOST_KEYS, load_report_line
+
+    esc = "\x1b["
+    report = (f"{esc}1mBertModel LOAD REPORT{esc}0m from: /m\nKey | Status | \n----+-------+-\n"
+              + "".join(f"layer.{i}.w | {esc}38;5;208mUNEXPECTED{esc}0m | \n" for i in range(MOST_KEYS + 2))
+              + f"pooler.w | {esc}31mMISSING{esc}0m | \n\nNotes:\n- MISSING:\tthose params were newly initialized")
+    line = load_report_line(report)
+    assert "\n" not in line and esc not in line
+    assert line.startswith(f"note: loading BertModel from /m: {MOST_KEYS + 2} weights in the checkpoint but not used "
+                           f"by the model: layer.0.w, ")
+    assert " and 2 more; 1 weight newly initialized (not in the checkpoint): pooler.w" in line
+    assert load_report_line(f"{esc}1mSomething else{esc}0m\nrow") == "note: Something else\nrow"
+
+
+def test_python_m_finetune_never_imports_logging_from_the_current_folder(tmp_path: Path) -> None:
+    """finetune's package import installs logging filters only once sys.path is safe: under ``python -m finetune``
+    the current folder is first on it until __main__ removes it."""
+    (tmp_path / "logging.py").write_text("raise SystemExit('the logging.py of the current folder was imported')\n")
+    done = subprocess.run([sys.executable, "-m", "finetune", "--version"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("finetune ")
