@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -68,7 +69,7 @@ def run(
     accelerate_config: Annotated[str | None, typer.Option(help="name in accelerate_configs/ or a path")] = None,
     num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
 ) -> None:
-    """Train a recipe: compose, validate, write <output_dir>/recipe.resolved.yaml, then train."""
+    """Train a recipe: compose, validate, read the data, create <output_dir> with recipe.resolved.yaml, then train."""
     from finetune import launch
 
     if output_dir is not None:
@@ -80,10 +81,16 @@ def run(
         launch.check_one_machine(cfg)
     run_dir = Path(cfg.output_dir or "")
     resolved = run_dir / rundir.RESOLVED
+    protected = _protected(cfg, composed)
     if dry_run:
-        rundir.check_location(run_dir, _protected(cfg, composed))
+        rundir.check_location(run_dir, protected)
         typer.echo(to_yaml(cfg), nl=False)
         typer.echo(f"# run dir: {run_dir}")
+        try:  # what the real run would refuse (an existing run without --overwrite, a foreign folder, a live run)
+            rundir.check_creatable(run_dir, overwrite=overwrite, protected=protected)
+        except RunDirError as exc:
+            typer.echo(f"# the real run would be refused: {exc}")
+            typer.echo(f"warning: the real run would be refused: {exc}", err=True)
         typer.echo(f"# global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum "
                    f"{cfg.grad_accum} x {cfg.launch.num_processes} process(es)")
         plan = "in this process" if launch.in_process(cfg) else " ".join(launch.launch_argv(cfg, resolved))
@@ -94,12 +101,25 @@ def run(
 
         typer.echo("\n".join(f"## {line}".rstrip() for line in render(build_plan(cfg)).splitlines()))
         return
-    lock = None
-    if _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory
-        lock = rundir.create(run_dir, overwrite=overwrite, protected=_protected(cfg, composed),
-                             command=f"finetune run {recipe}")
+    if not _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory
+        _start(cfg, resolved, None, allow_plugin=True)  # the recipe was named on this command line
+        return
+    from finetune import prepare, registry, unstarted
+
+    # The run folder is created only once the run can start: it would not be refused, and the data reads (a bad
+    # row is one line here, with no folder left behind that would need --overwrite)
+    rundir.check_creatable(run_dir, overwrite=overwrite, protected=protected)
+    inputs = prepare.inputs(cfg, registry.get_model(cfg.model.type, cfg.task))
+    made = unstarted.first_missing(run_dir)
+    lock = rundir.create(run_dir, overwrite=overwrite, protected=protected, command=f"finetune run {recipe}")
+    try:
         rundir.write_resolved(cfg, run_dir)
-    _start(cfg, resolved, lock, allow_plugin=True)  # the recipe was named on this command line
+    except BaseException:
+        unstarted.discard(run_dir, made)
+        lock.release()
+        raise
+    # what fails in this process before the first step (the model, a LoRA target) takes the new folder with it
+    _start(cfg, resolved, lock, allow_plugin=True, inputs=inputs, unstarted=lambda: unstarted.discard(run_dir, made))
 
 
 @app.command()
@@ -163,11 +183,14 @@ def _peft_summary(cfg: RecipeConfig) -> str:
 
 
 def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resume_from: Path | None = None,
-           allow_change: bool = False, *, allow_plugin: bool) -> None:
+           allow_change: bool = False, *, allow_plugin: bool, inputs: Any = None,
+           unstarted: Callable[[], object] | None = None) -> None:
     """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
     running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
     launcher across exec until every rank has exited. Before a launch, this process fills the caches the ranks
-    read (finetune.prepare): no rank then tokenizes or downloads alone inside the process group."""
+    read (finetune.prepare): no rank then tokenizes or downloads alone inside the process group. ``inputs``: what
+    ``prepare.inputs`` already gave this process (the data check of `finetune run`); ``unstarted``: called, with
+    the lock still held, when training in this process fails (it removes a new run that trained nothing)."""
     from finetune import launch
 
     if launch.in_process(cfg):
@@ -176,15 +199,20 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
 
         try:
             with publishing():  # rank 0's last checkpoint is complete before the lock goes
-                run_worker(cfg, resume_from, allow_change)
+                run_worker(cfg, resume_from, allow_change, inputs=inputs)
+        except BaseException:
+            if unstarted is not None:
+                unstarted()
+            raise
         finally:
             if lock is not None:
                 lock.release()
         return
     launch.check_one_machine(cfg)
-    from finetune import prepare, registry
+    if inputs is None:
+        from finetune import prepare, registry
 
-    prepare.inputs(cfg, registry.get_model(cfg.model.type, cfg.task))
+        prepare.inputs(cfg, registry.get_model(cfg.model.type, cfg.task))
     worker_args = ["--resume", str(resume_from)] if resume_from else []
     worker_args += ["--allow-config-change"] if allow_change else []
     worker_args += ["--allow-plugin"] if allow_plugin else []  # the workers read the resolved file: say so, explicitly
@@ -217,11 +245,18 @@ def resume(
     num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
-    """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe."""
+    """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe. A finished
+    run (its newest checkpoint at the last step, final/ exported from it) is left as it is: one line, exit 0."""
     from finetune.resume import begin
 
     flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
+    if from_ is None:  # a finished run: one line, exit 0 (finetune.finished)
+        from finetune.finished import nothing_to_resume
+
+        if done := nothing_to_resume(run_dir, [*(overrides or []), *extra], trust_remote_code):
+            typer.echo(done)
+            return
     plan, lock = begin(run_dir, [*(overrides or []), *extra], from_, allow_config_change, trust_remote_code,
                        is_main=_is_rank0(), warn=lambda note: typer.echo(f"warning: {note}", err=True))
     _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change,
@@ -231,13 +266,25 @@ def resume(
 @app.command("ls")
 def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<name>)")]) -> None:
     """List a run's checkpoints: step, samples seen, resumable (and why not), size, time, layout (backend x world
-    size, sharding) and where it can resume."""
-    from finetune import checkpoint, layout
-
+    size, sharding) and where it can resume; then, for a finished run, the summary it ended with."""
     if not run_dir.is_dir():
         raise RunDirError(f"{run_dir}: not a run directory (no such folder)")
     if not (run_dir / rundir.RESOLVED).is_file():
         raise RunDirError(f"{run_dir}: not a run directory (no {rundir.RESOLVED})")
+    _ls_checkpoints(run_dir)
+    from finetune.summary import read_summary, render
+
+    summary = read_summary(run_dir)  # a finished run: the summary it ended with, read back from its files
+    if summary is not None:
+        typer.echo("")
+        for line in render(summary):
+            typer.echo(line)
+
+
+def _ls_checkpoints(run_dir: Path) -> None:
+    """``finetune ls``'s checkpoint table."""
+    from finetune import checkpoint, layout
+
     complete, stale = rundir.checkpoint_dirs(run_dir), rundir.stale_checkpoint_dirs(run_dir)
     root = run_dir / rundir.CHECKPOINTS
     others = sorted(set(root.iterdir()) - set(complete) - set(stale)) if root.is_dir() else []

@@ -374,10 +374,7 @@ def check_replaceable_export(folder: Path) -> None:
 def _clear(run_dir: Path) -> None:
     """Remove every entry of a pure run dir except the lock (held by the caller); refuse, deleting nothing, when it
     holds anything finetune did not write."""
-    foreign = foreign_entries(run_dir)
-    if foreign:
-        raise RunDirError(f"{run_dir}: --overwrite refused: it holds files finetune did not write "
-                          f"({_listing(foreign)}); move them away or choose another -o; nothing was deleted")
+    _refuse_foreign(run_dir)
     for entry in run_dir.iterdir():
         if entry.name == LOCK:
             continue
@@ -385,6 +382,14 @@ def _clear(run_dir: Path) -> None:
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def _refuse_foreign(run_dir: Path) -> None:
+    """What ``--overwrite`` refuses: a run dir that holds anything finetune did not write."""
+    foreign = foreign_entries(run_dir)
+    if foreign:
+        raise RunDirError(f"{run_dir}: --overwrite refused: it holds files finetune did not write "
+                          f"({_listing(foreign)}); move them away or choose another -o; nothing was deleted")
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -628,6 +633,23 @@ def _visible(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
 
 
+def check_creatable(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = ()) -> None:
+    """Raise what :func:`create` would refuse, writing nothing: `finetune run` asks before its data check (so a
+    refused run costs no tokenizing), and ``--dry-run`` reports it."""
+    check_location(run_dir, protected)
+    if run_dir.is_dir() and _visible(run_dir):
+        if not (run_dir / MARKER).is_file():
+            raise RunDirError(f"{run_dir} exists and is not a finetune run (it holds {_listing(_visible(run_dir))}); "
+                              "finetune never writes into or deletes such a folder: choose another output_dir / -o")
+        RunLock.check_free(run_dir)
+        if overwrite:
+            _refuse_foreign(run_dir)
+        else:
+            resume = f", or `finetune resume {run_dir}` to continue it" if checkpoint_dirs(run_dir) else ""
+            raise RunDirError(f"{run_dir} already holds a run; pass --overwrite to replace it (only what finetune "
+                              f"wrote is deleted), or -o DIR for a new one{resume}")
+
+
 def create(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = (), command: str = "finetune run"
            ) -> RunLock:
     """Make ``run_dir`` a new, empty run and lock it (the caller releases the lock when the run ends).
@@ -635,17 +657,10 @@ def create(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = 
     Allowed: a folder that does not exist or is empty; with ``overwrite``, a finetune run that holds nothing but
     what finetune wrote (those entries are deleted). Refused: a run without ``overwrite``, a run that holds
     anything else, any other non-empty folder, a run another process is using, and the places
-    :func:`check_location` protects.
+    :func:`check_location` protects (:func:`check_creatable`).
     """
-    check_location(run_dir, protected)
+    check_creatable(run_dir, overwrite=overwrite, protected=protected)
     if run_dir.is_dir() and _visible(run_dir):
-        if not (run_dir / MARKER).is_file():
-            raise RunDirError(f"{run_dir} exists and is not a finetune run (it holds {_listing(_visible(run_dir))}); "
-                              "finetune never writes into or deletes such a folder: choose another output_dir / -o")
-        RunLock.check_free(run_dir)
-        if not overwrite:
-            raise RunDirError(f"{run_dir} already holds a run; pass --overwrite to replace it (only what finetune "
-                              f"wrote is deleted), -o DIR for a new one, or `finetune resume {run_dir}` to continue it")
         lock = RunLock.acquire(run_dir, command)
         try:
             _clear(run_dir)

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 Row = Mapping[str, Any]
 """A row: name -> value. Train and eval rows always hold ``step``; an info row holds ``message``."""
 
-KINDS: tuple[str, ...] = ("train", "eval", "info")
+KINDS: tuple[str, ...] = ("train", "eval", "info", "end")
 """The kinds of row a tracker is given:
 
 - ``train``: step, loss, lr, grad_norm, tokens (cumulative target tokens), elapsed_s (cumulative), and since the
@@ -47,7 +47,11 @@ KINDS: tuple[str, ...] = ("train", "eval", "info")
 - ``eval``: step, eval_loss, eval_ppl, eval_samples, eval_<metric> with eval_<metric>_correct / _total, and
   eval_correct / eval_total (the first metric's counts);
 - ``info``: an event, ``{"message": "saved checkpoint step-000100"}``; ``"level": "warning"`` marks one the user
-  must see (the console sends it to stderr when it is not drawing a bar).
+  must see (the console sends it to stderr when it is not drawing a bar); ``"console": False`` one for the logs
+  only (the command prints it itself, e.g. the stop message that ends the process);
+- ``end``: the run's last row in metrics.jsonl, written once it has finished (see :mod:`finetune.summary`): step,
+  samples, tokens, train_s (training time, over every process of the run) and wall_s (this process, from its start
+  to the end); a finished run is one whose metrics.jsonl ends with it.
 """
 
 _COUNT_SUFFIXES = ("_correct", "_total")
@@ -165,7 +169,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
-    """Drop the rows logged after ``step`` (by a process that died or stopped after its last checkpoint).
+    """Drop the rows logged after ``step`` (by a process that died or stopped after its last checkpoint), and the
+    run's end row (:mod:`finetune.summary`) with what follows it: a resumed run is not finished.
 
     A resumed run re-logs those steps, so metrics.jsonl ends up with every step exactly once. The file is cut in
     place at the first row after ``step`` (rows are appended in step order), so a tracker that already holds it
@@ -184,8 +189,8 @@ def truncate_metrics(run_dir: Path, step: int) -> int:
                     row = json.loads(line)
                 except ValueError:
                     row = None  # a torn last line
-                if row is None or not isinstance(row, dict) or row.get("step", 0) > step:
-                    cut = offset
+                if row is None or not isinstance(row, dict) or row.get("step", 0) > step or row.get("kind") == "end":
+                    cut = offset  # (an end row: the run continues, so it is no longer finished)
             if cut is not None and line.strip():
                 dropped += 1
             offset += len(line)
@@ -354,13 +359,16 @@ class TrainLogTracker:
         self._file = _LineFile(Path(run_dir) / rundir.TRAIN_LOG)
 
     def log(self, kind: str, row: Row) -> None:
-        """Write the row's line: :func:`format_train_line`, :func:`format_eval_line`, or the message as it is."""
+        """Write the row's line: :func:`format_train_line`, :func:`format_eval_line`, or the message as it is (an
+        end row has no line of its own)."""
         if kind == "train":
             text = format_train_line(row, max_steps=self.max_steps)
         elif kind == "eval":
             text = format_eval_line(row)
-        else:
+        elif kind == "info":
             text = str(row["message"])
+        else:  # the end row: the run's summary follows as info lines
+            return
         self._file.write(f"{_timestamp()} {text}")
 
     def close(self) -> None:
@@ -458,7 +466,7 @@ class ProgressTracker:
                 self._line(format_train_line(row, max_steps=self.max_steps))
         elif kind == "eval":
             self._line(format_eval_line(row))
-        else:
+        elif kind == "info" and row.get("console") is not False:
             self._line(str(row["message"]), warning=row.get("level") == "warning")
 
     def close(self) -> None:
@@ -535,7 +543,7 @@ class WandbTracker:
 
     def log(self, kind: str, row: Row) -> None:
         """Log a train or eval row under ``train/`` or ``eval/``; events are not sent (train.log has them)."""
-        if kind != "info":
+        if kind in ("train", "eval"):
             self._run.log(_prefixed(kind, row), step=int(row["step"]))
 
     def close(self) -> None:
@@ -564,7 +572,7 @@ class TensorboardTracker:
 
     def log(self, kind: str, row: Row) -> None:
         """Add a ``train/<key>`` or ``eval/<key>`` scalar per numeric key; events are not sent (train.log has them)."""
-        if kind == "info":
+        if kind not in ("train", "eval"):
             return
         step = int(row["step"])
         for tag, value in _prefixed(kind, row).items():

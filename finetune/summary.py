@@ -1,0 +1,138 @@
+"""The summary a finished run ends with, and that ``finetune ls RUN`` shows again: one reader, one renderer.
+
+Everything in it is read back from what the run wrote, never recomputed: the ``end`` row that the worker appends to
+metrics.jsonl once the run has finished (step, samples, tokens, training and wall time), the last train row (the
+final train loss), the last eval row (every final eval metric with its counts, as ``finetune eval`` prints them),
+the recipe (a PEFT run can be merged; a classification or reward model generates no text) and the files present
+(``final/``, ``plots.png``, the logs). A run is finished when its metrics.jsonl ends with an end row: a resume that
+continues it drops that row (:func:`finetune.tracking.truncate_metrics`).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from finetune import rundir
+from finetune.errors import FinetuneError, RunDirError
+from finetune.tracking import format_metrics, read_metrics
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a finished run reports: its end row, final train and eval rows, recipe facts and output paths."""
+
+    run_dir: Path
+    end: dict[str, Any]
+    train: dict[str, Any] | None
+    eval: dict[str, Any] | None
+    peft: bool
+    generates: bool
+    final: Path | None
+    plot: Path | None
+
+
+def _recipe(run_dir: Path) -> dict[str, Any]:
+    """The run's resolved recipe as plain data ({} when it cannot be read: the summary then leaves out what needs
+    it)."""
+    try:
+        data = yaml.safe_load((run_dir / rundir.RESOLVED).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _generates(recipe: dict[str, Any]) -> bool:
+    """Whether the run's model writes text (``finetune generate``): its row's ``generation`` capability, as the
+    recipe's task builds it (a classification or reward head scores instead; an unknown row: not said)."""
+    from finetune.registry import get_model
+
+    model = recipe.get("model") if isinstance(recipe.get("model"), dict) else {}
+    try:
+        return "generation" in get_model(str(model.get("type")), recipe.get("task")).capabilities
+    except FinetuneError:
+        return False
+
+
+def read_summary(run_dir: Path) -> Summary | None:
+    """The summary of a finished run; None when the run has not finished (no end row last in metrics.jsonl, or no
+    metrics at all)."""
+    try:
+        rows = [row for row in read_metrics(run_dir) if isinstance(row, dict)]
+    except (RunDirError, OSError, UnicodeDecodeError):
+        return None
+    ends = [i for i, row in enumerate(rows) if row.get("kind") == "end"]
+    if not ends or any(row.get("kind") == "train" for row in rows[ends[-1]:]):
+        return None
+    before = rows[:ends[-1]]
+    train = next((row for row in reversed(before) if row.get("kind") == "train"), None)
+    evals = next((row for row in reversed(before) if row.get("kind") == "eval"), None)
+    recipe = _recipe(run_dir)
+    peft = recipe.get("peft") if isinstance(recipe.get("peft"), dict) else {}
+    final, plot = run_dir / rundir.FINAL, run_dir / rundir.PLOTS
+    return Summary(run_dir, rows[ends[-1]], train, evals, peft.get("method", "none") != "none",
+                   _generates(recipe), final if (final / rundir.MANIFEST).is_file() else None,
+                   plot if plot.is_file() else None)
+
+
+def _duration(seconds: Any) -> str:
+    """``26.8 s``, ``4 min 05 s``, ``2 h 03 min``."""
+    if not isinstance(seconds, int | float):
+        return "?"
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {secs:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"
+
+
+def _count(value: Any) -> str:
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else "?"
+
+
+def _shown(path: Path) -> Path:
+    """``path`` relative to the current folder when it lies inside it (``runs/q``), else absolute: the same text
+    whether the run itself (which knows its folder as an absolute path) or ``finetune ls runs/q`` prints it."""
+    path = path.absolute()
+    try:
+        return path.relative_to(Path.cwd())
+    except (ValueError, OSError):
+        return path
+
+
+def render(summary: Summary) -> list[str]:
+    """The summary's lines, as the end of a run prints them and ``finetune ls`` shows them again."""
+    end, run = summary.end, _shown(summary.run_dir)
+    final, plot = (_shown(p) if p else None for p in (summary.final, summary.plot))
+    quoted = shlex.quote(str(run))
+    lines = [f"run {run} finished: {_count(end.get('step'))} steps, {_count(end.get('samples'))} samples, "
+             f"{_count(end.get('tokens'))} target tokens; training {_duration(end.get('train_s'))}, wall "
+             f"{_duration(end.get('wall_s'))}"]
+    loss = summary.train.get("loss") if summary.train else None
+    lines.append(f"  final train loss: {loss:.4f} (step {summary.train['step']})"  # type: ignore[index]
+                 if isinstance(loss, int | float) else "  final train loss: none logged")
+    if summary.eval:
+        lines.append(f"  final eval (step {summary.eval.get('step')}):")
+        lines += [f"    {line}" for line in format_metrics(summary.eval, skip=("step", "kind"))]
+    else:
+        lines.append("  final eval: none (no data.eval)")
+    lines.append(f"  model:   {final}" if final else
+                 f"  model:   no {rundir.FINAL}/ (checkpoint.save_final: false); `finetune export {quoted} -o DIR` "
+                 "writes one from a checkpoint")
+    if plot:
+        lines.append(f"  plot:    {plot}")
+    lines.append(f"  logs:    {run / rundir.TRAIN_LOG}, {run / rundir.METRICS}")
+    if final:
+        lines.append("  next:")
+        lines.append(f"    finetune eval {quoted}")
+        if summary.generates:
+            out = shlex.quote(f"{run}-completions.jsonl")
+            lines.append(f"    finetune generate {quoted} prompts.jsonl -o {out}")
+        if summary.peft:
+            lines.append(f"    finetune merge {quoted} -o {shlex.quote(str(run) + '-merged')}")
+    return lines

@@ -1,0 +1,79 @@
+"""finetune.summary: a finished run's summary read back from the files it wrote (rows written here as the tracker
+writes them); which commands it suggests, and that a resume (which drops the end row) makes the run unfinished."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from finetune import rundir
+from finetune.summary import read_summary, render
+from finetune.tracking import truncate_metrics
+
+
+def make_run(folder: Path, recipe: dict[str, Any], rows: list[dict[str, Any]], *, final: bool = True) -> Path:
+    rundir.create(folder, overwrite=False).release()
+    (folder / rundir.RESOLVED).write_text(yaml.safe_dump(recipe))
+    (folder / rundir.METRICS).write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if final:
+        (folder / rundir.FINAL).mkdir()
+        (folder / rundir.FINAL / rundir.MANIFEST).write_text("{}")
+    return folder
+
+
+TRAIN = [{"kind": "train", "step": 1, "loss": 2.5}, {"kind": "train", "step": 2, "loss": 1.25}]
+EVAL = {"kind": "eval", "step": 2, "eval_loss": 1.5, "eval_samples": 40, "eval_accuracy": 0.75,
+        "eval_accuracy_correct": 30, "eval_accuracy_total": 40, "eval_correct": 30, "eval_total": 40}
+END = {"kind": "end", "step": 2, "samples": 16, "tokens": 1234, "train_s": 3.25, "wall_s": 75.0}
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+
+
+def test_a_lora_run_summary_has_its_numbers_paths_and_the_merge_command(tmp_path: Path) -> None:
+    recipe = {"model": {"type": "tiny-llama"}, "task": None, "peft": {"method": "lora"}}
+    run = make_run(tmp_path / "runs" / "lora", recipe, [*TRAIN, EVAL, END])
+    summary = read_summary(run)
+    assert summary is not None
+    assert render(summary) == [
+        "run runs/lora finished: 2 steps, 16 samples, 1,234 target tokens; training 3.2 s, wall 1 min 15 s",
+        "  final train loss: 1.2500 (step 2)",
+        "  final eval (step 2):",
+        "    eval_loss = 1.5000",
+        "    eval_samples = 40",
+        "    eval_accuracy 30/40 = 0.7500",
+        "  model:   runs/lora/final",
+        "  logs:    runs/lora/train.log, runs/lora/metrics.jsonl",
+        "  next:",
+        "    finetune eval runs/lora",
+        "    finetune generate runs/lora prompts.jsonl -o runs/lora-completions.jsonl",
+        "    finetune merge runs/lora -o runs/lora-merged",
+    ]
+
+
+def test_a_classifier_generates_nothing_and_a_run_without_final_says_how_to_export(tmp_path: Path) -> None:
+    recipe = {"model": {"type": "bert"}, "peft": {"method": "none"}}
+    run = make_run(tmp_path / "cls", recipe, [*TRAIN, END], final=False)
+    lines = render(read_summary(run))  # type: ignore[arg-type]
+    assert "  final eval: none (no data.eval)" in lines
+    assert "  model:   no final/ (checkpoint.save_final: false); `finetune export cls -o DIR` writes one from a " \
+           "checkpoint" in lines
+    assert not any(line.strip().startswith(("finetune generate", "finetune merge", "next")) for line in lines)
+
+
+def test_only_a_finished_run_has_a_summary_and_a_resume_unfinishes_it(tmp_path: Path) -> None:
+    recipe = {"model": {"type": "tiny-llama"}, "peft": {"method": "none"}}
+    assert read_summary(make_run(tmp_path / "going", recipe, TRAIN)) is None  # still training (or killed)
+    assert read_summary(tmp_path / "nothing") is None
+    run = make_run(tmp_path / "done", recipe, [*TRAIN, EVAL, END])
+    assert read_summary(run) is not None
+    assert truncate_metrics(run, 2) == 1  # a resume from its last checkpoint: the end row goes
+    assert read_summary(run) is None
+    assert [row["kind"] for row in map(json.loads, (run / rundir.METRICS).read_text().splitlines())] == \
+        ["train", "train", "eval"]
