@@ -292,8 +292,8 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
         wait_published()  # the previous checkpoint is complete (or its failure raised) before this one starts
     try:
         if main:
-            for stale in rundir.stale_checkpoint_dirs(run_dir):
-                rundir.remove_checkpoint(stale)  # left by a crash: never complete, never resumed from
+            for stale in rundir.stale_checkpoint_dirs(run_dir):  # left by a crash: never complete, never resumed
+                rundir.remove_checkpoint(stale)  # from; only what finetune wrote (resume refused the user's files)
             tmp.mkdir(parents=True)
         accelerator.wait_for_everyone()
         accelerator.save_state(str(tmp), safe_serialization=True)
@@ -308,7 +308,7 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
         accelerator.wait_for_everyone()  # every rank's files are in tmp; nobody waits for what follows
     except Exception as exc:  # a full disk surfaces as OSError, SafetensorError or torch's RuntimeError
         if main:
-            rundir.remove_checkpoint(tmp)
+            rundir.remove_checkpoint(tmp, written_now=True)
         raise RunDirError(_write_failure(f"checkpoint {final.name}", exc, run_dir)
                           + f"; then `finetune resume {run_dir}`") from exc
     if main:
@@ -336,7 +336,7 @@ def _publish(tmp: Path, final: Path, record: Callable[[], dict[str, Any]], keep_
         tmp.rename(final)
         prune(run_dir, keep_last)
     except Exception as exc:
-        rundir.remove_checkpoint(tmp)
+        rundir.remove_checkpoint(tmp, written_now=True)
         raise RunDirError(_write_failure(f"checkpoint {final.name}", exc, run_dir)
                           + f"; then `finetune resume {run_dir}`") from exc
 

@@ -7,8 +7,10 @@ removes one.
 
 What may be deleted: only entries of the layout below, and inside every folder of it (``checkpoints/step-N``,
 ``final/``, the trackers' ``wandb/`` and ``tensorboard/``, and the scratch ``final.tmp``, ``final.old.tmp``,
-``reshard.tmp``, ``checkpoints/step-N.tmp``) only what the folder's own ``manifest.json`` lists. Everything else is
-the user's: ``--overwrite`` refuses, listing it.
+``reshard.tmp``, ``checkpoints/step-N.tmp``) only what the folder's own ``manifest.json`` lists; in a write that
+never finished (a crashed ``step-N.tmp`` or ``reshard.tmp``: no manifest yet) only what such a write writes
+(:func:`_owned`). Everything else is the user's: ``--overwrite`` and resume refuse, listing it, and no deletion
+(pruning, a crash's scratch) ever removes it.
 No torch here: the CLI uses this module before anything heavy is imported.
 """
 
@@ -26,7 +28,7 @@ import stat
 import tempfile
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,6 +65,7 @@ _TREES = frozenset({WANDB, TENSORBOARD, FINAL_TMP, FINAL_OLD,  # written whole b
 LAYOUT_FILES = _FILES  # every file name finetune writes at the top of a run dir (tests enumerate these)
 LAYOUT_TREES = _TREES | {CHECKPOINTS, FINAL}  # every folder it writes there
 _STEP = re.compile(r"step-(\d{6,})")
+RESHARD_WRITES = ("converted.json", "universal")  # what a conversion writes in reshard.tmp (finetune.portable)
 _HASH_BLOCK = 1 << 20
 
 
@@ -314,17 +317,81 @@ def record_tree(folder: Path, before: set[str]) -> None:
     write_text_atomic(folder / MANIFEST, json.dumps({"kind": "tracker", "files": listed}, indent=2))
 
 
-def _foreign_in_listed(folder: Path, label: str) -> list[str]:
-    """Entries of a folder finetune writes that its manifest does not list (all of it, without one: a crashed
-    write's scratch or a killed tracker's folder cannot be told from the user's, so the user decides)."""
+def _with_folders(names: Iterable[str]) -> set[str]:
+    """``names`` (relative file names) and every folder they lie in."""
+    found = set(names)
+    for name in list(found):
+        parts = name.split("/")
+        found.update("/".join(parts[:i]) for i in range(1, len(parts)))
+    return found
+
+
+def _shape(name: str) -> re.Pattern[str]:
+    """``name`` with every run of digits free: the shape of the names a writer repeats per rank, shard or step."""
+    return re.compile(re.sub(r"\d+", lambda _: r"\d+", re.escape(name)))
+
+
+def _owned(folder: Path) -> Callable[[str], bool] | None:
+    """Which entries of ``folder`` (relative names, folders included) finetune wrote: its manifest's inventory. A
+    write that never finished has no manifest yet; its inventory is what such a write writes: in a crashed
+    ``checkpoints/step-N.tmp``, the names the run's complete checkpoints list (digits free: ranks and shards), in a
+    run's crashed ``reshard.tmp``, a conversion's files (:data:`RESHARD_WRITES`). None: no inventory (a killed
+    tracker's folder, a bare final.tmp): the user decides about all of it."""
     try:
-        listed = read_manifest(folder)["files"]
+        listed = _with_folders(read_manifest(folder)["files"]) | {MANIFEST}
+        return listed.__contains__
     except ManifestError:
+        pass
+    if folder.name == RESHARD_TMP and (folder.parent / MARKER).is_file():
+        return lambda rel: rel.split("/")[0] in RESHARD_WRITES
+    if not (_is_step_folder(folder, tmp=True) and folder.parent.name == CHECKPOINTS):
+        return None
+    names: set[str] = {MANIFEST}
+    for done in checkpoint_dirs(folder.parent.parent):
+        with contextlib.suppress(ManifestError):
+            names |= set(read_manifest(done)["files"])
+    shapes = [_shape(name) for name in _with_folders(names)]
+    return lambda rel: any(shape.fullmatch(rel) for shape in shapes)
+
+
+def _foreign_in_listed(folder: Path, label: str) -> list[str]:
+    """Entries of a folder finetune writes that are not in its inventory (:func:`_owned`; all of it, without one:
+    a killed tracker's folder cannot be told from the user's, so the user decides)."""
+    owned = _owned(folder)
+    if owned is None:
         return [f"{label}/ (no readable {MANIFEST}: not written by finetune, or a write it never finished; look "
                 "inside and remove it yourself)"]
-    return [f"{label}/{rel}" for rel, entry in sorted(_walk(folder))
-            if rel != MANIFEST and rel not in listed and not (entry.is_dir(follow_symlinks=False)
-                                                               and any(k.startswith(rel + "/") for k in listed))]
+    return [f"{label}/{rel}" for rel, _ in sorted(_walk(folder)) if not owned(rel)]
+
+
+def remove_owned(folder: Path, label: str) -> list[str]:
+    """Delete what finetune wrote in ``folder`` (its inventory, :func:`_owned`), then the folders that leaves empty,
+    ``folder`` too; returns what stays, the user's (as ``--overwrite`` lists it), which is never touched."""
+    owned = _owned(folder)
+    leftover = _foreign_in_listed(folder, label)
+    if owned is None:
+        return leftover
+    for rel, entry in sorted(_walk(folder), key=lambda item: item[0].count("/"), reverse=True):  # deepest first
+        if not owned(rel):
+            continue
+        with contextlib.suppress(OSError):  # a folder not empty holds the user's; a file gone is gone
+            if entry.is_dir(follow_symlinks=False):
+                os.rmdir(entry.path)
+            else:
+                os.unlink(entry.path)
+    with contextlib.suppress(OSError):
+        folder.rmdir()
+    return leftover
+
+
+def crashed_writes_foreign(run_dir: Path) -> list[str]:
+    """What the user put in the scratch of writes that never finished (crashed ``checkpoints/step-N.tmp``, a
+    killed resume's ``reshard.tmp``): the next resume removes that scratch, all but these."""
+    found: list[str] = []
+    for folder in (*stale_checkpoint_dirs(run_dir), run_dir / RESHARD_TMP):
+        if folder.is_dir() and not folder.is_symlink():
+            found += _foreign_in_listed(folder, str(folder.relative_to(run_dir)))
+    return found
 
 
 def foreign_entries(run_dir: Path) -> list[str]:
@@ -392,11 +459,16 @@ def _refuse_foreign(run_dir: Path) -> None:
                           f"({_listing(foreign)}); move them away or choose another -o; nothing was deleted")
 
 
-def remove_checkpoint(path: Path) -> None:
-    """Delete one checkpoint folder (complete or a crashed ``.tmp``) of a run."""
+def remove_checkpoint(path: Path, *, written_now: bool = False) -> list[str]:
+    """Delete one checkpoint folder (complete or a crashed ``.tmp``) of a run: what finetune wrote in it
+    (:func:`remove_owned`), the folder once empty; returns what stays (the user's). ``written_now``: a ``.tmp``
+    this process is writing and gives up (a failed save): all of it is this write's."""
     if path.parent.name != CHECKPOINTS or not (_is_step_folder(path, tmp=False) or _is_step_folder(path, tmp=True)):
         raise AssertionError(f"not a checkpoint folder: {path}")
-    shutil.rmtree(path, ignore_errors=True)
+    if written_now:
+        shutil.rmtree(path, ignore_errors=True)
+        return []
+    return remove_owned(path, f"{CHECKPOINTS}/{path.name}")
 
 
 # A scratch folder or file beside an output ``out``: ``.<out>.[check.|old.]<8 random chars>.tmp``. Its writer holds an
@@ -683,6 +755,12 @@ def open_existing(run_dir: Path, command: str) -> tuple[RunLock, str]:
         raise RunDirError(f"{run_dir}: not a run directory (no such folder); start one with `finetune run`")
     rid = run_id(run_dir)
     check_layout(run_dir)
+    RunLock.check_free(run_dir)  # a live run's own scratch is no crash's: it refuses first
+    foreign = crashed_writes_foreign(run_dir)
+    if foreign:
+        raise RunDirError(f"{run_dir}: resume refused: the scratch of a write that never finished holds files "
+                          f"finetune did not write ({_listing(foreign)}); move them away, then resume (finetune "
+                          "then removes the rest of that scratch; nothing was deleted)")
     return RunLock.acquire(run_dir, command), rid
 
 

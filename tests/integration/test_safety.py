@@ -188,6 +188,26 @@ def test_an_unchanged_checkpoint_passes_the_restored_state_check(trained: Path) 
         restored.check(rundir.step_dir(trained, step), checkpoint.read_state, built)
 
 
+def test_resume_removes_a_crashed_checkpoint_write_but_never_a_user_s_file(trained: Path, tmp_path: Path,
+                                                                          monkeypatch, capsys) -> None:
+    """A save killed mid-write leaves ``checkpoints/step-000006.tmp`` without a manifest; a user put a note in it.
+    Resume refuses in one line and deletes nothing (issue 22 item 2: only files finetune wrote are removed); with
+    the note moved away it resumes, and the crashed write is gone (its files are the ones a checkpoint writes)."""
+    run = copy_run(trained, tmp_path)
+    crashed = run / rundir.CHECKPOINTS / "step-000006.tmp"
+    shutil.copytree(rundir.step_dir(run, 2), crashed, ignore=shutil.ignore_patterns(rundir.MANIFEST))
+    (crashed / "notes.md").write_text("my notes\n")
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    resume = ["resume", str(run), "train.max_steps=6", "--allow-config-change"]
+    code, _, err = main_exit(monkeypatch, capsys, *resume)
+    assert code == 2 and "checkpoints/step-000006.tmp/notes.md" in one_error_line(err), err
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    (crashed / "notes.md").rename(tmp_path / "notes.md")
+    code, _, err = main_exit(monkeypatch, capsys, *resume)
+    assert code == 0, err
+    assert not crashed.exists() and rundir.step_dir(run, 6).is_dir()
+
+
 def test_changed_bytes_of_the_same_size_are_refused_before_anything_is_touched(trained: Path, tmp_path: Path,
                                                                                monkeypatch, capsys) -> None:
     run = copy_run(trained, tmp_path)

@@ -188,14 +188,15 @@ def test_apply_model_state_adapter_only(llama: Any) -> None:
 
 def test_the_reshard_scratch_is_finetune_s(tmp_path: Path) -> None:
     """``reshard.tmp`` is part of a run's layout, under the inventory rule of every folder finetune owns (issue 22):
-    one left by a killed resume holds no manifest, so --overwrite lists it and deletes nothing (it might hold a
-    user's file); the resume that made it removes it itself."""
+    one left by a killed resume holds no manifest, so its inventory is what a conversion writes there; --overwrite
+    lists anything else (a user's file) and deletes nothing; the resume that made it removes it itself."""
     run = tmp_path / "run"
     rundir.create(run, overwrite=False).release()
     scratch = rundir.reshard_scratch(run)
     (scratch / "universal").mkdir(parents=True)
     assert scratch.name.endswith(rundir.TMP)
-    found = rundir.foreign_entries(run)
-    assert len(found) == 1 and found[0].startswith("reshard.tmp/ (no readable manifest.json"), found
+    assert rundir.foreign_entries(run) == []
+    (scratch / "mine.md").write_text("mine")
+    assert rundir.foreign_entries(run) == ["reshard.tmp/mine.md"]
     rundir.remove_scratch(scratch)
     assert not scratch.exists()

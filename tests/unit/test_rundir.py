@@ -27,6 +27,7 @@ def tree(root: Path) -> dict[str, bytes | None]:
 def make_checkpoint(folder: Path, files: dict[str, bytes]) -> None:
     folder.mkdir(parents=True)
     for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
     rundir.write_manifest(folder, {"kind": "checkpoint", "run_id": "r1", "step": 2, "samples_seen": 8})
 
@@ -41,14 +42,73 @@ def pure_run(root: Path) -> Path:
     (run / rundir.WANDB / "run-1" / "events").write_text("wandb's own files\n")
     (run / rundir.WANDB / "latest-run").symlink_to("run-1")
     rundir.record_tree(run / rundir.WANDB, set())  # as the tracker does at its close
-    make_checkpoint(rundir.step_dir(run, 2), {"model.safetensors": b"weights", "train_state.json": b"{}"})
+    make_checkpoint(rundir.step_dir(run, 2), {"model.safetensors": b"weights", "train_state.json": b"{}",
+                                              "rng_state_0.json": b"{}", "optim_0/__0_0.distcp": b"moments"})
     make_checkpoint(run / rundir.CHECKPOINTS / "step-000004.tmp", {"model.safetensors": b"w"})  # renamed next
     make_checkpoint(run / rundir.FINAL, {"config.json": b"{}", "model.safetensors": b"w"})
     return run
 
 
+def crashed_write(run: Path, *user_files: str) -> Path:
+    """``checkpoints/step-000006.tmp`` as a killed save leaves it (no manifest: files of the shapes a complete
+    checkpoint of the run lists, ranks and shards of another world size too), plus ``user_files``."""
+    folder = run / rundir.CHECKPOINTS / "step-000006.tmp"
+    (folder / "optim_0").mkdir(parents=True, exist_ok=True)
+    (folder / "optim_0" / "__3_0.distcp").write_bytes(b"half")
+    (folder / "model.safetensors").write_bytes(b"half")
+    (folder / "rng_state_3.json").write_bytes(b"{")
+    for name in user_files:
+        (folder / name).write_text("mine")
+    return folder
+
+
+def crashed_reshard(run: Path, *user_files: str) -> Path:
+    """``reshard.tmp`` as a killed resume leaves it (half a DeepSpeed conversion), plus ``user_files``."""
+    folder = rundir.reshard_scratch(run)
+    (folder / "universal" / "zero" / "w").mkdir(parents=True, exist_ok=True)
+    (folder / "universal" / "zero" / "w" / "fp32.pt").write_bytes(b"half")
+    for name in user_files:
+        (folder / name).write_text("mine")
+    return folder
+
+
 def test_a_pure_run_has_nothing_foreign(tmp_path: Path) -> None:
-    assert rundir.foreign_entries(pure_run(tmp_path)) == []
+    run = pure_run(tmp_path)
+    assert rundir.foreign_entries(run) == []
+    crashed_write(run)
+    crashed_reshard(run)
+    assert rundir.foreign_entries(run) == []  # a crash's scratch holds only finetune's files: --overwrite clears it
+
+
+def test_resume_removes_a_crashed_write_s_scratch_but_never_the_user_s_files(tmp_path: Path) -> None:
+    """A crashed ``step-N.tmp`` or ``reshard.tmp`` holding a user's file: resume refuses in one line and deletes
+    nothing; once the file is moved away it resumes, and the scratch goes (only what finetune wrote is ever
+    deleted: removing a folder keeps whatever else is in it)."""
+    run = pure_run(tmp_path)
+    crashed_write(run, "mine.md")
+    crashed_reshard(run, "notes.txt")
+    (run / rundir.CHECKPOINTS / "step-000006.tmp" / "optim_0" / "mine.txt").write_text("mine")
+    before = tree(tmp_path)
+    with pytest.raises(RunDirError, match=r"resume refused: the scratch of a write that never finished holds files "
+                       r"finetune did not write \(checkpoints/step-000006.tmp/mine.md, checkpoints/step-000006.tmp/"
+                       r"optim_0/mine.txt, reshard.tmp/notes.txt\)"):
+        rundir.open_existing(run, "resume")
+    assert tree(tmp_path) == before
+    leftover = rundir.remove_checkpoint(run / rundir.CHECKPOINTS / "step-000006.tmp")
+    assert leftover == ["checkpoints/step-000006.tmp/mine.md", "checkpoints/step-000006.tmp/optim_0/mine.txt"]
+    assert sorted(p.name for p in (run / rundir.CHECKPOINTS / "step-000006.tmp").rglob("*")) == [
+        "mine.md", "mine.txt", "optim_0"]
+    assert rundir.remove_owned(rundir.reshard_scratch(run), "reshard.tmp") == ["reshard.tmp/notes.txt"]
+    assert [p.name for p in rundir.reshard_scratch(run).iterdir()] == ["notes.txt"]
+    for mine in ("step-000006.tmp/mine.md", "step-000006.tmp/optim_0/mine.txt"):
+        (run / rundir.CHECKPOINTS / mine).unlink()
+    (rundir.reshard_scratch(run) / "notes.txt").unlink()
+    crashed_write(run)
+    crashed_reshard(run)
+    rundir.open_existing(run, "resume")[0].release()
+    assert rundir.remove_checkpoint(run / rundir.CHECKPOINTS / "step-000006.tmp") == []
+    assert rundir.remove_owned(rundir.reshard_scratch(run), "reshard.tmp") == []
+    assert not (run / rundir.CHECKPOINTS / "step-000006.tmp").exists() and not rundir.reshard_scratch(run).exists()
 
 
 @pytest.mark.parametrize(("plant", "expected"), [
@@ -66,10 +126,11 @@ def test_a_pure_run_has_nothing_foreign(tmp_path: Path) -> None:
     (lambda run: (run / rundir.TENSORBOARD).mkdir(), "tensorboard/ (no readable manifest.json"),
     (lambda run: (run / rundir.CHECKPOINTS / "step-000004.tmp" / "mine.md").write_text("x"),
      "checkpoints/step-000004.tmp/mine.md"),
-    (lambda run: (run / rundir.CHECKPOINTS / "step-000006.tmp").mkdir(), "checkpoints/step-000006.tmp/ (no readable"),
+    # a write that never finished (no manifest yet): its inventory is what such a write writes (issue 22 item 2)
+    (lambda run: crashed_write(run, "mine.md"), "checkpoints/step-000006.tmp/mine.md"),
+    (lambda run: crashed_reshard(run, "mine.md"), "reshard.tmp/mine.md"),
     (lambda run: (run / rundir.FINAL_TMP).mkdir(), "final.tmp/ (no readable"),
     (lambda run: (run / rundir.FINAL_OLD).mkdir(), "final.old.tmp/ (no readable"),
-    (lambda run: (run / rundir.RESHARD_TMP).mkdir(), "reshard.tmp/ (no readable"),
 ])
 def test_anything_finetune_did_not_write_is_foreign(tmp_path: Path, plant, expected: str) -> None:
     run = pure_run(tmp_path)
