@@ -686,7 +686,7 @@ def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
     import transformers
 
     from finetune import peft as lora
-    from finetune.modeling import DTYPES, attention_support, build_config, loading
+    from finetune.modeling import DTYPES, attention_support, build_config, freeze, loading
 
     labels = lora._label_names(cfg) if row.task == "classification" else None
     config = build_config(cfg.model, row, labels=labels)
@@ -702,6 +702,8 @@ def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
     quantized_modules = _quantized_modules(model) if cfg.peft.method == "qlora" else set()
     quantized = {id(m.weight) for name, m in model.named_modules() if name in quantized_modules}
     shape = _shape(model.config, model, impl)
+    if cfg.model.freeze:  # as the worker does, before PEFT: a frozen part has no gradient or optimizer state
+        freeze(model, row, cfg.model.freeze)
     if lora.enabled(cfg.peft):
         model = lora.apply(model, cfg.peft, row)
     layers = [name for name, m in model.named_modules() if type(m).__name__ == row.decoder_layer]

@@ -82,13 +82,15 @@ def _real_training_bytes(cfg: RecipeConfig) -> dict[str, int]:
     import torch.nn.functional as F
 
     from finetune import peft as lora
-    from finetune.modeling import build_base
+    from finetune.modeling import build_base, freeze
     from finetune.optim import build_optimizer
     from finetune.tasks.causal_lm import shifted_loss
 
     row = get_model(cfg.model.type)
     labels = lora._label_names(cfg) if row.task == "classification" else None
     model = build_base(cfg.model, row, cfg.train.seed, labels, lora.quantization_config(cfg.peft))
+    if cfg.model.freeze:
+        freeze(model, row, cfg.model.freeze)
     if lora.enabled(cfg.peft):
         model = lora.apply(model, cfg.peft, row)
     model.train()
@@ -190,6 +192,21 @@ def test_qlora_plan_matches_a_real_4bit_model(pretrained_llama: Path) -> None:
                                                           "model.config_overrides={}", "peft.method=lora"),
                                                     "parameters")
     assert plan.activations.checkpointing  # peft's prepare_model_for_kbit_training turns it on
+
+
+def test_a_frozen_part_has_no_gradients_or_optimizer_states(pretrained_llama: Path) -> None:
+    """``model.freeze`` (here the first decoder layer, through tests/plugins/llama_parts.py) is applied to the meta
+    model as the worker applies it: the plan counted the frozen layer's gradients and AdamW states (the 2-process
+    memory measurement of tests/distributed/test_backends.py found it 1.25x high under ddp)."""
+    for peft in ("none", "lora"):
+        cfg = _cfg("model.type=llama-parts", "model.plugin=tests.plugins.llama_parts", f"model.path={pretrained_llama}",
+                   "model.config_overrides={}", "model.freeze=[layer0]", f"peft.method={peft}")
+        plan = build_plan(cfg, devices=[])
+        real = _real_training_bytes(cfg)
+        assert real["trainable"] < real["total"]
+        assert (plan.total_params, plan.trainable_params) == (real["total"], real["trainable"])
+        for key in ("parameters", "gradients", "optimizer_states"):
+            assert _rank(plan, key) == real[key], (peft, key)
 
 
 # --- sharding -----------------------------------------------------------------------------------------------------
