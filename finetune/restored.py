@@ -201,13 +201,15 @@ def _accelerate_problems(state: Any, micro_step: int, grad_accum: int | None) ->
     if not isinstance(state, dict) or not {"step", *_ACCELERATE_KINDS} <= set(state):
         return [f"has not accelerate's entries ({_entries(state)})"]
     found = []
-    for key in sorted(set(state) - {"step"}):
+    for key in sorted(set(state) - {"step", "xm_seed"}):
         kind = _ACCELERATE_KINDS.get(key) or (key.removeprefix("torch_").removesuffix("_manual_seed")
                                               if key.startswith("torch_") and key.endswith("_manual_seed") else None)
         if kind is None:
             found.append(f"holds an unknown entry {key!r}")
         elif why := generator_problem(kind, state[key]):
             found.append(f"its {key} is {why}")
+    if "xm_seed" in state and not _is_int(state["xm_seed"]):  # a TPU's generator: its seed
+        found.append(f"its xm_seed is {state['xm_seed']!r}")
     step = state["step"]
     if not _is_int(step) or not 0 <= step <= micro_step or (grad_accum and step % grad_accum):
         found.append(f"its step is {step!r}, not a whole number of {grad_accum or '?'}-micro-step windows up to "
