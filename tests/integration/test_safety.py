@@ -5,6 +5,7 @@ disk loses nothing, and a live run cannot be replaced, resumed or merged by a se
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -429,17 +431,43 @@ def test_a_live_run_cannot_be_replaced_resumed_merged_or_rerun(tmp_path: Path) -
     assert resumed.returncode == 0, resumed.stderr
 
 
-def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(trained: Path, tmp_path: Path, monkeypatch,
-                                                                  capsys) -> None:
+@contextlib.contextmanager
+def _full_disk(disk: Path, kind: str, size: str, monkeypatch) -> Iterator[None]:
+    """``disk`` (a new folder) out of room: a real tmpfs of ``size`` (``kind`` tmpfs; skipped where none can be
+    mounted), or ``emulated``: the writer of model weights (safetensors, as transformers calls it) fails for files
+    under ``disk`` exactly as it does on a full disk (safetensors re-raises ENOSPC as its own error)."""
+    disk.mkdir()
+    if kind == "tmpfs":
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(disk)], capture_output=True,
+                          check=False).returncode:
+            pytest.skip("no tmpfs can be mounted here (the emulated case runs)")
+        try:
+            yield
+        finally:
+            subprocess.run(["umount", str(disk)], check=False)
+        return
+    import transformers.modeling_utils as modeling_utils
+    from safetensors import SafetensorError
+
+    real = modeling_utils.safe_save_file
+
+    def no_room(tensors, filename, *args, **kwargs):
+        if Path(filename).is_relative_to(disk):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", no_room)
+    yield
+
+
+@pytest.mark.parametrize("disk_kind", ["tmpfs", "emulated"])
+def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(disk_kind: str, trained: Path, tmp_path: Path,
+                                                                  monkeypatch, capsys) -> None:
     """`finetune export -o` onto a full disk (a 100 kB tmpfs): safetensors re-raises ENOSPC as its own error; still
     one line, exit 2, and no hidden scratch is left on the disk: neither this export's nor the one a killed export
     left beside the same output (issue 22 item 7: the next command on that output removes it)."""
     disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=100k", "tmpfs", str(disk)], capture_output=True,
-                      check=False).returncode:
-        pytest.skip("no tmpfs can be mounted here")
-    try:
+    with _full_disk(disk, disk_kind, "100k", monkeypatch):
         killed = disk / ".exported.0123abcd.tmp"  # a killed export's scratch (no process holds its flock)
         killed.mkdir()
         (killed / "config.json").write_text("{}")
@@ -448,8 +476,6 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(trained: Path,
         assert code == 2 and "Traceback" not in err and len(errors) == 1, err
         assert "no space left on the device" in errors[0], err
         assert list(disk.iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(disk)], check=False)
 
 
 @pytest.mark.parametrize("disk_kind", ["tmpfs", "emulated"])
@@ -457,34 +483,13 @@ def test_a_full_tmpdir_during_eval_is_one_line_and_leaves_nothing(disk_kind: str
                                                                    monkeypatch, capsys) -> None:
     """`finetune eval` of a checkpoint exports it into the temporary folder first (TMPDIR): on a disk with no room
     for it (a 300 kB tmpfs: the weights are 560 kB), one line naming that folder and TMPDIR, exit 2, and no scratch
-    left there. ``emulated`` (also where no tmpfs can be mounted): the writer of the weights (safetensors, as
-    transformers calls it) fails as it does on a full disk, for files under that folder only."""
+    left there."""
     disk = tmp_path / "tmpdir"
-    disk.mkdir()
-    mounted = disk_kind == "tmpfs" and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(disk)],
-                                                      capture_output=True, check=False).returncode == 0
-    if disk_kind == "tmpfs" and not mounted:
-        pytest.skip("no tmpfs can be mounted here (the emulated case runs)")
-    if not mounted:
-        import transformers.modeling_utils as modeling_utils
-        from safetensors import SafetensorError
-
-        real = modeling_utils.safe_save_file
-
-        def full_disk(tensors, filename, *args, **kwargs):
-            if Path(filename).is_relative_to(disk):
-                raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-            return real(tensors, filename, *args, **kwargs)
-
-        monkeypatch.setattr(modeling_utils, "safe_save_file", full_disk)
-    monkeypatch.setattr(tempfile, "tempdir", str(disk))  # what TMPDIR sets
-    try:
+    with _full_disk(disk, disk_kind, "300k", monkeypatch):
+        monkeypatch.setattr(tempfile, "tempdir", str(disk))  # what TMPDIR sets
         code, _, err = main_exit(monkeypatch, capsys, "eval", str(rundir.step_dir(trained, 2)),
                                  f"data.eval={DATA / 'reverse_eval.jsonl'}")
         line = one_error_line(err)
         assert code == 2 and f"no room for the scratch export in {disk} (the temporary folder: TMPDIR)" in line, err
         assert "No space left on device" in line
         assert not list(disk.glob("finetune-eval-*")), "the scratch export was left behind"
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(disk)], check=False)
