@@ -135,7 +135,9 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None, quant
     if where.adapter is not None:
         from peft import PeftModel
 
-        with loading("adapter", str(where.adapter), key="eval"):
+        from finetune.quiet import library_warnings_off
+
+        with loading("adapter", str(where.adapter), key="eval"), library_warnings_off():  # peft asks a deprecated alias
             return PeftModel.from_pretrained(base, str(where.adapter))
     assert where.checkpoint is not None
     if lora.enabled(cfg.peft):
