@@ -50,3 +50,25 @@ def test_plan_of_a_config_only_7b_folder(recipe: Path, monkeypatch: pytest.Monke
     # any other problem is still reported
     code, out, err = main_exit(monkeypatch, capsys, "plan", str(recipe), "train.max_stepz=3")
     assert_user_error(code, out, err, "train.max_stepz: unknown key")
+
+
+def test_plan_of_a_hub_name_whose_cache_holds_only_config_json(recipe: Path, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """model.path: org/name, offline, with only that repository's config.json in the hub cache (what a plan
+    downloads online): planned, no weights or tokenizer needed."""
+    import huggingface_hub.constants
+
+    repo = tmp_path / "hub" / "models--acme--small-llama"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    small = {**LLAMA_2_7B, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
+             "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 512}
+    (repo / "snapshots" / "abc123" / "config.json").write_text(json.dumps(small))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    code, out, err = main_exit(monkeypatch, capsys, "plan", str(recipe), "model.path=acme/small-llama", "--json")
+    assert code == 0, err
+    assert json.loads(out)["total_params"] == 2 * 512 * 64 + 2 * (4 * 64 * 64 + 3 * 64 * 128 + 2 * 64) + 64
+
