@@ -8,12 +8,12 @@ import, so this module imports it only inside functions.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from finetune.backends import full_numel
 from finetune.config.schema import PeftConfig
 from finetune.errors import ConfigError
+from finetune.quiet import library_warnings_off
 from finetune.registry import CAUSAL_TASKS, SupportedModel
 
 LINEAR_TYPES = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")  # torch, GPT-2 Conv1D, bitsandbytes
@@ -92,8 +92,7 @@ def apply(model: Any, cfg: PeftConfig, row: SupportedModel) -> Any:
     import peft
 
     check_targets(model, cfg, row)
-    with warnings.catch_warnings():  # peft asks transformers' deprecated is_gradient_checkpointing: not the user's
-        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+    with library_warnings_off():  # peft calls transformers' deprecated aliases: not the user's (finetune/quiet.py)
         if cfg.method == "qlora":
             model = peft.prepare_model_for_kbit_training(model)
         return peft.get_peft_model(model, _lora_config(cfg, row))
