@@ -14,8 +14,9 @@ counted, per rank:
   the optimizer steps on DeepSpeed's fp32 master partition, so its states are fp32 and it has one step tensor per
   parameter group; **master weights** (that fp32 copy) are a line of their own.
 * **sharding** divides those three: single process and DDP by nothing; ZeRO-1 the optimizer states (and master
-  weights); ZeRO-2 also the gradients; ZeRO-3 also the parameters (except those DeepSpeed keeps whole on every rank:
-  fewer than ``stage3_param_persistence_threshold`` = 1e5 elements); FSDP per its sharding strategy (FULL_SHARD,
+  weights); ZeRO-2 also the gradients; ZeRO-3 also the parameters (those DeepSpeed keeps whole on every rank,
+  fewer than ``stage3_param_persistence_threshold`` = 1e5 elements, are held whole besides their partition);
+  FSDP per its sharding strategy (FULL_SHARD,
   or FSDP2 ``reshard_after_forward: true``: all three; SHARD_GRAD_OP / ``reshard_after_forward: false``: gradients
   and optimizer states, the parameters being gathered whole from forward to backward; NO_SHARD: nothing; HYBRID_*:
   the same within one machine). Each rank's share is rounded up per tensor. Offload moves what it offloads to host
@@ -72,7 +73,9 @@ counted, per rank:
 
 The totals are per rank: device memory (a GPU, or the CPU's memory where the run trains on the CPU) and host
 memory (what offload puts in CPU memory). Where CUDA devices are visible, the device total is compared with the
-smallest one's memory. Not counted: the CUDA context and allocator caches, communication buckets of ZeRO, DoRA's
+smallest one's memory. DeepSpeed's gradient **reduce bucket** is counted as the worker sizes it
+(:func:`finetune.backends.reduce_bucket_elements`: DeepSpeed's 5e8 elements, capped at the trainable parameters).
+Not counted: the CUDA context and allocator caches, ZeRO's other communication buffers, DoRA's
 per-forward weight-norm temporaries, the eval pass (its logits are noted when they exceed training's activations and
 logits) and the generation cache of ``exact_match``.
 
@@ -454,8 +457,12 @@ def _persistent(p: ParamInfo, sharding: Sharding) -> bool:
 
 
 def _share(p: ParamInfo, nbytes: int, divisor: int, sharding: Sharding, is_param: bool = False) -> int:
-    """One rank's share of ``nbytes`` belonging to ``p``: rounded up; whole for the parameters ZeRO-3 persists."""
-    return nbytes if divisor == 1 or (is_param and _persistent(p, sharding)) else _ceil_div(nbytes, divisor)
+    """One rank's share of ``nbytes`` belonging to ``p``: rounded up. A parameter ZeRO-3 persists is held whole
+    besides its partition (DeepSpeed partitions every parameter, ``ds_tensor``, and never frees a persistent
+    one's whole data)."""
+    if divisor == 1:
+        return nbytes
+    return _ceil_div(nbytes, divisor) + (nbytes if is_param and _persistent(p, sharding) else 0)
 
 
 def _state_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, prec: _Precision) -> list[Item]:
@@ -507,6 +514,14 @@ def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, pre
         grads = sum(prec.held(p) for p in params if p.trainable)
         items.append(Item("ddp_buckets", "DDP gradient buckets", grads, grads, 1, "device",
                           "gradient_as_bucket_view is off: the buckets are a second copy of the gradients"))
+    if sharding.kind == "deepspeed":
+        from finetune.backends import reduce_bucket_elements
+
+        elements = reduce_bucket_elements(sum(p.numel for p in params if p.trainable))
+        bucket = elements * prec.residual  # in the model's (engine's) dtype, DeepSpeed's gradient accumulation dtype
+        items.append(Item("reduce_bucket", "DeepSpeed reduce bucket", bucket, bucket, 1, "device",
+                          f"reduce_bucket_size {elements:,} elements: the default 5e8 capped at the trainable "
+                          "parameters (ZeRO-1/2: allocated at each backward; ZeRO-3: for the whole run)"))
     if sharding.gathers:
         gathered = [p for p in params if not _persistent(p, sharding)]  # the persistent ones are whole already
         layers: dict[int, int] = {}
@@ -622,7 +637,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
     notes += [note] if note else []
     if sharding.params > 1 and sharding.kind == "deepspeed" and \
             any(p.numel < ZERO3_PERSISTENCE_THRESHOLD for p in facts.params):
-        notes.append("ZeRO-3 keeps parameters under 1e5 elements whole on every rank "
+        notes.append("ZeRO-3 keeps parameters under 1e5 elements whole on every rank, besides their partition "
                      "(stage3_param_persistence_threshold)")
     if acts.eval_logits_bytes > acts.used + acts.logits_bytes:
         notes.append(f"eval: one eval batch's logits ({cfg.eval.batch_size} x {acts.max_seq_len} tokens, no grad) "

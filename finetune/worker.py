@@ -58,7 +58,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     tokenizer and data this process already read (`finetune run` reads them before it creates the run folder)."""
     from finetune import checkpoint, loop, prepare, registry
     from finetune import peft as lora
-    from finetune.backends import detect, extra_checkpoint_state, make_accelerator, model_init
+    from finetune.backends import detect, extra_checkpoint_state, make_accelerator, model_init, size_deepspeed_buckets
     from finetune.meter import step_flops
     from finetune.modeling import build_base, check_fits, compile_model, enable_checkpointing, freeze
     from finetune.optim import build_optimizer, build_scheduler
@@ -128,6 +128,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     param_names = ParamNames.of(model, optimizer)  # on the plain model: prepare wraps and may rename
     flops = step_flops(model, cfg.train.peak_tflops, accelerator.device)  # plain names, whole sizes (ZeRO-3 too)
+    size_deepspeed_buckets(accelerator, model)  # DeepSpeed's 5e8-element reduce bucket, capped at the model
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend)
     state = TrainState(train_size=data.train_size)
