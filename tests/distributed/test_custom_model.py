@@ -54,6 +54,7 @@ def test_fsdp2_on_two_processes_matches_one_process(workdir: Path) -> None:
     assert [r["step"] for r in evals[0]] == [r["step"] for r in evals[1]] == [4, 8]
     assert evals[0][-1]["eval_loss"] == pytest.approx(evals[1][-1]["eval_loss"], rel=1e-4)
     assert evals[0][-1]["eval_token_accuracy_total"] == evals[1][-1]["eval_token_accuracy_total"]
-    done = _finetune("eval", str(run), "--json")  # the 2-process export, loaded back into the factory's model
+    # the 2-process export, loaded back into the factory's model
+    done = _finetune("eval", str(run), "--json", "--trust-remote-code")
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout)["eval_loss"] == pytest.approx(evals[0][-1]["eval_loss"], rel=1e-5)

@@ -104,7 +104,8 @@ def test_a_payload_never_runs_on_the_portable_path(workdir: Path, backend: str, 
     marker = workdir / f"PWNED-{run.name}"
     copy_with_payload(_straight_run(workdir, backend), run, pattern, marker)
     before = (run / "metrics.jsonl").read_text()
-    done = _finetune("resume", str(run), "--from", "step-000004", "--num-processes", "1", "--accelerate-config", "cpu")
+    done = _finetune("resume", str(run), "--from", "step-000004", "--num-processes", "1", "--accelerate-config", "cpu",
+                     "--trust-remote-code")
     assert not marker.exists(), f"the payload in {pattern} ran"
     assert done.returncode == 2 and "cannot be loaded" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr

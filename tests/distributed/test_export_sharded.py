@@ -25,7 +25,7 @@ SHARDED = ["fsdp2", "zero3"]
 def test_export_of_a_sharded_checkpoint_equals_the_runs_own_export(workdir: Path, backend: str) -> None:  # noqa: F811
     run = _straight_run(workdir, backend)
     out = workdir / f"export-{backend}"
-    done = _finetune("export", str(run), "-o", str(out), "--overwrite")
+    done = _finetune("export", str(run), "-o", str(out), "--overwrite", "--trust-remote-code")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "exported step-000008 (step 8)" in done.stdout and "logits match the recorded probe" in done.stdout
     manifest = json.loads((out / "manifest.json").read_text())
@@ -42,7 +42,7 @@ def test_eval_and_ls_of_a_sharded_checkpoint(workdir: Path, backend: str) -> Non
     against the logits the 2 ranks recorded) gives the eval the 2-process run logged at step 8 (the same samples,
     the loss within 1e-4 as in test_backends' parity); `finetune ls` shows each checkpoint's layout."""
     run = _straight_run(workdir, backend)
-    shown = _finetune("eval", str(run / "checkpoints" / "step-000008"), "--json")
+    shown = _finetune("eval", str(run / "checkpoints" / "step-000008"), "--json", "--trust-remote-code")
     assert shown.returncode == 0, shown.stderr[-3000:]
     assert "verified: the export reproduces the recorded logits" in shown.stderr
     got = json.loads(shown.stdout)
