@@ -20,7 +20,7 @@ import pytest
 from finetune import hooks, rundir
 from finetune.errors import ConfigError
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import recipe_file
+from tests.integration.conftest import DATA, recipe_file
 
 
 @pytest.fixture(autouse=True)
@@ -34,7 +34,7 @@ def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path: Path, monke
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n')
     recipe = recipe_file(tmp_path, "baddata", data={"train": str(bad), "eval": None})
-    code, out, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", "runs/nested/baddata")
+    code, _, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", "runs/nested/baddata")
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: ") and "bad.jsonl:2" in err, err
     assert not (tmp_path / "runs").exists()  # the data check comes before the folder
 
@@ -43,11 +43,11 @@ def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path: Path, monke
 
     monkeypatch.setattr("finetune.modeling.check_fits", broken_model)  # fails after the folder exists
     recipe = recipe_file(tmp_path, "badmodel", train={"max_steps": 2})
-    code, out, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", "runs/nested/badmodel")
+    code, _, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", "runs/nested/badmodel")
     assert code == 2 and "stand-in for a model-side mistake" in err, err
     assert not (tmp_path / "runs").exists()  # the folder and the parents this run made are gone
     (tmp_path / "mine").mkdir()  # a folder the user made: it stays, as empty as it was
-    code, out, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", "mine")
+    code, _, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", "mine")
     assert code == 2 and "stand-in" in err, err
     assert (tmp_path / "mine").is_dir() and not list((tmp_path / "mine").iterdir())
 
@@ -72,8 +72,10 @@ def test_dry_run_says_the_real_run_would_be_refused(tmp_path: Path, monkeypatch:
 
 def test_ctrl_c_says_stop_once_then_the_run_ends_with_its_summary_and_resume_has_nothing_to_do(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    evals = tmp_path / "eval.jsonl"  # a small eval set: the final eval is not what is tested
+    evals.write_text("".join((DATA / "reverse_eval.jsonl").read_text().splitlines(keepends=True)[:16]))
     recipe = recipe_file(tmp_path, "sigint", train={"max_steps": 3}, eval={"metrics": ["token_accuracy"]},
-                         checkpoint={"every_steps": 1})
+                         checkpoint={"every_steps": 1}, data={"eval": str(evals)})
     run = tmp_path / "sigint"
 
     def interrupt(trainer: Any) -> None:

@@ -264,10 +264,10 @@ def test_models_in_a_pipe_is_not_squashed_to_80_columns():
 def test_help_shows_flags_as_flags():
     """A boolean option is a flag: `--overwrite  replace ...`, not `--overwrite <bool>`."""
     for command in ("run", "eval", "resume", "plan", "export"):
-        done = cli(command, "--help")
-        assert done.returncode == 0, done.stderr
-        assert "<bool>" not in done.stdout and "╭" not in done.stdout, done.stdout
-    assert re.search(r"^\s+--overwrite\s+replace an existing run directory", cli("run", "--help").stdout,
+        done = invoke(command, "--help")
+        assert done.exit_code == 0, done.output
+        assert "<bool>" not in done.output and "╭" not in done.output, done.output
+    assert re.search(r"^\s+--overwrite\s+replace an existing run directory", invoke("run", "--help").output,
                      re.MULTILINE)
 
 
