@@ -9,6 +9,7 @@ Files written (see ``recipes/data/README.md`` for the formats):
 
 * ``reverse_train.jsonl`` / ``reverse_eval.jsonl`` - alpaca-style letter reversal
 * ``reverse_pref_train.jsonl`` / ``reverse_pref_eval.jsonl`` - preference pairs of the same task (task: dpo)
+* ``shift_train.jsonl`` / ``shift_eval.jsonl`` - reversal with each letter moved one on (the LoRA quickstart's task)
 * ``topics_train.jsonl`` / ``topics_eval.jsonl`` - 4-way topic classification
 * ``tiny_chat.jsonl`` - chat ``messages`` rows (system / multi-turn variants)
 * ``tiny_completion.jsonl`` - plain ``text`` rows for causal LM smoke tests
@@ -31,6 +32,7 @@ DATA_DIR = REPO_ROOT / "recipes" / "data"
 SEED = 1234
 LETTERS = string.ascii_lowercase
 REVERSE_INSTRUCTION = "Reverse the letters."
+SHIFT_INSTRUCTION = "Reverse and shift the letters."  # each letter moved one on: a to b, z to a
 
 # ---------------------------------------------------------------------------
 # Letter reversal (alpaca format)
@@ -59,6 +61,27 @@ def make_reverse(n_train: int, n_eval: int, seed: int) -> tuple[list[dict[str, s
             seen.add(letters)
             inputs.append(letters)
     rows = [{"instruction": REVERSE_INSTRUCTION, "input": x, "output": reverse_letters(x)} for x in inputs]
+    return rows[:n_train], rows[n_train:]
+
+
+def shift_letters(letters: str) -> str:
+    """Each letter of a space separated sequence moved one on in the alphabet, z to a (``"a z"`` -> ``"b a"``)."""
+    return " ".join(LETTERS[(LETTERS.index(c) + 1) % len(LETTERS)] for c in letters.split(" "))
+
+
+def make_shift(n_train: int, n_eval: int, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Disjoint train/eval splits of the reverse-and-shift task (the LoRA quickstart's new task): the input reversed,
+    each letter moved one on. A model fine-tuned on the reversal task answers with the plain reversal, which is
+    wrong at every letter, until an adapter teaches it the shift."""
+    rng = random.Random(seed)
+    inputs: list[str] = []
+    seen: set[str] = set()
+    while len(inputs) < n_train + n_eval:
+        letters = random_letters(rng)
+        if letters not in seen:
+            seen.add(letters)
+            inputs.append(letters)
+    rows = [{"instruction": SHIFT_INSTRUCTION, "input": x, "output": shift_letters(reverse_letters(x))} for x in inputs]
     return rows[:n_train], rows[n_train:]
 
 
@@ -685,6 +708,11 @@ def main() -> None:
     reverse_eval_report(reverse_eval)
     write_jsonl(DATA_DIR / "reverse_pref_train.jsonl", make_reverse_preference(reverse_train[:1000], seed=SEED + 5))
     write_jsonl(DATA_DIR / "reverse_pref_eval.jsonl", make_reverse_preference(reverse_eval, seed=SEED + 6))
+
+    shift_train, shift_eval = make_shift(1000, 200, seed=SEED + 7)
+    write_jsonl(DATA_DIR / "shift_train.jsonl", shift_train)
+    write_jsonl(DATA_DIR / "shift_eval.jsonl", shift_eval)
+    print(f"shift_eval: {len(shift_eval)} rows, {len({r['output'] for r in shift_eval})} distinct outputs")
 
     topics_train, topics_eval = make_topics(200, 50, seed=SEED + 1)
     topic_report(topics_train, topics_eval)
