@@ -568,7 +568,39 @@ def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str,
         config = FullStateDictConfig(offload_to_cpu=torch.cuda.is_available(), rank0_only=True)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             return model.state_dict()
-    return accelerator.get_state_dict(model)
+    state_dict = accelerator.get_state_dict(model)
+    if backend.kind == "deepspeed" and _engine_half(model):
+        return _with_fp32_masters(accelerator, model, state_dict)
+    return state_dict
+
+
+def _engine_half(engine: Any) -> bool:
+    """Whether a DeepSpeed engine runs bf16/fp16 (it then holds the model in 16 bits, the fp32 masters apart)."""
+    return any(bool(getattr(engine, name, lambda: False)()) for name in ("bfloat16_enabled", "fp16_enabled"))
+
+
+def _with_fp32_masters(accelerator: Any, engine: Any, state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``state_dict`` (the engine's 16-bit module weights) with every trainable parameter replaced by DeepSpeed's
+    fp32 master copy, the weights the optimizer really updated, and the rest in fp32 too (frozen weights were cast
+    to 16 bits by the engine: their fp32 value is exactly that). Without it a bf16 DeepSpeed run exported its
+    weights rounded to bf16 (8 significant bits), unlike every other backend, which exports its fp32 masters.
+    ``safe_get_full_fp32_param`` is a collective under ZeRO (it gathers the partitions): every rank calls it, in
+    the same parameter order."""
+    import torch
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    masters: dict[str, Any] = {}
+    seen: dict[int, Any] = {}
+    for name, param in accelerator.unwrap_model(engine).named_parameters(remove_duplicate=False):
+        if param.requires_grad and id(param) not in seen:
+            seen[id(param)] = safe_get_full_fp32_param(param)
+        if seen.get(id(param)) is not None:
+            masters[name] = seen[id(param)]
+    if not state_dict:
+        return state_dict
+    return {key: (masters[key].detach().to("cpu", torch.float32).reshape(value.shape) if key in masters
+                  else value.float() if torch.is_tensor(value) and value.is_floating_point() else value)
+            for key, value in state_dict.items()}
 
 
 def full_shape(param: Any) -> tuple[int, ...]:
