@@ -8,8 +8,9 @@ tracemalloc does not see torch's allocations and the process RSS keeps freed pag
 
 The data rows are longer than ``data.max_seq_len``, so every micro-batch is exactly the ``micro_batch_size x
 max_seq_len`` tokens the plan assumes (packed: one row of that many). The plan's device total must be within 15% of
-the measured peak. One process only (the single backend): no 2-process launch is added for CI time, so the sharded
-backends' lines are checked by tests/unit/test_plan.py (against DDP's plan and a meta build), not by a measurement;
+the measured peak. One process only (the single backend); the 2-process backends are measured inside the straight
+runs of tests/distributed/test_backends.py (test_plan_is_within_15_percent_of_the_measured_peak, with
+tests/distributed/memory_hooks.py, whose counter also follows storages FSDP resizes outside the dispatcher), and
 :mod:`tests.unit.test_plan_fake7b` checks a Llama-7B step the same way under FakeTensorMode.
 """
 
