@@ -82,7 +82,9 @@ logits) and the generation cache of ``exact_match``.
 Checked by ``tests/unit/test_plan.py``: parameters, gradients and optimizer states equal the bytes of a real model
 after a real training step (full, LoRA, DoRA, bf16 weights, SGD, BERT), QLoRA's 4-bit estimate is within 2% of a
 real bitsandbytes model, and the activation estimate is within 20% of what autograd really saves (Llama fp32, bf16
-autocast, eager attention, GQA; BERT fp32 and bf16).
+autocast, eager attention, GQA; BERT fp32 and bf16). The device total is compared with the peak of live tensor
+bytes of real training steps: one process in ``tests/unit/test_plan_measured.py``, each 2-process backend inside
+the runs of ``tests/distributed/test_backends.py`` (the ratios per backend are in its docstring).
 
 ``run --dry-run`` ends with the same plan, each line commented as ``## `` so the output stays YAML.
 """
