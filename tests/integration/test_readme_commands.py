@@ -1,55 +1,146 @@
-"""Every command of the README's Commands block, run exactly as written, from a folder that is not the repository.
+"""Every ``finetune`` command in the README's bash code blocks, run exactly as written, from folders that are not the
+repository.
 
-The block is parsed from README.md, so a command added there is run here (or fails this test until it is given
-what it needs). The commands run through the real entry point in this process (:func:`finetune.cli.main`) with the
-current folder set to a temporary one holding what the commands name: ``recipes/quickstart.yaml`` (the quickstart
-made small: tiny-llama, 100 steps of 2 rows, a checkpoint at step 100), ``recipe.yaml``, ``prompts.jsonl`` and the
-runs ``runs/q``, ``runs/a``, ``runs/b``, ``runs/theirs``, ``runs/x`` (copies of the ``runs/quickstart`` the first
-command trains). ``finetune run quickstart`` (a shipped recipe by name, from any folder) runs in a second, empty
-folder with ``FINETUNE_RECIPES_DIR`` pointing at a 2-step quickstart. A shell redirect (``> file``) is done here.
+The blocks are parsed from README.md, so a command added there is run here (or fails this test until it is given what
+it needs). A block or command that cannot run on a CPU-only machine in one process is skipped by name, with its
+reason, in :data:`SKIPPED_BLOCKS` / :data:`SKIPPED_COMMANDS`; a line that is neither a ``finetune`` command nor
+listed there fails the test, so nothing is left out silently, and a listed skip that the README no longer holds
+fails it too.
+
+The commands run through the real entry point in this process (:func:`finetune.cli.main`). Each block runs in a
+fresh folder of its own holding what its commands name: ``recipes/`` (every shipped recipe made small: the
+architecture's tiny default size, 2-row steps, a few data rows; ``recipes/quickstart.yaml`` trains 100 steps with a
+checkpoint at step 100), ``recipe.yaml`` (a 2-step quickstart named ``mine``), ``my-vlm.yaml``, ``prompts.jsonl``, and
+the runs ``runs/q``, ``runs/a``, ``runs/b``, ``runs/theirs``, ``runs/x``: copies of the one tiny run that the
+Commands block's first command trains. ``FINETUNE_RECIPES_DIR`` points at the same small recipes (2 steps each), so
+a recipe given by name (``finetune run quickstart``) is small too; the Commands block runs that one from an empty
+folder ("from any folder"). A shell redirect (``> file``) is done here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import re
 import shlex
 import shutil
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.integration.conftest import DATA, REPO, cli_exit_code
+from tests.integration.conftest import REPO, cli_exit_code
 
 pytestmark = pytest.mark.integration
 
-RUNS_COPIED = ("q", "a", "b", "theirs", "x")  # runs the block names that the block itself does not train
+RUNS_COPIED = ("q", "a", "b", "theirs", "x")  # runs the README names that no command of its block trains
+
+TWO_PROCESSES = ("2 processes: CI has no room for another 2-process launch; the backends and elastic resume run in "
+                 "tests/distributed")
+# The first line of a bash block -> why the whole block is not run here.
+SKIPPED_BLOCKS = {
+    "make quickstart": "make creates .venv (network) and runs the full-size quickstarts; tests/integration/"
+                       "test_quickstarts.py runs the same recipes and checks their numbers",
+    "python3 -m venv .venv && . .venv/bin/activate": "installs packages from the network; tests/integration/"
+                                                     "test_wheel.py installs the built wheel offline",
+    ".venv/bin/python scripts/bench_throughput.py --rounds 3 --out docs/bench-throughput.md":
+        "an 11-minute benchmark script, not a finetune command",
+    "#!/bin/bash": "a SLURM job: needs a cluster of 2 nodes with 8 GPUs each",
+}
+# A command of a block that is otherwise run -> why it is not run here.
+SKIPPED_COMMANDS = {
+    "finetune resume runs/q --num-processes 2 --accelerate-config ddp": TWO_PROCESSES,
+    "finetune resume runs/z3 --num-processes 1 --accelerate-config cpu": "needs a ZeRO-3 run of 2 processes; "
+                                                                          "tests/distributed/test_elastic.py",
+    "finetune run recipe.yaml --accelerate-config zero3 --num-processes 2": TWO_PROCESSES,
+    "accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes 2 -m finetune run recipe.yaml":
+        TWO_PROCESSES,
+    "finetune run my-vlm.yaml peft.method=lora peft.preset=attn_mlp --accelerate-config fsdp2 --num-processes 8":
+        "8 processes (a GPU node)",
+}
 
 
-def readme_commands() -> list[str]:
-    """The commands of the README's ``## Commands`` block, comments dropped, in order."""
-    text = (REPO / "README.md").read_text(encoding="utf-8")
-    section = text.split("\n## Commands\n", 1)[1]
-    block = section.split("```bash\n", 1)[1].split("\n```", 1)[0]
-    return [" ".join(shlex.split(line, comments=True)) for line in block.splitlines() if line.strip()]
+@dataclass
+class Block:
+    """One bash code block of the README: the section it is in, its first line and its commands (comments
+    dropped, continued lines joined)."""
+
+    section: str
+    first_line: str
+    commands: list[str]
 
 
-def _small_recipes(folder: Path, steps: int) -> Path:
-    """``folder/recipes``: the shipped quickstart made small (same keys, ``steps`` steps of 2 rows, a checkpoint at
-    the last), its data cut to a few rows."""
+def readme_blocks() -> list[Block]:
+    """Every ```bash block of README.md, in order."""
+    blocks, section = [], ""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("## "):
+            section = lines[i][3:].strip()
+        if lines[i].strip() == "```bash":
+            body = []
+            i += 1
+            while lines[i].strip() != "```":
+                body.append(lines[i])
+                i += 1
+            text = "\n".join(body).replace("\\\n", " ")
+            first = re.sub(r"\s+#.*$", "", next(line.strip() for line in body if line.strip()))  # comment dropped
+            commands = [" ".join(shlex.split(line, comments=True)) for line in text.splitlines()]
+            blocks.append(Block(section, first, [c for c in commands if c]))
+        i += 1
+    return blocks
+
+
+def _shrink_data(source: Path, target: Path, rows: int) -> None:
+    """The first ``rows`` lines of a data file; for vision rows, the images they name beside them."""
+    lines = source.read_text(encoding="utf-8").splitlines()[:rows]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for image in re.findall(r'"image": "([^"]+)"', "\n".join(lines)):
+        (target.parent / image).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source.parent / image, target.parent / image)
+
+
+def _small_recipes(folder: Path, steps: dict[str, int]) -> Path:
+    """``folder/recipes``: every shipped recipe made small (same keys; 2-row steps, ``steps[name]`` of them or 2, a
+    checkpoint at the last, evaluation only at the end, the architecture's tiny default size), its data cut to a
+    few rows."""
     recipes = folder / "recipes"
-    (recipes / "data").mkdir(parents=True)
-    for name, rows in (("reverse_train.jsonl", 64), ("reverse_eval.jsonl", 8)):
-        lines = (DATA / name).read_text().splitlines()[:rows]
-        (recipes / "data" / name).write_text("\n".join(lines) + "\n")
-    recipe = yaml.safe_load((REPO / "recipes" / "quickstart.yaml").read_text())
-    recipe["model"]["config_overrides"] = {}
-    recipe["train"].update(micro_batch_size=2, global_batch_size=2, max_steps=steps)
-    recipe["eval"].update(every_steps=None, at_start=False, max_new_tokens=4, batch_size=8)
-    recipe["checkpoint"].update(every_steps=steps)
-    recipe["logging"]["every_steps"] = 50
-    (recipes / "quickstart.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        recipe = yaml.safe_load(path.read_text())
+        for split, rows in (("train", 64), ("eval", 8)):
+            name = recipe["data"][split]
+            _shrink_data(path.parent / name, recipes / name, rows)
+        if "config_overrides" in recipe["model"]:
+            recipe["model"]["config_overrides"] = {}
+        count = steps.get(path.stem, 2)
+        recipe["train"].update(micro_batch_size=2, global_batch_size=2, max_steps=count, epochs=None)
+        recipe["eval"].update(every_steps=None, at_start=False, max_new_tokens=4, batch_size=8)
+        recipe["checkpoint"].update(every_steps=count, keep_last=5)
+        recipe["logging"]["every_steps"] = 50
+        (recipes / path.name).write_text(yaml.safe_dump(recipe, sort_keys=False))
     return recipes
+
+
+def _block_folder(folder: Path) -> Path:
+    """A fresh folder for one block: small recipes, ``recipe.yaml``, ``my-vlm.yaml`` and ``prompts.jsonl``."""
+    recipes = _small_recipes(folder, {"quickstart": 100})  # `export runs/q --from step-000100`
+    recipe = yaml.safe_load((recipes / "quickstart.yaml").read_text())
+    recipe["name"] = "mine"
+    recipe["data"].update(train="recipes/data/reverse_train.jsonl", eval="recipes/data/reverse_eval.jsonl")
+    recipe["train"].update(global_batch_size=32, max_steps=2)  # the plan command asks for 8 processes
+    recipe["checkpoint"]["every_steps"] = 2
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    vlm = yaml.safe_load((recipes / "vlm-quickstart.yaml").read_text())
+    vlm["name"] = "my-vlm"
+    vlm["data"].update(train="recipes/data/shapes/train.jsonl", eval="recipes/data/shapes/eval.jsonl")
+    (folder / "my-vlm.yaml").write_text(yaml.safe_dump(vlm, sort_keys=False))
+    (folder / "prompts.jsonl").write_text('{"instruction": "Reverse the letters.", "input": "a b c"}\n'
+                                          '{"prompt": "x y"}\n')
+    return folder
 
 
 def _run(command: str, capsys: pytest.CaptureFixture[str]) -> int:
@@ -66,34 +157,55 @@ def _run(command: str, capsys: pytest.CaptureFixture[str]) -> int:
         return cli_exit_code(*args)
 
 
+def test_every_readme_bash_line_is_run_or_skipped_with_a_reason() -> None:
+    """The skip lists name only what the README holds, and every other line of a block that runs is a finetune
+    command: a new command cannot be left out without a reason written here."""
+    blocks = readme_blocks()
+    firsts = {block.first_line for block in blocks}
+    commands = {command for block in blocks for command in block.commands}
+    assert not set(SKIPPED_BLOCKS) - firsts, "a skipped block is no longer in the README"
+    assert not set(SKIPPED_COMMANDS) - commands, "a skipped command is no longer in the README"
+    for block in blocks:
+        if block.first_line not in SKIPPED_BLOCKS:
+            strays = [c for c in block.commands if not c.startswith("finetune ") and c not in SKIPPED_COMMANDS]
+            assert not strays, f"README ({block.section}): not a finetune command, and no reason to skip it: {strays}"
+
+
 def test_readme_commands_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
-    work.mkdir()
-    elsewhere.mkdir()
-    recipes = _small_recipes(work, 100)  # `export runs/q --from step-000100`
-    monkeypatch.setenv("FINETUNE_RECIPES_DIR", str(_small_recipes(tmp_path / "shipped", 2)))
-    recipe = yaml.safe_load((recipes / "quickstart.yaml").read_text())
-    recipe["data"].update(train="recipes/data/reverse_train.jsonl", eval="recipes/data/reverse_eval.jsonl")
-    recipe["train"]["global_batch_size"] = 32  # the plan command asks for 8 processes
-    (work / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
-    (work / "prompts.jsonl").write_text('{"instruction": "Reverse the letters.", "input": "a b c"}\n'
-                                        '{"prompt": "x y"}\n')
-    commands = readme_commands()
-    assert commands[0] == "finetune run recipes/quickstart.yaml", "the block must start by training the quickstart"
-    failed = []
-    for command in commands:
-        monkeypatch.chdir(elsewhere if command == "finetune run quickstart" else work)
-        if command != commands[0]:
-            for name in RUNS_COPIED:
-                if not (work / "runs" / name).exists():
-                    shutil.copytree(work / "runs" / "quickstart", work / "runs" / name)
-        code = _run(command, capsys)
-        if code != 0:
-            failed.append(f"{command}: exit {code}: {capsys.readouterr().err.strip()[-500:]}")
+    monkeypatch.setenv("FINETUNE_RECIPES_DIR", str(_small_recipes(tmp_path / "shipped", {})))
+    blocks = [b for b in readme_blocks() if b.first_line not in SKIPPED_BLOCKS]
+    assert blocks[0].section == "Commands" and blocks[0].commands[0] == "finetune run recipes/quickstart.yaml", \
+        "the first block that runs must start by training the quickstart (its run is copied for the others)"
+    trained = tmp_path / "block-0" / "runs" / "quickstart"
+    failed, timings = [], []
+    for index, block in enumerate(blocks):
+        work, elsewhere = _block_folder(tmp_path / f"block-{index}"), tmp_path / f"elsewhere-{index}"
+        elsewhere.mkdir()
+        for command in block.commands:
+            if command in SKIPPED_COMMANDS:
+                continue
+            anywhere = block.section == "Commands" and command == "finetune run quickstart"  # "from any folder"
+            monkeypatch.chdir(elsewhere if anywhere else work)
+            if trained.is_dir():
+                for name in RUNS_COPIED:
+                    if re.search(rf"\bruns/{name}(/|\s|$)", command) and not (work / "runs" / name).exists():
+                        shutil.copytree(trained, work / "runs" / name)
+            start = time.perf_counter()
+            code = _run(command, capsys)
+            timings.append(f"{time.perf_counter() - start:6.1f} s  {command}")
+            if code != 0:
+                failed.append(f"({block.section}) {command}: exit {code}: {capsys.readouterr().err.strip()[-500:]}")
+    with capsys.disabled():
+        print("\n" + "\n".join(timings))
     assert not failed, "\n".join(failed)
-    assert (work / "q-100" / "manifest.json").is_file()
-    assert (work / "cmp.png").stat().st_size > 0
-    assert (work / "out.jsonl").read_text().count("\n") == 2
-    assert '"properties"' in (work / "recipe.schema.json").read_text()
-    assert (work / "runs" / "try" / "final").is_dir() and (elsewhere / "runs" / "quickstart" / "final").is_dir()
+    first = tmp_path / "block-0"
+    assert (first / "q-100" / "manifest.json").is_file()
+    assert (first / "cmp.png").stat().st_size > 0
+    assert (first / "out.jsonl").read_text().count("\n") == 2
+    assert (first / "runs" / "try" / "final").is_dir() and (tmp_path / "elsewhere-0" / "runs" / "quickstart" /
+                                                              "final").is_dir()
+    assert '"properties"' in next(tmp_path.glob("block-*/recipe.schema.json")).read_text()
+    # the README's LoRA quickstart: the adapter run of the shipped recipe, merged into a plain model
+    merged = [p for p in tmp_path.glob("block-*/runs/*") if (p / "config.json").is_file()]
+    assert merged and all(json.loads((p / "manifest.json").read_text()) for p in merged)
