@@ -50,16 +50,21 @@ def reverse_letters(letters: str) -> str:
     return " ".join(reversed(letters.split(" ")))
 
 
-def make_reverse(n_train: int, n_eval: int, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
-    """Build disjoint train/eval splits (unique inputs) of the reversal task."""
-    rng = random.Random(seed)
+def unique_inputs(rng: random.Random, count: int) -> list[str]:
+    """``count`` distinct random letter sequences, in the order ``rng`` draws them."""
     inputs: list[str] = []
     seen: set[str] = set()
-    while len(inputs) < n_train + n_eval:
+    while len(inputs) < count:
         letters = random_letters(rng)
         if letters not in seen:
             seen.add(letters)
             inputs.append(letters)
+    return inputs
+
+
+def make_reverse(n_train: int, n_eval: int, seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """Build disjoint train/eval splits (unique inputs) of the reversal task."""
+    inputs = unique_inputs(random.Random(seed), n_train + n_eval)
     rows = [{"instruction": REVERSE_INSTRUCTION, "input": x, "output": reverse_letters(x)} for x in inputs]
     return rows[:n_train], rows[n_train:]
 
@@ -73,14 +78,7 @@ def make_shift(n_train: int, n_eval: int, seed: int) -> tuple[list[dict[str, str
     """Disjoint train/eval splits of the reverse-and-shift task (the LoRA quickstart's new task): the input reversed,
     each letter moved one on. A model fine-tuned on the reversal task answers with the plain reversal, which is
     wrong at every letter, until an adapter teaches it the shift."""
-    rng = random.Random(seed)
-    inputs: list[str] = []
-    seen: set[str] = set()
-    while len(inputs) < n_train + n_eval:
-        letters = random_letters(rng)
-        if letters not in seen:
-            seen.add(letters)
-            inputs.append(letters)
+    inputs = unique_inputs(random.Random(seed), n_train + n_eval)
     rows = [{"instruction": SHIFT_INSTRUCTION, "input": x, "output": shift_letters(reverse_letters(x))} for x in inputs]
     return rows[:n_train], rows[n_train:]
 
