@@ -263,19 +263,44 @@ def _quiet() -> Iterator[None]:
 def _read_deepspeed(ckpt: Path, groups: list[list[str]] | None, scratch: Path | None
                     ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """DeepSpeed ZeRO 1/2/3: the model through DeepSpeed's zero_to_fp32 (fp32 masters of the trainable parameters,
-    frozen parameters and buffers as saved); the optimizer through DeepSpeed's universal checkpoint (one folder per
+    frozen parameters and buffers as saved; ZeRO-1's frozen parameters from its model states file, see
+    :func:`_zero12_frozen`); the optimizer through DeepSpeed's universal checkpoint (one folder per
     parameter with its fp32 value and Adam moments), converted into ``scratch``."""
     with _quiet():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         model = {k: v.detach() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model")
                  .items()}
+    model.update(_zero12_frozen(ckpt / "pytorch_model", model))
     if groups is None:
         return model, None
     if scratch is None:
         raise ValueError("reading a DeepSpeed optimizer needs a scratch folder")
     universal = convert_deepspeed(ckpt, scratch)
     return model, _read_universal(universal, groups, model, ckpt)
+
+
+def _zero12_frozen(folder: Path, model: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of a ZeRO-1/2 checkpoint that zero_to_fp32 does not return: the frozen ones of ZeRO-1.
+
+    DeepSpeed's engine records ``frozen_param_shapes`` / ``frozen_param_fragments`` (what zero_to_fp32 reads frozen
+    parameters from) only from ZeRO-2 on (``zero_optimization_partition_gradients``), so a ZeRO-1 checkpoint, in
+    fp32 as in bf16, yields its trainable fp32 masters and buffers alone. Under ZeRO 1/2 every rank keeps the whole
+    module, and the model states file (``mp_rank_00_model_states.pt``, "module") holds its full state dict: frozen
+    parameters included, whole, in the engine's dtype. They are taken from there, as saved: under bf16 they are the
+    bf16 values DeepSpeed cast the module to when it built the engine (it keeps no fp32 copy of a parameter no
+    optimizer steps), which are the values the run trained with and exported (fp32 weights before that are lost).
+    ZeRO-3's model states hold partitioned placeholders, and its frozen parameters are recorded: nothing is taken."""
+    import torch
+
+    states = folder / "mp_rank_00_model_states.pt"  # (ZeRO-3's is zero_pp_rank_0_mp_rank_00_model_states.pt)
+    if not states.is_file():
+        return {}
+    saved = torch.load(states, map_location="cpu", weights_only=True)  # safe: data only
+    module = saved.get("module") if isinstance(saved, dict) else None
+    if not isinstance(module, dict):
+        raise RunDirError(f"{states}: holds no module state")
+    return {k: v.detach() for k, v in module.items() if k not in model and torch.is_tensor(v)}
 
 
 def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:

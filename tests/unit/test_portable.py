@@ -200,3 +200,50 @@ def test_the_reshard_scratch_is_finetune_s(tmp_path: Path) -> None:
     assert rundir.foreign_entries(run) == ["reshard.tmp/mine.md"]
     rundir.remove_scratch(scratch)
     assert not scratch.exists()
+
+
+def _zero1_checkpoint(ckpt: Path, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A 1-process bf16 ZeRO-1 checkpoint of ``module`` in DeepSpeed's layout (deepspeed.runtime.engine's
+    _save_checkpoint / _save_zero_checkpoint at stage 1): the model states file holds the whole module state in
+    the engine's dtype (bf16), the trainable parameters' shapes, and no frozen_param_shapes (DeepSpeed writes them
+    from ZeRO-2 on); the optimizer file holds the fp32 masters of the trainable parameters, flat. Returns the fp32
+    masters by name (made to differ from their bf16 module copies, so that a reader taking those would be seen)."""
+    from collections import OrderedDict
+
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+
+    trainable = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    masters = {n: p.detach().float() + 1e-3 for n, p in trainable}
+    folder = ckpt / "pytorch_model"
+    folder.mkdir(parents=True)
+    states = {"module": {k: v.detach().to(torch.bfloat16) for k, v in module.state_dict().items()},
+              "buffer_names": [], "param_shapes": [OrderedDict((n, p.shape) for n, p in trainable)],
+              "frozen_param_shapes": None, "frozen_param_fragments": None, "shared_params": {},
+              "ds_version": "0.19.8"}
+    torch.save(states, folder / "mp_rank_00_model_states.pt")
+    flat = torch.cat([m.reshape(-1) for m in masters.values()])
+    optim = {"zero_stage": ZeroStageEnum.optimizer_states, "partition_count": [1],
+             "single_partition_of_fp32_groups": [flat], "param_alignment_paddings": [[0] * len(trainable)]}
+    torch.save({"optimizer_state_dict": optim, "ds_version": "0.19.8"},
+               folder / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    (ckpt / rundir.MANIFEST).write_text(json.dumps(_manifest("zero1", 1, names=False)), encoding="utf-8")
+    return masters
+
+
+def test_a_zero1_checkpoint_reads_its_frozen_parameters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSpeed's zero_to_fp32 returns no frozen parameter of a ZeRO-1 checkpoint (none recorded): read_full_state
+    takes them from the model states file as saved (bf16: what DeepSpeed cast the module to, the values the run
+    trained with), and the trainable ones from the fp32 masters."""
+    from finetune.portable import read_full_state
+
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")  # (read_full_state sets it for its process)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    module[0].requires_grad_(False)  # the frozen part
+    masters = _zero1_checkpoint(tmp_path / "step-000008", module)
+    model = read_full_state(tmp_path / "step-000008", optimizer=False).model
+    assert sorted(model) == sorted(module.state_dict())
+    for name in ("0.weight", "0.bias"):
+        assert model[name].dtype == torch.bfloat16
+        assert torch.equal(model[name], module.state_dict()[name].to(torch.bfloat16))
+    assert all(torch.equal(model[name], master) for name, master in masters.items())
