@@ -27,6 +27,8 @@ alive when the step began, and the rows and padded length of the step's longest 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import time
 import weakref
@@ -127,7 +129,8 @@ def _measured(train_step: Any) -> Any:
 def _quiet_end(destroy: Any) -> Any:
     def destroy_process_group(*args: Any, **kwargs: Any) -> Any:
         if dist.is_initialized():
-            dist.barrier()
+            with contextlib.suppress(RuntimeError):  # bounded: a rank that died must not hold the others here
+                dist.monitored_barrier(timeout=datetime.timedelta(seconds=60))
             time.sleep(0.5)  # releases the GIL: gloo's threads finish destroying their last works
         return destroy(*args, **kwargs)
 
