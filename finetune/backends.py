@@ -273,6 +273,19 @@ def reduce_bucket_elements(trainable_numel: int) -> int:
     return max(1, min(DEEPSPEED_REDUCE_BUCKET, trainable_numel))
 
 
+def settle(accelerator: Any) -> None:
+    """Every rank, once its run has finished and before the process group is torn down: a barrier (so no rank is
+    still inside a collective), then half a second without the GIL, so gloo's threads can free the work of the last
+    collectives. Freeing a collective's tensors needs the GIL, and the process group's destructor joins those
+    threads while holding it: a rank that got there while its last collective was still being freed hung for ever
+    in ``~ProcessGroupGloo`` (seen in 2-process resumes, once rank 0 spent longer at the end writing the summary)."""
+    import time
+
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+        time.sleep(0.5)  # releases the GIL
+
+
 def size_deepspeed_buckets(accelerator: Any, model: Any) -> None:
     """Before ``accelerator.prepare``: set the DeepSpeed config's ``reduce_bucket_size`` to
     :func:`reduce_bucket_elements` of ``model`` (whole sizes: ZeRO-3 builds partitioned), as ``finetune plan``

@@ -214,6 +214,7 @@ def run_main(fn: Callable[[], Any]) -> None:
     """Run a command; every way it can fail ends here as one message per problem and its exit code. Output to a
     closed pipe never stops it (:func:`keep_output_going`), and a Ctrl+C always says what it stopped."""
     keep_output_going()
+    _CTRL_C.clear()  # a Ctrl+C of an earlier command in this process (tests run many) is not this command's
     own_sigint = (threading.current_thread() is threading.main_thread()
                   and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
     if own_sigint:

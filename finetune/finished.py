@@ -5,7 +5,8 @@ A run is finished when its newest resumable checkpoint is at its last step (``tr
 Resuming it would train nothing and only write ``final/`` again, so ``finetune resume`` says so and exits 0
 (:func:`nothing_to_resume`). The check is as strict as a resume's own: the run must be unlocked, its marker and
 layout sound, the checkpoint verified (every file's sha256) and the command's overrides must change nothing but the
-layout; otherwise (``train.max_steps=N`` to train longer, a changed key, anything damaged) the resume goes ahead
+layout, and the data files must be those the checkpoint recorded; otherwise (``train.max_steps=N`` to train
+longer, a changed key or data file, anything damaged) the resume goes ahead
 and says what it says. Reads JSON and YAML only: no model, no plugin is imported, nothing is written.
 """
 
@@ -22,7 +23,7 @@ from finetune.errors import FinetuneError
 def nothing_to_resume(run_dir: Path, overrides: list[str], trust_remote_code: bool) -> str | None:
     """The line ``finetune resume`` prints for a finished run (see the module); None when there is work to do or
     the run cannot be read as finished (the resume then reports what is wrong)."""
-    from finetune.resume import recipe_changes
+    from finetune.resume import data_changes, recipe_changes
     from finetune.worker import total_steps
 
     try:
@@ -46,6 +47,8 @@ def nothing_to_resume(run_dir: Path, overrides: list[str], trust_remote_code: bo
             return None
         if cfg.checkpoint.save_final and rundir.read_manifest(run_dir / rundir.FINAL).get("step") != info.step:
             return None  # the export is what is left to do
+        if data_changes(cfg, rundir.read_manifest(info.path)):
+            return None  # a changed data file: the resume says so (and refuses) rather than "nothing to do"
         checkpoint.verify(info.path, run_id)
     except (FinetuneError, OSError, ValueError, TypeError, AttributeError):
         return None

@@ -247,6 +247,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
     Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
     from finetune import checkpoint, loop
+    from finetune.backends import settle
     from finetune.modeling import compile_failures
 
     started = time.monotonic()
@@ -280,6 +281,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
             write_run_plot(trainer.run_dir, log=lambda row: trainer.tracker.log("info", row))
             report_end(trainer, time.monotonic() - started)
+        settle(trainer.accelerator)  # every rank, before end_training tears the process group down
     except Interrupted as exc:  # in train.log; the console gets it once, from the exit (finetune.errors)
         trainer.tracker.log("info", {"message": str(exc), "console": False})
         raise

@@ -9,7 +9,7 @@ sampled, ending early once every prompt of a batch has stopped.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -189,9 +189,9 @@ def generate_tokens(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 def _kv_cache(out: Any) -> dict[str, Any]:
     """The KV cache of a forward's output, as the keyword argument the model takes it back by: ``cache`` since
     transformers 5.24 (which deprecates ``past_key_values`` both ways, with a warning), else ``past_key_values``."""
-    if "cache" in out:
-        return {"cache": out["cache"]}
-    return {"past_key_values": out.past_key_values}
+    # transformers' ModelOutput is a mapping; any other output object (a custom row's, a test double) has attributes
+    cache = out.get("cache") if isinstance(out, Mapping) else getattr(out, "cache", None)
+    return {"cache": cache} if cache is not None else {"past_key_values": out.past_key_values}
 
 
 class CausalLMTask(TaskData):
