@@ -14,7 +14,9 @@ checkpoint at step 100), ``recipe.yaml`` (a 2-step quickstart named ``mine``), `
 the runs ``runs/q``, ``runs/a``, ``runs/b``, ``runs/theirs``, ``runs/x``: copies of the one tiny run that the
 Commands block's first command trains. ``FINETUNE_RECIPES_DIR`` points at the same small recipes (2 steps each), so
 a recipe given by name (``finetune run quickstart``) is small too; the Commands block runs that one from an empty
-folder ("from any folder"). A shell redirect (``> file``) is done here.
+folder ("from any folder"). A ``train.max_steps=N`` override is made small (:func:`fewer_steps`: the README's
+``resume runs/q train.max_steps=400`` alone trained 300 tiny steps, 225 s). A shell redirect (``> file``) is done
+here.
 """
 
 from __future__ import annotations
@@ -143,6 +145,16 @@ def _block_folder(folder: Path) -> Path:
     return folder
 
 
+def fewer_steps(command: str) -> str:
+    """``command`` with its ``train.max_steps=N`` made small (CI time; what the command does is the same): a resume
+    goes 2 steps past the copied run's last checkpoint (step 100), a new run trains at most 4 steps."""
+    def small(match: re.Match[str]) -> str:
+        steps = int(match.group(1))
+        return f"train.max_steps={min(steps, 102 if command.startswith('finetune resume ') else 4)}"
+
+    return re.sub(r"\btrain\.max_steps=(\d+)", small, command)
+
+
 def _run(command: str, capsys: pytest.CaptureFixture[str]) -> int:
     """``command`` (``finetune ARGS [> FILE]``) through the real entry point; the exit code."""
     words = shlex.split(command)
@@ -192,7 +204,7 @@ def test_readme_commands_run_as_written(tmp_path: Path, monkeypatch: pytest.Monk
                     if re.search(rf"\bruns/{name}(/|\s|$)", command) and not (work / "runs" / name).exists():
                         shutil.copytree(trained, work / "runs" / name)
             start = time.perf_counter()
-            code = _run(command, capsys)
+            code = _run(fewer_steps(command), capsys)
             timings.append(f"{time.perf_counter() - start:6.1f} s  {command}")
             if code != 0:
                 failed.append(f"({block.section}) {command}: exit {code}: {capsys.readouterr().err.strip()[-500:]}")
