@@ -35,7 +35,7 @@ quickstart-vlm: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 	$(BIN)/python -m pytest -q -m distributed tests/distributed
 
 # The suite against the newest releases pyproject.toml allows (no constraints), in a fresh $(LATEST): what the next
@@ -49,7 +49,7 @@ test-latest:
 	$(LATEST)/bin/pip freeze --exclude-editable > $(LATEST)/versions.txt
 	@echo "testing against: $$(grep -E '^(transformers|accelerate|peft|datasets|deepspeed)==' $(LATEST)/versions.txt | tr '\n' ' ')"
 	FINETUNE_TEST_LATEST=1 $(LATEST)/bin/ruff check finetune tests scripts
-	FINETUNE_TEST_LATEST=1 $(LATEST)/bin/python -m pytest -q
+	FINETUNE_TEST_LATEST=1 $(LATEST)/bin/python -m pytest -q -n 2 --dist loadfile
 	FINETUNE_TEST_LATEST=1 $(LATEST)/bin/python -m pytest -q -m distributed tests/distributed
 
 # Rewrite constraints.txt from the versions installed in $(VENV) (after a green `make test-latest`, say).

@@ -2,7 +2,7 @@
 
 Exact resume after a SIGTERM, ``finetune eval`` of the export reproducing the run's metrics, ``model.freeze``,
 LoRA on the language model only with its export and ``finetune merge``, and one-line refusals. The quickstart's
-learning is tests/integration/test_quickstarts.py; the 2-process backends are tests/distributed/test_vlm.py.
+learning is tests/integration/test_quickstart_vlm.py; the 2-process backends are tests/distributed/test_vlm.py.
 """
 
 from __future__ import annotations
