@@ -70,13 +70,30 @@ def launch_argv(cfg: RecipeConfig, resolved: Path, worker_args: list[str] | None
 
 def accelerate_argv(config: Path, num_processes: int, module: str, args: list[str]) -> list[str]:
     """``accelerate launch`` running ``python -m module args`` on ``num_processes`` ranks with ``config`` (the
-    training worker, or ``finetune generate``'s)."""
+    training worker, or ``finetune generate``'s). With several processes, a config that names no
+    ``main_process_port`` gets a free one (:func:`free_port`): accelerate's default, 29500, is one port per machine,
+    so a second run started on the same machine failed with 'address already in use'."""
+    port: list[str] = []
+    if num_processes > 1:
+        from finetune.config.validate import read_accelerate_config
+
+        if "main_process_port" not in read_accelerate_config(config):
+            port = ["--main_process_port", str(free_port())]
     return [
         sys.executable, "-P", "-m", "accelerate.commands.launch",  # -P: no current folder on its sys.path
         "--config_file", str(config),
-        "--num_processes", str(num_processes),
+        "--num_processes", str(num_processes), *port,
         "-m", module, *args,
     ]
+
+
+def free_port() -> int:
+    """A TCP port no process listens on now (the kernel's pick for port 0), for one machine's rendezvous."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def check_one_machine(cfg: RecipeConfig) -> None:

@@ -149,6 +149,23 @@ def test_dry_run_with_two_processes_prints_the_accelerate_argv(tmp_path, monkeyp
     assert argv[-3:] == ["-m", "finetune.worker", str(out / "recipe.resolved.yaml")]
 
 
+def test_a_launch_gets_a_free_port_unless_its_config_names_one(tmp_path):
+    """Two runs on one machine do not both ask for accelerate's default port 29500 (the second failed with 'address
+    already in use'): a config without main_process_port gets a port nobody listens on; one that names it keeps it."""
+    import socket
+
+    from finetune.launch import accelerate_argv
+
+    argv = accelerate_argv(REPO / "accelerate_configs" / "ddp.yaml", 2, "finetune.worker", [])
+    port = int(argv[argv.index("--main_process_port") + 1])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", port))  # free: binds
+    named = tmp_path / "named.yaml"
+    named.write_text((REPO / "accelerate_configs" / "ddp.yaml").read_text() + "main_process_port: 29611\n")
+    assert "--main_process_port" not in accelerate_argv(named, 2, "finetune.worker", [])
+    assert "--main_process_port" not in accelerate_argv(REPO / "accelerate_configs" / "cpu.yaml", 1, "m", [])
+
+
 def test_dry_run_under_a_launcher_trains_in_process(tmp_path, monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     _, plan, _ = _dry_run(tmp_path, monkeypatch, "launch.num_processes=2", "train.micro_batch_size=16",
