@@ -20,6 +20,7 @@ import pytest
 import torch
 import yaml
 
+from finetune.launch import free_port
 from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
@@ -396,7 +397,8 @@ def test_worker_refuses_a_world_size_the_recipe_did_not_plan(reference: Path) ->
     """A resolved recipe for 1 process launched on 2 would silently double the global batch: refused."""
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-         str(REPO / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "-m", "finetune.worker",
+         str(REPO / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port",
+         str(free_port()), "-m", "finetune.worker",
          str(reference / "recipe.resolved.yaml"), "--allow-plugin"],
         env=_env(), capture_output=True, text=True, timeout=300,
     )
