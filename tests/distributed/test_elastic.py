@@ -50,7 +50,9 @@ def _assert_continues(run: Path, straight: Path, saved: str, saved_world: int, n
     assert not rundir.reshard_scratch(run).exists() and rundir.foreign_entries(run) == []
 
 
-@pytest.mark.parametrize("backend", CHECKPOINT_BACKENDS)  # zero1/zero3_offload: their files are read below
+# zero1/zero3_offload: their files are read below; ddp and fsdp1 (their layouts also read below) run in make test-all
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b in ("ddp", "fsdp1") else b
+                                     for b in CHECKPOINT_BACKENDS])
 def test_shrink_to_one_process(workdir: Path, backend: str) -> None:
     """4 steps at 2 processes under ``backend``, then 4 at 1 process (backend single) == 8 straight at 2. (The
     recipe decays matrices only: under ZeRO-3, whose parameters are partitioned when the optimizer is built, the

@@ -28,7 +28,7 @@ from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.extended]  # make test-all, not make test (CI time)
 REPO = Path(__file__).resolve().parents[2]
 LORA = ["peft.method=lora", "peft.dropout=0"]  # no adapter dropout: rank RNG streams would differ from 1 process
 RUNS = {"ddp": ["--accelerate-config", "ddp", "--num-processes", "2", *LORA],

@@ -21,7 +21,7 @@ from tests.distributed.test_backends import _assert_really_distributed, _finetun
 from tests.integration.conftest import final_weights, max_rel_diff
 from tests.integration.test_vlm import final_state, image_prompts, shapes_copy, vlm_recipe
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.extended]  # make test-all, not make test (CI time)
 TWO = ("--num-processes", "2")
 
 
