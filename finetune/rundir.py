@@ -438,17 +438,23 @@ def check_replaceable_export(folder: Path) -> None:
                           f"({_listing(foreign)}); nothing was deleted; choose another -o")
 
 
-def _clear(run_dir: Path) -> None:
-    """Remove every entry of a pure run dir except the lock (held by the caller); refuse, deleting nothing, when it
-    holds anything finetune did not write."""
+def _clear(run_dir: Path, keep_lock: bool = True) -> None:
+    """Remove every entry of a pure run dir (except the lock, held by the caller, with ``keep_lock``); refuse,
+    deleting nothing, when it holds anything finetune did not write."""
     _refuse_foreign(run_dir)
     for entry in run_dir.iterdir():
-        if entry.name == LOCK:
+        if keep_lock and entry.name == LOCK:
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
             entry.unlink()
+
+
+def clear_unstarted(run_dir: Path) -> None:
+    """Remove everything a run that trained nothing wrote, its lock file included (finetune.unstarted decides when);
+    the same rule as --overwrite: refused, deleting nothing, when anything in it is not finetune's."""
+    _clear(run_dir, keep_lock=False)
 
 
 def _refuse_foreign(run_dir: Path) -> None:

@@ -13,7 +13,6 @@ created them.
 from __future__ import annotations
 
 import contextlib
-import shutil
 from pathlib import Path
 
 from finetune import rundir
@@ -58,11 +57,7 @@ def discard(run_dir: Path, made: Path | None) -> bool:
             return False
         if rundir.foreign_entries(run_dir):
             return False
-        for entry in run_dir.iterdir():
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
+        rundir.clear_unstarted(run_dir)
         if made is not None and (made == run_dir or made in run_dir.parents):
             for folder in (run_dir, *run_dir.parents):
                 with contextlib.suppress(OSError):  # a folder someone else has filled meanwhile stays
