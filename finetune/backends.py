@@ -25,9 +25,10 @@ import contextlib
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from finetune.config import RecipeConfig
+from finetune.config import RecipeConfig, accelerate
 from finetune.errors import ConfigError
 from finetune.registry import SupportedModel
 
@@ -208,8 +209,8 @@ def detect(env: Mapping[str, str] | None = None) -> Backend:
 
 
 def from_accelerate_config(data: Mapping[str, Any]) -> Backend:
-    """The backend an accelerate config file selects (for --dry-run, before anything is launched)."""
-    kind = str(data.get("distributed_type", "NO")).upper()
+    """The backend an accelerate config file's settings select (for --dry-run, before anything is launched)."""
+    kind = accelerate.distributed_type(data)
     if kind == "DEEPSPEED":
         ds = data.get("deepspeed_config") or {}
         return Backend("deepspeed", zero_stage=int(ds.get("zero_stage", 2)),
@@ -218,6 +219,41 @@ def from_accelerate_config(data: Mapping[str, Any]) -> Backend:
     if kind == "FSDP":
         return Backend("fsdp", fsdp_version=int((data.get("fsdp_config") or {}).get("fsdp_version", 1)))
     return Backend("single") if kind == "NO" else Backend("ddp")
+
+
+@dataclass(frozen=True)
+class AccelerateConfig:
+    """An accelerate config as a launch will use it: its file and settings, and the Backend they select."""
+
+    file: accelerate.AccelerateFile
+    backend: Backend
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        return self.file.settings
+
+    @property
+    def machines(self) -> int:
+        """How many machines it spans (``num_machines``; one when it does not say)."""
+        machines = self.settings.get("num_machines")
+        return machines if isinstance(machines, int) and not isinstance(machines, bool) and machines > 1 else 1
+
+    @property
+    def names_port(self) -> bool:
+        """Whether it sets the rendezvous port itself (``main_process_port``)."""
+        return "main_process_port" in self.settings
+
+
+def accelerate_config(name: str, key: str = accelerate.RECIPE_KEY) -> AccelerateConfig:
+    """The accelerate config ``name`` (a path or a shipped name) that ``finetune run``, ``plan``, ``generate`` and a
+    launch use, read once (finetune.config.accelerate: a missing, unreadable or invalid file is one ConfigError line
+    starting with ``key``, the setting as the command spells it) and interpreted here."""
+    file = accelerate.load(name, key)
+    return AccelerateConfig(file, from_accelerate_config(file.settings))
 
 
 def effective_settings(cfg: RecipeConfig, row: SupportedModel, data: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,10 +18,15 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from finetune import outputs, resources, rundir
+from finetune import backends, launch, outputs, prepare, registry, resources, rundir, unstarted
+from finetune.checkpoint import publishing
 from finetune.config import Composed, compose, load_recipe, to_yaml
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError, FinetuneError, RunDirError, run_main
+from finetune.peft import describe_on_meta
+from finetune.plan import build_plan, render, to_json
+from finetune.registry import SupportedModel
+from finetune.worker import run_worker
 
 app = typer.Typer(
     add_completion=False,
@@ -70,13 +75,12 @@ def run(
     num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
 ) -> None:
     """Train a recipe: compose, validate, read the data, create <output_dir> with recipe.resolved.yaml, then train."""
-    from finetune import launch
-
     if output_dir is not None:
         outputs.given(output_dir)  # `-o ''` (an unset variable) is a mistake, not the recipe's default
     flags = _launcher_flags({"output_dir": output_dir, "accelerate_config": accelerate_config,
                              "num_processes": num_processes})
     cfg, composed = _recipe_with_flags(recipe, overrides, **flags)
+    row = registry.recipe_row(cfg)  # resolved once here; everything below is handed it
     if not launch.under_launcher():  # before the run dir exists: one machine creates it
         launch.check_one_machine(cfg)
     run_dir = Path(cfg.output_dir or "")
@@ -95,21 +99,18 @@ def run(
                    f"{cfg.grad_accum} x {cfg.launch.num_processes} process(es)")
         plan = "in this process" if launch.in_process(cfg) else " ".join(launch.launch_argv(cfg, resolved))
         typer.echo(f"# would run: {plan}")
-        typer.echo(_effective_settings(cfg))
-        typer.echo(_peft_summary(cfg))
-        from finetune.plan import build_plan, render  # a meta-device build: the one dry-run step that loads torch
-
-        typer.echo("\n".join(f"## {line}".rstrip() for line in render(build_plan(cfg)).splitlines()))
+        typer.echo(_effective_settings(cfg, row))
+        typer.echo(_peft_summary(cfg, row))
+        # the memory plan builds the model on the meta device: the one dry-run step that loads torch
+        typer.echo("\n".join(f"## {line}".rstrip() for line in render(build_plan(cfg, row=row)).splitlines()))
         return
     if not _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory
         _start(cfg, resolved, None, allow_plugin=True)  # the recipe was named on this command line
         return
-    from finetune import prepare, registry, unstarted
-
     # The run folder is created only once the run can start: it would not be refused, and the data reads (a bad
     # row is one line here, with no folder left behind that would need --overwrite)
     rundir.check_creatable(run_dir, overwrite=overwrite, protected=protected)
-    inputs = prepare.inputs(cfg, registry.get_model(cfg.model.type, cfg.task))
+    inputs = prepare.inputs(cfg, row)
     made = unstarted.first_missing(run_dir)
     lock = rundir.create(run_dir, overwrite=overwrite, protected=protected, command=f"finetune run {recipe}")
     try:
@@ -132,8 +133,6 @@ def plan(
 ) -> None:
     """Print the per-rank memory plan (parameters, gradients, optimizer states, activations) before launching.
     model.path may be a folder or hub name with only config.json: no weights or tokenizer are read."""
-    from finetune.plan import build_plan, render, to_json
-
     cfg = _plan_recipe(recipe, overrides, accelerate_config=accelerate_config, num_processes=num_processes)
     memory = build_plan(cfg)
     typer.echo(to_json(memory) if as_json else render(memory))
@@ -158,27 +157,19 @@ def _plan_recipe(recipe: str, overrides: list[str] | None, **flags: Any) -> Reci
     return RecipeConfig.model_validate(composed.data)  # every other check passed: it was the only problem
 
 
-def _effective_settings(cfg: RecipeConfig) -> str:
+def _effective_settings(cfg: RecipeConfig, row: SupportedModel) -> str:
     """The backend settings the worker will use, as commented YAML."""
-    from finetune.backends import effective_settings
-    from finetune.config.validate import accelerate_config_path, read_accelerate_config
-    from finetune.registry import recipe_row
-
-    path = accelerate_config_path(cfg.launch.accelerate_config)
-    data = read_accelerate_config(path) if path else {}
-    settings = effective_settings(cfg, recipe_row(cfg), data)
+    accelerate = backends.accelerate_config(cfg.launch.accelerate_config)
+    settings = backends.effective_settings(cfg, row, accelerate.settings)
     text = yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
-    return "\n".join(f"# {line}" for line in [f"effective settings ({path}):", *text.splitlines()])
+    return "\n".join(f"# {line}" for line in [f"effective settings ({accelerate.path}):", *text.splitlines()])
 
 
-def _peft_summary(cfg: RecipeConfig) -> str:
+def _peft_summary(cfg: RecipeConfig, row: SupportedModel) -> str:
     """Resolved LoRA targets and trainable/total parameters (model built on the meta device); empty without LoRA."""
     if cfg.peft.method == "none":
         return ""
-    from finetune.peft import describe_on_meta
-    from finetune.registry import recipe_row
-
-    text = yaml.safe_dump({"peft": describe_on_meta(cfg, recipe_row(cfg))}, sort_keys=False)
+    text = yaml.safe_dump({"peft": describe_on_meta(cfg, row)}, sort_keys=False)
     return "\n".join(f"# {line}" for line in text.splitlines())
 
 
@@ -191,12 +182,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
     read (finetune.prepare): no rank then tokenizes or downloads alone inside the process group. ``inputs``: what
     ``prepare.inputs`` already gave this process (the data check of `finetune run`); ``unstarted``: called, with
     the lock still held, when training in this process fails (it removes a new run that trained nothing)."""
-    from finetune import launch
-
     if launch.in_process(cfg):
-        from finetune.checkpoint import publishing
-        from finetune.worker import run_worker
-
         try:
             with publishing():  # rank 0's last checkpoint is complete before the lock goes
                 run_worker(cfg, resume_from, allow_change, inputs=inputs)
@@ -210,9 +196,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
         return
     launch.check_one_machine(cfg)
     if inputs is None:
-        from finetune import prepare, registry
-
-        prepare.inputs(cfg, registry.get_model(cfg.model.type, cfg.task))
+        prepare.inputs(cfg, registry.recipe_row(cfg))  # resume: the front process's one look-up
     worker_args = ["--resume", str(resume_from)] if resume_from else []
     worker_args += ["--allow-config-change"] if allow_change else []
     worker_args += ["--allow-plugin"] if allow_plugin else []  # the workers read the resolved file: say so, explicitly
@@ -225,13 +209,10 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
 
 def _launcher_flags(flags: dict[str, Any]) -> dict[str, Any]:
     """Under a launcher, what it started wins over the recipe (recorded in the resolved recipe)."""
-    from finetune import launch
-    from finetune.backends import detect, launcher_config_name
-
     if not launch.under_launcher():
         return flags
     return {**flags, "num_processes": int(os.environ.get("WORLD_SIZE", "1")),
-            "accelerate_config": launcher_config_name(detect())}
+            "accelerate_config": backends.launcher_config_name(backends.detect())}
 
 
 @app.command()
@@ -395,10 +376,8 @@ def generate(
     options = Options(max_new_tokens, temperature, top_p, seed, batch_size, overwrite, trust_remote_code)
     argv = start(target, prompts, outputs.given(output), options, num_processes, accelerate_config, log=typer.echo)
     if argv:  # several processes: accelerate launch runs finetune.generate on every rank
-        from finetune.launch import child_env
-
         sys.stdout.flush()
-        os.execvpe(argv[0], argv, child_env())
+        os.execvpe(argv[0], argv, launch.child_env())
 
 
 @app.command()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from finetune import outputs, rundir
+from finetune import backends, launch, outputs, rundir
 from finetune.data.loading import ROLES, error_detail, line_of, short_repr
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
 
@@ -263,33 +263,23 @@ def check_output(output: Path, prompts: Path, target: Path, overwrite: bool) -> 
         raise RunDirError(f"-o {output} already exists; pass --overwrite to replace it, or choose another -o")
 
 
-def launcher_config(num_processes: int, accelerate_config: str | None) -> Path | None:
+def launcher_config(num_processes: int, accelerate_config: str | None) -> backends.AccelerateConfig | None:
     """The accelerate config for ``--num-processes``/``--accelerate-config``: None to generate in this process
     (one process, or already under a launcher). Refuses configs of backends that shard the model."""
-    from finetune.launch import under_launcher
-
     if num_processes < 1:
         raise FinetuneError(f"--num-processes {num_processes}: must be at least 1")
     name = accelerate_config or ("ddp" if num_processes > 1 else None)
     if name is None:
         return None
-    from finetune import resources
-    from finetune.backends import from_accelerate_config
-    from finetune.config.validate import accelerate_config_path, read_accelerate_config
-
-    path = accelerate_config_path(name)
-    if path is None:
-        raise FinetuneError(f"--accelerate-config {name}: neither a file nor a shipped accelerate config; use a path "
-                            f"or one of {resources.accelerate_config_names()}")
-    data = read_accelerate_config(path, f"--accelerate-config {name}")
-    backend = from_accelerate_config(data)
+    config = backends.accelerate_config(name, "--accelerate-config")  # the line run and plan give, but for the flag
+    backend = config.backend
     if backend.kind not in BACKENDS:
         raise FinetuneError(f"--accelerate-config {name}: generate runs whole models (one process, or one copy per "
                             f"process with ddp), not {backend.name}, which shards them; use --accelerate-config ddp")
     if num_processes > 1 and backend.kind == "single":
         raise FinetuneError(f"--num-processes {num_processes}: accelerate config {name!r} runs one process "
                             "(distributed_type: NO); use --accelerate-config ddp")
-    return None if num_processes == 1 or under_launcher() else path
+    return None if num_processes == 1 or launch.under_launcher() else config
 
 
 def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:

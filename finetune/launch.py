@@ -9,8 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from finetune import backends
 from finetune.config.schema import RecipeConfig
-from finetune.config.validate import accelerate_config_path
 from finetune.errors import ConfigError
 
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
@@ -63,25 +63,25 @@ def in_process(cfg: RecipeConfig, env: dict[str, str] | None = None) -> bool:
 
 def launch_argv(cfg: RecipeConfig, resolved: Path, worker_args: list[str] | None = None) -> list[str]:
     """The exact ``accelerate launch`` command line that runs the worker on every rank."""
-    config = accelerate_config_path(cfg.launch.accelerate_config)
-    assert config is not None, "validated recipes name an existing accelerate config"
-    return accelerate_argv(config, cfg.launch.num_processes, "finetune.worker", [str(resolved), *(worker_args or [])])
+    return accelerate_argv(backends.accelerate_config(cfg.launch.accelerate_config), cfg.launch.num_processes,
+                           "finetune.worker", [str(resolved), *(worker_args or [])])
 
 
-def accelerate_argv(config: Path, num_processes: int, module: str, args: list[str]) -> list[str]:
+def accelerate_argv(config: backends.AccelerateConfig | Path, num_processes: int, module: str,
+                    args: list[str]) -> list[str]:
     """``accelerate launch`` running ``python -m module args`` on ``num_processes`` ranks with ``config`` (the
-    training worker, or ``finetune generate``'s). With several processes, a config that names no
-    ``main_process_port`` gets a free one (:func:`free_port`): accelerate's default, 29500, is one port per machine,
-    so a second run started on the same machine failed with 'address already in use'."""
-    port: list[str] = []
-    if num_processes > 1:
-        from finetune.config.validate import read_accelerate_config
-
-        if "main_process_port" not in read_accelerate_config(config):
-            port = ["--main_process_port", str(free_port())]
+    training worker, or ``finetune generate``'s): as :func:`finetune.backends.accelerate_config` read it, or its
+    file (read here when it matters). With several processes, a config that names no ``main_process_port`` gets a
+    free one (:func:`free_port`): accelerate's default, 29500, is one port per machine, so a second run started on
+    the same machine failed with 'address already in use'."""
+    if isinstance(config, Path) and num_processes > 1:
+        config = backends.accelerate_config(str(config))
+    path = config if isinstance(config, Path) else config.path
+    named = isinstance(config, backends.AccelerateConfig) and config.names_port
+    port = ["--main_process_port", str(free_port())] if num_processes > 1 and not named else []
     return [
         sys.executable, "-P", "-m", "accelerate.commands.launch",  # -P: no current folder on its sys.path
-        "--config_file", str(config),
+        "--config_file", str(path),
         "--num_processes", str(num_processes), *port,
         "-m", module, *args,
     ]
@@ -101,14 +101,10 @@ def check_one_machine(cfg: RecipeConfig) -> None:
     machine, ``finetune run`` would have each of them create and lock the same run directory on the shared disk
     (the second refuses, or ``--overwrite`` deletes the first one's run). Under a launcher started on every machine
     only global rank 0 creates and locks it, so that is the way to start a multi-node run."""
-    from finetune.config.validate import read_accelerate_config
-
-    config = accelerate_config_path(cfg.launch.accelerate_config)
-    data = read_accelerate_config(config) if config else {}
-    machines = data.get("num_machines", 1)
-    if isinstance(machines, int) and machines > 1:
+    config = backends.accelerate_config(cfg.launch.accelerate_config)
+    if config.machines > 1:
         raise ConfigError(
-            f"launch.accelerate_config: {config} spans {machines} machines, which `finetune run` does not start: run "
-            f"`accelerate launch --config_file {config} --machine_rank <this machine's rank> -m finetune run "
-            "<recipe>` on every machine (only global rank 0 creates and locks the run directory; see "
+            f"launch.accelerate_config: {config.path} spans {config.machines} machines, which `finetune run` does not "
+            f"start: run `accelerate launch --config_file {config.path} --machine_rank <this machine's rank> -m "
+            "finetune run <recipe>` on every machine (only global rank 0 creates and locks the run directory; see "
             "accelerate_configs/multi_node_example.yaml)")

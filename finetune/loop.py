@@ -23,6 +23,7 @@ from finetune.backends import Backend
 from finetune.config import RecipeConfig
 from finetune.errors import EvalError, FinetuneError, NonFiniteError
 from finetune.precision import Precision
+from finetune.registry import SupportedModel
 from finetune.signals import Interrupted, StopRequest
 from finetune.state import TrainState
 from finetune.tasks import Task
@@ -53,6 +54,7 @@ class Trainer:
     run_id: str = ""
     objects: dict[str, Any] = field(default_factory=dict)  # checkpointed state besides model/optimizer/TrainState
     flops: meter.StepFlops | None = None  # the model's FLOPs and the device's peak, for flops_per_token and mfu
+    row: SupportedModel | None = None  # the recipe's row (registry.recipe_row), resolved once by the worker
 
 
 @dataclass

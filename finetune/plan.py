@@ -98,9 +98,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from finetune import backends, launch
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
-from finetune.registry import CAUSAL_TASKS, SupportedModel
+from finetune.registry import CAUSAL_TASKS, SupportedModel, recipe_row
 
 Where = Literal["device", "host"]
 # FSDP with gradient accumulation: "unsharded" keeps whole gradients across a window's micro-steps (no_sync, one
@@ -517,9 +518,7 @@ def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, pre
         items.append(Item("ddp_buckets", "DDP gradient buckets", grads, grads, 1, "device",
                           "gradient_as_bucket_view is off: the buckets are a second copy of the gradients"))
     if sharding.kind == "deepspeed":
-        from finetune.backends import reduce_bucket_elements
-
-        elements = reduce_bucket_elements(sum(p.numel for p in params if p.trainable))
+        elements = backends.reduce_bucket_elements(sum(p.numel for p in params if p.trainable))
         bucket = elements * prec.residual  # in the model's (engine's) dtype, DeepSpeed's gradient accumulation dtype
         items.append(Item("reduce_bucket", "DeepSpeed reduce bucket", bucket, bucket, 1, "device",
                           f"reduce_bucket_size {elements:,} elements: the default 5e8 capped at the trainable "
@@ -748,36 +747,15 @@ def visible_devices() -> list[tuple[str, int]]:
             for i in range(torch.cuda.device_count())]
 
 
-def _accelerate_settings(cfg: RecipeConfig, row: SupportedModel) -> tuple[dict[str, Any], int]:
-    """:func:`finetune.backends.effective_settings` for the recipe's accelerate config, and its machine count."""
-    import yaml
-
-    from finetune.backends import effective_settings
-    from finetune.config.validate import accelerate_config_path
-
-    path = accelerate_config_path(cfg.launch.accelerate_config)
-    if path is None:
-        raise ConfigError(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a file nor a "
-                          "shipped accelerate config")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"launch.accelerate_config: {path} is not valid YAML ({str(exc).splitlines()[0]})") \
-            from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"launch.accelerate_config: {path} must hold a mapping of accelerate settings")
-    return effective_settings(cfg, row, data), int(data.get("num_machines") or 1)
-
-
-def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = None) -> MemoryPlan:
+def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = None,
+               row: SupportedModel | None = None) -> MemoryPlan:
     """The memory plan of a validated recipe: backend from its launch settings, model built on meta.
-    ``devices``: (name, bytes) of the devices to check against; None asks torch which CUDA devices are visible."""
-    from finetune import launch
-    from finetune.registry import recipe_row
-
-    row = recipe_row(cfg)
-    settings, machines = _accelerate_settings(cfg, row)
-    sharding = resolve_sharding(settings, cfg.launch.num_processes, machines,
+    ``devices``: (name, bytes) of the devices to check against; None asks torch which CUDA devices are visible.
+    ``row``: the recipe's row, where the caller resolved it already (registry.recipe_row)."""
+    row = recipe_row(cfg) if row is None else row
+    accelerate = backends.accelerate_config(cfg.launch.accelerate_config)
+    settings = backends.effective_settings(cfg, row, accelerate.settings)
+    sharding = resolve_sharding(settings, cfg.launch.num_processes, accelerate.machines,
                                 in_this_process=cfg.launch.num_processes == 1 and not launch.under_launcher())
     facts = model_facts(cfg, row)
     return plan_from_facts(cfg, facts, sharding, visible_devices() if devices is None else devices)

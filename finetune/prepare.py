@@ -23,13 +23,11 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from finetune.config import RecipeConfig
-
-if TYPE_CHECKING:
-    from finetune.data import DataBundle
-    from finetune.registry import SupportedModel
+from finetune.data import DataBundle, load_splits
+from finetune.registry import SupportedModel
 
 # Files transformers never reads for a PyTorch model; left out of a hub download (Llama's original/ holds a second
 # copy of the weights in Meta's format).
@@ -38,24 +36,25 @@ NOT_READ = ("*.h5", "*.msgpack", "*.onnx", "*.gguf", "*.ot", "*.tflite", "*.mlmo
 
 @dataclass
 class Inputs:
-    """The tokenizer, a vision-language row's image inputs (else None) and the tokenized splits."""
+    """The tokenizer, a vision-language row's image inputs (else None) and the tokenized splits, and the row they
+    were read for (registry.recipe_row: the worker builds the model of that row, resolved once per process)."""
 
     tokenizer: Any
     images: Any
     data: DataBundle
+    row: SupportedModel
 
 
 def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
     """Download ``model.path`` when it is a hub id, build the tokenizer, load and tokenize the data; the first
     process to get here does the work while the others wait on a file lock, then read the caches."""
-    from finetune.data import load_splits
-    from finetune.modeling import build_tokenizer, image_inputs
+    from finetune.modeling import build_tokenizer, image_inputs  # imports torch
 
     def load() -> Inputs:
         download(cfg)
         tokenizer = build_tokenizer(cfg.model, row)
         images = image_inputs(tokenizer, row)
-        return Inputs(tokenizer, images, load_splits(cfg.data, tokenizer, images=images))
+        return Inputs(tokenizer, images, load_splits(cfg.data, tokenizer, images=images), row)
 
     lock, done = _lock_files(cfg)
     with _exclusive(lock):  # waits while another process fills the caches; its failure leaves `done` unwritten

@@ -386,10 +386,14 @@ def for_task(row: SupportedModel, task: str | None) -> SupportedModel:
                                capabilities=row.capabilities - {"packing", "generation"})
 
 
-def recipe_row(cfg: Any) -> SupportedModel:
-    """The row a recipe trains: ``model.type`` as the recipe's ``task`` builds it. Every command that builds,
-    describes, plans, merges or evaluates a recipe's model asks this, so none can forget the task."""
-    return get_model(cfg.model.type, cfg.task)
+def recipe_row(cfg: Any, *, as_trained: bool = True) -> SupportedModel:
+    """The row a recipe trains: ``model.type`` as the recipe's ``task`` builds it (:func:`for_task`; a hand-made
+    config without a ``task`` field gets the type's own row). The one resolver of a recipe's row: each process asks
+    it once where it meets the recipe (validation, ``finetune run`` / ``plan``, the worker's build, an opened
+    checkpoint) and hands the answer on (prepare.Inputs, the Trainer, the plan, the target), so no module reads the
+    table with a task rule of its own. ``as_trained=False``: the model type's own row, before the task turns it into
+    a variant: what validation checks the recipe's task against (its lines name the type's own task)."""
+    return get_model(cfg.model.type, getattr(cfg, "task", None) if as_trained else None)
 
 
 def get_model(name: str, task: str | None = None) -> SupportedModel:

@@ -13,12 +13,14 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import yaml
 
-from finetune import rundir
+from finetune import registry, rundir
 from finetune.errors import FinetuneError, RunDirError
+from finetune.registry import SupportedModel
 from finetune.tracking import format_metrics, read_metrics
 
 
@@ -46,21 +48,23 @@ def _recipe(run_dir: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _generates(recipe: dict[str, Any]) -> bool:
+def _generates(recipe: dict[str, Any], row: SupportedModel | None) -> bool:
     """Whether the run's model writes text (``finetune generate``): its row's ``generation`` capability, as the
-    recipe's task builds it (a classification or reward head scores instead; an unknown row: not said)."""
-    from finetune.registry import get_model
+    recipe's task builds it (a classification or reward head scores instead; an unknown row: not said). ``row``:
+    the run's row where the caller holds it (the worker); else resolved from the resolved recipe."""
+    if row is None:  # the two keys the row depends on (the resolved recipe may come from another version)
+        model = recipe.get("model") if isinstance(recipe.get("model"), dict) else {}
+        keys = SimpleNamespace(model=SimpleNamespace(type=str(model.get("type"))), task=recipe.get("task"))
+        try:
+            row = registry.recipe_row(keys)
+        except FinetuneError:
+            return False
+    return "generation" in row.capabilities
 
-    model = recipe.get("model") if isinstance(recipe.get("model"), dict) else {}
-    try:
-        return "generation" in get_model(str(model.get("type")), recipe.get("task")).capabilities
-    except FinetuneError:
-        return False
 
-
-def read_summary(run_dir: Path) -> Summary | None:
+def read_summary(run_dir: Path, row: SupportedModel | None = None) -> Summary | None:
     """The summary of a finished run; None when the run has not finished (no end row last in metrics.jsonl, or no
-    metrics at all)."""
+    metrics at all). ``row``: the run's row (registry.recipe_row), where the caller has it already."""
     try:
         rows = [row for row in read_metrics(run_dir) if isinstance(row, dict)]
     except (RunDirError, OSError, UnicodeDecodeError):
@@ -75,7 +79,7 @@ def read_summary(run_dir: Path) -> Summary | None:
     peft = recipe.get("peft") if isinstance(recipe.get("peft"), dict) else {}
     final, plot = run_dir / rundir.FINAL, run_dir / rundir.PLOTS
     return Summary(run_dir, rows[ends[-1]], train, evals, peft.get("method", "none") != "none",
-                   _generates(recipe), final if (final / rundir.MANIFEST).is_file() else None,
+                   _generates(recipe, row), final if (final / rundir.MANIFEST).is_file() else None,
                    plot if plot.is_file() else None)
 
 

@@ -70,7 +70,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     from finetune.tasks.dpo import DPOTask, compute_reference
     from finetune.tracking import build_tracker
 
-    row = registry.get_model(cfg.model.type, cfg.task)  # task: reward builds the row's reward-model class
+    row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried on the Trainer
     lora.check_hardware(cfg.peft)
     backend = fsdp_accumulation(cfg, detect())  # the launcher's environment
     checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
@@ -154,7 +154,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
             compute_reference(task, model, accelerator, precision,
                               lambda message: tracker.log("info", {"message": message}))
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
-                        run_dir, max_steps, backend, run_id=run_id, objects=objects, flops=flops)
+                        run_dir, max_steps, backend, run_id=run_id, objects=objects, flops=flops, row=row)
 
 
 def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> dict[str, Any]:
@@ -177,7 +177,7 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
     from finetune.modeling import build_base
 
     cfg = trainer.cfg
-    row = registry.get_model(cfg.model.type, cfg.task)
+    row = trainer.row if trainer.row is not None else registry.recipe_row(cfg)
     labels = trainer.task.data.labels
 
     def build() -> Any:
@@ -298,7 +298,7 @@ def report_end(trainer: Trainer, wall_s: float) -> None:
     state = trainer.state
     trainer.tracker.log("end", {"step": state.step, "samples": state.samples_seen, "tokens": state.tokens_seen,
                                 "train_s": round(state.elapsed_s, 3), "wall_s": round(wall_s, 3)})
-    summary = read_summary(trainer.run_dir)
+    summary = read_summary(trainer.run_dir, trainer.row)
     for line in render(summary) if summary else []:
         trainer.tracker.log("info", {"message": line})
 

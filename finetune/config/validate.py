@@ -17,7 +17,9 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from finetune import registry, resources
+from finetune import registry
+from finetune.config import accelerate
+from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
 from finetune.config.compose import DATA_SUFFIXES, Composed
 from finetune.config.schema import (
     SOURCE_TAGS,
@@ -129,57 +131,6 @@ def _pydantic_lines(exc: ValidationError, composed: Composed) -> list[str]:
     return lines
 
 
-def accelerate_config_path(name: str) -> Path | None:
-    """An accelerate config by path (an existing file wins) or by the name of a shipped one (``zero2``, found by
-    :mod:`finetune.resources` in a checkout or an installed wheel alike); None if neither exists."""
-    try:
-        local = Path(name).is_file()
-    except (OSError, ValueError):  # a name the OS refuses (too long): not a file
-        local = False
-    found = Path(name) if local else resources.shipped_accelerate_config(name)
-    return found.resolve() if found is not None else None
-
-
-def read_accelerate_config(path: Path, key: str = "launch.accelerate_config") -> dict[str, Any]:
-    """The settings of the accelerate config file ``path``; one ConfigError line (naming ``key``, the file and the
-    cause) when it cannot be read, is not UTF-8 text (a binary file), is not YAML, or is not a mapping (a list)."""
-    import yaml
-
-    try:
-        text = path.read_text(encoding="utf-8")
-        data = yaml.safe_load(text) if "\x00" not in text else None
-    except UnicodeDecodeError:
-        text, data = "\x00", None
-    except OSError as exc:
-        raise ConfigError(f"{key}: {path} cannot be read ({exc.strerror or type(exc).__name__})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{key}: {path} is not valid YAML ({str(exc).splitlines()[0]})") from None
-    if "\x00" in text:
-        raise ConfigError(f"{key}: {path} is a binary file, not an accelerate config (YAML text); give the path of "
-                          "one, or a shipped name (cpu, ddp, zero2, fsdp2, ...)")
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{key}: {path} holds a YAML {type(data).__name__}, not the mapping of settings an "
-                          "accelerate config is (distributed_type: ..., num_processes: ...)")
-    return data
-
-
-def _distributed_type(path: Path) -> str:
-    """An accelerate config's ``distributed_type`` (NO, MULTI_GPU, FSDP, DEEPSPEED, ...), upper case; "" when the
-    file cannot be read as one (validation reports that)."""
-    try:
-        data = read_accelerate_config(path)
-    except ConfigError:
-        return ""
-    return str(data.get("distributed_type", "NO")).upper()
-
-
-def _single_process_config(path: Path) -> bool:
-    """True when an accelerate config starts a single process whatever --num_processes says."""
-    return _distributed_type(path) == "NO"
-
-
 @dataclass
 class _Sections:
     """The sections that validate on their own (None where a section has errors): the cross-section checks run
@@ -217,7 +168,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
         if cfg.model.plugin:
             registry.load_plugin(cfg.model.plugin)
         try:
-            row = registry.get_model(cfg.model.type)
+            row = registry.recipe_row(cfg, as_trained=False)  # the task is checked against the type's own row
         except ConfigError as exc:
             lines.append(str(exc))
     preference = cfg.task in registry.PREFERENCE_METRICS  # task: dpo / reward
@@ -281,40 +232,41 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                 and not cfg.data.eval:
             lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
                          "set data.eval or clear eval.metrics/every_steps")
+    accelerate_file = None
     if cfg.launch is not None:
-        config_path = accelerate_config_path(cfg.launch.accelerate_config)
-        unreadable = None
-        if config_path is not None:
-            try:
-                read_accelerate_config(config_path)
-            except ConfigError as exc:
-                unreadable = str(exc)
-        if config_path is None:
-            lines.append(f"launch.accelerate_config: {cfg.launch.accelerate_config!r} is neither a file nor a "
-                         f"shipped accelerate config; use a path or one of {resources.accelerate_config_names()}")
-        elif unreadable:
-            lines.append(unreadable)
-        elif cfg.launch.num_processes > 1 and _single_process_config(config_path):
-            lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
-                         f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
-                         "use a multi-process config such as launch.accelerate_config=ddp")
-        elif cfg.train is not None and cfg.train.compile and _distributed_type(config_path) == "DEEPSPEED" \
-                and cfg.launch.num_processes > 1:
-            lines.append(f"train.compile: not supported with DeepSpeed (launch.accelerate_config="
-                         f"{cfg.launch.accelerate_config}): its engine would have to compile the model itself; set "
-                         "train.compile=false, or use ddp or fsdp2")
-    lines += _half_weights_lines(cfg)
+        try:
+            accelerate_file = accelerate.load(cfg.launch.accelerate_config)
+        except ConfigError as exc:  # missing, unreadable or not a mapping: the one line every command gives
+            lines.append(str(exc))
+        else:
+            lines += _launch_lines(cfg, accelerate_file)
+    lines += _half_weights_lines(cfg, accelerate_file)
     return lines
 
 
-def _half_weights_lines(cfg: RecipeConfig | _Sections) -> list[str]:
+def _launch_lines(cfg: RecipeConfig | _Sections, accelerate_file: accelerate.AccelerateFile) -> list[str]:
+    """The launch settings against what the accelerate config starts (one process; DeepSpeed's own engine)."""
+    assert cfg.launch is not None
+    lines: list[str] = []
+    if cfg.launch.num_processes > 1 and accelerate_file.distributed_type == "NO":
+        lines.append(f"launch.num_processes={cfg.launch.num_processes}: accelerate config "
+                     f"{cfg.launch.accelerate_config!r} runs one process (distributed_type: NO); "
+                     "use a multi-process config such as launch.accelerate_config=ddp")
+    elif cfg.train is not None and cfg.train.compile and accelerate_file.distributed_type == "DEEPSPEED" \
+            and cfg.launch.num_processes > 1:
+        lines.append(f"train.compile: not supported with DeepSpeed (launch.accelerate_config="
+                     f"{cfg.launch.accelerate_config}): its engine would have to compile the model itself; set "
+                     "train.compile=false, or use ddp or fsdp2")
+    return lines
+
+
+def _half_weights_lines(cfg: RecipeConfig | _Sections, accelerate_file: accelerate.AccelerateFile | None) -> list[str]:
     """model.dtype=float16 with train.mixed_precision=fp16: the fp16 loss scaler unscales gradients, and torch's
     GradScaler refuses fp16 ones ("Attempting to unscale FP16 gradients") at the first step. DeepSpeed keeps its own
     fp32 master weights and scaler, so only its configs take the pair."""
     if cfg.model is None or cfg.train is None or cfg.model.dtype != "float16" or cfg.train.mixed_precision != "fp16":
         return []
-    path = accelerate_config_path(cfg.launch.accelerate_config) if cfg.launch is not None else None
-    if path is not None and _distributed_type(path) == "DEEPSPEED":
+    if accelerate_file is not None and accelerate_file.distributed_type == "DEEPSPEED":
         return []
     return ["train.mixed_precision: fp16 scales the loss of fp32 weights, but model.dtype=float16 makes the weights "
             "(and their gradients) fp16, which the loss scaler cannot unscale; use model.dtype=float32 with fp16 "

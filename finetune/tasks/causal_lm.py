@@ -204,7 +204,7 @@ class CausalLMTask(TaskData):
         super().__init__(*args, **kwargs)
         self.tokenizer = tokenizer
         model = getattr(self.cfg, "model", None)  # None: a hand-made config of the task's own fields (an HF model)
-        row = registry.get_model(model.type) if model is not None else None
+        row = registry.recipe_row(self.cfg) if model is not None else None
         self.model_inputs: tuple[str, ...] = row.model_inputs if row is not None else registry.MODEL_INPUTS
         self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
         self.output_head = row.output_head if row is not None else registry.OUTPUT_HEAD

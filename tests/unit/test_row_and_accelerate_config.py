@@ -1,0 +1,126 @@
+"""One home each for two look-ups every command needs (issue 24, item 4).
+
+- The model row: ``registry.recipe_row`` is the one resolver of a recipe's row (model.type as its task builds it);
+  no module reads the table with a task rule of its own, and the worker carries the row it resolved.
+- The accelerate config: one function opens and parses the file (finetune.config.accelerate.read), reached through
+  ``backends.accelerate_config`` by every command (validation, below backends, calls the reader itself), so a
+  missing, unreadable or invalid file is the same line through ``finetune run``, ``plan`` and ``generate``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.cli_helpers import assert_user_error, main_exit
+
+PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
+
+# Callers of the table that are not a recipe's row: the row a checkpoint's manifest recorded at training time
+# (finetune.artifacts.record, issue 24 item 3) is read back by its stored name and task.
+TABLE_READERS = {"registry.py", "artifacts/record.py"}
+
+
+def _modules() -> list[tuple[str, ast.Module]]:
+    return [(str(path.relative_to(PACKAGE)), ast.parse(path.read_text(encoding="utf-8")))
+            for path in sorted(PACKAGE.rglob("*.py"))]
+
+
+def _called(node: ast.Call) -> str:
+    """The called name: ``get_model`` for ``get_model(...)`` and ``registry.get_model(...)``."""
+    func = node.func
+    return func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+
+
+def _functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
+
+
+def test_the_worker_carries_the_row_it_resolved() -> None:
+    """build_trainer resolves the row once (or takes the one prepare.inputs read for) and hands it to the Trainer;
+    the export's clean copy and the end summary take it from there."""
+    from finetune import loop, prepare
+
+    assert "row" in loop.Trainer.__dataclass_fields__ and "row" in prepare.Inputs.__dataclass_fields__
+    worker = dict(_modules())["worker.py"]
+    trainer = next(f for f in _functions(worker) if f.name == "build_trainer")
+    calls = [node for node in ast.walk(trainer) if isinstance(node, ast.Call)]
+    assert sum(_called(node) == "recipe_row" for node in calls) == 1
+    made = next(node for node in calls if _called(node) == "Trainer")
+    assert any(keyword.arg == "row" for keyword in made.keywords)
+
+
+def test_the_accelerate_config_file_is_read_in_one_function() -> None:
+    """Only finetune.config.accelerate finds and parses an accelerate config; only backends.accelerate_config and
+    validation (which sits below backends) call it; nothing else that names an accelerate config reads a file."""
+    readers = {"safe_load", "load", "read_text", "read_bytes", "open"}
+    finders = {"shipped_accelerate_config", "accelerate_config_path", "read_accelerate_config"}
+    parsing, finding, callers = [], [], []
+    for name, tree in _modules():
+        for function in _functions(tree):
+            names = {node.attr if isinstance(node, ast.Attribute) else getattr(node, "id", "")
+                     for node in ast.walk(function) if isinstance(node, ast.Attribute | ast.Name)}
+            calls = [node for node in ast.walk(function) if isinstance(node, ast.Call)]
+            here = f"{name}:{function.name}"
+            if name == "config/accelerate.py":
+                continue
+            if "accelerate_config" in names and any(_called(c) in readers and not _is_reader_call(c) for c in calls):
+                parsing.append(here)
+            if any(_called(c) in finders for c in calls):
+                finding.append(here)
+            if any(_is_reader_call(c) for c in calls):
+                callers.append(here)
+    assert parsing == [], f"an accelerate config is read outside finetune.config.accelerate: {parsing}"
+    assert finding == [], f"an accelerate config is found outside finetune.config.accelerate: {finding}"
+    assert sorted(callers) == ["backends.py:accelerate_config", "config/validate.py:_semantic_lines"]
+
+
+def _is_reader_call(call: ast.Call) -> bool:
+    """``accelerate.load(...)`` / ``accelerate.read(...)`` / ``accelerate.locate(...)``: finetune.config.accelerate."""
+    func = call.func
+    return isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "accelerate" \
+        and func.attr in ("load", "read", "locate")
+
+
+# --- one line through every command ---------------------------------------------------------------------------------
+
+BROKEN = {
+    "missing": None,
+    "list": "- distributed_type: NO\n- 2\n",
+    "not-yaml": "distributed_type: [NO\n",
+    "binary": b"\x89PNG\r\n\x1a\n\x00\xff\xfe",
+}
+
+
+@pytest.mark.parametrize("kind", list(BROKEN))
+def test_a_broken_accelerate_config_is_the_same_line_through_run_plan_and_generate(
+        kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "acc.yaml"
+    content = BROKEN[kind]
+    if isinstance(content, bytes):
+        config.write_bytes(content)
+    elif content is not None:
+        config.write_text(content)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a"}\n')
+    commands = {  # the setting as each command spells it, and its command line
+        "run": ("launch.accelerate_config", ["run", "quickstart"]),
+        "dry-run": ("launch.accelerate_config", ["run", "quickstart", "--dry-run"]),
+        "plan": ("launch.accelerate_config", ["plan", "quickstart"]),
+        "generate": ("--accelerate-config", ["generate", "model", "prompts.jsonl", "-o", "out.jsonl"]),
+    }
+    bodies = {}
+    for command, (key, argv) in commands.items():
+        lines = assert_user_error(*main_exit(monkeypatch, capsys, *argv, "--accelerate-config", str(config)))
+        assert len(lines) == 1, (command, lines)
+        prefix = f"error: {key}: "
+        assert lines[0].startswith(prefix), (command, lines[0])
+        bodies[command] = lines[0].removeprefix(prefix)
+    assert len(set(bodies.values())) == 1, bodies
+    body = bodies["run"]
+    assert (repr(str(config)) if kind == "missing" else str(config.resolve())) in body  # names the file
+    assert "use a" in body or "shipped" in body  # and the fix
+    assert not list(tmp_path.glob("runs")) and not (tmp_path / "out.jsonl").exists()
