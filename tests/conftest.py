@@ -1,14 +1,22 @@
-"""Shared fixtures: small, valid recipes (with their data files) in a temporary folder."""
+"""Shared fixtures: the one reset every test starts from, and small, valid recipes (with their data files) in a
+temporary folder."""
 
 from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import yaml
+
+from finetune import hooks
+from tests.recipe_files import write_recipe_file
+
+# Variables a test must not inherit from the shell or an earlier test: a launcher's (a test is one process unless it
+# launches more itself), debug tracebacks (they change what an error prints) and a replacement recipes folder.
+UNSET_FOR_TESTS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED", "LOCAL_WORLD_SIZE", "FINETUNE_DEBUG",
+                   "FINETUNE_RECIPES_DIR")
 
 ALPACA_ROWS = [{"instruction": "Reverse the letters.", "input": "a b c", "output": "c b a"}] * 4
 
@@ -19,6 +27,28 @@ MINIMAL_RECIPE = {
     "data": {"format": "alpaca", "train": "train.jsonl"},
     "train": {"max_steps": 2, "micro_batch_size": 2, "global_batch_size": 4},
 }
+
+
+@pytest.fixture(autouse=True)
+def _fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every test starts from the same process state, whatever the shell or the previous test left: no test hooks
+    registered (a callback a test registered never fires in the next one), none of ``UNSET_FOR_TESTS`` set, and the
+    hub offline (this machine has no network; a launched worker inherits it). The only autouse reset of shared state
+    (tests/unit/test_test_hygiene.py keeps it so); it costs a few dict operations per test."""
+    for key in UNSET_FOR_TESTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    hooks.clear()
+    yield
+    hooks.clear()
+
+
+@pytest.fixture
+def in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The test runs with its ``tmp_path`` as the current folder (relative paths, overrides and default outputs
+    resolve there, never in the checkout); a module asks for it with ``pytest.mark.usefixtures("in_tmp")``."""
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
 
 
 @pytest.fixture
@@ -43,9 +73,10 @@ def write_recipe(tmp_path: Path) -> Callable[..., Path]:
             if not data.exists():
                 data.write_text("".join(json.dumps(row) + "\n" for row in ALPACA_ROWS))
         content = MINIMAL_RECIPE if content is None else content
-        text = content if isinstance(content, str) else yaml.safe_dump(content, sort_keys=False)
+        if isinstance(content, dict):
+            return write_recipe_file(folder / name, content)
         path = folder / name
-        path.write_text(text)
+        path.write_text(content)
         return path
 
     return write

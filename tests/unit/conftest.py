@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,6 +11,13 @@ import transformers
 
 TINY_LLAMA = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
               "num_key_value_heads": 2, "vocab_size": 512}
+TOKENIZER = Path(__file__).resolve().parents[2] / "finetune" / "assets" / "tiny-llama-tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    """The bundled tiny-llama tokenizer, loaded once per test module."""
+    return transformers.AutoTokenizer.from_pretrained(str(TOKENIZER))
 
 
 @pytest.fixture(scope="module")

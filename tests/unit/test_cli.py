@@ -25,16 +25,12 @@ from tests.cli_helpers import assert_user_error, main_exit
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
 HEAVY = ("torch", "transformers", "peft", "deepspeed", "accelerate", "datasets")
-LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED", "LOCAL_WORLD_SIZE")
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch):
-    """Not under a launcher, shipped recipes folder, no debug tracebacks, wide terminal for rich tables."""
-    for key in (*LAUNCHER_ENV, "FINETUNE_DEBUG", "FINETUNE_RECIPES_DIR"):
-        monkeypatch.delenv(key, raising=False)
+def _wide_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wide terminal for rich tables (the shared reset in tests/conftest.py clears the launcher and debug env)."""
     monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def cli(*args: str, cwd: Path = REPO, **env: str) -> subprocess.CompletedProcess[str]:

@@ -21,11 +21,7 @@ SHIPPED_RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 PRESETS = sorted((REPO / "recipes" / "presets").glob("*.yaml"))
 
 
-@pytest.fixture(autouse=True)
-def _cwd_is_tmp(tmp_path, monkeypatch):
-    """Run each test in its tmp folder (override paths resolve against the cwd); no shipped-recipes override."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("FINETUNE_RECIPES_DIR", raising=False)
+pytestmark = pytest.mark.usefixtures("in_tmp")  # each test runs in its tmp_path (tests/conftest.py)
 
 
 def errors_of(recipe: Path, overrides: list[str] | None = None) -> list[str]:

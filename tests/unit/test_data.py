@@ -37,11 +37,6 @@ CHAT_TWO_TURNS = {"messages": [
 ]}
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
-
-
 def _tokenize_list(rows: list[dict], tok: Any, fmt: str = "alpaca", max_len: int = 512, overlong: str = "truncate",
                   train_on_prompt: bool = False) -> Any:
     return tokenize_rows(datasets.Dataset.from_list(rows), fmt=fmt, tokenizer=tok, max_len=max_len, overlong=overlong,

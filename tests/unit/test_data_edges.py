@@ -37,11 +37,6 @@ GOOD = {
 }
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
-
-
 def write(tmp_path: Path, kind: str, rows: list[dict[str, Any]], name: str = "train") -> str:
     """``rows`` as ``<name>.<kind>``: one object per line, a JSON list, a csv with a header, or parquet."""
     path = tmp_path / f"{name}.{kind}"

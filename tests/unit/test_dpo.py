@@ -48,7 +48,7 @@ def make_cfg(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 
 
 
 @pytest.fixture(scope="module")
-def pairs() -> datasets.Dataset:
+def dpo_pairs() -> datasets.Dataset:
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     raw = datasets.load_dataset("json", data_files=str(PAIRS), split="train").select(range(11))
     return tokenize_rows(raw, fmt="preference", tokenizer=tok, max_len=64, overlong="truncate").dataset
@@ -118,13 +118,13 @@ def _batch(pairs: datasets.Dataset, ref: torch.Tensor | None, rows: tuple[int, .
     return PreferenceCollator(0)(items)
 
 
-def test_against_itself_every_pair_costs_log2_and_no_pair_is_won(llama: Any, pairs: datasets.Dataset) -> None:
+def test_against_itself_every_pair_costs_log2_and_no_pair_is_won(llama: Any, dpo_pairs: datasets.Dataset) -> None:
     """The reference is the policy: h is exactly 0, the sigmoid loss log 2 per pair, and no pair counts as correct
     (ties lose); the task counts pairs and sums their losses."""
-    task = _task(pairs)
+    task = _task(dpo_pairs)
     with torch.no_grad():
-        ref = policy_logps(llama, _batch(pairs, None))[0]
-        batch = _batch(pairs, ref)
+        ref = policy_logps(llama, _batch(dpo_pairs, None))[0]
+        batch = _batch(dpo_pairs, ref)
         assert task.count_targets(batch) == 3
         loss = task.train_output(llama, batch)
         counts = task.eval_output(llama, batch)
@@ -136,28 +136,28 @@ def test_against_itself_every_pair_costs_log2_and_no_pair_is_won(llama: Any, pai
     assert counts.means["logps_rejected"][0].item() == pytest.approx(float(ref[3:].sum()), rel=1e-6)
 
 
-def test_h_is_the_log_ratio_difference_and_accuracy_counts_its_sign(llama: Any, pairs: datasets.Dataset) -> None:
+def test_h_is_the_log_ratio_difference_and_accuracy_counts_its_sign(llama: Any, dpo_pairs: datasets.Dataset) -> None:
     beta = 0.5
-    task = _task(pairs, beta=beta)
+    task = _task(dpo_pairs, beta=beta)
     with torch.no_grad():
-        policy = policy_logps(llama, _batch(pairs, None))[0]
+        policy = policy_logps(llama, _batch(dpo_pairs, None))[0]
         shift = torch.tensor([1.0, -2.0, 0.5, 0.0, 0.0, 0.0])  # lower reference for chosen 0 and 2: those pairs win
-        counts = task.eval_output(llama, _batch(pairs, policy - shift))
+        counts = task.eval_output(llama, _batch(dpo_pairs, policy - shift))
     h = shift[:3] - shift[3:]
     assert int(counts.correct["preference_accuracy"]) == 2
     assert counts.loss_sum.item() == pytest.approx(float(-F.logsigmoid(beta * h).sum()), rel=1e-5)
     assert counts.means["reward_margin"][0].item() == pytest.approx(float(beta * h.sum()), rel=1e-5)
 
 
-def test_ipo_uses_per_token_averages(llama: Any, pairs: datasets.Dataset) -> None:
+def test_ipo_uses_per_token_averages(llama: Any, dpo_pairs: datasets.Dataset) -> None:
     beta = 0.1
-    task = _task(pairs, loss="ipo", beta=beta)
+    task = _task(dpo_pairs, loss="ipo", beta=beta)
     rows = (0, 8, 9)  # answers of 3, 5 and 4 letters
-    batch = _batch(pairs, None, rows)
+    batch = _batch(dpo_pairs, None, rows)
     with torch.no_grad():
         logps, tokens = policy_logps(llama, batch)
         ref = logps - torch.tensor([0.3, 0.1, -0.2, 0.0, 0.4, 0.2])
-        loss = task.train_output(llama, _batch(pairs, ref, rows))
+        loss = task.train_output(llama, _batch(dpo_pairs, ref, rows))
     avg = (logps - ref) / tokens
     h = avg[:3] - avg[3:]
     assert torch.equal(tokens, (next_token_targets(batch["labels"]) != IGNORE).sum(1))
@@ -165,13 +165,13 @@ def test_ipo_uses_per_token_averages(llama: Any, pairs: datasets.Dataset) -> Non
     assert loss.item() == pytest.approx(float(((h - 1 / (2 * beta)) ** 2).sum()), rel=1e-5)
 
 
-def test_the_train_loss_has_the_gradient_of_a_plain_implementation(llama: Any, pairs: datasets.Dataset) -> None:
+def test_the_train_loss_has_the_gradient_of_a_plain_implementation(llama: Any, dpo_pairs: datasets.Dataset) -> None:
     """Chunked log-probs through the task = autograd through a full fp64 log-softmax (per-parameter gradients)."""
     beta = 0.3
-    task = _task(pairs, beta=beta)
+    task = _task(dpo_pairs, beta=beta)
     with torch.no_grad():
-        ref = policy_logps(llama, _batch(pairs, None))[0] - 0.25
-    batch = _batch(pairs, ref)
+        ref = policy_logps(llama, _batch(dpo_pairs, None))[0] - 0.25
+    batch = _batch(dpo_pairs, ref)
     llama.zero_grad()
     task.train_output(llama, batch).backward()
     got = {n: p.grad.clone() for n, p in llama.named_parameters()}
@@ -195,7 +195,7 @@ def test_the_reference_schedule_covers_every_pair_once_in_fixed_batches(size: in
         assert sorted(spans) == fixed  # the same batches, whatever the world size
 
 
-def test_reference_values_are_bit_identical_on_1_2_and_3_processes(llama: Any, pairs: datasets.Dataset) -> None:
+def test_reference_values_are_bit_identical_on_1_2_and_3_processes(llama: Any, dpo_pairs: datasets.Dataset) -> None:
     """Each simulated rank runs its schedule; concatenating the ranks' results (what all-gather does) and putting
     them in order gives exactly the values of one process, including fillers' positions."""
     collate = PreferenceCollator(0)
@@ -206,10 +206,11 @@ def test_reference_values_are_bit_identical_on_1_2_and_3_processes(llama: Any, p
 
     results = {}
     for world in (1, 2, 3):
-        parts = [reference_values(pairs, score, collate, 4, rank, world, torch.device("cpu")) for rank in range(world)]
-        results[world] = unstride(torch.cat(parts), len(pairs), world)
-    assert results[1].shape == (len(pairs), 2)
+        parts = [reference_values(dpo_pairs, score, collate, 4, rank, world, torch.device("cpu"))
+                 for rank in range(world)]
+        results[world] = unstride(torch.cat(parts), len(dpo_pairs), world)
+    assert results[1].shape == (len(dpo_pairs), 2)
     assert torch.equal(results[1], results[2]) and torch.equal(results[1], results[3])
-    alone = score(collate([dict(pairs[i]) for i in range(4, 8)]))  # batch 1 scored on its own
+    alone = score(collate([dict(dpo_pairs[i]) for i in range(4, 8)]))  # batch 1 scored on its own
     assert torch.equal(results[1][4:8, 0], alone[:4]) and torch.equal(results[1][4:8, 1], alone[4:])
     assert (results[1] < 0).all()  # every pair was scored (a log-prob sum of at least one token is negative)

@@ -27,11 +27,7 @@ ROW = registry.get_model("tiny-llama")
 REAL_FIND_SPEC = importlib.util.find_spec
 
 
-@pytest.fixture(autouse=True)
-def _cwd_is_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Overrides and relative paths resolve against the cwd: keep it in the test's folder."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("FINETUNE_RECIPES_DIR", raising=False)
+pytestmark = pytest.mark.usefixtures("in_tmp")  # each test runs in its tmp_path (tests/conftest.py)
 
 
 def flash_attn_installed(monkeypatch: pytest.MonkeyPatch, installed: bool) -> None:

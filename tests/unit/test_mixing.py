@@ -20,7 +20,6 @@ import datasets
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from finetune import checkpoint, resume
 from finetune.config import load_recipe
@@ -38,11 +37,6 @@ TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
 
 # three sources: weight 1 (every row once), 2.5 (wraps into the next permutation), 0.4 (part of the rows)
 SIZES, WEIGHTS = (7, 3, 5), (1.0, 2.5, 0.4)
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
 
 
 def stream(seed: int = 3, shuffle: bool = True, sizes: tuple[int, ...] = SIZES,

@@ -25,6 +25,7 @@ from finetune.config import load_recipe
 from finetune.config.schema import PeftConfig
 from finetune.errors import ConfigError
 from finetune.registry import SUPPORTED_MODELS, SupportedModel
+from tests.recipe_files import write_recipe_file
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -267,7 +268,7 @@ def test_there_are_peft_presets() -> None:
 @pytest.mark.parametrize("preset", PEFT_PRESETS, ids=lambda p: p.name)
 def test_peft_preset_validates_extended_by_quickstart(tmp_path: Path, preset: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump({"extends": [str(QUICKSTART), str(preset)], "output_dir": str(tmp_path / "r")}))
+    write_recipe_file(recipe, {"extends": [str(QUICKSTART), str(preset)], "output_dir": str(tmp_path / "r")})
     cfg, _ = load_recipe(recipe)
     wanted = yaml.safe_load(preset.read_text())["peft"]
     assert cfg.peft.model_dump(include=set(wanted)) == wanted

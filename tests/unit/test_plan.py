@@ -25,6 +25,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.plan import Item, MemoryPlan, build_plan, check_fit, format_bytes, render
 from finetune.registry import get_model
 from tests.cli_helpers import assert_user_error, main_exit
+from tests.recipe_files import write_recipe_file
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -36,13 +37,6 @@ HEAVY = ("torch", "transformers", "peft", "deepspeed", "accelerate", "datasets")
 WIDE = ("model.config_overrides.hidden_size=512", "model.config_overrides.intermediate_size=1024",
         "model.config_overrides.head_dim=128")
 TWO = ("launch.num_processes=2", "train.micro_batch_size=16")
-
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED", "LOCAL_WORLD_SIZE", "FINETUNE_DEBUG"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
 def _cfg(*overrides: str, recipe: Path = QUICKSTART) -> RecipeConfig:
@@ -284,7 +278,7 @@ def _accelerate_config(tmp_path: Path, base: str, **fsdp: Any) -> Path:
         data["num_machines"] = num_machines
     data["fsdp_config"].update(fsdp)
     path = tmp_path / f"{base}-custom.yaml"
-    path.write_text(yaml.safe_dump(data))
+    write_recipe_file(path, data)
     return path
 
 

@@ -7,9 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.cli_helpers import assert_user_error, main_exit
+from tests.recipe_files import write_recipe_file
 
 REPO = Path(__file__).resolve().parents[2]
 LLAMA_2_7B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
@@ -26,12 +26,12 @@ def recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     (tmp_path / "llama-2-7b").mkdir()
     (tmp_path / "llama-2-7b" / "config.json").write_text(json.dumps(LLAMA_2_7B))
     path = tmp_path / "llama7b.yaml"
-    path.write_text(yaml.safe_dump({
+    write_recipe_file(path, {
         "name": "llama7b", "model": {"type": "llama", "path": "llama-2-7b", "dtype": "bfloat16"},
         "data": {"format": "alpaca", "train": str(REPO / "recipes" / "data" / "reverse_train.jsonl"),
                  "max_seq_len": 2048},
         "train": {"micro_batch_size": 1, "global_batch_size": 8, "max_steps": 100, "mixed_precision": "bf16",
-                  "gradient_checkpointing": True}}, sort_keys=False))
+                  "gradient_checkpointing": True}})
     return path
 
 

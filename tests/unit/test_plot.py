@@ -20,11 +20,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TRAIN_KEYS = ["loss", "lr", "grad_norm"]
 
 
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test runs in its own current folder (the default -o is ./plot.png), with no debug tracebacks."""
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("FINETUNE_DEBUG", raising=False)
+pytestmark = pytest.mark.usefixtures("in_tmp")  # each test runs in its tmp_path (tests/conftest.py)
 
 
 def make_run(folder: Path, *, train_steps: int, eval_every: int | None, metrics: tuple[str, ...] = ("exact_match",),

@@ -15,7 +15,6 @@ from typing import Any
 import datasets
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from finetune.config import load_recipe
 from finetune.data.batching import PreferenceCollator
@@ -28,11 +27,6 @@ TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
 PROMPT = "### Instruction:\nReverse the letters.\n\n### Input:\nd a c z\n\n### Response:\n"
 PAIR = {"prompt": PROMPT, "chosen": "z c a d", "rejected": "d a c z"}
 CONTRACT = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"]
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
 
 
 def _tokenize(rows: list[dict], tok: Any, max_len: int = 128, overlong: str = "truncate", source: str = ""):

@@ -48,13 +48,6 @@ SINGLE_PROCESS = textwrap.dedent("""
 """)
 
 
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
-
-
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 def test_a_single_process_run_never_imports_deepspeed() -> None:
     """accelerate's unwrap_model imports deepspeed whenever it is installed; with a single-process accelerator it

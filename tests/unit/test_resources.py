@@ -19,13 +19,7 @@ from tests.cli_helpers import assert_user_error, main_exit
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(autouse=True)
-def _elsewhere(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run from an empty folder that is not the checkout, with the shipped recipes folder and no launcher."""
-    for key in ("FINETUNE_RECIPES_DIR", "FINETUNE_DEBUG", "RANK", "WORLD_SIZE", "LOCAL_RANK", "ACCELERATE_LAUNCHED"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("in_tmp")  # each test runs in its tmp_path (tests/conftest.py)
 
 
 def test_the_shipped_folders_are_the_checkouts_top_level_folders() -> None:

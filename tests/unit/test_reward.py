@@ -59,7 +59,7 @@ def tiny_reward_model(name: str, pad_id: int = PAD) -> Any:
 
 
 @pytest.fixture(scope="module")
-def llama() -> Any:
+def reward_lm() -> Any:
     return tiny_reward_model("tiny-llama")
 
 
@@ -187,37 +187,37 @@ def test_lora_trains_the_head_in_full() -> None:
 # ------------------------------------------------------------------------------------------------- the task sums
 
 
-def test_train_output_is_the_summed_bradley_terry_loss(llama: Any) -> None:
+def test_train_output_is_the_summed_bradley_terry_loss(reward_lm: Any) -> None:
     chosen, rejected = random_pairs(6, [(5, 9), (8, 3), (2, 6), (7, 7)])
     batch = pair_batch(chosen, rejected)
     task = RewardTask(make_cfg([]), None, PAD, 0, 1)
     assert task.count_targets(batch) == 4  # pairs, not sequences and not tokens
     with torch.no_grad():
-        loss_sum = task.train_output(llama, batch)
-    margins = torch.tensor([alone(llama, c) - alone(llama, r) for c, r in zip(chosen, rejected, strict=True)])
+        loss_sum = task.train_output(reward_lm, batch)
+    margins = torch.tensor([alone(reward_lm, c) - alone(reward_lm, r) for c, r in zip(chosen, rejected, strict=True)])
     assert loss_sum.ndim == 0 and loss_sum.dtype == torch.float32
     torch.testing.assert_close(loss_sum, -F.logsigmoid(margins).sum(), rtol=1e-5, atol=1e-5)
 
 
-def test_train_output_of_a_batch_is_the_sum_of_its_pairs(llama: Any) -> None:
+def test_train_output_of_a_batch_is_the_sum_of_its_pairs(reward_lm: Any) -> None:
     """What pair-weighted accumulation relies on: any split of the pairs into micro-batches sums to the same."""
     chosen, rejected = random_pairs(7, [(5, 9), (8, 3), (2, 6)])
     task = RewardTask(make_cfg([]), None, PAD, 0, 1)
     with torch.no_grad():
-        whole = task.train_output(llama, pair_batch(chosen, rejected))
-        parts = [task.train_output(llama, pair_batch([c], [r])) for c, r in zip(chosen, rejected, strict=True)]
+        whole = task.train_output(reward_lm, pair_batch(chosen, rejected))
+        parts = [task.train_output(reward_lm, pair_batch([c], [r])) for c, r in zip(chosen, rejected, strict=True)]
     torch.testing.assert_close(whole, sum(parts), rtol=1e-5, atol=1e-5)
 
 
-def test_eval_counts_pairs_won_and_the_loss(llama: Any) -> None:
+def test_eval_counts_pairs_won_and_the_loss(reward_lm: Any) -> None:
     chosen, rejected = random_pairs(8, [(5, 9), (8, 3), (2, 6), (7, 7), (3, 4), (6, 5)])
     task = RewardTask(make_cfg(["preference_accuracy"]), None, PAD, 0, 1)
-    margins = torch.tensor([alone(llama, c) - alone(llama, r) for c, r in zip(chosen, rejected, strict=True)])
+    margins = torch.tensor([alone(reward_lm, c) - alone(reward_lm, r) for c, r in zip(chosen, rejected, strict=True)])
     wins = int((margins > 0).sum())
     assert 0 < wins < 6  # the check below can tell right from wrong
     with torch.no_grad():
-        counts = task.eval_output(llama, pair_batch(chosen, rejected))
-        swapped = task.eval_output(llama, pair_batch(rejected, chosen))
+        counts = task.eval_output(reward_lm, pair_batch(chosen, rejected))
+        swapped = task.eval_output(reward_lm, pair_batch(rejected, chosen))
     assert int(counts.num_tokens) == 6 and int(counts.total["preference_accuracy"]) == 6
     assert int(counts.correct["preference_accuracy"]) == wins
     assert int(swapped.correct["preference_accuracy"]) == 6 - wins
@@ -228,4 +228,4 @@ def test_eval_counts_pairs_won_and_the_loss(llama: Any) -> None:
     assert int(n) == 6
     torch.testing.assert_close(margin_sum, margins.sum(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(counts.means["reward_chosen"][0] - counts.means["reward_rejected"][0], margin_sum)
-    assert not RewardTask(make_cfg([]), None, PAD, 0, 1).eval_output(llama, pair_batch(chosen, rejected)).correct
+    assert not RewardTask(make_cfg([]), None, PAD, 0, 1).eval_output(reward_lm, pair_batch(chosen, rejected)).correct

@@ -8,16 +8,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from finetune import rundir
 from finetune.summary import read_summary, render
 from finetune.tracking import truncate_metrics
+from tests.recipe_files import write_recipe_file
 
 
 def make_run(folder: Path, recipe: dict[str, Any], rows: list[dict[str, Any]], *, final: bool = True) -> Path:
     rundir.create(folder, overwrite=False).release()
-    (folder / rundir.RESOLVED).write_text(yaml.safe_dump(recipe))
+    write_recipe_file(folder / rundir.RESOLVED, recipe)
     (folder / rundir.METRICS).write_text("".join(json.dumps(row) + "\n" for row in rows))
     if final:
         (folder / rundir.FINAL).mkdir()
@@ -31,9 +31,7 @@ EVAL = {"kind": "eval", "step": 2, "eval_loss": 1.5, "eval_samples": 40, "eval_a
 END = {"kind": "end", "step": 2, "samples": 16, "tokens": 1234, "train_s": 3.25, "wall_s": 75.0}
 
 
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
+pytestmark = pytest.mark.usefixtures("in_tmp")  # each test runs in its tmp_path (tests/conftest.py)
 
 
 def test_a_lora_run_summary_has_its_numbers_paths_and_the_merge_command(tmp_path: Path) -> None:

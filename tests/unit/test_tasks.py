@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import AutoTokenizer
 
 from finetune.data import DataBundle
 from finetune.data.batching import Collator, left_pad
@@ -40,11 +39,6 @@ def make_cfg(metrics: list[str] | None = None, max_new_tokens: int = 8, **train:
         train=SimpleNamespace(**{"global_batch_size": 4, "micro_batch_size": 2, "seed": 0, **train}),
         data=SimpleNamespace(shuffle=True, packing=False, num_workers=None),
     )
-
-
-@pytest.fixture(scope="module")
-def tok() -> Any:
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
 
 
 @pytest.fixture(scope="module")

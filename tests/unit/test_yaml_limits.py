@@ -38,17 +38,10 @@ from tests.cli_helpers import assert_user_error, main_exit
 
 compose_module = importlib.import_module("finetune.config.compose")  # the package's ``compose`` is the function
 
-LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED", "LOCAL_WORLD_SIZE")
 ALIAS_HINT = "aliases are bounded to stop 'billion laughs' expansion; write the repeated values out"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run in the tmp folder, not under a launcher, no debug tracebacks, no shipped-recipes override."""
-    monkeypatch.chdir(tmp_path)
-    for key in (*LAUNCHER_ENV, "FINETUNE_DEBUG", "FINETUNE_RECIPES_DIR"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("in_tmp")  # each test runs in its tmp_path (tests/conftest.py)
 
 
 def write(folder: Path, content: str | bytes, name: str = "recipe.yaml") -> Path:
