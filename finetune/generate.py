@@ -42,12 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from finetune import backends, launch, outputs, rundir
-from finetune.data.loading import ROLES, error_detail, line_of, short_repr
+from finetune import backends, launch, outputs, registry, rundir
+from finetune.data import prompts, vision
+from finetune.data.formats import render_alpaca
+from finetune.data.prompts import PromptIds
+from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
 
 if TYPE_CHECKING:
     from finetune.config import RecipeConfig
+    from finetune.data.vision import ImageInputs
     from finetune.evaluation import Target
     from finetune.registry import SupportedModel
 
@@ -150,16 +154,12 @@ def parse_prompt(row: dict[str, Any], where: str, fmt: str, source: str = "") ->
                             f"{short_repr(row['prompt'])}")
         return Prompt(row, where, text=row["prompt"])
     if "messages" in row and fmt == "vision_chat":  # turns may hold image parts, as in the training rows
-        from finetune.data import vision
-
         vision.check_row(row, where, prompt=True)
         images = tuple(str(vision.resolve(ref, source)) for ref in vision.image_refs(row))
         return Prompt(row, where, messages=row["messages"], images=images)
     if "messages" in row:
         return Prompt(row, where, messages=_check_messages(row["messages"], where))
     if fmt == "alpaca" and "instruction" in row:
-        from finetune.data.formats import render_alpaca
-
         instruction, extra = row["instruction"], row.get("input")
         if not isinstance(instruction, str) or not instruction.strip():
             raise DataError(f"{where}: 'instruction' must be a non-empty string, got {short_repr(instruction)}")
@@ -212,33 +212,46 @@ def read_prompts(path: Path, fmt: str) -> list[Prompt]:
 
 
 def prompt_text(prompt: Prompt, tokenizer: Any) -> str:
-    """The text a prompt feeds the model: as written, or its messages through the chat template (image parts as
-    the template's placeholders)."""
-    from finetune.data import vision
-
+    """The text a prompt feeds the model: as written, or its messages rendered as training renders a row's prompt
+    (:func:`finetune.data.prompts.chat_text`; with image parts as the template's placeholders,
+    :func:`finetune.data.prompts.vision_text`)."""
     if prompt.messages is None:
         assert prompt.text is not None
         return prompt.text
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{prompt.where}: 'messages' need a chat template and this model's tokenizer has none; give "
                         "the text as 'prompt' instead")
-    parts = any(not isinstance(msg["content"], str) for msg in prompt.messages)  # vision_chat text/image parts
-    messages = vision.for_template(prompt.messages) if parts else prompt.messages
+    parts = prompt.images or any(not isinstance(msg["content"], str) for msg in prompt.messages)  # vision_chat
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return (prompts.vision_text if parts else prompts.chat_text)(prompt.messages, tokenizer)
     except Exception as exc:  # e.g. a template's raise_exception("roles must alternate ...")
         raise DataError(f"{prompt.where}: the tokenizer's chat template rejects these messages "
                         f"({error_detail(exc)})") from None
 
 
 def encode(text: str, tokenizer: Any) -> list[int]:
-    """Token ids of a prompt as training and eval make them (finetune.data.tokenize): no special tokens added by
-    the tokenizer, the bos token first unless the text starts with it."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    bos = tokenizer.bos_token_id
-    if bos is not None and not text.startswith(tokenizer.bos_token or "\0"):
-        ids = [bos, *ids]
-    return ids
+    """Token ids of a prompt as training and eval make them (:func:`finetune.data.prompts.encode`): no special
+    tokens added by the tokenizer, the bos token first unless the text starts with it."""
+    return prompts.encode(text, tokenizer)
+
+
+def prompt_ids(prompt: Prompt, tokenizer: Any, images: ImageInputs | None, max_len: int) -> PromptIds:
+    """A prompt's token ids as training makes a row's ``prompt_ids`` (:mod:`finetune.data.prompts`: the same bos
+    and keep-the-end rules); ``images``: a vision-language row's image processor, else None. A prompt without a
+    token, or whose kept end would cut an image, is one DataError line."""
+    text = prompt_text(prompt, tokenizer)
+    if images is None:
+        out = prompts.text_prompt(text, tokenizer, max_len)
+    else:
+        out = prompts.vision_prompt(text, tokenizer, images, _image_grids(prompt, text, images), prompt.where,
+                                    max_len)
+    if not out.ids:
+        raise DataError(f"{prompt.where}: the prompt is empty and the tokenizer has no bos token; give some text")
+    if out.cuts_image:
+        raise DataError(f"{prompt.where}: the prompt is {out.length} tokens with its images, over "
+                        f"data.max_seq_len={max_len}, and keeping its end would cut an image; shorten the text or "
+                        "use smaller images")
+    return out
 
 
 # --- checks before anything is loaded ---------------------------------------------------------------------------
@@ -285,8 +298,6 @@ def launcher_config(num_processes: int, accelerate_config: str | None) -> backen
 def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     """Every check that needs no model: the flags, ``-o``, the target (verified, a model that generates), the
     prompts file, and the prompts' token ids. Each mistake is one line."""
-    from finetune import registry
-    from finetune.data import vision
     from finetune.evaluation import load_tokenizer, open_target
     from finetune.modeling import image_inputs
 
@@ -304,30 +315,17 @@ def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     tokenizer = load_tokenizer(cfg, where)
     job = Job(where, cfg, row, tokenizer, parsed)
     images = image_inputs(tokenizer, row)  # None unless a vision-language row
-    limit = cfg.data.max_seq_len
     for prompt in parsed:
-        text = prompt_text(prompt, tokenizer)
-        grids = [] if images is None else _image_grids(prompt, text, images)
-        if grids:
-            text = vision.expand_text(text, images.image_token, [images.tokens(grid) for grid in grids])
-        ids = encode(text, tokenizer)
-        if not ids:
-            raise DataError(f"{prompt.where}: the prompt is empty and the tokenizer has no bos token; give some text")
-        if grids and len(ids) > limit and images.image_token_id in ids[:len(ids) - limit]:
-            raise DataError(f"{prompt.where}: the prompt is {len(ids)} tokens with its images, over "
-                            f"data.max_seq_len={limit}, and keeping its end would cut an image; shorten the text or "
-                            "use smaller images")
-        job.truncated += len(ids) > limit
-        job.ids.append(ids[-limit:])  # as eval: a generation prompt keeps its end (the cue)
-        job.grids.append(grids)
+        ids = prompt_ids(prompt, tokenizer, images, cfg.data.max_seq_len)
+        job.truncated += ids.truncated
+        job.ids.append(ids.ids)
+        job.grids.append(ids.grids)
     return job
 
 
 def _image_grids(prompt: Prompt, text: str, images: Any) -> list[list[int]]:
     """The patch grid of each image of ``prompt`` (each opened and checked), after checking that ``text``, as
     rendered, holds one placeholder per image (a raw prompt may not write placeholders of its own)."""
-    from finetune.data import vision
-
     vision.check_placeholders(text, images.image_token, len(prompt.images), prompt.where)
     return images.grids([vision.open_image(Path(path), prompt.where) for path in prompt.images], prompt.where,
                         prompt.images)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from finetune.data.mixing import Mixture, MixtureStream
-from finetune.data.tokenize import IGNORE
+from finetune.data.rows import IGNORE
 
 
 class StreamSampler:

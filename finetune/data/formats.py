@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.errors import DataError
+
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
@@ -41,6 +43,12 @@ def render_completion(row: dict[str, Any]) -> Rendered:
     return Rendered(text, ((0, len(text)),), "", text, add_eos=True)
 
 
+def generation_prompt(messages: list[dict[str, Any]], tokenizer: Any) -> str:
+    """``messages`` through the tokenizer's chat template with its generation prompt: the text a model continues
+    with the assistant's turn (the prompt of a chat row, and what :mod:`finetune.data.prompts` renders)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
 def render_chat(row: dict[str, Any], tokenizer: Any) -> Rendered:
     """Render with the tokenizer's chat template; every assistant turn (content + end marker) is an answer span.
 
@@ -48,8 +56,6 @@ def render_chat(row: dict[str, Any], tokenizer: Any) -> Rendered:
     must render a prefix of the conversation as a prefix of the text (true of every common template).
     """
     if not getattr(tokenizer, "chat_template", None):
-        from finetune.errors import DataError
-
         raise DataError("data.format: chat needs a tokenizer with a chat template; this model's tokenizer has none "
                         "(use alpaca or completion)")
     messages = row["messages"]
@@ -58,16 +64,14 @@ def render_chat(row: dict[str, Any], tokenizer: Any) -> Rendered:
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = tokenizer.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True) if i else ""
+        before = generation_prompt(messages[:i], tokenizer) if i else ""
         upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not text.startswith(upto) or not upto.startswith(before):
-            from finetune.errors import DataError
-
             raise DataError("data.format: the chat template does not render conversations prefix-wise; "
                             "cannot locate assistant turns")
         # the turn ends at its end marker: whitespace the template adds after it (e.g. "</s>\n") is not learned
         spans.append((len(before), max(len(before), len(upto.rstrip()))))
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    prompt = generation_prompt(messages[:-1], tokenizer)
     return Rendered(text, tuple(spans), prompt, messages[-1]["content"], add_eos=False)
 
 
@@ -89,10 +93,8 @@ def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool)
 def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any) -> Rendered:
     """One side of a chat-form pair: the whole conversation, with only its final assistant turn as the answer."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
-    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    prompt = generation_prompt(messages[:-1], tokenizer)
     if not text.startswith(prompt):
-        from finetune.errors import DataError
-
         raise DataError("data.format: the chat template does not render conversations prefix-wise; "
                         "cannot locate the final assistant turn of a preference pair")
     # as in render_chat: the turn ends at its end marker, whitespace the template adds after it is not learned
@@ -116,8 +118,6 @@ def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Re
             Rendered(prompt + answer, ((len(prompt), len(prompt) + len(answer)),), prompt, answer, add_eos=True)
             for answer in (chosen, rejected))
     if not getattr(tokenizer, "chat_template", None):
-        from finetune.errors import DataError
-
         raise DataError("data.format: preference pairs given as message lists need a tokenizer with a chat template; "
                         "this model's tokenizer has none (write them as {prompt, chosen, rejected} strings)")
     return _chat_answer(chosen, tokenizer), _chat_answer(rejected, tokenizer)

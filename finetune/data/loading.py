@@ -23,6 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune.data import vision
+from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -41,24 +43,6 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "preference": (("chosen", "rejected"), ("prompt",)),  # checked by _check_preference (two row forms)
     "vision_chat": (("messages",), ()),  # checked by finetune.data.vision.check_row (image parts, 'images')
 }
-ROLES = ("system", "user", "assistant")
-
-
-def line_of(path: str, index: int) -> str:
-    """Where row ``index`` lives in its file, as ``file:line`` (csv counts its header line)."""
-    suffix = Path(path).suffix
-    if suffix == ".jsonl":
-        return f"{path}:{index + 1}"
-    if suffix == ".csv":
-        return f"{path}:{index + 2}"
-    return f"{path} (row {index + 1})"
-
-
-def short_repr(value: Any, limit: int = 60) -> str:
-    """``repr(value)`` cut to ``limit`` characters, so a huge bad value still gives a one-line message."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
 
 def _json_kind(value: Any) -> str:
     """How JSON spells the type of a decoded value (for messages about the file as the user wrote it)."""
@@ -345,19 +329,6 @@ def say_if_slow(text: str, after_s: float = 5.0) -> Iterator[None]:
         timer.cancel()
 
 
-def error_detail(exc: BaseException) -> str:
-    """The first line of the innermost message in ``exc``'s cause chain (datasets wraps the real error in a
-    generic one); the type name when no exception in the chain has a message (e.g. StopIteration)."""
-    chain = [exc]
-    while chain[-1].__cause__ is not None and len(chain) < 16:
-        chain.append(chain[-1].__cause__)
-    for error in reversed(chain):
-        text = str(error).strip()
-        if text:
-            return text.splitlines()[0]
-    return type(exc).__name__
-
-
 def _check_cache_error(exc: BaseException, source: str) -> None:
     """An OSError about another path than the data file (the datasets cache under an unwritable or broken $HOME,
     HF_HOME or HF_DATASETS_CACHE) is that path's problem: one DataError naming it, not "cannot read the data"."""
@@ -498,8 +469,6 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
         _check_preference(row, where)
         return
     if fmt == "vision_chat":
-        from finetune.data import vision
-
         vision.check_row(row, where)
         return
     for name in required:

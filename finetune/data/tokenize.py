@@ -28,17 +28,11 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 import numpy as np
 
 from finetune import hooks
-from finetune.data import vision
+from finetune.data import prompts, vision
 from finetune.data.formats import Rendered, render, render_preference
-from finetune.data.loading import (
-    check_columns,
-    check_row,
-    error_detail,
-    label_error,
-    line_of,
-    quiet_datasets,
-    raw_values,
-)
+from finetune.data.loading import check_columns, check_row, label_error, quiet_datasets, raw_values
+from finetune.data.prompts import starts_with_bos
+from finetune.data.rows import IGNORE, error_detail, line_of
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -46,11 +40,11 @@ if TYPE_CHECKING:
 
     from finetune.data.vision import ImageInputs
 
-IGNORE = -100
 _R = TypeVar("_R")
 MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
+RENDERING = ("formats.py", "rows.py", "prompts.py", "tokenize.py", "vision.py")  # what decides a tokenized row
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
-                                       for name in ("formats.py", "tokenize.py", "vision.py"))).hexdigest()[:16]
+                                       for name in RENDERING)).hexdigest()[:16]
 
 
 class Progress:
@@ -113,21 +107,19 @@ class Tokenized:
     no_answer: int
 
 
-def _encode(out: Rendered, tokenizer: Any, with_prompt: bool = True) -> tuple[list[int], list[int], list[int]]:
-    """Token ids of a rendered sample, its labels (the id where a token starts inside an answer span, else
-    IGNORE; bos first and eos last where the tokenizer has them) and, ``with_prompt``, the generation prompt's ids."""
+def _encode(out: Rendered, tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Token ids of a rendered sample and its labels (the id where a token starts inside an answer span, else
+    IGNORE); the bos token first by the prompts' rule (:func:`finetune.data.prompts.starts_with_bos`), eos last
+    where the format adds it."""
     enc = tokenizer(out.text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = list(enc["input_ids"])
     labels = [tid if any(start < end_s and end > start_s for start_s, end_s in out.spans) else IGNORE
               for tid, (start, end) in zip(ids, enc["offset_mapping"], strict=True)]
-    prompt_ids: list[int] = (list(tokenizer(out.prompt, add_special_tokens=False)["input_ids"])
-                             if out.prompt and with_prompt else [])
-    bos = tokenizer.bos_token_id
-    if bos is not None and not out.text.startswith(tokenizer.bos_token or "\0"):
-        ids, labels, prompt_ids = [bos, *ids], [IGNORE, *labels], [bos, *prompt_ids]
+    if not starts_with_bos(out.text, tokenizer):
+        ids, labels = [tokenizer.bos_token_id, *ids], [IGNORE, *labels]
     if out.add_eos and tokenizer.eos_token_id is not None:
         ids, labels = [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
-    return ids, labels, prompt_ids
+    return ids, labels
 
 
 def _rendered(render_row: Callable[[], _R], where: str, what: str) -> _R:
@@ -148,10 +140,11 @@ def _causal_row(row: dict[str, Any], index: int, *, fmt: str, tokenizer: Any, ma
     check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
     what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
     out = _rendered(lambda: render(row, fmt, tokenizer, train_on_prompt), line_of(source, index), what)
-    ids, labels, prompt_ids = _encode(out, tokenizer)
+    ids, labels = _encode(out, tokenizer)
     overlong = len(ids) > max_len  # training keeps the start; a generation prompt keeps its end (the cue)
     ids, labels = ids[:max_len], labels[:max_len]
-    return {"input_ids": ids, "labels": labels, "prompt_ids": prompt_ids[-max_len:], "reference": out.reference,
+    prompt = prompts.text_prompt(out.prompt, tokenizer, max_len)  # out.prompt of chat: prompts.chat_text
+    return {"input_ids": ids, "labels": labels, "prompt_ids": prompt.ids, "reference": out.reference,
             "overlong": overlong, "n_labels": sum(label != IGNORE for label in labels)}
 
 
@@ -173,10 +166,13 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     vision.check_placeholders(out.text, images.image_token, len(paths), where)
     out = vision.expand(Rendered(out.text, out.spans, out.prompt, vision.text_of(messages[-1]["content"]),
                                  out.add_eos), images.image_token, counts)
-    ids, labels, prompt_ids = _encode(out, tokenizer)
+    ids, labels = _encode(out, tokenizer)
     labels = [IGNORE if tid == images.image_token_id else label for tid, label in zip(ids, labels, strict=True)]
     cut, kept = vision.fit(ids, images.image_token_id, counts, max_len)
-    return {"input_ids": ids[:cut], "labels": labels[:cut], "prompt_ids": prompt_ids, "reference": out.reference,
+    # as generate renders it; a prompt whose kept end would leave out an image stays whole (cuts_image)
+    prompt = prompts.vision_prompt(prompts.vision_text(messages[:-1], tokenizer), tokenizer, images, grids, where,
+                                   max_len)
+    return {"input_ids": ids[:cut], "labels": labels[:cut], "prompt_ids": prompt.ids, "reference": out.reference,
             "images": [str(path) for path in paths], "image_grids": grids, "n_images": kept,
             "overlong": len(ids) > max_len, "n_labels": sum(label != IGNORE for label in labels[:cut])}
 
@@ -200,7 +196,7 @@ def _preference_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len:
     out: dict[str, Any] = {"overlong": False, "n_labels": 0}
     counts = []
     for side, rendered in (("chosen", chosen), ("rejected", rejected)):
-        ids, labels, _ = _encode(rendered, tokenizer, with_prompt=False)
+        ids, labels = _encode(rendered, tokenizer)
         out["overlong"] |= len(ids) > max_len
         out[f"{side}_input_ids"], out[f"{side}_labels"] = ids[:max_len], labels[:max_len]
         counts.append(_answer_tokens(labels[:max_len]))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.data.formats import Rendered
-from finetune.data.loading import ROLES, short_repr
+from finetune.data.rows import IGNORE, ROLES, short_repr
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ class VisionCollator:
     hangs). The collator adds it on one process too, so every process count sees the same batches."""
 
     def __init__(self, pad_id: int, inputs: ImageInputs, *, with_prompts: bool = False) -> None:
-        from finetune.data.batching import Collator
+        from finetune.data.batching import Collator  # imports torch
 
         self.text = Collator(pad_id, with_prompts=with_prompts)
         self.pad_id, self.inputs, self.with_prompts = pad_id, inputs, with_prompts
@@ -280,7 +280,7 @@ class VisionCollator:
     def prompts(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         """The generation side alone (``finetune generate``): rows of ``prompt_ids``, ``images`` and
         ``image_grids`` as ``prompt_ids``/``prompt_mask`` (left-padded) and the ``prompt_`` image keys."""
-        from finetune.data.batching import left_pad
+        from finetune.data.batching import left_pad  # imports torch
 
         batch = dict(zip(("prompt_ids", "prompt_mask"), left_pad([r["prompt_ids"] for r in rows], self.pad_id),
                          strict=True))
@@ -317,8 +317,6 @@ class VisionCollator:
         """The placeholder image (see the class docstring) in masked extra columns of row 0."""
         import torch
         from PIL import Image
-
-        from finetune.data.batching import IGNORE
 
         if self._blank is None:  # the processor's own output for a small black image, made once
             self._blank = self.inputs.pixels([Image.new("RGB", (28, 28))])

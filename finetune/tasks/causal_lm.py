@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune import registry
-from finetune.data.tokenize import IGNORE
+from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.losses import sequence_logprobs, summed_cross_entropy

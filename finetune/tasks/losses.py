@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from finetune.data.tokenize import IGNORE
+from finetune.data.rows import IGNORE
 
 CHUNK_BYTES = {"cpu": 64 * 2**20, "cuda": 256 * 2**20}  # fp32 bytes of one chunk of logits, per device type
 DEFAULT_CHUNK_BYTES = 64 * 2**20  # any other device type

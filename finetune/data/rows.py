@@ -1,0 +1,43 @@
+"""What every data module shares about a row: the chat roles, the label that is never trained on, and how a row's
+place and values are named in a one-line error.
+
+The bottom of finetune/data: it imports none of the others, so loading, vision, batching, tokenize and prompts
+can all import it without a circle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+ROLES = ("system", "user", "assistant")
+IGNORE = -100  # the label of a token that is not trained on (prompt, padding, image tokens)
+
+
+def line_of(path: str, index: int) -> str:
+    """Where row ``index`` lives in its file, as ``file:line`` (csv counts its header line)."""
+    suffix = Path(path).suffix
+    if suffix == ".jsonl":
+        return f"{path}:{index + 1}"
+    if suffix == ".csv":
+        return f"{path}:{index + 2}"
+    return f"{path} (row {index + 1})"
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, so a huge bad value still gives a one-line message."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def error_detail(exc: BaseException) -> str:
+    """The first line of the innermost message in ``exc``'s cause chain (datasets wraps the real error in a
+    generic one); the type name when no exception in the chain has a message (e.g. StopIteration)."""
+    chain = [exc]
+    while chain[-1].__cause__ is not None and len(chain) < 16:
+        chain.append(chain[-1].__cause__)
+    for error in reversed(chain):
+        text = str(error).strip()
+        if text:
+            return text.splitlines()[0]
+    return type(exc).__name__
