@@ -9,7 +9,7 @@ optimizer state. Nothing is registered with accelerate's pickle-based ``custom_c
 
 ``manifest.json`` is written last: the run id, fingerprints of recipe, data and tokenizer, the batch layout and
 library versions, and the size and sha256 of every file. :func:`verify` checks all of it before anything is loaded.
-Exports (``final/``) carry the same kind of manifest.
+Exports (``final/``) carry the same kind of manifest; they are written by :mod:`finetune.artifacts.writer`.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import hooks, registry, rundir
+from finetune.artifacts.record import record
 from finetune.config import RecipeConfig, to_yaml
-from finetune.errors import NonFiniteError, RunDirError
+from finetune.errors import RunDirError
 from finetune.state import TrainState
 
 if TYPE_CHECKING:
@@ -60,9 +61,11 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sha256: str, backend: str,
-             run_id: str) -> dict[str, Any]:
-    """What a later resume compares against, and what ``finetune ls`` shows (the inventory is added on write).
-    ``tokenizer_sha256``: :func:`tokenizer_fingerprint` of the run's tokenizer."""
+             run_id: str, labels: list[str] | None = None) -> dict[str, Any]:
+    """What a later resume compares against, what ``finetune ls`` shows, and what a later export, eval or merge
+    opens the checkpoint with (the row, the classification ``labels`` and the layout: :mod:`finetune.artifacts.
+    record`); the inventory is added on write. ``tokenizer_sha256``: :func:`tokenizer_fingerprint` of the run's
+    tokenizer."""
     import accelerate
     import torch
     import transformers
@@ -88,6 +91,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sh
                      "accelerate": accelerate.__version__},
         "resumable": True,
         "reason": None,
+        **record(cfg, registry.recipe_row(cfg), labels),
     }
 
 
@@ -125,10 +129,11 @@ def inspect(path: Path) -> CheckpointInfo:
                           data)
 
 
-def verify(path: Path, run_id: str | None) -> dict[str, Any]:
+def verify(path: Path, run_id: str | None, data: dict[str, Any] | None = None) -> dict[str, Any]:
     """Check a checkpoint or export completely before anything in it is loaded: its manifest, the sha256 of every
-    file, no file it does not list, and (``run_id``) that it belongs to this run. Returns the manifest."""
-    data = rundir.read_manifest(path)
+    file, no file it does not list, and (``run_id``) that it belongs to this run. Returns the manifest. ``data``:
+    the manifest when the caller has read it already (:mod:`finetune.artifacts.choose` reads it once per command)."""
+    data = rundir.read_manifest(path) if data is None else data
     if run_id is not None and data.get("run_id") != run_id:
         raise RunDirError(f"{path} belongs to another run (run id {data.get('run_id')}, this run is {run_id}); "
                           "a run resumes only from its own checkpoints")
@@ -147,28 +152,6 @@ def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
         if info.resumable:
             return info
     return None
-
-
-def find(run_dir: Path, name: str | None) -> CheckpointInfo:
-    """The checkpoint ``name`` (e.g. ``step-000100``, or a path) or the newest resumable one; RunDirError if none
-    fits. Whether it belongs to this run is checked by :func:`verify`."""
-    if name is None:
-        info = latest_resumable(run_dir)
-        if info is None:
-            broken = [f"{p.name}: {inspect(p).reason}" for p in rundir.checkpoint_dirs(run_dir)]
-            detail = f" ({'; '.join(broken)})" if broken else ""
-            raise RunDirError(f"{run_dir}: no complete resumable checkpoint to resume from{detail}; start the run "
-                              f"again with `finetune run {run_dir / rundir.RESOLVED} --overwrite`")
-        return info
-    path = Path(name) if Path(name).is_dir() and not Path(name).is_symlink() else run_dir / rundir.CHECKPOINTS / name
-    if not path.is_dir() or path.name.endswith(rundir.TMP):
-        names = ", ".join(p.name for p in rundir.checkpoint_dirs(run_dir)) or "none"
-        raise RunDirError(f"--from {name}: no such complete checkpoint in {run_dir / rundir.CHECKPOINTS} "
-                          f"(have: {names})")
-    info = inspect(path)
-    if not info.resumable:
-        raise RunDirError(f"{path}: not resumable: {info.reason}")
-    return info
 
 
 # --- our state as JSON + safetensors ------------------------------------------------------------------------------
@@ -273,8 +256,9 @@ def _rng_name(rank: int) -> str:
 
 
 def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[str, Any], tokenizer: Any,
-         run_dir: Path, backend: str, run_id: str) -> Path:
-    """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically.
+         run_dir: Path, backend: str, run_id: str, labels: list[str] | None = None) -> Path:
+    """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically. ``labels``:
+    the classification label names, recorded in its manifest (:func:`manifest`).
 
     ``objects``: name -> object with ``state_dict()`` / ``load_state_dict()`` (scheduler, grad scaler, ...); every
     rank calls ``state_dict()`` (it may be a collective), rank 0 writes it. A failed write (e.g. a full disk) removes
@@ -317,7 +301,7 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
         world = accelerator.num_processes
 
         def record() -> dict[str, Any]:
-            return manifest(cfg, snapshot, world, tokenizer_sha256, backend, run_id)
+            return manifest(cfg, snapshot, world, tokenizer_sha256, backend, run_id, labels)
 
         _PUBLISHER.start(lambda: _publish(tmp, final, record, cfg.checkpoint.keep_last), background=world > 1)
     accelerator.wait_for_everyone()
@@ -503,76 +487,3 @@ def forbid_unpickling(backend: Backend | None = None) -> None:
         from finetune.backends import restrict_checkpoint_loading
 
         restrict_checkpoint_loading(backend)
-
-
-def _all_finite(state_dict: dict[str, Any] | None) -> bool:
-    import torch
-
-    return all(bool(torch.isfinite(t).all()) for t in (state_dict or {}).values()
-               if isinstance(t, torch.Tensor) and t.is_floating_point())
-
-
-def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
-                 backend: Backend, run_id: str, step: int, probe: dict[str, Any] | None = None,
-                 rebuild: Callable[[], Any] | None = None, precision: Any = None) -> Path:
-    """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
-    or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
-    ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
-    (:func:`finetune.modeling.save_custom_weights`); always the tokenizer, the resolved recipe and a manifest.
-
-    It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
-    finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
-    copy of the model (base and adapter) for a backend that must save from one (see
-    :func:`finetune.backends.export_module`). ``precision``: the run's :class:`finetune.precision.Precision`, whose
-    autocast the reference forward runs under, as training ran (None: no autocast, fp32 training)."""
-    import contextlib
-
-    import torch
-
-    from finetune.backends import export_module, full_state_dict
-    from finetune.modeling import save_tokenizer
-
-    out, tmp = run_dir / rundir.FINAL, run_dir / rundir.FINAL_TMP
-    state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends
-    flag = torch.tensor(0.0 if not accelerator.is_main_process or _all_finite(state_dict) else 1.0,
-                        device=accelerator.device)
-    if float(accelerator.reduce(flag, reduction="sum")) > 0:  # sync: every rank learns rank 0's verdict
-        raise NonFiniteError(f"the trained weights hold inf or nan; {out} was not written (a previous export stays); "
-                             "lower optim.lr, use train.mixed_precision=bf16 or set train.max_grad_norm")
-    reference = None
-    if cfg.peft.method != "none" and probe is not None:
-        was_training = model.training
-        model.eval()
-        autocast = precision.autocast() if precision is not None else contextlib.nullcontext()
-        with torch.no_grad(), autocast:  # every rank: a forward pass is a collective under sharded backends
-            inputs = {k: v.to(accelerator.device) for k, v in probe.items()}
-            reference = {**probe, "logits": model(**inputs).logits.float().cpu()}
-        model.train(was_training)
-    if accelerator.is_main_process:
-        from safetensors.torch import save_file
-
-        if tmp.exists():
-            rundir.remove_scratch(tmp)
-        if registry.recipe_row(cfg).factory is not None:  # a custom model: its state dict (no config.json)
-            from finetune.modeling import save_custom_weights
-
-            save_custom_weights(state_dict or {}, tmp)
-        else:
-            saver = export_module(accelerator, model, backend, state_dict, rebuild)
-            saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-        save_tokenizer(tokenizer, tmp)
-        (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))
-        if reference is not None:
-            save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp / rundir.MERGE_CHECK))
-        rundir.write_manifest(tmp, export_manifest(run_id, step))
-        rundir.publish(tmp, out, run_dir / rundir.FINAL_OLD)
-    accelerator.wait_for_everyone()
-    return out
-
-
-def export_manifest(run_id: str | None, step: int | None) -> dict[str, Any]:
-    """The manifest head of an export (``final/`` or a merged model); the inventory is added on write."""
-    from finetune import __version__
-
-    return {"kind": "export", "run_id": run_id, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-            "finetune": __version__}

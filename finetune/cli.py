@@ -19,6 +19,7 @@ import typer
 import yaml
 
 from finetune import backends, launch, outputs, prepare, registry, resources, rundir, unstarted
+from finetune.artifacts.choose import inventory
 from finetune.checkpoint import publishing
 from finetune.config import Composed, compose, load_recipe, to_yaml
 from finetune.config.schema import RecipeConfig
@@ -264,7 +265,7 @@ def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<n
 
 def _ls_checkpoints(run_dir: Path) -> None:
     """``finetune ls``'s checkpoint table."""
-    from finetune import checkpoint, layout
+    from finetune import layout
 
     complete, stale = rundir.checkpoint_dirs(run_dir), rundir.stale_checkpoint_dirs(run_dir)
     root = run_dir / rundir.CHECKPOINTS
@@ -276,8 +277,8 @@ def _ls_checkpoints(run_dir: Path) -> None:
                "layout; resumes on")
     for path in stale:
         typer.echo(f"{path.name:<18} {'-':>8} {'-':>10}  {'no (incomplete write, ignored)':<40}")
-    for path in complete:
-        info = checkpoint.inspect(path)
+    for info in inventory(run_dir):  # each manifest read once
+        path = info.path
         status = "yes" if info.resumable else f"no ({info.reason})"
         where = "-" if info.manifest is None else \
             f"{layout.of(info.manifest).describe()}; {_resume_targets(info.manifest) if info.resumable else '-'}"

@@ -104,7 +104,7 @@ def train(t: Trainer) -> TrainState:
         saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
         if saved or stats.stop:  # before this step's eval: an eval that fails loses nothing
             path = checkpoint.save(t.accelerator, cfg, state, t.objects, t.tokenizer, t.run_dir, t.backend.name,
-                                   t.run_id)
+                                   t.run_id, t.task.data.labels)
             t.tracker.log("info", {"message": f"saved checkpoint {path.name}"})
         if cfg.data.eval and _due(state.step, cfg.eval.every_steps) and not last:  # the last: after the export
             t.tracker.log("eval", checked_evaluate(t))
@@ -212,7 +212,7 @@ def checked_evaluate(t: Trainer) -> dict[str, Any]:
 def evaluate(t: Trainer) -> dict[str, Any]:
     """Loss, perplexity and metrics over the whole eval set, summed over ranks (nothing dropped or repeated)."""
     metrics = list(t.cfg.eval.metrics)
-    means = list(getattr(t.task, "eval_means", ()))  # named means (sum, count), after the metrics' counts
+    means = list(t.task.eval_means)  # named means (sum, count), after the metrics' counts
     device = t.accelerator.device
     sums = torch.zeros(3 + 2 * len(metrics) + 2 * len(means), dtype=torch.float64, device=device)
     was_training = t.model.training

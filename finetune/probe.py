@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.checkpoint import read_state
 from finetune.errors import FinetuneError, RunDirError
 
 NAME = "probe"  # the checkpoint object's name: probe.json (+ probe.safetensors), see checkpoint.write_state
@@ -97,8 +98,6 @@ def read(ckpt: Path) -> Probe | None:
     cannot be read is a damaged checkpoint (RunDirError); call this only after the checkpoint was verified."""
     import torch
 
-    from finetune.checkpoint import read_state
-
     if not (ckpt / f"{NAME}.json").is_file():
         return None
     try:
@@ -151,22 +150,48 @@ def max_delta(got: Any, expected: Any) -> float:
     return delta if delta == delta else float("inf")  # nan -> inf: never within a tolerance
 
 
+HALF = ("bfloat16", "float16", "bf16", "fp16")  # weight dtypes and autocast modes that compute in 16 bits
+HALF_FLOOR, HALF_RELATIVE = 5e-2, 2.0 ** -5  # half precision: at least 0.05, or 1/32 of the largest |logit|
+
+
 def tolerance(dtype: str, mixed_precision: str, backend: str, quantized: bool, scale: float = 0.0) -> float:
-    """Max |delta logit| accepted between the recorded and the reloaded logits: the limits of ``finetune merge``'s
-    check (:func:`finetune.merge.tolerance`, which this calls; ``scale``: the largest |recorded logit|,
-    :func:`scale_of`).
+    """Max |delta logit| accepted between the recorded and the reloaded logits (``scale``: the largest |recorded
+    logit|, :func:`scale_of`): :func:`logit_tolerance`, whatever ``backend`` computed the record.
 
     The recorded logits were computed in the training precision on the training device (a GPU: other kernels,
-    flash-attn), and the reload runs on this machine in the same precision (:func:`forward_precision`). float32
-    compute accepts 1e-4 and 4-bit kernels 2e-2. Half-precision compute accepts max(0.05, 1/32 of the largest
-    |logit|) whatever ``backend`` computed the record (DeepSpeed's engine and FSDP's policy with 16-bit copies of
-    the weights, the others under bf16/fp16 autocast of fp32 weights, or a 16-bit ``model.dtype``): a bf16 logit
-    near 20 has steps of 0.125, a probe recorded under bf16 autocast on a GPU differs from its CPU reload by a few
-    such steps where a rounding flips, and a wrong conversion moves the logits by their own size.
-    :func:`finetune.merge.tolerance_rule` says it in messages."""
-    from finetune.merge import tolerance as merge_tolerance
+    flash-attn), and the reload runs on this machine in the same precision (:func:`forward_precision`). DeepSpeed's
+    engine and FSDP's policy with 16-bit copies of the weights, the others under bf16/fp16 autocast of fp32
+    weights, or a 16-bit ``model.dtype``: all are half-precision compute, and a wrong conversion moves the logits
+    by their own size. :func:`tolerance_rule` says it in messages."""
+    return logit_tolerance(dtype, quantized, mixed_precision, scale)
 
-    return merge_tolerance(dtype, quantized, mixed_precision, scale)
+
+def logit_tolerance(dtype: str, quantized: bool = False, mixed_precision: str = "no", scale: float = 0.0) -> float:
+    """Max |delta logit| accepted between two forwards of the same weights (what :func:`tolerance_rule` says): the
+    one tolerance rule of every check (export, eval of a checkpoint, merge).
+
+    float32 compute (fp32 weights, no autocast) accumulates ~1e-6 here: 1e-4. 4-bit kernels (QLoRA's recorded
+    logits) are not reproducible to better than ~1e-3 across processes: 2e-2. Half-precision compute (bf16/fp16
+    weights, or ``train.mixed_precision`` bf16/fp16 autocast over fp32 weights) rounds every activation and the
+    logits themselves to 8 (bf16) or 11 (fp16) significant bits, and a probe recorded on one device (a GPU, with
+    flash-attn) is compared with a reload on another (the CPU, with sdpa): the kernels sum in other orders, so a
+    rounding can flip in any layer. One bf16 step at a logit of 20 is already 0.125. So half precision accepts
+    max(0.05, 1/32 of the largest |logit| of the reference, ``scale``): about four bf16 steps at the largest logit,
+    which still refuses a wrong conversion (a missing or swapped layer moves the logits by their own size)."""
+    if dtype in HALF or mixed_precision in HALF:
+        return max(HALF_FLOOR, HALF_RELATIVE * scale)
+    if quantized:
+        return 2e-2
+    return 1e-4
+
+
+def tolerance_rule(dtype: str, quantized: bool = False, mixed_precision: str = "no") -> str:
+    """What :func:`logit_tolerance` allows for this compute precision, in a few words for messages."""
+    if dtype in HALF or mixed_precision in HALF:
+        how = f"train.mixed_precision={mixed_precision}" if mixed_precision in HALF else f"model.dtype={dtype}"
+        return (f"half-precision compute ({how}): max({HALF_FLOOR:g}, 1/{round(1 / HALF_RELATIVE)} of the largest "
+                "|logit|), for 16-bit roundings that differ between devices and kernels")
+    return "4-bit kernels" if quantized else "float32 compute"
 
 
 def scale_of(logits: Any) -> float:

@@ -1,12 +1,13 @@
 """``python -m finetune.reload EXPORT --inputs IN --output OUT``: an export's logits, computed in a fresh process.
 
-``finetune export`` runs this in a new Python process so that its check sees the export exactly as a user will:
-nothing of the exporting process (its model, its imports, its state) carries over. The folder is loaded the way
-``finetune eval`` loads an export (:func:`finetune.evaluation.load_model`): ``from_pretrained`` of a full model, or
-the recipe's base plus ``PeftModel.from_pretrained`` of an adapter; data only (safetensors), the folder's own code
-only with ``--trust-remote-code``. The logits on the inputs of ``IN`` (safetensors: input_ids, attention_mask) are
-computed under ``--mixed-precision`` (the recipe's ``train.mixed_precision``, which the exporting process passes in:
-the forward runs in the training precision, :func:`finetune.probe.forward_precision`) and written to ``OUT``
+The one writer (:func:`finetune.artifacts.writer.write`: ``finetune export``, ``eval`` of a checkpoint, ``merge``)
+runs this in a new Python process so that its check sees the folder exactly as a user will: nothing of the writing
+process (its model, its imports, its state) carries over. The folder is loaded the way ``finetune eval`` loads an
+export (:func:`finetune.artifacts.target.load_model`): ``from_pretrained`` of a full model, or the recipe's base
+plus ``PeftModel.from_pretrained`` of an adapter; data only (safetensors), the folder's own code only with
+``--trust-remote-code``. The logits on the inputs of ``IN`` (safetensors: input_ids, attention_mask) are computed
+under ``--mixed-precision`` (the recipe's ``train.mixed_precision``, which the writing process passes in: the
+forward runs in the training precision, :func:`finetune.probe.forward_precision`) and written to ``OUT``
 (safetensors: logits, fp32). Failures are one ``error:`` line and an exit code (run_main).
 """
 
@@ -15,6 +16,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from finetune import probe
+from finetune.artifacts.target import load_model, locate, recipe_of
+from finetune.checkpoint import forbid_unpickling
 from finetune.errors import run_main
 
 
@@ -23,10 +27,6 @@ def reload_logits(folder: Path, inputs: Path, output: Path, labels: list[str] | 
     """Load the export in ``folder`` and write its logits on ``inputs``, computed under ``mixed_precision``
     autocast, to ``output``."""
     from safetensors.torch import load_file, save_file
-
-    from finetune import probe
-    from finetune.checkpoint import forbid_unpickling
-    from finetune.evaluation import load_model, locate, recipe_of
 
     forbid_unpickling()
     where = locate(folder)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune import checkpoint, rundir
+from finetune.artifacts.choose import choose, skipped_lines
 from finetune.config import REMOTE_CODE_KEY, RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import flatten
 from finetune.errors import FinetuneError, RunDirError
@@ -39,7 +40,7 @@ class ResumePlan:
     checkpoint: checkpoint.CheckpointInfo
     changes: list[str] = field(default_factory=list)
     layout_changes: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)  # newer checkpoints that are not resumable, and why
+    skipped: list[str] = field(default_factory=list)  # one line per newer checkpoint passed over, and why
 
 
 def recipe_changes(before: dict[str, Any], after: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -83,14 +84,12 @@ def _short(fingerprint: str | list[str | None] | None) -> str:
 
 def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None, allow_change: bool,
          trust_remote_code: bool = False) -> ResumePlan:
-    """Pick and verify the checkpoint, and compose the recipe to continue with; refuse changes unless allowed."""
+    """Pick (:func:`finetune.artifacts.choose.choose`) and verify the checkpoint, and compose the recipe to continue
+    with; refuse changes unless allowed."""
     overrides = remote_code_from_flag(overrides, trust_remote_code)
-    info = checkpoint.find(run_dir, from_name)
-    complete = rundir.checkpoint_dirs(run_dir)
-    newer = complete[complete.index(info.path) + 1:] if from_name is None and info.path in complete else []
-    skipped = [f"{p.name} is not resumable ({checkpoint.inspect(p).reason}); resuming from {info.path.name}"
-               for p in newer]
-    checkpoint.verify(info.path, run_id)
+    chosen = choose(run_dir, from_name, "resume")
+    info = chosen.info
+    checkpoint.verify(info.path, run_id, info.manifest)  # the manifest chosen by, read once
     stored = info.path / rundir.RESOLVED
     here = f"output_dir={run_dir.resolve()}"
     cfg = validate(compose(stored, [*overrides, here]), allow_plugin=trust_remote_code)
@@ -104,7 +103,7 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
     if changes and not allow_change:
         raise RunDirError("\n".join([f"resume refused: the run changed since {info.path.name}:", *changes,
                                      "pass --allow-config-change to continue anyway (the changes are logged)"]))
-    return ResumePlan(cfg, info, changes, layout, skipped)
+    return ResumePlan(cfg, info, changes, layout, skipped_lines(chosen))
 
 
 def begin(run_dir: Path, overrides: list[str], from_name: str | None, allow_change: bool, trust_remote_code: bool,

@@ -60,14 +60,13 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     from finetune import peft as lora
     from finetune.backends import detect, extra_checkpoint_state, make_accelerator, model_init, size_deepspeed_buckets
     from finetune.meter import step_flops
-    from finetune.modeling import build_base, check_fits, compile_model, enable_checkpointing, freeze
+    from finetune.modeling import build_base, check_fits, compile_failures, compile_model, enable_checkpointing, freeze
     from finetune.optim import build_optimizer, build_scheduler
     from finetune.portable import PARAM_NAMES, ParamNames
     from finetune.precision import Precision, master_weights_warning
     from finetune.probe import LogitProbe
     from finetune.state import TrainState
     from finetune.tasks import build_task
-    from finetune.tasks.dpo import DPOTask, compute_reference
     from finetune.tracking import build_tracker
 
     row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried on the Trainer
@@ -147,12 +146,9 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
                                     f"{cfg.grad_accum} x {accelerator.num_processes} process(es)), backend "
                                     f"{backend.name} ({accelerator.distributed_type}), {data.train_size} "
                                     "train samples"})
-    if isinstance(task, DPOTask):  # the reference is the initial model: scored now, before a resume loads a checkpoint
-        from finetune.modeling import compile_failures
-
-        with compile_failures(cfg.train.compile):
-            compute_reference(task, model, accelerator, precision,
-                              lambda message: tracker.log("info", {"message": message}))
+    # on the initial model (dpo's reference pass): now, before a resume loads a checkpoint
+    with compile_failures(cfg.train.compile):
+        task.prepare(lambda: model, accelerator, precision, lambda message: tracker.log("info", {"message": message}))
     return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
                         run_dir, max_steps, backend, run_id=run_id, objects=objects, flops=flops, row=row)
 
@@ -246,7 +242,8 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
     Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
-    from finetune import checkpoint, loop
+    from finetune import loop
+    from finetune.artifacts import final  # imports torch
     from finetune.backends import settle
     from finetune.modeling import compile_failures
 
@@ -268,10 +265,11 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
             loop.train(trainer)
         if cfg.checkpoint.save_final:
             with compile_failures(cfg.train.compile):  # a LoRA export runs the (compiled) model on its probe
-                out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
-                                              trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
-                                              probe=probe_batch(trainer.task, trainer.tokenizer),
-                                              rebuild=clean_copy(trainer), precision=trainer.precision)
+                out = final.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
+                                         trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
+                                         probe=probe_batch(trainer.task, trainer.tokenizer),
+                                         rebuild=clean_copy(trainer), precision=trainer.precision,
+                                         labels=trainer.task.data.labels)
             trainer.tracker.log("info", {"message": f"exported {out}"})
         if cfg.data.eval:  # after the export: a final eval that fails (e.g. out of memory) loses nothing
             with compile_failures(cfg.train.compile):

@@ -124,18 +124,23 @@ def _concatenate(parts: list[Part], key: str) -> Tokenized:
                      no_answer=sum(p.tokenized.no_answer for p in parts))
 
 
-def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, images: Any = None) -> DataBundle:
+def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, images: Any = None,
+                labels: list[str] | None = None) -> DataBundle:
     """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False); ``images``:
-    the model's :class:`finetune.data.vision.ImageInputs` (vision_chat data).
+    the model's :class:`finetune.data.vision.ImageInputs` (vision_chat data). ``labels``: the classification label
+    names a checkpoint or export recorded (with ``need_train`` False the train files are then not read at all).
 
     Each source is loaded, checked (errors name its own file and line) and tokenized with its own format, under
     the same data.max_seq_len and data.overlong; a split of several sources is their concatenation."""
     train_sources = cfg.train_sources()
-    raws = [_load(source) for source in train_sources]
+    known = labels is not None and not need_train  # recorded with the model: the train files are not read
+    raws = [] if known else [_load(source) for source in train_sources]
     classification = train_sources[0].format == "classification"  # the schema keeps them apart from the others
-    labels = _labels(raws, train_sources, cfg.labels) if classification else None
+    if not known:
+        labels = _labels(raws, train_sources, cfg.labels) if classification else None
     common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
-              "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images}
+              "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images,
+              "num_proc": cfg.num_proc}
     listed = not isinstance(cfg.train, str)
     train, mixture, train_parts = None, None, []
     if need_train:
