@@ -37,7 +37,25 @@ class EvalCounts:
 
 
 class Task(Protocol):
-    """What the loop needs from a task."""
+    """Everything the loop, the worker and ``finetune eval`` ask of a task, so that none of them names a task
+    class: the data it reads, a preparation step before training or evaluation, its dataloaders, the target
+    counts and outputs the loop reduces, and what the eval metrics mean."""
+
+    data: DataBundle
+    """The tokenized splits (the worker reads probe inputs and the classification labels from them)."""
+
+    eval_means: tuple[str, ...]
+    """The names of the :attr:`EvalCounts.means` this task reports, in the order every rank reduces them."""
+
+    perplexity: bool
+    """Whether the eval loss is a per-token negative log-likelihood, so that ``exp(eval_loss)`` is a perplexity."""
+
+    def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
+                splits: tuple[str, ...] = ("train", "eval")) -> None:
+        """Work on the initial model before the first step or eval pass, on every rank (DPO scores its reference
+        log-probs here, before a resume loads a checkpoint); ``initial()`` returns that model, called only by a
+        task that needs it. ``splits``: the splits the run will read."""
+        ...
 
     def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]: ...
 
@@ -55,9 +73,6 @@ class Task(Protocol):
         """The samples an eval batch holds (a preference batch holds two sequences per sample)."""
         ...
 
-    perplexity: bool
-    """Whether the eval loss is a per-token negative log-likelihood, so that ``exp(eval_loss)`` is a perplexity."""
-
 
 class TaskData:
     """Dataloaders shared by every task: the endless resumable train stream and the exact eval shard.
@@ -70,6 +85,10 @@ class TaskData:
     def count_samples(self, batch: dict[str, Any]) -> int:
         """One sample per row of the batch."""
         return len(batch["input_ids"])
+
+    def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
+                splits: tuple[str, ...] = ("train", "eval")) -> None:
+        """Nothing to prepare: the task reads only its data (see :meth:`Task.prepare`)."""
 
     def __init__(self, cfg: RecipeConfig, data: DataBundle, pad_id: int, rank: int, world: int,
                  with_prompts: bool = False, lockstep: bool = False) -> None:

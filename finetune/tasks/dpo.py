@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from finetune.data.batching import PreferenceCollator
-from finetune.data.tokenize import IGNORE
+from finetune.data.rows import IGNORE
 from finetune.registry import OUTPUT_HEAD, recipe_row
 from finetune.tasks.base import EvalCounts, PairTask
 from finetune.tasks.causal_lm import answer_logprobs, next_token_targets
@@ -108,6 +108,11 @@ class DPOTask(PairTask):
         ratios = policy - reference
         h = ratios[:pairs] - ratios[pairs:]
         return pair_losses(h, dpo.beta, dpo.label_smoothing, dpo.loss), h, logps
+
+    def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
+                splits: tuple[str, ...] = ("train", "eval")) -> None:
+        """Score the reference log-probs of ``splits`` with the initial model (:func:`compute_reference`)."""
+        compute_reference(self, initial(), accelerator, precision, log, splits)
 
     def train_output(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The sum of the per-pair losses (the loop divides by the pairs of the window)."""
