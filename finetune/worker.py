@@ -242,7 +242,8 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
     Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
-    from finetune import checkpoint, loop
+    from finetune import loop
+    from finetune.artifacts import final  # imports torch
     from finetune.backends import settle
     from finetune.modeling import compile_failures
 
@@ -264,10 +265,11 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
             loop.train(trainer)
         if cfg.checkpoint.save_final:
             with compile_failures(cfg.train.compile):  # a LoRA export runs the (compiled) model on its probe
-                out = checkpoint.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
-                                              trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
-                                              probe=probe_batch(trainer.task, trainer.tokenizer),
-                                              rebuild=clean_copy(trainer), precision=trainer.precision)
+                out = final.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
+                                         trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
+                                         probe=probe_batch(trainer.task, trainer.tokenizer),
+                                         rebuild=clean_copy(trainer), precision=trainer.precision,
+                                         labels=trainer.task.data.labels)
             trainer.tracker.log("info", {"message": f"exported {out}"})
         if cfg.data.eval:  # after the export: a final eval that fails (e.g. out of memory) loses nothing
             with compile_failures(cfg.train.compile):
