@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from finetune import backends, launch, outputs, registry, rundir
-from finetune.data import prompts, vision
+from finetune.data import vision
 from finetune.data.formats import render_alpaca
-from finetune.data.prompts import PromptIds
+from finetune.data.prompts import PromptIds, chat_text, text_prompt, vision_prompt, vision_text
+from finetune.data.prompts import encode as encode_text  # generate.encode keeps its name for its callers
 from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
 
@@ -223,7 +224,7 @@ def prompt_text(prompt: Prompt, tokenizer: Any) -> str:
                         "the text as 'prompt' instead")
     parts = prompt.images or any(not isinstance(msg["content"], str) for msg in prompt.messages)  # vision_chat
     try:
-        return (prompts.vision_text if parts else prompts.chat_text)(prompt.messages, tokenizer)
+        return (vision_text if parts else chat_text)(prompt.messages, tokenizer)
     except Exception as exc:  # e.g. a template's raise_exception("roles must alternate ...")
         raise DataError(f"{prompt.where}: the tokenizer's chat template rejects these messages "
                         f"({error_detail(exc)})") from None
@@ -232,7 +233,7 @@ def prompt_text(prompt: Prompt, tokenizer: Any) -> str:
 def encode(text: str, tokenizer: Any) -> list[int]:
     """Token ids of a prompt as training and eval make them (:func:`finetune.data.prompts.encode`): no special
     tokens added by the tokenizer, the bos token first unless the text starts with it."""
-    return prompts.encode(text, tokenizer)
+    return encode_text(text, tokenizer)
 
 
 def prompt_ids(prompt: Prompt, tokenizer: Any, images: ImageInputs | None, max_len: int) -> PromptIds:
@@ -241,10 +242,9 @@ def prompt_ids(prompt: Prompt, tokenizer: Any, images: ImageInputs | None, max_l
     token, or whose kept end would cut an image, is one DataError line."""
     text = prompt_text(prompt, tokenizer)
     if images is None:
-        out = prompts.text_prompt(text, tokenizer, max_len)
+        out = text_prompt(text, tokenizer, max_len)
     else:
-        out = prompts.vision_prompt(text, tokenizer, images, _image_grids(prompt, text, images), prompt.where,
-                                    max_len)
+        out = vision_prompt(text, tokenizer, images, _image_grids(prompt, text, images), prompt.where, max_len)
     if not out.ids:
         raise DataError(f"{prompt.where}: the prompt is empty and the tokenizer has no bos token; give some text")
     if out.cuts_image:
