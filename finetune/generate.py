@@ -307,7 +307,7 @@ def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     check_output(output, prompts, target, options.overwrite)
     where, cfg = open_target(target, [], options.trust_remote_code)
     outputs.check_not_input(output, [("the prompts file", prompts), ("the model", target), *outputs.recipe_inputs(cfg)])
-    row = registry.recipe_row(cfg)
+    row = where.row or registry.recipe_row(cfg)  # the row the target's manifest recorded
     if "generation" not in row.capabilities:
         raise ConfigError(f"{target}: a {row.task} model ({row.name}) does not generate text; generate needs a "
                           "causal language model")
