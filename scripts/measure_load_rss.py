@@ -145,9 +145,8 @@ def measure(work: Path, model: Path, backend: str, behaviour: str, allocator: di
     rank's row."""
     import yaml
 
-    from finetune import rundir
+    from finetune import backends, rundir
     from finetune.config import load_recipe
-    from finetune.config.validate import accelerate_config_path
 
     name = f"{backend}-{'old' if behaviour == 'every rank reads' else 'new'}"
     path = work / f"{name}.yaml"
@@ -156,8 +155,7 @@ def measure(work: Path, model: Path, backend: str, behaviour: str, allocator: di
     run = work / name
     with rundir.create(run, overwrite=False):
         resolved = rundir.write_resolved(cfg, run)
-        config = accelerate_config_path(backend)
-        assert config is not None
+        config = backends.accelerate_config(backend).path
         argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
                 "2", str(Path(__file__).resolve()), "--child", str(resolved), "--child-out", str(run)]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **BEHAVIOURS[behaviour], **allocator}
