@@ -180,6 +180,12 @@ class DataConfig(Section):
         default=None, min_length=2,
         description="classification label names in id order (at least two); null = sorted names found in train",
     )
+    num_proc: int | None = Field(
+        default=None, ge=1, le=256,
+        description="processes that tokenize the data (each a contiguous shard, in batches); null: the cores this "
+        "process may use, at most 8, and one per 5,000 rows (a small file is tokenized in one process). The "
+        "tokenized data, the cache key and every bad-row error are the same whatever the number",
+    )
 
     @field_validator("train", "eval", mode="before")
     @classmethod

@@ -61,17 +61,20 @@ def render_chat(row: dict[str, Any], tokenizer: Any) -> Rendered:
     messages = row["messages"]
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     spans = []
+    before = ""
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
         before = generation_prompt(messages[:i], tokenizer) if i else ""
-        upto = tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
+        # each prefix is rendered once: the whole conversation is `text`, the last turn's `before` is the prompt
+        upto = text if i == len(messages) - 1 else tokenizer.apply_chat_template(messages[: i + 1], tokenize=False)
         if not text.startswith(upto) or not upto.startswith(before):
             raise DataError("data.format: the chat template does not render conversations prefix-wise; "
                             "cannot locate assistant turns")
         # the turn ends at its end marker: whitespace the template adds after it (e.g. "</s>\n") is not learned
         spans.append((len(before), max(len(before), len(upto.rstrip()))))
-    prompt = generation_prompt(messages[:-1], tokenizer)
+    last_turn = len(messages) > 1 and messages[-1]["role"] == "assistant"
+    prompt = before if last_turn else generation_prompt(messages[:-1], tokenizer)
     return Rendered(text, tuple(spans), prompt, messages[-1]["content"], add_eos=False)
 
 

@@ -23,14 +23,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.data import vision
+from finetune.data import sources, vision
 from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
 CHUNK = 1 << 24  # bytes read at a time when scanning a whole file
 
@@ -161,11 +161,27 @@ def _check_blank_lines(path: str) -> None:
     """A blank line would shift every later row's line number: a fast byte scan, then the exact line if any.
 
     Three patterns anchored on newlines (a blank first line, one between two newlines, a blank last line) scan
-    about ten times faster than one pattern that tries every byte as a line start.
+    about ten times faster than one pattern that tries every byte as a line start. The file is read ``CHUNK``
+    bytes at a time (memory does not grow with the file), each chunk scanned from the last newline of the one
+    before, so a blank line across two chunks is seen.
     """
-    data = Path(path).read_bytes()
-    if (re.match(rb"(?:\xef\xbb\xbf)?[ \t\r]*(?:\n|\Z)", data) or re.search(rb"\n[ \t\r]*\n", data)
-            or re.search(rb"\n[ \t\r]+\Z", data)):
+    with open(path, "rb") as handle:
+        first = handle.readline(CHUNK)  # the first line, read on while it is only whitespace so far
+        while not first.endswith(b"\n") and re.fullmatch(rb"(?:\xef(?:\xbb\xbf?)?)?[ \t\r]*", first):
+            more = handle.readline(CHUNK)
+            if not more:
+                break
+            first += more
+        blank = bool(re.match(rb"(?:\xef\xbb\xbf)?[ \t\r]*(?:\n|\Z)", first))
+        handle.seek(0)
+        data = handle.read(CHUNK)
+        carry = b""
+        while data and not blank:
+            text = carry + data
+            blank = bool(re.search(rb"\n[ \t\r]*\n", text))
+            carry = text[text.rfind(b"\n"):] if b"\n" in text else b""
+            data = handle.read(CHUNK)
+    if blank or re.search(rb"\n[ \t\r]+\Z", carry):
         _scan_jsonl(path, kinds=False)  # raises with the line number
 
 
@@ -358,9 +374,13 @@ def load_raw(source: str, subset: str | None = None, split: str = "train") -> Da
             _check_blank_lines(source)  # rows must map to lines one to one for file:line errors
         elif suffix == ".json":
             _check_json_top(source)
+        read = sources.stamp(source)  # the cache keys a file by its mtime alone: sources reads a changed one again
         try:
             with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."):
-                return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train")
+                raw = datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train",
+                                            download_mode=sources.download_mode(source, read))
+            sources.remember(source, read)
+            return raw
         except Exception as exc:  # datasets wraps parse errors in several exception types
             _check_cache_error(exc, source)
             # find the offending line (only on failure: a full parse costs seconds per 1M rows)

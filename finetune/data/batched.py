@@ -1,0 +1,332 @@
+"""Tokenize rows a batch at a time, in one or several processes: the functions ``tokenize_rows``' cached ``map``
+runs, and how many processes run them.
+
+Each row gets the work it always got, in file order: it is checked, rendered and its answer spans found, so
+every check, mask and ``file:line`` error is the one the row would get alone. What is batched is the tokenizer:
+one call per batch of texts to the Rust backend of a fast tokenizer (:func:`encode_texts`), which spreads the
+batch over the cores and skips transformers' per-call setup (a call per row cost more than the tokenizing). The
+labels of a sample come from its tokens' character offsets in one vectorized pass (:func:`answer_labels`).
+
+``data.num_proc`` worker processes (``datasets``' forked pool, each tokenizing a contiguous shard into its own
+cache file) add the Python side (checks, chat templates) to the parallel part; :func:`processes` picks how many.
+A bad row stops the pass with the same error whatever that number is: ``datasets`` waits for every shard and then
+raises the first failed shard's error, and a shard stops at its first bad row, so the error is the first bad row
+of the file (tests/unit/test_batched_tokenize.py holds it to that).
+
+:class:`Progress` reports a pass that really runs (a cache hit runs no row function) as plain lines; with several
+processes its counters live in shared memory that forked workers inherit, so the lines stay one pass's lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Any, TextIO, TypeVar
+
+import numpy as np
+
+from finetune import hooks
+from finetune.data import prompts, vision
+from finetune.data.formats import Rendered, render, render_preference
+from finetune.data.loading import check_row
+from finetune.data.rows import IGNORE, error_detail, line_of
+from finetune.errors import DataError
+
+if TYPE_CHECKING:
+    from finetune.data.vision import ImageInputs
+
+_R = TypeVar("_R")
+BATCH_ROWS = 1000  # rows per call of a batch function (datasets' default)
+MIN_ROWS_PER_PROCESS = 5000  # data.num_proc null: a worker costs a fork and a pickled tokenizer, worth it above this
+MAX_DEFAULT_PROCESSES = 8  # data.num_proc null: at most this many (tokenizing stops scaling well, memory does not)
+
+
+def processes(num_proc: int | None, rows: int) -> int:
+    """How many processes tokenize ``rows`` rows: ``data.num_proc`` as set (at most one per row); null: the cores
+    this process may use, at most :data:`MAX_DEFAULT_PROCESSES`, and one per :data:`MIN_ROWS_PER_PROCESS` rows (a
+    small file is tokenized in the process itself)."""
+    if num_proc is not None:
+        return max(1, min(num_proc, rows))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, MAX_DEFAULT_PROCESSES, rows // MIN_ROWS_PER_PROCESS))
+
+
+# ------------------------------------------------------------------------------------------------------ progress
+
+
+class Progress:
+    """Progress of one tokenization pass, as plain lines on stderr (``datasets``' bars are off).
+
+    ``map`` calls the row functions only when its cache misses, so the first row tick is the moment real work
+    starts: one line then says what is being tokenized, a line every ``every_s`` seconds gives the count and
+    rate, and, if the pass was long enough to report progress, a last line gives its total time. A cache hit
+    prints nothing. The row functions reach the active pass through the module-level :data:`ACTIVE`, because
+    ``datasets`` hashes them (for the cache key) by name, so they cannot carry this object as an argument.
+    ``shared``: the counters live in shared memory, so forked worker processes count into one pass.
+    """
+
+    def __init__(self, source: str, total: int, *, every_s: float = 30.0, stream: TextIO | None = None,
+                 clock: Callable[[], float] = time.monotonic, shared: bool = False) -> None:
+        self.source, self.total, self.every_s = source, total, every_s
+        self._stream, self._clock = stream, clock
+        # done, started, next report, reported (0/1): one array so that a fork shares all four
+        self._state: Any = multiprocessing.RawArray("d", 4) if shared else [0.0] * 4
+        self._lock: Any = multiprocessing.Lock() if shared else contextlib.nullcontext()
+
+    @property
+    def done(self) -> int:
+        """Rows tokenized so far (by every process of the pass)."""
+        return int(self._state[0])
+
+    def tick(self) -> None:
+        """One row tokenized."""
+        now = self._clock()
+        with self._lock:
+            state = self._state
+            first = state[0] == 0
+            if first:
+                state[1], state[2] = now, now + self.every_s
+            state[0] += 1
+            report = now >= state[2]
+            if report:
+                state[2], state[3] = now + self.every_s, 1.0
+            done, started = int(state[0]), state[1]
+        if first:
+            self._say(f"tokenizing {self.source}: {self.total} rows (cached for later runs)")
+            hooks.fire("tokenizing", source=self.source)  # a test seam: a real pass starts (never on a cache hit)
+        if report:
+            rate = done / max(now - started, 1e-9)
+            self._say(f"tokenizing {self.source}: {done}/{self.total} rows ({100 * done / self.total:.0f}%), "
+                      f"{rate:.0f} rows/s")
+
+    def finish(self) -> None:
+        """Say how long a pass that reported progress took."""
+        if self._state[3]:
+            self._say(f"tokenized {self.source}: {self.done} rows in {self._clock() - self._state[1]:.0f}s")
+
+    def _say(self, text: str) -> None:
+        print(text, file=self._stream or sys.stderr, flush=True)
+
+
+ACTIVE: list[Progress] = []  # the pass in progress (at most one), see Progress
+
+
+def _tick() -> None:
+    if ACTIVE:
+        ACTIVE[-1].tick()
+
+
+# ------------------------------------------------------------------------------------------------- tokenizing
+
+
+def _backend(tokenizer: Any) -> Any:
+    """The Rust tokenizer behind a fast ``tokenizer`` when calling it directly gives exactly what
+    ``tokenizer(texts, add_special_tokens=False)`` gives: set to neither truncate nor pad (transformers would turn
+    both off for such a call) and to split special tokens as transformers would; else None."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        return None
+    if backend.encode_special_tokens != bool(getattr(tokenizer, "split_special_tokens", False)):
+        return None
+    return backend
+
+
+def encode_texts(texts: Sequence[str], tokenizer: Any) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """Token ids and character offsets of each text, as ``tokenizer(text, add_special_tokens=False,
+    return_offsets_mapping=True)`` gives them, in one call for the whole batch."""
+    if not texts:
+        return []
+    backend = _backend(tokenizer)
+    if backend is not None:
+        return [(enc.ids, enc.offsets) for enc in backend.encode_batch(list(texts), add_special_tokens=False)]
+    enc = tokenizer(list(texts), add_special_tokens=False, return_offsets_mapping=True)
+    return list(zip(enc["input_ids"], enc["offset_mapping"], strict=True))
+
+
+def token_ids(texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
+    """Token ids of each text, as ``tokenizer(text, add_special_tokens=False)["input_ids"]``, in one call."""
+    if not texts:
+        return []
+    backend = _backend(tokenizer)
+    if backend is not None:
+        return [enc.ids for enc in backend.encode_batch_fast(list(texts), add_special_tokens=False)]
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
+
+
+def answer_labels(ids: list[int], offsets: Sequence[tuple[int, int]], spans: Iterable[tuple[int, int]]
+                  ) -> list[int]:
+    """The label of each token: its id where the token's characters overlap an answer span, else IGNORE."""
+    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    inside = np.zeros(len(ids), dtype=bool)
+    for start, end in spans:
+        inside |= (bounds[:, 0] < end) & (bounds[:, 1] > start)
+    return np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
+
+
+def samples(rendered: Sequence[Rendered], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """Token ids and labels of each rendered sample: labels by :func:`answer_labels`; the bos token first by the
+    prompts' rule (:func:`finetune.data.prompts.starts_with_bos`), eos last (and learned) where the format adds
+    it."""
+    out = []
+    for sample, (ids, offsets) in zip(rendered, encode_texts([r.text for r in rendered], tokenizer), strict=True):
+        labels = answer_labels(ids, offsets, sample.spans)
+        ids = list(ids)
+        if not prompts.starts_with_bos(sample.text, tokenizer):
+            ids, labels = [tokenizer.bos_token_id, *ids], [IGNORE, *labels]
+        if sample.add_eos and tokenizer.eos_token_id is not None:
+            ids, labels = [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+        out.append((ids, labels))
+    return out
+
+
+def prompt_ids(texts: Sequence[str], tokenizer: Any, max_len: int) -> list[list[int]]:
+    """The text kind's generation prompt of each text (:func:`finetune.data.prompts.text_prompt`), in one call."""
+    out = []
+    for text, ids in zip(texts, token_ids(texts, tokenizer), strict=True):
+        ids = ids if prompts.starts_with_bos(text, tokenizer) else [tokenizer.bos_token_id, *ids]
+        out.append(prompts.keep_end(ids, max_len).ids)
+    return out
+
+
+def rendered(render_row: Callable[[], _R], where: str, what: str) -> _R:
+    """``render_row()``; anything but a DataError it raises (e.g. a chat template's ``raise_exception("roles must
+    alternate ...")``) becomes one DataError line, ``where: what (detail)``."""
+    try:
+        return render_row()
+    except DataError:
+        raise
+    except Exception as exc:
+        raise DataError(f"{where}: {what} ({error_detail(exc)})") from None
+
+
+# ----------------------------------------------------------------------------------------------- batch functions
+
+
+def _rows(batch: Any, indices: list[int]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, row) of each row of a batch, in order (each one a progress tick)."""
+    columns = {name: batch[name] for name in batch}
+    for index, values in zip(indices, zip(*columns.values(), strict=True), strict=True):
+        _tick()
+        yield index, dict(zip(columns, values, strict=True))
+
+
+def _count(labels: list[int]) -> int:
+    return sum(label != IGNORE for label in labels)
+
+
+def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
+                 source: str, code_version: str = "") -> dict[str, list]:
+    """Alpaca, completion and chat rows: checked, rendered (``train_on_prompt``: the whole text is the answer),
+    tokenized, cut to ``max_len`` (training keeps the start; a generation prompt keeps its end, the cue).
+    ``code_version`` is unused here: it is part of the map cache key (see :mod:`finetune.data.tokenize`)."""
+    what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
+    outs: list[Rendered] = []
+    for index, row in _rows(batch, indices):
+        check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
+        outs.append(rendered(partial(render, row, fmt, tokenizer, train_on_prompt), line_of(source, index), what))
+    columns: dict[str, list] = {name: [] for name in ("input_ids", "labels", "prompt_ids", "reference", "overlong",
+                                                      "n_labels")}
+    cues = prompt_ids([out.prompt for out in outs], tokenizer, max_len)  # out.prompt of chat: prompts.chat_text
+    for out, (ids, labels), cue in zip(outs, samples(outs, tokenizer), cues, strict=True):
+        columns["input_ids"].append(ids[:max_len])
+        columns["labels"].append(labels[:max_len])
+        columns["prompt_ids"].append(cue)
+        columns["reference"].append(out.reference)
+        columns["overlong"].append(len(ids) > max_len)
+        columns["n_labels"].append(_count(labels[:max_len]))
+    return columns
+
+
+def preference_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int, source: str,
+                     code_version: str = "") -> dict[str, list]:
+    """Preference pairs as the columns of the data contract: ``chosen_input_ids``, ``chosen_labels``,
+    ``rejected_input_ids``, ``rejected_labels`` (labels: the ids of answer tokens, IGNORE on the prompt). Each
+    sequence keeps its start when cut to ``max_len``, so the prompt stays whole where it fits; ``n_labels`` is the
+    smaller answer count of the two, so a pair with no answer token left on either side is skipped, and so is a
+    pair whose two sides are the same tokens once cut (its loss is ln 2 whatever the model: nothing to learn)."""
+    pairs: list[Rendered] = []
+    for index, row in _rows(batch, indices):
+        check_row(row, index, "preference", source)
+        pairs.extend(rendered(partial(render_preference, row, tokenizer), line_of(source, index),
+                              "the tokenizer's chat template rejects this pair"))
+    columns: dict[str, list] = {name: [] for name in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
+                                                      "rejected_labels", "overlong", "n_labels")}
+    encoded = samples(pairs, tokenizer)
+    for (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) in zip(encoded[::2], encoded[1::2],
+                                                                            strict=True):
+        columns["overlong"].append(len(chosen_ids) > max_len or len(rejected_ids) > max_len)
+        cut = [chosen_ids[:max_len], chosen_labels[:max_len], rejected_ids[:max_len], rejected_labels[:max_len]]
+        for name, value in zip(("chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected_labels"), cut,
+                               strict=True):
+            columns[name].append(value)
+        same = cut[0] == cut[2] and cut[1] == cut[3]
+        # answer tokens are next-token targets: a label at the first position is never one
+        columns["n_labels"].append(0 if same else min(_count(cut[1][1:]), _count(cut[3][1:])))
+    return columns
+
+
+def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: ImageInputs, max_len: int,
+                train_on_prompt: bool, source: str) -> dict[str, Any]:
+    """A vision_chat row: rendered as a chat row, each image placeholder repeated once per image feature, image
+    tokens never trained on, cut (when over-long) only between images; ``images`` (absolute paths) and
+    ``image_grids`` record every image of the prompt, ``n_images`` how many the (cut) inputs hold."""
+    check_row(row, index, "vision_chat", source)
+    where = line_of(source, index)
+    messages = row["messages"]
+    paths = [vision.resolve(ref, source) for ref in vision.image_refs(row)]
+    grids = images.grids([vision.open_image(path, where) for path in paths], where, paths)
+    counts = [images.tokens(grid) for grid in grids]
+    conversation = vision.for_template(messages)
+    out = rendered(partial(render, {"messages": conversation}, "chat", tokenizer, train_on_prompt), where,
+                   "the tokenizer's chat template rejects this conversation")
+    vision.check_placeholders(out.text, images.image_token, len(paths), where)
+    out = vision.expand(Rendered(out.text, out.spans, out.prompt, vision.text_of(messages[-1]["content"]),
+                                 out.add_eos), images.image_token, counts)
+    [(ids, labels)] = samples([out], tokenizer)
+    labels = [IGNORE if tid == images.image_token_id else label for tid, label in zip(ids, labels, strict=True)]
+    cut, kept = vision.fit(ids, images.image_token_id, counts, max_len)
+    # as generate renders it; a prompt whose kept end would leave out an image stays whole (cuts_image)
+    prompt = prompts.vision_prompt(prompts.vision_text(messages[:-1], tokenizer), tokenizer, images, grids, where,
+                                   max_len)
+    return {"input_ids": ids[:cut], "labels": labels[:cut], "prompt_ids": prompt.ids, "reference": out.reference,
+            "images": [str(path) for path in paths], "image_grids": grids, "n_images": kept,
+            "overlong": len(ids) > max_len, "n_labels": _count(labels[:cut])}
+
+
+def _classification_row(row: dict[str, Any], index: int, *, tokenizer: Any, max_len: int,
+                        label_ids: dict[str, int], source: str) -> dict[str, Any]:
+    check_row(row, index, "classification", source)
+    full = tokenizer(row["text"], truncation=False)["input_ids"]
+    overlong = len(full) > max_len
+    ids = tokenizer(row["text"], truncation=True, max_length=max_len)["input_ids"] if overlong else full
+    return {"input_ids": ids, "label": label_ids[str(row["label"])], "overlong": overlong, "n_labels": 1}
+
+
+def _each_row(row_fn: Callable[..., dict[str, Any]], batch: Any, indices: list[int], **kwargs: Any
+              ) -> dict[str, list]:
+    """A batch of rows that each need their own work (images, or a tokenizer call with truncation), as columns."""
+    columns: dict[str, list] = {}
+    for index, row in _rows(batch, indices):
+        for name, value in row_fn(row, index, **kwargs).items():
+            columns.setdefault(name, []).append(value)
+    return columns
+
+
+def vision_batch(batch: Any, indices: list[int], *, tokenizer: Any, images: ImageInputs, max_len: int,
+                 train_on_prompt: bool, source: str, code_version: str = "") -> dict[str, list]:
+    """vision_chat rows, one by one (:func:`_vision_row`: the images make each row its own work)."""
+    return _each_row(_vision_row, batch, indices, tokenizer=tokenizer, images=images, max_len=max_len,
+                     train_on_prompt=train_on_prompt, source=source)
+
+
+def classification_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int,
+                         label_ids: dict[str, int], source: str, code_version: str = "") -> dict[str, list]:
+    """Classification rows: the text with the tokenizer's special tokens, cut to ``max_len`` by the tokenizer's
+    own truncation; ``label`` the class id."""
+    return _each_row(_classification_row, batch, indices, tokenizer=tokenizer, max_len=max_len,
+                     label_ids=label_ids, source=source)

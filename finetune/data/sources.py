@@ -1,0 +1,55 @@
+"""Whether the ``datasets`` cache of a local data file may be older than the file.
+
+``datasets`` keys the cache of a local file's rows by the file's modification time only, and the tokenized split's
+cache follows from the rows' cache file. A file rewritten with its old modification time kept (``cp -p``,
+``rsync -t``, ``tar x``, a fixed clock, two writes within the clock's step) was served from the cache with its old
+rows. The inode's change time (ctime) moves on every write, and no tool can set it back (setting the modification
+time moves it too), so a record of size, mtime and ctime per file, beside the ``datasets`` cache, tells a file
+that may have changed: its rows are read again (:func:`download_mode`), and the new rows' cache file gives the
+tokenized split a new cache key. An unchanged file costs one ``stat``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+RECORDS = "finetune-sources"  # folder under the datasets cache
+
+
+def stamp(source: str) -> list[int]:
+    """The file's size, mtime and ctime (taken before it is read, so a write during the read is seen next time)."""
+    info = os.stat(source)
+    return [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
+
+
+def _record(source: str) -> Path:
+    from datasets import config  # imports datasets (pyarrow, pandas): only once data is really read
+
+    key = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:24]
+    return Path(config.HF_DATASETS_CACHE) / RECORDS / f"{key}.json"
+
+
+def download_mode(source: str, now: list[int]) -> str | None:
+    """``force_redownload`` when the file (:func:`stamp` ``now``) may differ from what the cache holds: no record
+    of it, or its size, mtime or ctime moved since it was last read; else None (the cache is the file)."""
+    try:
+        recorded = json.loads(_record(source).read_text())
+    except (OSError, ValueError):
+        return "force_redownload"
+    return None if recorded == now else "force_redownload"
+
+
+def remember(source: str, read: list[int]) -> None:
+    """Record that the cache holds the file as it was at :func:`stamp` ``read`` (after a successful load); a cache
+    folder that cannot be written to records nothing (the next load reads the file again)."""
+    path = _record(source)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(read))
+        temporary.replace(path)
+    except OSError:
+        return
