@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from transformers import AutoTokenizer
 
 from finetune import registry
 from finetune.config.schema import ModelConfig
@@ -24,13 +23,7 @@ from finetune.errors import DataError
 from finetune.generate import prompt_ids, read_prompts
 from finetune.modeling import build_tokenizer, image_inputs
 
-TOKENIZER = Path(__file__).parents[2] / "finetune" / "assets" / "tiny-llama-tokenizer"
 LONG = " ".join(f"word{i}" for i in range(60))  # far over the limits below in tokens
-
-
-@pytest.fixture(scope="module")
-def llama() -> Any:
-    return AutoTokenizer.from_pretrained(str(TOKENIZER))
 
 
 @pytest.fixture(scope="module")
@@ -59,31 +52,31 @@ def generated(path: Path, fmt: str, tokenizer: Any, max_len: int, images: Any = 
 
 
 @pytest.mark.parametrize("max_len", [512, 64])
-def test_alpaca_prompts_are_the_training_prompts(llama: Any, tmp_path: Path, max_len: int) -> None:
+def test_alpaca_prompts_are_the_training_prompts(tok: Any, tmp_path: Path, max_len: int) -> None:
     rows = [{"instruction": "Reverse the letters.", "input": "a b c", "output": "c b a"},
             {"instruction": "Say hi.", "output": "hi"},
             {"instruction": LONG, "input": "x", "output": "y"}]
     data = write(tmp_path / "data.jsonl", rows)
     asked = write(tmp_path / "prompts.jsonl", [{k: v for k, v in row.items() if k != "output"} for row in rows])
-    ours, theirs = generated(asked, "alpaca", llama, max_len), trained(data, "alpaca", llama, max_len)
+    ours, theirs = generated(asked, "alpaca", tok, max_len), trained(data, "alpaca", tok, max_len)
     assert ours == theirs
-    assert ours[0][0] == llama.bos_token_id and ours[0].count(llama.bos_token_id) == 1
+    assert ours[0][0] == tok.bos_token_id and ours[0].count(tok.bos_token_id) == 1
     if max_len == 64:  # over the limit: both keep the end (the cue to answer), and drop the bos with the start
-        assert len(ours[2]) == 64 and ours[2][0] != llama.bos_token_id
-        assert ours[2][-3:] == prompts.encode("### Response:\n", llama)[-3:]
+        assert len(ours[2]) == 64 and ours[2][0] != tok.bos_token_id
+        assert ours[2][-3:] == prompts.encode("### Response:\n", tok)[-3:]
 
 
 @pytest.mark.parametrize("max_len", [512, 20])
-def test_chat_prompts_are_the_training_prompts(llama: Any, tmp_path: Path, max_len: int) -> None:
+def test_chat_prompts_are_the_training_prompts(tok: Any, tmp_path: Path, max_len: int) -> None:
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
                           {"role": "assistant", "content": "4"}, {"role": "user", "content": LONG},
                           {"role": "assistant", "content": "ok"}]}]
     data = write(tmp_path / "data.jsonl", rows)
     asked = write(tmp_path / "prompts.jsonl", [{"messages": row["messages"][:-1]} for row in rows])
-    ours, theirs = generated(asked, "chat", llama, max_len), trained(data, "chat", llama, max_len)
+    ours, theirs = generated(asked, "chat", tok, max_len), trained(data, "chat", tok, max_len)
     assert ours == theirs
-    assert ours[0][:1] == [llama.bos_token_id]
+    assert ours[0][:1] == [tok.bos_token_id]
     assert (len(ours[1]) == max_len) == (max_len == 20)
 
 
@@ -127,6 +120,6 @@ def test_vision_prompts_are_the_training_prompts(qwen_vl: tuple[Any, Any], tmp_p
         prompt_ids(prompt, tokenizer, images, 40)
 
 
-def test_a_text_that_starts_with_the_bos_token_gets_no_second_one(llama: Any) -> None:
-    assert prompts.encode("<s>hi", llama) == prompts.encode("hi", llama)
-    assert prompts.encode("hi", llama)[0] == llama.bos_token_id
+def test_a_text_that_starts_with_the_bos_token_gets_no_second_one(tok: Any) -> None:
+    assert prompts.encode("<s>hi", tok) == prompts.encode("hi", tok)
+    assert prompts.encode("hi", tok)[0] == tok.bos_token_id
