@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
 TABLE_READERS = {"registry.py", "record.py"}
 
 
+@functools.cache
 def _modules() -> list[tuple[str, ast.Module]]:
     """(file name, syntax tree) of every module of the package; by file name, not folder, so that moving modules
     into role folders keeps these checks as they are."""
