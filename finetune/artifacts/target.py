@@ -91,12 +91,12 @@ def described(where: Target, cfg: RecipeConfig) -> Target:
 def recipe_of(recipe: Path, overrides: list[str], trust_remote_code: bool) -> RecipeConfig:
     """A run's (verified) recipe file, validated for THIS machine: ``trust_remote_code`` from the command line only
     (it also decides whether the recipe's ``model.plugin`` may be imported), plus :func:`portable_overrides` (each
-    change it makes is noted on stderr)."""
+    change it makes is noted on stderr). Its training files need not exist: nothing that opens a run reads them."""
     composed = compose(recipe, remote_code_from_flag(overrides, trust_remote_code))
     machine, notes = portable_overrides(composed.data)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    return validate(apply_overrides(composed, machine), allow_plugin=trust_remote_code)
+    return validate(apply_overrides(composed, machine), allow_plugin=trust_remote_code, train_files=False)
 
 
 def portable_overrides(recipe: dict[str, Any]) -> tuple[list[str], list[str]]:

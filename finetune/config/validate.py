@@ -160,8 +160,9 @@ def _sections(data: dict[str, Any]) -> _Sections:
                      task if task in ("sft", "dpo", "reward") else None)
 
 
-def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
-    """Checks across sections and against the SupportedModel table and the file system."""
+def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> list[str]:
+    """Checks across sections and against the SupportedModel table and the file system (``train_files``: whether
+    data.train's local files must exist, see :func:`validate`)."""
     lines: list[str] = []
     row = None
     if cfg.model is not None:
@@ -227,7 +228,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections) -> list[str]:
                      "or remove data.pack_to_multiple_of")
     if cfg.data is not None:
         lines += _preference_lines(cfg.task, cfg.data)
-        lines += _source_lines(cfg.data, row)
+        lines += _source_lines(cfg.data, row, train_files)
         if cfg.eval is not None and (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) \
                 and not cfg.data.eval:
             lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
@@ -296,7 +297,7 @@ def _factory_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) 
     return lines
 
 
-def _source_lines(data: DataConfig, row: registry.SupportedModel | None) -> list[str]:
+def _source_lines(data: DataConfig, row: registry.SupportedModel | None, train_files: bool = True) -> list[str]:
     """Problems of data.train / data.eval found before anything launches: a missing local file; a subset or split
     given for a local file (only hub datasets have them); a source's own format that does not fit the model's task.
     A path names a source as written (``data.train``) or as a list item (``data.train[1].path``)."""
@@ -307,7 +308,7 @@ def _source_lines(data: DataConfig, row: registry.SupportedModel | None) -> list
             where = key if isinstance(value, str) else f"{key}[{i}]"
             path_key = key if isinstance(value, str) else f"{where}.path"
             local = source.path.endswith(DATA_SUFFIXES)
-            if local and not Path(source.path).is_file():
+            if local and not Path(source.path).is_file() and (train_files or key != "data.train"):
                 lines.append(f"{path_key}: file not found: {source.path}")
             if local or Path(source.path).exists():
                 if source.subset is not None:
@@ -402,14 +403,15 @@ def plugin_refusal(composed: Composed) -> str | None:
             "--trust-remote-code to import it")
 
 
-def validate(composed: Composed, allow_plugin: bool = True) -> RecipeConfig:
+def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool = True) -> RecipeConfig:
     """Turn a composed recipe into a RecipeConfig, or raise one ConfigError listing every problem.
 
     ``allow_plugin``: whether the recipe's ``model.plugin`` module may be imported (which runs its code). True for
     a recipe named on this command line (``finetune run``, ``plan``, ``config``); for a recipe read from a run or
     an export (eval, export, merge, generate, resume, and the processes they start) it is the command line's
     ``--trust-remote-code``, and without it a recipe naming a plugin is refused in one line
-    (:func:`plugin_refusal`) before anything is imported."""
+    (:func:`plugin_refusal`) before anything is imported. ``train_files=False``: data.train's files need not exist
+    (a recipe read to open what a run left behind: eval, export, merge, generate read no training data)."""
     refusal = None if allow_plugin else plugin_refusal(composed)
     if refusal:
         raise ConfigError(refusal)
@@ -418,7 +420,7 @@ def validate(composed: Composed, allow_plugin: bool = True) -> RecipeConfig:
     except ValidationError as exc:  # report the other problems of the valid sections in the same error
         lines = _pydantic_lines(exc, composed) + _semantic_lines(_sections(composed.data))
         raise ConfigError("\n".join(dict.fromkeys(lines))) from None
-    lines = _semantic_lines(cfg)
+    lines = _semantic_lines(cfg, train_files)
     if lines:
         raise ConfigError("\n".join(lines))
     out = Path(cfg.output_dir or Path("runs") / cfg.name)

