@@ -18,12 +18,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from finetune.launch import free_port
 from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def workdir(tmp_path_factory) -> Path:
         eval={"metrics": ["exact_match", "token_accuracy"], "batch_size": 8, "max_new_tokens": 6},
         checkpoint={"every_steps": 4, "keep_last": 3},
     )
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(root / "recipe.yaml", recipe)
     return root
 
 

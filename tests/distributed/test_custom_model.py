@@ -12,24 +12,24 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.distributed.test_backends import _finetune, run_ok
 from tests.integration.conftest import final_weights, max_rel_diff
 from tests.integration.test_custom_model import custom_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.distributed
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def custom_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``recipe.yaml``: 8 steps of global batch 8 (micro 4), no dropout, an eval at step 4 and at step 8."""
     root = tmp_path_factory.mktemp("dist-custom")
     recipe = custom_recipe(model={"config_overrides": {}}, train={"max_steps": 8},
                            eval={"every_steps": 4, "batch_size": 8}, checkpoint={"every_steps": None})
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(root / "recipe.yaml", recipe)
     return root
 
 
@@ -37,9 +37,9 @@ def _losses(run: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run) if r["kind"] == "train"]
 
 
-def test_fsdp2_on_two_processes_matches_one_process(workdir: Path) -> None:
-    reference = run_ok(workdir, "single")
-    run = run_ok(workdir, "fsdp2", "--accelerate-config", "fsdp2", "--num-processes", "2")
+def test_fsdp2_on_two_processes_matches_one_process(custom_dir: Path) -> None:
+    reference = run_ok(custom_dir, "single")
+    run = run_ok(custom_dir, "fsdp2", "--accelerate-config", "fsdp2", "--num-processes", "2")
     total = sum(t.numel() for t in final_weights(reference).values())
     for rank in (0, 1):
         facts = json.loads(side_file(run, f"rank-{rank}.json").read_text())

@@ -11,11 +11,11 @@ import re
 from pathlib import Path
 
 import pytest
-import yaml
 
 from finetune.tracking import read_metrics
 from tests.distributed.test_backends import _assert_really_distributed, run_ok
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.distributed
 EVAL_PAIRS = 37  # not divisible by 2 ranks x eval batch 8
@@ -33,7 +33,7 @@ def dpo_workdir(tmp_path_factory) -> Path:
         eval={"metrics": ["preference_accuracy"], "batch_size": 8, "every_steps": 4},
     )
     recipe["task"] = "dpo"
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(root / "recipe.yaml", recipe)
     return root
 
 

@@ -19,11 +19,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import final_weights, tiny_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
@@ -38,13 +38,13 @@ def _finetune(*args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def precision_dir(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp_precision")
     recipe = tiny_recipe(  # micro 2 x accum 2 x 2 processes (1 process: accum 4): the same global batch of 8
         data={"max_seq_len": 48, "eval": None},
         train={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": STEPS, "mixed_precision": "bf16"},
     )
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(root / "recipe.yaml", recipe)
     return root
 
 
@@ -60,14 +60,14 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def single(workdir: Path) -> Path:
+def single(precision_dir: Path) -> Path:
     """The 1-process bf16 run: autocast over fp32 weights."""
-    return _run(workdir, "single")
+    return _run(precision_dir, "single")
 
 
 @pytest.mark.parametrize("backend", ["fsdp2", "fsdp1"])
-def test_bf16_is_fsdp_mixed_precision(workdir: Path, single: Path, backend: str) -> None:
-    run = _run(workdir, backend, "--accelerate-config", backend, "--num-processes", "2")
+def test_bf16_is_fsdp_mixed_precision(precision_dir: Path, single: Path, backend: str) -> None:
+    run = _run(precision_dir, backend, "--accelerate-config", backend, "--num-processes", "2")
     for rank in (0, 1):
         facts = json.loads(side_file(run, f"rank-{rank}.json").read_text())
         assert facts["num_processes"] == 2 and facts["distributed_type"] == "DistributedType.FSDP", facts

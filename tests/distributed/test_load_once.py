@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = [pytest.mark.distributed, pytest.mark.extended]  # make test-all, not make test (CI time)
 REPO = Path(__file__).resolve().parents[2]
@@ -40,7 +40,7 @@ DISTRIBUTED_TYPE = {"ddp": "DistributedType.MULTI_CPU", "fsdp2": "DistributedTyp
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
+def load_once_dir(tmp_path_factory) -> Path:
     """The saved model (``pretrained/``), the recipe that trains from it, and the start-up file of every run."""
     import transformers
 
@@ -59,7 +59,7 @@ def workdir(tmp_path_factory) -> Path:
     recipe = tiny_recipe(model={"type": "llama", "path": str(root / "pretrained")},
                          data={"eval": str(root / "eval.jsonl")}, train={"max_steps": 4},
                          eval={"metrics": ["token_accuracy"], "batch_size": 8})
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(root / "recipe.yaml", recipe)
     return root
 
 
@@ -95,13 +95,13 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
-def test_rank_0_alone_reads_the_weights(workdir: Path, backend: str) -> None:
+def test_rank_0_alone_reads_the_weights(load_once_dir: Path, backend: str) -> None:
     """Rank 0 takes every tensor out of the folder's safetensors; rank 1 takes none. Under ddp and fsdp2 rank 1
     never even opens the file; under zero3 it reads the header (shapes), as transformers' ZeRO-3 load does."""
     from safetensors import safe_open
 
-    run = trained(workdir, backend)
-    with safe_open(str(workdir / "pretrained" / "model.safetensors"), framework="pt") as f:
+    run = trained(load_once_dir, backend)
+    with safe_open(str(load_once_dir / "pretrained" / "model.safetensors"), framework="pt") as f:
         stored = set(f.keys())
     records = _records(run)
     data = {rank: {r["key"] for r in records if r["rank"] == rank and r["kind"] == "data"} for rank in ("0", "1")}
@@ -119,14 +119,14 @@ def test_rank_0_alone_reads_the_weights(workdir: Path, backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
-def test_training_matches_one_process_from_the_same_folder(workdir: Path, backend: str) -> None:
+def test_training_matches_one_process_from_the_same_folder(load_once_dir: Path, backend: str) -> None:
     """2 really distributed processes (sharded where the backend shards) give the 1-process per-step losses and
     export within 1e-4 (ddp: with LoRA, against the 1-process LoRA run; its adapter)."""
     from safetensors.torch import load_file
 
-    run, reference = trained(workdir, backend), trained(workdir, REFERENCE[backend])
+    run, reference = trained(load_once_dir, backend), trained(load_once_dir, REFERENCE[backend])
     assert _losses(run) == pytest.approx(_losses(reference), rel=1e-4) and len(_losses(run)) == 4
-    total = sum(t.numel() for t in final_weights(trained(workdir, "single")).values())
+    total = sum(t.numel() for t in final_weights(trained(load_once_dir, "single")).values())
     for rank in (0, 1):
         facts = json.loads(side_file(run, f"rank-{rank}.json").read_text())
         assert facts["num_processes"] == 2 and facts["backend"] == backend
@@ -147,17 +147,17 @@ def test_training_matches_one_process_from_the_same_folder(workdir: Path, backen
 
 
 @pytest.mark.parametrize("backend", list(RUNS))
-def test_every_rank_holds_rank_0s_model(workdir: Path, backend: str) -> None:
+def test_every_rank_holds_rank_0s_model(load_once_dir: Path, backend: str) -> None:
     """After step 1 both ranks hold the rotary buffers from_pretrained computes (non-persistent: in no file) and
     a tied lm_head; under ddp every parameter (frozen base and LoRA) is bit-identical on the two ranks."""
     import transformers
 
     from tests.distributed.weight_reads import _digest
 
-    run = trained(workdir, backend)
+    run = trained(load_once_dir, backend)
     held = {r["rank"]: r for r in _records(run) if r["kind"] == "held"}
     assert set(held) == {"0", "1"}
-    model = transformers.AutoModelForCausalLM.from_pretrained(workdir / "pretrained")
+    model = transformers.AutoModelForCausalLM.from_pretrained(load_once_dir / "pretrained")
     expected = {name: _digest(b) for name, b in model.named_buffers()}
     for rank in ("0", "1"):
         assert held[rank]["buffers"] == expected and held[rank]["tied"] is True
@@ -218,14 +218,14 @@ def _build_on_rank(rank: int, folder: str, out: str) -> None:
     dist.destroy_process_group()
 
 
-def test_build_falls_back_and_fills_by_the_backends_rules(workdir: Path, tmp_path: Path) -> None:
+def test_build_falls_back_and_fills_by_the_backends_rules(load_once_dir: Path, tmp_path: Path) -> None:
     """``materialize.build`` on 2 gloo processes: under ddp rank 1 builds empty and ends with rank 0's parameters
     and buffers (tie kept); under fsdp2 it receives the buffers now and leaves the parameters to accelerate's
     sharded load (the flag is set); a persistent buffer under fsdp2 makes it a full broadcast instead; and a rank
     whose empty build differs from rank 0's model (here: ties) reads the weights itself, with a warning."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_build_on_rank, args=(str(workdir / "pretrained"), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_build_on_rank, args=(str(load_once_dir / "pretrained"), str(tmp_path)), nprocs=2, join=True)
     zero, one = (json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1))
     assert zero["ddp"]["calls"] == [False] and one["ddp"]["calls"] == [True]
     assert one["ddp"]["params"] == zero["ddp"]["params"] and one["ddp"]["buffers"] == zero["ddp"]["buffers"]

@@ -9,27 +9,27 @@ import json
 from pathlib import Path
 
 import pytest
-import yaml
 
 from finetune.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.distributed.test_backends import run_ok
 from tests.integration.conftest import final_weights, max_rel_diff
 from tests.integration.test_reward import preference_rows, reward_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.distributed
 EVAL_PAIRS = 37
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def reward_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("dist-reward")
     files = {"train": root / "train.jsonl", "eval": root / "eval.jsonl"}
     for path, count, seed in ((files["train"], 64, 0), (files["eval"], EVAL_PAIRS, 1)):
         path.write_text("".join(json.dumps(r) + "\n" for r in preference_rows(count, seed)))
     recipe = reward_recipe(files, train={"micro_batch_size": 2, "global_batch_size": 8, "max_steps": 6},
                            eval={"batch_size": 8, "every_steps": 3})
-    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(root / "recipe.yaml", recipe)
     return root
 
 
@@ -38,12 +38,12 @@ def _losses(run: Path) -> list[float]:
 
 
 @pytest.mark.parametrize("backend,shards", [("ddp", False), ("fsdp2", True), ("zero3", True)])
-def test_reward_parity_with_one_process(workdir: Path, backend: str, shards: bool) -> None:
+def test_reward_parity_with_one_process(reward_dir: Path, backend: str, shards: bool) -> None:
     """Per-step losses, eval loss and counts, and exported weights match the 1-process run within 1e-4."""
-    reference = workdir / "single"
+    reference = reward_dir / "single"
     if not reference.is_dir():
-        run_ok(workdir, "single")
-    run = run_ok(workdir, backend, "--accelerate-config", backend, "--num-processes", "2")
+        run_ok(reward_dir, "single")
+    run = run_ok(reward_dir, backend, "--accelerate-config", backend, "--num-processes", "2")
     for rank in (0, 1):
         facts = json.loads(side_file(run, f"rank-{rank}.json").read_text())
         assert facts["num_processes"] == 2 and facts["backend"] == backend

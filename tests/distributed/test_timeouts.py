@@ -19,10 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 from finetune import checkpoint, rundir
 from tests.integration.conftest import tiny_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.distributed
 REPO = Path(__file__).resolve().parents[2]
@@ -37,11 +37,11 @@ def _free_port() -> int:
 
 def test_two_machines_with_a_slow_rank_0_under_a_short_timeout(tmp_path: Path) -> None:
     recipe = tmp_path / "recipe.yaml"
-    recipe.write_text(yaml.safe_dump(tiny_recipe(
+    write_recipe_file(recipe, tiny_recipe(
         train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 4},
         checkpoint={"every_steps": 4, "save_final": False},  # the last step's checkpoint, then the final eval
         eval={"metrics": ["token_accuracy"], "batch_size": 50},
-        launch={"timeout_minutes": 0.1})))
+        launch={"timeout_minutes": 0.1}))
     notes, run = tmp_path / "notes", tmp_path / "run"
     notes.mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO),
