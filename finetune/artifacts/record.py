@@ -8,6 +8,7 @@ labels.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +35,18 @@ def row_of(manifest: dict[str, Any], cfg: RecipeConfig) -> SupportedModel:
 
 def labels_of(manifest: dict[str, Any], cfg: RecipeConfig, row: SupportedModel, where: Path) -> list[str] | None:
     """The classification label names a manifest recorded (:func:`record`); for a folder written before they were
-    recorded, the recipe's ``data.labels``, else one line that says how to give them (the training data is never
-    read to learn them)."""
+    recorded, the recipe's ``data.labels``, else a full model's own ``config.json`` mapping, else one line that says
+    how to give them (the training data is never read to learn them)."""
     if row.task != "classification":
         return None
     if isinstance(manifest.get("labels"), list):
         return [str(name) for name in manifest["labels"]]
     if cfg.data.labels:
         return list(cfg.data.labels)
+    config = where / "config.json"  # a full model written before: its own label mapping
+    if config.is_file():
+        mapping = json.loads(config.read_text(encoding="utf-8")).get("id2label")
+        if isinstance(mapping, dict) and mapping:
+            return [str(mapping[key]) for key in sorted(mapping, key=int)]
     raise RunDirError(f"{where}: its manifest records no classification labels (written by an older finetune); "
                       "give them in training order, e.g. data.labels='[neg, pos]', or use a newer checkpoint")
