@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
+
+from tests.recipe_files import write_recipe_file
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "recipes" / "data"
@@ -46,14 +47,12 @@ def with_sections(recipe: dict[str, Any], **sections: Any) -> dict[str, Any]:
 
 
 @pytest.fixture
-def write_recipe(tmp_path: Path) -> Callable[..., Path]:
-    """Write a recipe dict to tmp_path/<name>.yaml (output_dir inside tmp_path) and return its path."""
+def write_run_recipe(tmp_path: Path) -> Callable[..., Path]:
+    """Write a recipe dict to tmp_path/<name>.yaml (output_dir tmp_path/runs/<name>) and return its path."""
 
     def write(recipe: dict[str, Any]) -> Path:
-        recipe = {**recipe, "output_dir": str(tmp_path / "runs" / recipe["name"])}
-        path = tmp_path / f"{recipe['name']}.yaml"
-        path.write_text(yaml.safe_dump(recipe, sort_keys=False))
-        return path
+        name = recipe["name"]
+        return write_recipe_file(tmp_path / f"{name}.yaml", recipe, output_dir=str(tmp_path / "runs" / name))
 
     return write
 
@@ -76,9 +75,7 @@ def cli_exit_code(*args: str) -> int:
 
 def write_named(folder: Path, name: str, recipe: dict[str, Any]) -> Path:
     """``recipe`` written to ``folder/<name>.yaml``, named ``name`` and training into ``folder/<name>``."""
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(folder / name)}, sort_keys=False))
-    return path
+    return write_recipe_file(folder / f"{name}.yaml", recipe, name=name, output_dir=str(folder / name))
 
 
 def recipe_file(folder: Path, name: str, **sections: Any) -> Path:
@@ -135,12 +132,12 @@ def run_in_process(cfg: Any) -> Path:
 
 
 @pytest.fixture
-def train_recipe(write_recipe: Callable[..., Path]) -> Callable[..., Path]:
+def train_recipe(write_run_recipe: Callable[..., Path]) -> Callable[..., Path]:
     """Compose, write the resolved recipe and train in this process, as `finetune run` does; returns the run dir."""
     from finetune.config import load_recipe
 
     def train(recipe: dict[str, Any], overrides: list[str] | None = None) -> Path:
-        cfg, _ = load_recipe(write_recipe(recipe), overrides)
+        cfg, _ = load_recipe(write_run_recipe(recipe), overrides)
         return run_in_process(cfg)
 
     return train

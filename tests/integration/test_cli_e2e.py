@@ -13,6 +13,7 @@ import yaml
 
 from finetune.tracking import read_metrics
 from tests.integration.conftest import tiny_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.integration
 FINETUNE = [sys.executable, "-m", "finetune"]
@@ -26,7 +27,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def test_run_then_eval(tmp_path: Path) -> None:
     recipe = tiny_recipe(eval={"metrics": ["exact_match", "token_accuracy"], "every_steps": 2, "batch_size": 64})
     recipe.pop("checkpoint")
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(tmp_path / "r.yaml", recipe)
     done = _cli("run", "r.yaml", "-o", "runs/e2e", "train.max_steps=4", "checkpoint.every_steps=2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     run = tmp_path / "runs" / "e2e"

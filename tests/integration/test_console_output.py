@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from finetune.tracking import read_metrics
 from tests.integration.conftest import DATA, tiny_recipe
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.integration
 FINETUNE = [sys.executable, "-m", "finetune"]
@@ -64,7 +64,7 @@ def piped_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subproces
                          eval={"every_steps": 3, "metrics": ["exact_match"], "batch_size": 64,
                                "max_new_tokens": 4},
                          checkpoint={"every_steps": 3})
-    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    write_recipe_file(tmp_path / "r.yaml", recipe)
     done = subprocess.run([*FINETUNE, "run", "r.yaml", "-o", "runs/r"], cwd=tmp_path, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from finetune.tracking import read_metrics
 from tests.integration.conftest import (
@@ -25,6 +24,7 @@ from tests.integration.conftest import (
     run_stopped_after,
     tiny_recipe,
     with_sections,
+    write_named,
 )
 
 pytestmark = pytest.mark.integration
@@ -102,12 +102,6 @@ def test_pair_weighted_accumulation_invariance(train_recipe, pairs) -> None:
     assert [r["tokens"] for r in _rows(run, "train")] == [8, 16, 24]  # a target is a pair
 
 
-def _write(folder: Path, recipe: dict, name: str) -> Path:
-    path = folder / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(folder / name)}))
-    return path
-
-
 def test_resume_is_bit_identical(tmp_path: Path, pairs) -> None:
     """12 straight steps == 6 steps, SIGTERM, `finetune resume`, 6 more (dropout on, accumulation 2): the resumed
     process scores the reference with the initial model before its checkpoint loads, so nothing differs."""
@@ -115,8 +109,8 @@ def test_resume_is_bit_identical(tmp_path: Path, pairs) -> None:
                         data={"eval": None}, eval={"metrics": []},
                         train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 12},
                         scheduler={"name": "cosine", "warmup_steps": 3}, checkpoint={"every_steps": 2, "keep_last": 3})
-    assert cli_exit_code("run", str(_write(tmp_path, recipe, "straight"))) == 0
-    run_stopped_after(_write(tmp_path, recipe, "resumed"), 5)
+    assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
+    run_stopped_after(write_named(tmp_path, "resumed", recipe), 5)
     resumed = tmp_path / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
     assert cli_exit_code("resume", str(resumed)) == 0
@@ -126,14 +120,14 @@ def test_resume_is_bit_identical(tmp_path: Path, pairs) -> None:
     assert [r["step"] for r in _rows(resumed, "train")] == list(range(1, 13))
 
 
-def test_lora_dpo_scores_the_reference_with_the_adapter_disabled(write_recipe, pairs) -> None:
+def test_lora_dpo_scores_the_reference_with_the_adapter_disabled(write_run_recipe, pairs) -> None:
     """With a LoRA adapter that is far from zero (as after a resume), the reference pass still gives the base
     model's log-probs: the adapter is disabled. Control: the same model with its adapter on scores differently."""
     from finetune.config import load_recipe
     from finetune.data.batching import PreferenceCollator
     from finetune.tasks.dpo import compute_reference, policy_logps
 
-    cfg, _ = load_recipe(write_recipe(dpo_recipe(pairs, name="lora-ref", peft={"method": "lora", "dropout": 0.0})))
+    cfg, _ = load_recipe(write_run_recipe(dpo_recipe(pairs, name="lora-ref", peft={"method": "lora", "dropout": 0.0})))
     trainer = new_trainer(cfg)
     try:
         before = torch.tensor(trainer.task.data.eval.dataset["ref_logps"])

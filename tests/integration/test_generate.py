@@ -210,14 +210,14 @@ def test_overwrite_replaces_an_earlier_output(run: Path, prompts_file: Path, tmp
 
 
 @pytest.fixture(scope="module")
-def llama() -> Any:
+def decoder_llama() -> Any:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=512, pad_token_id=0)
     return transformers.LlamaForCausalLM(config).eval()
 
 
-def test_sampling_per_prompt_generators_ignore_the_batch(llama: Any) -> None:
+def test_sampling_per_prompt_generators_ignore_the_batch(decoder_llama: Any) -> None:
     """Each prompt sampled in a left-padded batch draws what it draws alone from a generator with its seed."""
     from finetune.data.batching import left_pad
     from finetune.tasks.causal_lm import Sampling, generate_tokens
@@ -227,22 +227,22 @@ def test_sampling_per_prompt_generators_ignore_the_batch(llama: Any) -> None:
     def sample(rows: list[list[int]], seeds: list[int]) -> list[list[int]]:
         ids, mask = left_pad(rows, 0)
         sampling = Sampling(1.5, 0.9, [torch.Generator().manual_seed(s) for s in seeds])
-        return generate_tokens(llama, ids, mask, 12, [], 0, sampling).tolist()
+        return generate_tokens(decoder_llama, ids, mask, 12, [], 0, sampling).tolist()
 
     together = sample(prompts, [11, 12, 13])
     assert together == [sample([p], [s])[0] for p, s in zip(prompts, [11, 12, 13], strict=True)]
     assert together != sample(prompts, [21, 22, 23])
 
 
-def test_stop_tokens_pad_the_row_and_all_stopped_ends_early(llama: Any) -> None:
+def test_stop_tokens_pad_the_row_and_all_stopped_ends_early(decoder_llama: Any) -> None:
     from finetune.data.batching import left_pad
     from finetune.tasks.causal_lm import generate_tokens
 
     ids, mask = left_pad([[5, 9, 33], [7, 8]], 0)
-    free = generate_tokens(llama, ids, mask, 10, [], 0).tolist()
+    free = generate_tokens(decoder_llama, ids, mask, 10, [], 0).tolist()
     stop = free[0][2]  # make the third token of row 0 a stop token
-    rows = generate_tokens(llama, ids, mask, 10, [stop], 0).tolist()
-    early = generate_tokens(llama, ids, mask, 10, [stop], 0, stop_when_done=True).tolist()
+    rows = generate_tokens(decoder_llama, ids, mask, 10, [stop], 0).tolist()
+    early = generate_tokens(decoder_llama, ids, mask, 10, [stop], 0, stop_when_done=True).tolist()
     for free_row, row in zip(free, rows, strict=True):
         cut = free_row.index(stop) + 1 if stop in free_row else len(free_row)
         assert row[:cut] == free_row[:cut] and row[cut:] == [0] * (10 - cut)

@@ -13,13 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file, save_file
 
 from finetune import hooks, rundir
 from finetune.tracking import read_metrics
 from tests.cli_helpers import main_exit
-from tests.integration.conftest import DATA, cli_exit_code, new_trainer, run_in_process, tiny_recipe, with_sections
+from tests.integration.conftest import (
+    DATA,
+    cli_exit_code,
+    new_trainer,
+    run_in_process,
+    tiny_recipe,
+    with_sections,
+    write_named,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -32,17 +39,11 @@ def lora_recipe(name: str, **sections) -> dict:
     return with_sections(base, **sections)
 
 
-def _write(tmp: Path, recipe: dict) -> Path:
-    path = tmp / f"{recipe['name']}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "output_dir": str(tmp / recipe["name"])}, sort_keys=False))
-    return path
-
-
 def _train(tmp: Path, recipe: dict) -> Path:
     """Compose, write the resolved recipe and train in this process (as `finetune run` does); the run dir."""
     from finetune.config import load_recipe
 
-    cfg, _ = load_recipe(_write(tmp, recipe))
+    cfg, _ = load_recipe(write_named(tmp, recipe["name"], recipe))
     return run_in_process(cfg)
 
 
@@ -56,13 +57,6 @@ def _train_losses(run: Path) -> list[float]:
 
 def _last_eval(run: Path) -> dict:
     return [r for r in read_metrics(run) if r["kind"] == "eval"][-1]
-
-
-@pytest.fixture(autouse=True)
-def _no_hooks():
-    hooks.clear()
-    yield
-    hooks.clear()
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +73,7 @@ def test_lora_trains_only_the_adapter(tmp_path: Path) -> None:
     from finetune.config import load_recipe
     from finetune.loop import train_step
 
-    cfg, _ = load_recipe(_write(tmp_path, lora_recipe("only")))
+    cfg, _ = load_recipe(write_named(tmp_path, "only", lora_recipe("only")))
     trainer = new_trainer(cfg)
     try:
         before = {k: v.detach().clone() for k, v in trainer.model.named_parameters()}
@@ -278,11 +272,11 @@ def test_lora_resume_is_exact(tmp_path: Path) -> None:
     recipe = lora_recipe("straight", peft={"dropout": 0.1},
                          model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
                          train={"max_steps": 8}, checkpoint={"every_steps": 2, "keep_last": 2})
-    assert _cli("run", str(_write(tmp_path, recipe))) == 0
+    assert _cli("run", str(write_named(tmp_path, "straight", recipe))) == 0
     straight = tmp_path / "straight"
 
     _sigterm_after(3)
-    assert _cli("run", str(_write(tmp_path, {**recipe, "name": "resumed"}))) == 143
+    assert _cli("run", str(write_named(tmp_path, "resumed", recipe))) == 143
     hooks.clear()
     resumed = tmp_path / "resumed"
     ckpt = resumed / "checkpoints" / "step-000004"

@@ -13,12 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from finetune import hooks
 from finetune.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe
+from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, write_named
 
 pytestmark = pytest.mark.integration
 
@@ -40,21 +39,8 @@ def _sources(tmp_path: Path, alpaca: int, completion: int, w_alpaca: float, w_co
              "weight": w_completion, "format": "completion"}]
 
 
-def _write(tmp_path: Path, recipe: dict, name: str) -> Path:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(tmp_path / name)}, sort_keys=False))
-    return path
-
-
 def _train_rows(run: Path) -> list[dict[str, Any]]:
     return [r for r in read_metrics(run) if r["kind"] == "train"]
-
-
-@pytest.fixture(autouse=True)
-def _no_hooks():
-    hooks.clear()
-    yield
-    hooks.clear()
 
 
 def test_two_sources_train_in_their_configured_proportions(tmp_path: Path) -> None:
@@ -70,7 +56,7 @@ def test_two_sources_train_in_their_configured_proportions(tmp_path: Path) -> No
 
     recipe = tiny_recipe(data={"format": "alpaca", "train": _sources(tmp_path, 24, 8, 1.0, 2.0), "eval": None},
                          train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": None, "epochs": 2})
-    assert cli_exit_code("run", str(_write(tmp_path, recipe, "mixed"))) == 0
+    assert cli_exit_code("run", str(write_named(tmp_path, "mixed", recipe))) == 0
     run = tmp_path / "mixed"
     rows = _train_rows(run)
     assert [r["step"] for r in rows] == list(range(1, 11))
@@ -104,14 +90,14 @@ def test_a_mixture_resumes_exactly(tmp_path: Path) -> None:
         scheduler={"name": "cosine", "warmup_steps": 3},
         checkpoint={"every_steps": 2, "keep_last": 3},
     )
-    assert cli_exit_code("run", str(_write(tmp_path, recipe, "straight"))) == 0
+    assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
 
     def stop(trainer: Any) -> None:
         if trainer.state.step == 5:
             os.kill(os.getpid(), signal.SIGTERM)
 
     hooks.register("after_step", stop)
-    assert cli_exit_code("run", str(_write(tmp_path, recipe, "resumed"))) == 143
+    assert cli_exit_code("run", str(write_named(tmp_path, "resumed", recipe))) == 143
     hooks.clear()
     resumed = tmp_path / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
@@ -130,7 +116,7 @@ def test_a_changed_source_refuses_the_resume(tmp_path: Path, monkeypatch: pytest
     sources = _sources(tmp_path, 12, 6, 1.0, 1.0)
     recipe = tiny_recipe(data={"format": "alpaca", "train": sources, "eval": None},
                          train={"max_steps": 2}, checkpoint={"every_steps": 2})
-    assert cli_exit_code("run", str(_write(tmp_path, recipe, "r"))) == 0
+    assert cli_exit_code("run", str(write_named(tmp_path, "r", recipe))) == 0
     manifest = json.loads((tmp_path / "r" / "checkpoints" / "step-000002" / "manifest.json").read_text())
     assert isinstance(manifest["data"]["train"], list) and len(manifest["data"]["train"]) == 2
 
@@ -143,7 +129,7 @@ def test_a_changed_source_refuses_the_resume(tmp_path: Path, monkeypatch: pytest
 
 
 def _recipe_with(tmp_path: Path, train: Any, name: str = "bad") -> Path:
-    return _write(tmp_path, tiny_recipe(data={"format": "alpaca", "train": train, "eval": None}), name)
+    return write_named(tmp_path, name, tiny_recipe(data={"format": "alpaca", "train": train, "eval": None}))
 
 
 @pytest.mark.parametrize("case", ["missing", "zero", "negative", "unknown"])
@@ -183,6 +169,6 @@ def test_a_one_source_list_trains_exactly_as_the_plain_path(tmp_path: Path) -> N
     for name, train in (("plain", path), ("listed", [{"path": path, "weight": 1.0}])):
         recipe = tiny_recipe(data={"format": "completion", "train": train, "eval": None},
                              train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 4})
-        assert cli_exit_code("run", str(_write(tmp_path, recipe, name))) == 0
+        assert cli_exit_code("run", str(write_named(tmp_path, name, recipe))) == 0
         losses.append([r["loss"] for r in _train_rows(tmp_path / name)])
     assert losses[0] == losses[1]

@@ -32,13 +32,13 @@ def pretrained_dir(tmp_path_factory) -> Path:
     return out
 
 
-def test_qlora_trains_on_a_4bit_base_and_merges(tmp_path: Path, pretrained_dir: Path, write_recipe) -> None:
+def test_qlora_trains_on_a_4bit_base_and_merges(tmp_path: Path, pretrained_dir: Path, write_run_recipe) -> None:
     pytest.importorskip("bitsandbytes")
     recipe = tiny_recipe(name="qlora", model={"type": "llama", "path": str(pretrained_dir)},
                          peft={"method": "qlora", "preset": "attn"}, train={"max_steps": 2},
                          eval={"metrics": ["token_accuracy"], "batch_size": 100})
     runner = CliRunner()
-    done = runner.invoke(app, ["run", str(write_recipe(recipe))])
+    done = runner.invoke(app, ["run", str(write_run_recipe(recipe))])
     assert done.exit_code == 0, done.output
     run = tmp_path / "runs" / "qlora"
     log = (run / "train.log").read_text()

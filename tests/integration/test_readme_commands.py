@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from tests.integration.conftest import REPO, cli_exit_code
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.integration
 
@@ -123,7 +124,7 @@ def _small_recipes(folder: Path, steps: dict[str, int]) -> Path:
         recipe["eval"].update(every_steps=None, at_start=False, max_new_tokens=4, batch_size=8)
         recipe["checkpoint"].update(every_steps=count, keep_last=5)
         recipe["logging"]["every_steps"] = 50
-        (recipes / path.name).write_text(yaml.safe_dump(recipe, sort_keys=False))
+        write_recipe_file(recipes / path.name, recipe)
     return recipes
 
 
@@ -135,11 +136,11 @@ def _block_folder(folder: Path) -> Path:
     recipe["data"].update(train="recipes/data/reverse_train.jsonl", eval="recipes/data/reverse_eval.jsonl")
     recipe["train"].update(global_batch_size=32, max_steps=2)  # the plan command asks for 8 processes
     recipe["checkpoint"]["every_steps"] = 2
-    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe, sort_keys=False))
+    write_recipe_file(folder / "recipe.yaml", recipe)
     vlm = yaml.safe_load((recipes / "vlm-quickstart.yaml").read_text())
     vlm["name"] = "my-vlm"
     vlm["data"].update(train="recipes/data/shapes/train.jsonl", eval="recipes/data/shapes/eval.jsonl")
-    (folder / "my-vlm.yaml").write_text(yaml.safe_dump(vlm, sort_keys=False))
+    write_recipe_file(folder / "my-vlm.yaml", vlm)
     (folder / "prompts.jsonl").write_text('{"instruction": "Reverse the letters.", "input": "a b c"}\n'
                                           '{"prompt": "x y"}\n')
     return folder

@@ -20,13 +20,6 @@ SECTIONS: dict[str, Any] = {"train": {"max_steps": 8}, "checkpoint": {"every_ste
 LORA = {"peft": {"method": "lora", "dropout": 0.0}}
 
 
-@pytest.fixture(autouse=True)
-def _no_hooks():
-    hooks.clear()
-    yield
-    hooks.clear()
-
-
 def _capture_at(step: int) -> dict[str, Any]:
     """The live model and optimizer (by parameter name) right after step ``step`` (its checkpoint is written)."""
     live: dict[str, Any] = {}

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from finetune import hooks
 from finetune.tracking import read_metrics
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, with_sections
+from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, with_sections, write_named
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -45,12 +44,6 @@ def resume_recipe(slow: bool = False, **sections) -> dict:
         data={"eval": None},
     )
     return with_sections(base, **sections)
-
-
-def _write(tmp_path: Path, recipe: dict, name: str) -> Path:
-    path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "name": name, "output_dir": str(tmp_path / name)}))
-    return path
 
 
 def _cli(*args: str) -> int:
@@ -77,13 +70,6 @@ def _steps_logged(run: Path) -> list[int]:
     return [r["step"] for r in read_metrics(run) if r["kind"] == "train"]
 
 
-@pytest.fixture(autouse=True)
-def _no_hooks():
-    hooks.clear()
-    yield
-    hooks.clear()
-
-
 @pytest.mark.parametrize("case", ["mid_epoch", "across_epoch_boundary", "fp16", "packing_with_workers"])
 def test_straight_equals_sigterm_and_resume(tmp_path: Path, case: str) -> None:
     """12 straight steps == 6 steps, SIGTERM (checkpoint, exit 143), `finetune resume`, 6 more; bit-identical."""
@@ -96,10 +82,10 @@ def test_straight_equals_sigterm_and_resume(tmp_path: Path, case: str) -> None:
     if case == "packing_with_workers":  # 2 DataLoader worker processes collate ahead: the same batches, in order
         sections = {"data": {"packing": True, "num_workers": 2}}
     recipe = resume_recipe(**sections)
-    assert _cli("run", str(_write(tmp_path, recipe, "straight"))) == 0
+    assert _cli("run", str(write_named(tmp_path, "straight", recipe))) == 0
 
     _sigterm_after(5)
-    assert _cli("run", str(_write(tmp_path, recipe, "resumed"))) == 143
+    assert _cli("run", str(write_named(tmp_path, "resumed", recipe))) == 143
     hooks.clear()
     resumed = tmp_path / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
@@ -142,14 +128,14 @@ def _trained_steps(run: Path) -> int:
 @pytest.fixture(scope="module")
 def straight_weights(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("straight")
-    assert _cli("run", str(_write(tmp, resume_recipe(slow=True), "straight"))) == 0
+    assert _cli("run", str(write_named(tmp, "straight", resume_recipe(slow=True)))) == 0
     return final_weights(tmp / "straight")
 
 
 def test_sigkill_during_a_step_then_resume_is_exact(tmp_path: Path, straight_weights: dict) -> None:
     seed = random.randrange(1 << 30)
     rng = random.Random(seed)
-    proc = _spawn("run", str(_write(tmp_path, resume_recipe(slow=True), "killed")))
+    proc = _spawn("run", str(write_named(tmp_path, "killed", resume_recipe(slow=True))))
     run = tmp_path / "killed"
     _wait_for(lambda: _trained_steps(run) >= 3 or proc.poll() is not None)
     time.sleep(rng.uniform(0.0, 0.5))
@@ -165,7 +151,7 @@ def test_sigkill_during_a_step_then_resume_is_exact(tmp_path: Path, straight_wei
 
 def test_sigkill_during_a_checkpoint_write_then_resume_is_exact(tmp_path: Path, straight_weights: dict) -> None:
     env = {**ENV, "FINETUNE_HOOKS": "tests.integration.kill_hooks", "FINETUNE_SLOW_CHECKPOINT": "6"}
-    proc = _spawn("run", str(_write(tmp_path, resume_recipe(slow=True), "killed")), env=env)
+    proc = _spawn("run", str(write_named(tmp_path, "killed", resume_recipe(slow=True))), env=env)
     run = tmp_path / "killed"
     _wait_for(lambda: (run / "checkpoints" / "slow-write-started").exists() or proc.poll() is not None)
     proc.kill()
@@ -184,7 +170,7 @@ def test_sigkill_during_a_checkpoint_write_then_resume_is_exact(tmp_path: Path, 
 
 
 def test_sigterm_subprocess_exits_143_with_a_checkpoint(tmp_path: Path, straight_weights: dict) -> None:
-    proc = _spawn("run", str(_write(tmp_path, resume_recipe(slow=True), "termed")))
+    proc = _spawn("run", str(write_named(tmp_path, "termed", resume_recipe(slow=True))))
     run = tmp_path / "termed"
     _wait_for(lambda: _trained_steps(run) >= 3 or proc.poll() is not None)
     proc.send_signal(signal.SIGTERM)
@@ -212,7 +198,7 @@ def test_refusals(tmp_path: Path) -> None:
     shutil.copy(DATA / "tiny_completion.jsonl", data)
     recipe = resume_recipe(data={"format": "completion", "train": str(data), "eval": None},
                            train={"max_steps": 4}, checkpoint={"every_steps": 2})
-    assert _cli("run", str(_write(tmp_path, recipe, "r"))) == 0
+    assert _cli("run", str(write_named(tmp_path, "r", recipe))) == 0
     run = tmp_path / "r"
 
     err = _refusal(tmp_path, str(run), "optim.lr=0.5")
@@ -239,7 +225,7 @@ def test_refusals(tmp_path: Path) -> None:
 def test_allowed_change_is_logged_and_layout_changes_need_no_flag(tmp_path: Path) -> None:
     recipe = resume_recipe(train={"max_steps": 4}, checkpoint={"every_steps": 2})
     _sigterm_after(1)
-    assert _cli("run", str(_write(tmp_path, recipe, "r"))) == 143
+    assert _cli("run", str(write_named(tmp_path, "r", recipe))) == 143
     hooks.clear()
     run = tmp_path / "r"
     # micro batch 2 x accum 4 instead of 4 x 2: same global batch, same math, no flag needed

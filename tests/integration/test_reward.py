@@ -15,11 +15,17 @@ from typing import Any
 
 import pytest
 import torch
-import yaml
 
 from finetune import hooks
 from finetune.tracking import read_metrics
-from tests.integration.conftest import cli_exit_code, final_weights, max_rel_diff, tiny_recipe, with_sections
+from tests.integration.conftest import (
+    cli_exit_code,
+    final_weights,
+    max_rel_diff,
+    tiny_recipe,
+    with_sections,
+    write_named,
+)
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -62,15 +68,9 @@ def reward_recipe(files: dict[str, Path], name: str = "reward", **sections: Any)
     return with_sections(recipe, **sections)
 
 
-def write(folder: Path, recipe: dict[str, Any]) -> Path:
-    path = folder / f"{recipe['name']}.yaml"
-    path.write_text(yaml.safe_dump({**recipe, "output_dir": str(folder / recipe["name"])}, sort_keys=False))
-    return path
-
-
 def run(folder: Path, recipe: dict[str, Any], *args: str) -> Path:
     """``finetune run`` in this process; the run dir."""
-    assert cli_exit_code("run", str(write(folder, recipe)), *args) == 0
+    assert cli_exit_code("run", str(write_named(folder, recipe["name"], recipe)), *args) == 0
     return folder / recipe["name"]
 
 
@@ -82,13 +82,6 @@ def evals(run_dir: Path) -> list[dict[str, Any]]:
 
 def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_metrics(run_dir) if r["kind"] == "train"]
-
-
-@pytest.fixture(autouse=True)
-def _no_hooks():
-    hooks.clear()
-    yield
-    hooks.clear()
 
 
 def test_reward_model_learns_the_preferences(tmp_path: Path, pref_data: dict[str, Path]) -> None:
@@ -210,7 +203,7 @@ def test_resume_is_bit_identical(tmp_path: Path, pref_data: dict[str, Path]) -> 
             os.kill(os.getpid(), signal.SIGTERM)
 
     hooks.register("after_step", stop)
-    assert cli_exit_code("run", str(write(tmp_path, {**recipe, "name": "resumed"}))) == 143
+    assert cli_exit_code("run", str(write_named(tmp_path, "resumed", recipe))) == 143
     hooks.clear()
     resumed = tmp_path / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()

@@ -22,11 +22,7 @@ from finetune.errors import ConfigError
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, recipe_file
 
-
-@pytest.fixture(autouse=True)
-def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("FINETUNE_DEBUG", raising=False)
+pytestmark = pytest.mark.usefixtures("in_tmp")  # each test runs in its tmp_path (tests/conftest.py)
 
 
 def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

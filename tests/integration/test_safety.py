@@ -26,6 +26,7 @@ from finetune import hooks, rundir
 from finetune.tracking import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import DATA, REPO, recipe_file, trained_run
+from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(REPO)}
@@ -257,7 +258,7 @@ def test_remote_code_runs_only_with_the_flag_on_this_command_line(trained: Path,
     for recipe in (final / rundir.RESOLVED, run / rundir.RESOLVED, rundir.step_dir(run, 4) / rundir.RESOLVED):
         data = yaml.safe_load(recipe.read_text())
         data["model"]["trust_remote_code"] = True
-        recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+        write_recipe_file(recipe, data)
     fix_manifest(final)
     fix_manifest(rundir.step_dir(run, 4))
     evaluation = ["eval", str(run), f"data.eval={DATA / 'reverse_eval.jsonl'}", "eval.metrics=[]"]
@@ -287,14 +288,6 @@ def _poison_after(step: int) -> None:
     hooks.register("after_step", poison)
 
 
-@pytest.fixture
-def _no_hooks():
-    hooks.clear()
-    yield
-    hooks.clear()
-
-
-@pytest.mark.usefixtures("_no_hooks")
 def test_a_diverging_run_stops_with_exit_3_and_keeps_the_good_export(trained: Path, tmp_path: Path, monkeypatch,
                                                                     capsys) -> None:
     """From step 6 on every loss is NaN: steps 6-8 are skipped and logged, the run stops after the third with exit
@@ -313,7 +306,6 @@ def test_a_diverging_run_stops_with_exit_3_and_keeps_the_good_export(trained: Pa
     assert "step 6: loss nan" in (run / rundir.TRAIN_LOG).read_text()
 
 
-@pytest.mark.usefixtures("_no_hooks")
 def test_non_finite_weights_are_never_exported(trained: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     """A run allowed more skipped steps than it has left reaches the export with NaN weights: refused (exit 3), and
     the previous final/ stays."""

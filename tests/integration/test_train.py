@@ -95,12 +95,12 @@ def test_micro_batches_carry_different_token_counts() -> None:
     assert len(set(counts)) > 1
 
 
-def test_fp16_scales_and_skips_overflowed_steps(write_recipe) -> None:
+def test_fp16_scales_and_skips_overflowed_steps(write_run_recipe) -> None:
     """fp16 really runs with a dynamic loss scale: an overflowing scale skips the step and halves."""
     from finetune.config import load_recipe
     from finetune.loop import train_step
 
-    cfg, _ = load_recipe(write_recipe(tiny_recipe(train={"mixed_precision": "fp16"}, data={"eval": None})))
+    cfg, _ = load_recipe(write_run_recipe(tiny_recipe(train={"mixed_precision": "fp16"}, data={"eval": None})))
     trainer = new_trainer(cfg)
     trainer.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)  # scaled loss ~1e8 > fp16 max: overflow
     batches = iter(trainer.task.build_dataloader("train"))
