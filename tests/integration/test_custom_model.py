@@ -63,7 +63,7 @@ def _train_rows(run: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def custom_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The straight 12-step run, and the same recipe stopped by SIGTERM after step 5 (checkpoint at step 6, exit
     143) and resumed to step 12."""
     folder = tmp_path_factory.mktemp("custom")
@@ -107,10 +107,10 @@ def test_the_plugin_row_builds_through_its_factory_and_its_output_has_logits() -
         build_base(typo, row, 7)
 
 
-def test_trains_with_a_decreasing_loss_and_resumes_bit_identically(runs: dict[str, Path]) -> None:
+def test_trains_with_a_decreasing_loss_and_resumes_bit_identically(custom_runs: dict[str, Path]) -> None:
     """12 straight steps == 6 steps, SIGTERM, `finetune resume`, 6 more: the same losses and bit-identical weights
     (dropout on, shuffle on, accumulation 2); and the loss falls."""
-    straight, resumed = runs["straight"], runs["resumed"]
+    straight, resumed = custom_runs["straight"], custom_runs["resumed"]
     losses = [r["loss"] for r in _train_rows(straight)]
     assert len(losses) == 12 and all(map(torch.isfinite, torch.tensor(losses)))
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1, losses
@@ -123,11 +123,11 @@ def test_trains_with_a_decreasing_loss_and_resumes_bit_identically(runs: dict[st
     assert "resumed from step-000006: step 6" in (resumed / "train.log").read_text()
 
 
-def test_final_is_a_state_dict_that_eval_loads_into_the_factory_model(runs: dict[str, Path], monkeypatch,
+def test_final_is_a_state_dict_that_eval_loads_into_the_factory_model(custom_runs: dict[str, Path], monkeypatch,
                                                                        capsys) -> None:
     """final/ holds the state dict (no config.json), the tokenizer, the recipe and a manifest; `finetune eval` of
     the run builds the row's model through its factory, loads it and reproduces the run's last eval."""
-    run = runs["straight"]
+    run = custom_runs["straight"]
     final = run / "final"
     assert not (final / "config.json").exists()
     assert {"model.safetensors", "tokenizer.json", "recipe.resolved.yaml", "manifest.json"} <= \
@@ -197,11 +197,11 @@ def _refused_after_progress(code: int, out: str, err: str, needle: str) -> None:
     assert len(errors) == 1 and needle in errors[0] and err.strip().splitlines()[-1] == errors[0], err
 
 
-def test_commands_that_need_a_hugging_face_model_refuse_in_one_line(runs: dict[str, Path], tmp_path: Path,
+def test_commands_that_need_a_hugging_face_model_refuse_in_one_line(custom_runs: dict[str, Path], tmp_path: Path,
                                                                     monkeypatch, capsys) -> None:
     """export and eval of a checkpoint, generate, merge and the memory plan refuse a custom run (exit 2) and
     write nothing."""
-    run, ckpt = runs["straight"], runs["straight"] / "checkpoints" / "step-000012"
+    run, ckpt = custom_runs["straight"], custom_runs["straight"] / "checkpoints" / "step-000012"
     out = tmp_path / "exported"
     _refused_after_progress(*main_exit(monkeypatch, capsys, "export", str(run), "-o", str(out), "--trust-remote-code"),
                             "is a custom model")

@@ -61,7 +61,7 @@ def fp32_refused() -> None:
 
 
 @pytest.fixture(scope="module")
-def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def half_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A LoRA run under bf16 autocast with the half-only kernel: stopped by SIGTERM after step 1 (checkpoint
     step-000002), resumed to step 4 (periodic checkpoint step-000003, last step-000004), exported with its merge
     reference, evaluated with exact_match at every checkpoint step."""
@@ -76,42 +76,42 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder / "lora"
 
 
-def test_a_lora_run_checkpoints_resumes_and_exports_under_bf16(lora_run: Path) -> None:
+def test_a_lora_run_checkpoints_resumes_and_exports_under_bf16(half_run: Path) -> None:
     """Checkpoints at the SIGTERM (step 2), periodic (3) and last (4) steps each recorded a probe, final/ holds the
     adapter's merge reference, and every eval ran; the kernel computed in bf16 only and refuses fp32."""
     fp32_refused()
-    names = sorted(p.name for p in (lora_run / "checkpoints").iterdir())
+    names = sorted(p.name for p in (half_run / "checkpoints").iterdir())
     assert names == ["step-000002", "step-000003", "step-000004"]
-    assert all((lora_run / "checkpoints" / name / "probe.safetensors").is_file() for name in names)
-    assert (lora_run / "final" / "merge_check.safetensors").is_file()
-    assert [r["step"] for r in read_metrics(lora_run) if r["kind"] == "eval"] == [2, 4]
+    assert all((half_run / "checkpoints" / name / "probe.safetensors").is_file() for name in names)
+    assert (half_run / "final" / "merge_check.safetensors").is_file()
+    assert [r["step"] for r in read_metrics(half_run) if r["kind"] == "eval"] == [2, 4]
     assert half_only_attention.CALLS["torch.bfloat16"] > 0 and set(half_only_attention.CALLS) == {"torch.bfloat16"}
 
 
-def test_eval_export_merge_and_generate_run_in_the_training_precision(lora_run: Path, tmp_path: Path, monkeypatch,
+def test_eval_export_merge_and_generate_run_in_the_training_precision(half_run: Path, tmp_path: Path, monkeypatch,
                                                                        capsys) -> None:
     """`finetune eval` of the run and of a checkpoint (its export reloaded and checked against the recorded probe),
     `finetune export` of a checkpoint (checked in a fresh process), `finetune merge` and `finetune generate` all
     run their forwards under the recipe's bf16 autocast, and reproduce what training computed."""
-    code, out, err = main_exit(monkeypatch, capsys, "eval", str(lora_run), "--json", "--trust-remote-code")
+    code, out, err = main_exit(monkeypatch, capsys, "eval", str(half_run), "--json", "--trust-remote-code")
     assert code == 0, err
-    last = [r for r in read_metrics(lora_run) if r["kind"] == "eval"][-1]
+    last = [r for r in read_metrics(half_run) if r["kind"] == "eval"][-1]
     assert json.loads(out)["eval_exact_match_total"] == 8
     assert json.loads(out)["eval_loss"] == pytest.approx(last["eval_loss"], abs=1e-4)
-    code, out, err = main_exit(monkeypatch, capsys, "eval", str(lora_run / "checkpoints" / "step-000002"), "--json",
+    code, out, err = main_exit(monkeypatch, capsys, "eval", str(half_run / "checkpoints" / "step-000002"), "--json",
                                "--trust-remote-code")
     assert code == 0 and "verified: the export reproduces the recorded logits" in err, err
-    code, out, err = main_exit(monkeypatch, capsys, "export", str(lora_run), "--from", "step-000003", "-o",
+    code, out, err = main_exit(monkeypatch, capsys, "export", str(half_run), "--from", "step-000003", "-o",
                                str(tmp_path / "exported"), "--trust-remote-code")
     assert code == 0, err
     verified = json.loads((tmp_path / "exported" / "manifest.json").read_text())["verified"]
     assert verified["fresh_process"] and verified["max_abs_logit_delta"] <= verified["tolerance"]
-    code, out, err = main_exit(monkeypatch, capsys, "merge", str(lora_run), "-o", str(tmp_path / "merged"),
+    code, out, err = main_exit(monkeypatch, capsys, "merge", str(half_run), "-o", str(tmp_path / "merged"),
                                "--trust-remote-code")
     assert code == 0 and "merge check passed" in out + err, err
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"instruction": "Reverse the letters.", "input": "a b c"}) + "\n")
-    code, out, err = main_exit(monkeypatch, capsys, "generate", str(lora_run), str(prompts), "-o",
+    code, out, err = main_exit(monkeypatch, capsys, "generate", str(half_run), str(prompts), "-o",
                                str(tmp_path / "out.jsonl"), "--max-new-tokens", "3", "--trust-remote-code")
     assert code == 0, err
     assert json.loads((tmp_path / "out.jsonl").read_text())["finish_reason"] in ("eos", "length")

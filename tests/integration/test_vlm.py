@@ -86,7 +86,7 @@ def train_rows(run: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def vlm_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The straight 8-step run, and the same recipe stopped by SIGTERM after step 3 and resumed to step 8."""
     folder = tmp_path_factory.mktemp("vlm")
     recipe = vlm_recipe(folder)
@@ -96,10 +96,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {"straight": folder / "straight", "resumed": folder / "resumed", "folder": folder}
 
 
-def test_trains_and_resumes_bit_identically(runs: dict[str, Path]) -> None:
+def test_trains_and_resumes_bit_identically(vlm_runs: dict[str, Path]) -> None:
     """8 straight steps == 3 steps, SIGTERM (checkpoint at step 4), resume, 4 more: the same losses and eval
     metrics and bit-identical weights, vision tower included (dropout on, shuffle on, accumulation 2)."""
-    straight, resumed = runs["straight"], runs["resumed"]
+    straight, resumed = vlm_runs["straight"], vlm_runs["resumed"]
     losses = [r["loss"] for r in train_rows(straight)]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert [r["loss"] for r in train_rows(resumed)] == losses
@@ -111,21 +111,21 @@ def test_trains_and_resumes_bit_identically(runs: dict[str, Path]) -> None:
     assert a.keys() == b.keys() and [k for k in a if not torch.equal(a[k], b[k])] == []
 
 
-def test_the_export_is_a_hub_style_folder_that_eval_reproduces(runs: dict[str, Path], monkeypatch, capsys) -> None:
+def test_the_export_is_a_hub_style_folder_that_eval_reproduces(vlm_runs: dict[str, Path], monkeypatch, capsys) -> None:
     """final/ holds the weights, config, tokenizer and image processor (it loads like a hub folder, with
     AutoModelForImageTextToText and AutoImageProcessor); `finetune eval` of the run reproduces its last eval."""
     import transformers
 
-    final = runs["straight"] / "final"
+    final = vlm_runs["straight"] / "final"
     assert {"config.json", "model.safetensors", "tokenizer.json", "preprocessor_config.json"} <= \
         {p.name for p in final.iterdir()}
     assert type(transformers.AutoModelForImageTextToText.from_pretrained(final)).__name__ == \
         "Qwen2VLForConditionalGeneration"
     assert type(transformers.AutoImageProcessor.from_pretrained(final)).__name__ == "Qwen2VLImageProcessorPil"
-    code, stdout, _ = main_exit(monkeypatch, capsys, "eval", str(runs["straight"]), "--json")
+    code, stdout, _ = main_exit(monkeypatch, capsys, "eval", str(vlm_runs["straight"]), "--json")
     assert code == 0
     metrics = json.loads(stdout)
-    last = [r for r in read_metrics(runs["straight"]) if r["kind"] == "eval"][-1]
+    last = [r for r in read_metrics(vlm_runs["straight"]) if r["kind"] == "eval"][-1]
     for key in ("eval_exact_match", "eval_token_accuracy", "eval_total"):
         assert metrics[key] == last[key], key
     assert abs(metrics["eval_loss"] - last["eval_loss"]) < 1e-5
@@ -243,13 +243,13 @@ def generated(monkeypatch, capsys, run: Path, prompts: Path, out: Path, *flags: 
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
-def test_generate_answers_image_questions_alike_in_any_batch(runs: dict[str, Path], tmp_path: Path, monkeypatch,
+def test_generate_answers_image_questions_alike_in_any_batch(vlm_runs: dict[str, Path], tmp_path: Path, monkeypatch,
                                                              capsys) -> None:
     """`finetune generate` takes vision_chat prompts (image paths relative to the prompts file), text-only chats
     and raw text: greedy completions do not depend on the batch size, and neither do sampled ones, which follow
     their seed; every input line comes back with its keys, in order."""
     prompts = image_prompts(tmp_path)
-    run = runs["straight"]
+    run = vlm_runs["straight"]
     one = generated(monkeypatch, capsys, run, prompts, tmp_path / "one.jsonl", "--batch-size", "1")
     assert [r["id"] for r in one] == list(range(9)) and all(r["finish_reason"] in ("eos", "length") for r in one)
     assert one[8]["completion"] == one[5]["completion"] and one[8]["images"] == ["pics/mine.png"]
@@ -272,12 +272,12 @@ def test_generate_answers_image_questions_alike_in_any_batch(runs: dict[str, Pat
                                                 {"type": "text", "text": " then".join(["words"] * 80)}]}]},
      "over data.max_seq_len=64, and keeping its end would cut an image"),
 ])
-def test_generate_refuses_a_bad_image_prompt_in_one_line(runs: dict[str, Path], tmp_path: Path, monkeypatch, capsys,
+def test_generate_refuses_a_bad_image_prompt_in_one_line(vlm_runs: dict[str, Path], tmp_path: Path, monkeypatch, capsys,
                                                          row: dict, message: str) -> None:
     image_prompts(tmp_path)  # pics/mine.png
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps(row) + "\n")
-    code, out, err = main_exit(monkeypatch, capsys, "generate", str(runs["straight"]), str(prompts), "-o",
+    code, out, err = main_exit(monkeypatch, capsys, "generate", str(vlm_runs["straight"]), str(prompts), "-o",
                                str(tmp_path / "out.jsonl"))
     (line,) = assert_user_error(code, out, err)
     assert message in line and not (tmp_path / "out.jsonl").exists()

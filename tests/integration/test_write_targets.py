@@ -28,7 +28,7 @@ KINDS = ("symlink", "hardlink", "folder", "fifo")
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def target_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A finished 2-step LoRA run (a checkpoint and final/); each case plants into it and puts it back."""
     return trained_run(tmp_path_factory.mktemp("targets"), "run", **SHORT)
 
@@ -88,7 +88,7 @@ def test_the_layout_is_enumerated() -> None:
 
 
 @pytest.mark.parametrize(("name", "kind"), layout_cases())
-def test_resume_and_merge_refuse_what_finetune_did_not_make(run: Path, tmp_path: Path, name: str, kind: str,
+def test_resume_and_merge_refuse_what_finetune_did_not_make(target_run: Path, tmp_path: Path, name: str, kind: str,
                                                             monkeypatch: pytest.MonkeyPatch,
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """`finetune resume` (which appends to the logs, truncates metrics.jsonl, writes the recipes, the plot, the
@@ -96,17 +96,17 @@ def test_resume_and_merge_refuse_what_finetune_did_not_make(run: Path, tmp_path:
     the place of a layout name: one line, exit 2, before any work; the user's files are untouched."""
     user = User(tmp_path / "user")
     before = user.snapshot()
-    path = run / name
+    path = target_run / name
     aside = tmp_path / "aside"
     if path.exists() or path.is_symlink():
         path.rename(aside)
     try:
         plant(path, kind, user, tree=name in rundir.LAYOUT_TREES or name.startswith(rundir.CHECKPOINTS))
-        logs = {p: p.read_bytes() for p in (run / rundir.TRAIN_LOG, run / rundir.METRICS) if p.is_file()}
-        code, out, err = main_exit(monkeypatch, capsys, "resume", str(run), "train.max_steps=4")
+        logs = {p: p.read_bytes() for p in (target_run / rundir.TRAIN_LOG, target_run / rundir.METRICS) if p.is_file()}
+        code, out, err = main_exit(monkeypatch, capsys, "resume", str(target_run), "train.max_steps=4")
         assert_user_error(code, out, err, str(path))
         if name == rundir.LOCK:  # merge takes the lock: the same refusal
-            code, out, err = main_exit(monkeypatch, capsys, "merge", str(run), "-o", str(tmp_path / "merged"))
+            code, out, err = main_exit(monkeypatch, capsys, "merge", str(target_run), "-o", str(tmp_path / "merged"))
             assert_user_error(code, out, err, str(path))
             assert not (tmp_path / "merged").exists()
         assert user.snapshot() == before
@@ -143,7 +143,7 @@ OUTPUTS: dict[str, tuple[Callable[[Path, Path], list[str]], bool, str]] = {
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("command", sorted(OUTPUTS))
-def test_outputs_never_written_through(run: Path, tmp_path: Path, command: str, kind: str,
+def test_outputs_never_written_through(target_run: Path, tmp_path: Path, command: str, kind: str,
                                        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Each command's -o, with --overwrite, planted: refused in one line (exit 2), or written without touching
     the user's files (a symlink or hard link at a file output is replaced, never written through)."""
@@ -154,7 +154,7 @@ def test_outputs_never_written_through(run: Path, tmp_path: Path, command: str, 
     before = user.snapshot()
     out = tmp_path / name
     plant(out, kind, user, tree=is_tree)
-    code, stdout, err = main_exit(monkeypatch, capsys, *build(run, out), "--overwrite")
+    code, stdout, err = main_exit(monkeypatch, capsys, *build(target_run, out), "--overwrite")
     if code != 0:
         assert_user_error(code, stdout, err)
     else:  # written: a fresh file in the link's place, the user's file untouched
@@ -163,13 +163,13 @@ def test_outputs_never_written_through(run: Path, tmp_path: Path, command: str, 
     assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(rundir.TMP)]  # no scratch left behind
 
 
-def test_run_overwrite_never_writes_through(run: Path, tmp_path: Path) -> None:
+def test_run_overwrite_never_writes_through(target_run: Path, tmp_path: Path) -> None:
     """`--overwrite` of a run whose layout files are hard links to the user's file unlinks them (the user's bytes
     stay) and leaves a fresh run."""
     user = User(tmp_path / "user")
     before = user.snapshot()
     copy = tmp_path / "copy"
-    shutil.copytree(run, copy, ignore=shutil.ignore_patterns(rundir.LOCK), symlinks=True)
+    shutil.copytree(target_run, copy, ignore=shutil.ignore_patterns(rundir.LOCK), symlinks=True)
     for name in (rundir.TRAIN_LOG, rundir.METRICS, rundir.RESOLVED):
         (copy / name).unlink()
         os.link(user.diary, copy / name)
@@ -191,7 +191,7 @@ def test_run_into_a_symlinked_output_dir_is_refused(tmp_path: Path, monkeypatch:
     assert list(target.iterdir()) == [] and link.is_symlink()
 
 
-def test_scratch_left_by_a_killed_command_is_removed_by_the_next_one(run: Path, tmp_path: Path,
+def test_scratch_left_by_a_killed_command_is_removed_by_the_next_one(target_run: Path, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """Hidden ``.<out>.XXXXXXXX.tmp`` scratch that a killed generate (a file) or export/merge (a folder) left
@@ -209,7 +209,7 @@ def test_scratch_left_by_a_killed_command_is_removed_by_the_next_one(run: Path, 
     holder = os.open(live, os.O_RDONLY)
     fcntl.flock(holder, fcntl.LOCK_EX)  # as the live command's own flock
     try:
-        code, _, err = main_exit(monkeypatch, capsys, *_generate(run, out))
+        code, _, err = main_exit(monkeypatch, capsys, *_generate(target_run, out))
         assert code == 0, err
         assert out.is_file() and not stale.exists() and live.is_file() and other.is_file()
         export = tmp_path / "exported"
@@ -224,11 +224,11 @@ def test_scratch_left_by_a_killed_command_is_removed_by_the_next_one(run: Path, 
         os.close(holder)
 
 
-def test_a_killed_plots_scratch_is_removed_by_the_next_plot(run: Path, tmp_path: Path,
+def test_a_killed_plots_scratch_is_removed_by_the_next_plot(target_run: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     stale = tmp_path / ".plot.png.0123abcd.tmp"
     stale.write_bytes(b"half a png")
-    code, _, err = main_exit(monkeypatch, capsys, *_plot(run, tmp_path / "plot.png"))
+    code, _, err = main_exit(monkeypatch, capsys, *_plot(target_run, tmp_path / "plot.png"))
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
