@@ -121,7 +121,8 @@ def _concatenate(parts: list[Part], key: str) -> Tokenized:
                         "whose formats belong to one task") from None
     return Tokenized(dataset, truncated=sum(p.tokenized.truncated for p in parts),
                      dropped=sum(p.tokenized.dropped for p in parts),
-                     no_answer=sum(p.tokenized.no_answer for p in parts))
+                     no_answer=sum(p.tokenized.no_answer for p in parts),
+                     cached=all(p.tokenized.cached for p in parts))
 
 
 def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, images: Any = None,

@@ -24,11 +24,9 @@ import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
-
-import numpy as np
 
 from finetune import hooks
 from finetune.data import prompts, vision
@@ -158,14 +156,15 @@ def token_ids(texts: Sequence[str], tokenizer: Any) -> list[list[int]]:
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
-def answer_labels(ids: list[int], offsets: Sequence[tuple[int, int]], spans: Iterable[tuple[int, int]]
+def answer_labels(ids: list[int], offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]
                   ) -> list[int]:
-    """The label of each token: its id where the token's characters overlap an answer span, else IGNORE."""
-    bounds = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    inside = np.zeros(len(ids), dtype=bool)
-    for start, end in spans:
-        inside |= (bounds[:, 0] < end) & (bounds[:, 1] > start)
-    return np.where(inside, np.asarray(ids, dtype=np.int64), IGNORE).tolist()
+    """The label of each token: its id where the token's characters overlap an answer span, else IGNORE (one
+    comparison per token for the common single span: a generator per token cost more than tokenizing)."""
+    if len(spans) == 1:
+        [(first, last)] = spans
+        return [tid if start < last and end > first else IGNORE for tid, (start, end) in zip(ids, offsets, strict=True)]
+    return [tid if any(start < last and end > first for first, last in spans) else IGNORE
+            for tid, (start, end) in zip(ids, offsets, strict=True)]
 
 
 def samples(rendered: Sequence[Rendered], tokenizer: Any) -> list[tuple[list[int], list[int]]]:

@@ -48,12 +48,14 @@ CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes
 
 @dataclass
 class Tokenized:
-    """A tokenized split and what was done to fit ``max_seq_len`` (reported to the user)."""
+    """A tokenized split and what was done to fit ``max_seq_len`` (reported to the user); ``cached``: read from
+    the cache of an earlier pass (no row was tokenized now)."""
 
     dataset: Dataset
     truncated: int
     dropped: int
     no_answer: int
+    cached: bool = False
 
 
 def column(dataset: Any, name: str) -> list[Any]:
@@ -214,4 +216,4 @@ def tokenize_rows(
         raise DataError(f"{source}: no usable samples left after applying data.max_seq_len={max_len}")
     return Tokenized(mapped.remove_columns(["overlong", "n_labels"]),
                      truncated=over if overlong == "truncate" else 0,
-                     dropped=over if overlong == "drop" else 0, no_answer=no_answer)
+                     dropped=over if overlong == "drop" else 0, no_answer=no_answer, cached=not progress.done)

@@ -1,0 +1,210 @@
+"""Tokenizing speed and memory: finetune's tokenization against a plain batched ``datasets.map``, on the same rows.
+
+    .venv/bin/python scripts/bench_tokenize.py [--rows 100000] [--procs 1,2,all] [--memory 10000,1000000]
+        [--out docs/bench-tokenize.md] [--workdir DIR] [--quick]
+
+Rows: generated two-turn chat rows ``{"messages": [user, assistant]}`` of random lowercase words (seed 0; user
+turns 20-60 words, assistant turns 40-120, about 600 bytes a row, like the 61 MB per 100,000 rows of the issue),
+written once as JSON lines and loaded once with finetune's own ``load_raw`` (an Arrow file, memory-mapped). The
+tokenizer is finetune's bundled ``finetune/assets/tiny-llama-tokenizer`` (byte-level BPE, 512 tokens, its own
+small chat template): with so few merges a row has about 3 tokens per word, so tokenizing weighs more here than
+with a real vocabulary, and the chat template (one line) less than a real one.
+
+Passes, each in a fresh child process (so each has its own peak RSS) on the same Arrow rows, with the cache
+emptied before it (every pass tokenizes; none is served from an earlier pass's cache):
+
+* ``baseline``: ``Dataset.map(batched=True)`` (1,000 rows a batch, one process) of ``render + tokenize``: each
+  row's messages through ``tokenizer.apply_chat_template(messages, tokenize=False)``, the batch's texts through
+  ``tokenizer(texts)``. No checks, no masking, no generation prompt.
+* ``finetune num_proc=N``: ``finetune.data.tokenize.tokenize_rows`` as ``finetune run`` calls it (format chat,
+  max_seq_len 4096 so nothing is cut): every row checked, rendered with its answer spans, tokenized with offsets,
+  labels masked, the generation prompt tokenized, over-long and no-answer rows counted. ``all`` is the cores the
+  process may use.
+* ``cache hit``: ``tokenize_rows`` again after the last finetune pass, in a fresh process (what ``finetune run``
+  does when the data was tokenized before).
+
+``rows/s`` is rows over the wall time of the ``map`` (or ``tokenize_rows``) call alone; ``vs baseline`` is the
+ratio to the baseline's rows/s in the same run. ``CPU s`` is the CPU time the pass used (its threads and worker
+processes): on a machine other work shares, rows per CPU second compares the work each pass does, which wall time
+on a busy machine does not. ``peak RSS`` is the child's own ``ru_maxrss``; ``workers`` adds
+the largest of its worker processes (num_proc > 1). The machine may be shared: the report gives the load
+average, and only ratios within one run compare.
+
+``--memory A,B``: tokenizing A rows, then B rows (finetune, default num_proc), each in a fresh process: peak RSS
+of both and the ratio, against the bound finetune states (the tokenized rows live in Arrow files, memory-mapped;
+no Python list holds every row). ``--quick``: 2,000 rows, for developing the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "finetune" / "assets" / "tiny-llama-tokenizer"
+MEMORY_BOUND_MIB = 512  # the stated bound: 1M rows peak at most this much above 10k rows
+
+
+def write_rows(path: Path, rows: int, seed: int = 0) -> None:
+    """``rows`` two-turn chat rows of random words, as JSON lines."""
+    rng = random.Random(seed)
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    words = ["".join(rng.choice(letters[:12 if i % 3 else 26]) for _ in range(rng.randint(2, 8)))
+             for i in range(5000)]
+    with open(path, "w", encoding="utf-8") as handle:
+        for _ in range(rows):
+            user = " ".join(rng.choices(words, k=rng.randint(20, 60))).capitalize() + "?"
+            answer = " ".join(rng.choices(words, k=rng.randint(40, 120))).capitalize() + "."
+            handle.write(json.dumps({"messages": [{"role": "user", "content": user},
+                                                  {"role": "assistant", "content": answer}]}) + "\n")
+
+
+def _cpu() -> float:
+    """CPU seconds of this process (all its threads: the tokenizer's Rust threads too) and its ended children."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                  resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def _peaks() -> dict[str, float]:
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"rss_mib": round(own, 1), "workers_mib": round(children, 1)}
+
+
+def run_pass(kind: str, data: str, procs: int) -> dict:
+    """One pass in this (child) process; returns rows, seconds and peak RSS."""
+    import datasets
+    from transformers import AutoTokenizer
+
+    from finetune.data.loading import load_raw
+    from finetune.data.tokenize import tokenize_rows
+
+    datasets.disable_progress_bars()
+    tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    raw = load_raw(data)
+    if kind == "baseline":
+        def render_and_tokenize(batch: dict) -> dict:
+            texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in batch["messages"]]
+            return tokenizer(texts)
+
+        start, cpu = time.perf_counter(), _cpu()
+        raw.map(render_and_tokenize, batched=True, batch_size=1000, remove_columns=raw.column_names)
+        seconds = time.perf_counter() - start
+    else:
+        start, cpu = time.perf_counter(), _cpu()
+        tokenize_rows(raw, fmt="chat", tokenizer=tokenizer, max_len=4096, overlong="truncate", source=data,
+                      num_proc=procs or None)  # 0: the default
+        seconds = time.perf_counter() - start
+    return {"rows": len(raw), "seconds": seconds, "cpu": _cpu() - cpu, **_peaks()}
+
+
+def child(kind: str, data: str, procs: int, cache: Path, keep_cache: bool = False) -> dict:
+    """:func:`run_pass` in a fresh process; the tokenized-data cache is emptied first unless ``keep_cache``."""
+    if not keep_cache:
+        for stale in cache.rglob("cache-*.arrow"):
+            stale.unlink()
+    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    out = subprocess.run([sys.executable, __file__, "--child", kind, data, str(procs)], env=env, check=True,
+                         capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def versions() -> str:
+    import datasets
+    import tokenizers
+    import transformers
+
+    return (f"python {platform.python_version()}, datasets {datasets.__version__}, transformers "
+            f"{transformers.__version__}, tokenizers {tokenizers.__version__}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, default=100_000)
+    parser.add_argument("--procs", default="1,2,all", help="num_proc values of the finetune passes")
+    parser.add_argument("--memory", default="", help="A,B: peak RSS tokenizing A rows and B rows (e.g. 10000,1000000)")
+    parser.add_argument("--out", default="docs/bench-tokenize.md")
+    parser.add_argument("--workdir", default="")
+    parser.add_argument("--quick", action="store_true", help="2,000 rows (for developing the script)")
+    parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, data, procs = args.child
+        print(json.dumps(run_pass(kind, data, int(procs))))
+        return 0
+    rows = 2000 if args.quick else args.rows
+    cores = len(os.sched_getaffinity(0))
+    procs = list(dict.fromkeys(cores if p == "all" else int(p) for p in args.procs.split(",")))
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-tokenize-"))
+    work.mkdir(parents=True, exist_ok=True)
+    cache = work / "datasets-cache"
+    data = work / f"chat-{rows}.jsonl"
+    if not data.exists():
+        write_rows(data, rows)
+    lines = []
+    load_start = "/".join(f"{x:.2f}" for x in os.getloadavg())
+    results = [("baseline: datasets.map(batched=True), render + tokenize", child("baseline", str(data), 1, cache))]
+    for n in procs:
+        name = f"finetune num_proc={n}" + (" (all cores)" if n == cores else "")
+        results.append((name, child("finetune", str(data), n, cache)))
+    results.append((f"finetune cache hit (num_proc={procs[-1]})",
+                    child("finetune", str(data), procs[-1], cache, keep_cache=True)))
+    base = results[0][1]["rows"] / results[0][1]["seconds"]
+    base_cpu = results[0][1]["rows"] / results[0][1]["cpu"]
+    lines += ["| pass | rows | seconds | rows/s | vs baseline | CPU s | rows per CPU s | vs baseline | peak RSS MiB "
+              "| workers' peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results:
+        rate, per_cpu = r["rows"] / r["seconds"], r["rows"] / max(r["cpu"], 1e-9)
+        lines.append(f"| {name} | {r['rows']:,} | {r['seconds']:.1f} | {rate:,.0f} | {rate / base:.2f}x | "
+                     f"{r['cpu']:.1f} | {per_cpu:,.0f} | {per_cpu / base_cpu:.2f}x | {r['rss_mib']:,.0f} | "
+                     f"{r['workers_mib']:,.0f} |")
+    if args.memory:
+        small, big = (int(x) for x in args.memory.split(","))
+        measured = []
+        for count in (small, big):
+            path = work / f"chat-{count}.jsonl"
+            if not path.exists():
+                write_rows(path, count)
+            measured.append(child("finetune", str(path), 0, cache))
+        grow = measured[1]["rss_mib"] - measured[0]["rss_mib"]
+        lines += ["", "| memory: rows | seconds | peak RSS MiB | workers' peak RSS MiB |", "|---|---|---|---|"]
+        lines += [f"| {r['rows']:,} | {r['seconds']:.1f} | {r['rss_mib']:,.0f} | {r['workers_mib']:,.0f} |"
+                  for r in measured]
+        lines.append(f"\n{big:,} rows peak {grow:+,.0f} MiB over {small:,} rows (stated bound: "
+                     f"+{MEMORY_BOUND_MIB} MiB): {'within' if grow <= MEMORY_BOUND_MIB else 'OVER'} the bound")
+    load = "/".join(f"{x:.2f}" for x in os.getloadavg())
+    command = " ".join(["scripts/bench_tokenize.py", *sys.argv[1:]])
+    report = [
+        "# Tokenizing: finetune vs a plain batched datasets.map", "",
+        f"- command: `.venv/bin/python {command}`",
+        f"- date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}",
+        f"- machine: {platform.processor() or platform.machine()}; {os.cpu_count()} cores ({cores} usable); "
+        f"load average (1/5/15 min) {load_start} at the start, {load} at the end (the machine may be shared: compare "
+        "ratios within this run only)",
+        f"- versions: {versions()}",
+        f"- rows: {rows:,} generated two-turn chat rows ({data.stat().st_size / 2**20:.0f} MiB of JSON lines); "
+        f"tokenizer: finetune/assets/tiny-llama-tokenizer (its own chat template)", "",
+        *lines, "",
+        "See the docstring of scripts/bench_tokenize.py for what each pass does and measures.", ""]
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
