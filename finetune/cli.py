@@ -421,7 +421,7 @@ def config(
     if not provenance:
         typer.echo(to_yaml(cfg), nl=False)
         if cfg.peft.method != "none":
-            typer.echo(_peft_summary(cfg))
+            typer.echo(_peft_summary(cfg, registry.recipe_row(cfg)))
         return
     typer.echo("\n".join(_render_provenance(cfg.model_dump(mode="json"), composed.provenance)))
 
