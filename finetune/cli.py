@@ -18,16 +18,18 @@ from typing import Annotated, Any
 import typer
 import yaml
 
-from finetune import backends, launch, outputs, prepare, registry, resources, rundir, unstarted
+from finetune import registry
+from finetune.artifacts import rundir, unstarted
+from finetune.artifacts.checkpoint import publishing
 from finetune.artifacts.choose import inventory
-from finetune.checkpoint import publishing
-from finetune.config import Composed, compose, load_recipe, to_yaml
+from finetune.config import Composed, compose, load_recipe, outputs, resources, to_yaml
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError, FinetuneError, RunDirError, run_main
-from finetune.peft import describe_on_meta
-from finetune.plan import build_plan, render, to_json
 from finetune.registry import SupportedModel
-from finetune.worker import run_worker
+from finetune.runtime import backends, launch, prepare
+from finetune.runtime.peft import describe_on_meta
+from finetune.runtime.plan import build_plan, render, to_json
+from finetune.runtime.worker import run_worker
 
 app = typer.Typer(
     add_completion=False,
@@ -180,7 +182,8 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
     """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
     running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
     launcher across exec until every rank has exited. Before a launch, this process fills the caches the ranks
-    read (finetune.prepare): no rank then tokenizes or downloads alone inside the process group. ``inputs``: what
+    read (finetune.runtime.prepare): no rank then tokenizes or downloads alone inside the process group. ``inputs``:
+    what
     ``prepare.inputs`` already gave this process (the data check of `finetune run`); ``unstarted``: called, with
     the lock still held, when training in this process fails (it removes a new run that trained nothing)."""
     if launch.in_process(cfg):
@@ -229,12 +232,12 @@ def resume(
 ) -> None:
     """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe. A finished
     run (its newest checkpoint at the last step, final/ exported from it) is left as it is: one line, exit 0."""
-    from finetune.resume import begin
+    from finetune.artifacts.resume import begin
 
     flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
-    if from_ is None:  # a finished run: one line, exit 0 (finetune.finished)
-        from finetune.finished import nothing_to_resume
+    if from_ is None:  # a finished run: one line, exit 0 (finetune.artifacts.finished)
+        from finetune.artifacts.finished import nothing_to_resume
 
         if done := nothing_to_resume(run_dir, [*(overrides or []), *extra], trust_remote_code):
             typer.echo(done)
@@ -254,7 +257,7 @@ def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<n
     if not (run_dir / rundir.RESOLVED).is_file():
         raise RunDirError(f"{run_dir}: not a run directory (no {rundir.RESOLVED})")
     _ls_checkpoints(run_dir)
-    from finetune.summary import read_summary, render
+    from finetune.artifacts.summary import read_summary, render
 
     summary = read_summary(run_dir)  # a finished run: the summary it ended with, read back from its files
     if summary is not None:
@@ -265,7 +268,7 @@ def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<n
 
 def _ls_checkpoints(run_dir: Path) -> None:
     """``finetune ls``'s checkpoint table."""
-    from finetune import layout
+    from finetune.artifacts import layout
 
     complete, stale = rundir.checkpoint_dirs(run_dir), rundir.stale_checkpoint_dirs(run_dir)
     root = run_dir / rundir.CHECKPOINTS
@@ -290,9 +293,9 @@ def _ls_checkpoints(run_dir: Path) -> None:
 
 
 def _resume_targets(manifest: dict[str, Any]) -> str:
-    """Where a checkpoint can resume (finetune.portable, imported only here: ls stays light); ``?`` when its
+    """Where a checkpoint can resume (finetune.artifacts.portable, imported only here: ls stays light); ``?`` when its
     manifest is too damaged to say (ls lists anything without failing)."""
-    from finetune.portable import resume_targets
+    from finetune.artifacts.portable import resume_targets
 
     try:
         return resume_targets(manifest)
@@ -310,7 +313,7 @@ def export(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Export any checkpoint (any backend, full or LoRA) as a Hugging Face folder, verified in a fresh process."""
-    from finetune.export import export as export_checkpoint
+    from finetune.commands.export import export as export_checkpoint
 
     done = export_checkpoint(run_dir, from_, outputs.given(output), overwrite, trust_remote_code)
     check = (f"verified in a fresh process: logits match the recorded probe, max |delta| {done.delta:.2e} <= "
@@ -327,13 +330,13 @@ def eval_(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Evaluate a run's final model, a checkpoint, or an exported model on the recipe's eval set."""
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     metrics = evaluate_target(target, overrides or [], trust_remote_code)
     if as_json:
         typer.echo(json.dumps(metrics, sort_keys=True))
     else:
-        from finetune.tracking import format_metrics
+        from finetune.runtime.tracking import format_metrics
 
         for line in format_metrics(metrics):  # each metric once: `eval_exact_match 198/200 = 0.9900`
             typer.echo(line)
@@ -347,7 +350,7 @@ def merge(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Merge a LoRA adapter into its base model (safetensors), verifying the logits before keeping it."""
-    from finetune.merge import merge as merge_adapter
+    from finetune.commands.merge import merge as merge_adapter
 
     merge_adapter(target, outputs.given(output), overwrite, trust_remote_code=trust_remote_code, log=typer.echo)
 
@@ -372,11 +375,11 @@ def generate(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Generate a completion for every prompt of a JSON lines file (greedy or sampled), in input order."""
-    from finetune.generate import Options, start
+    from finetune.commands.generate import Options, start
 
     options = Options(max_new_tokens, temperature, top_p, seed, batch_size, overwrite, trust_remote_code)
     argv = start(target, prompts, outputs.given(output), options, num_processes, accelerate_config, log=typer.echo)
-    if argv:  # several processes: accelerate launch runs finetune.generate on every rank
+    if argv:  # several processes: accelerate launch runs finetune.commands.generate on every rank
         sys.stdout.flush()
         os.execvpe(argv[0], argv, launch.child_env())
 
@@ -388,7 +391,7 @@ def plot(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing -o file")] = False,
 ) -> None:
     """Plot loss, lr, grad norm and every eval metric against step into one PNG, one colour per run."""
-    from finetune.plot import plot_runs
+    from finetune.artifacts.plot import plot_runs
 
     panels = plot_runs(runs, outputs.given(output), overwrite=overwrite)
     typer.echo(f"wrote {output}: {len(panels)} panels ({', '.join(p.key for p in panels)}) for "

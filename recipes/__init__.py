@@ -1,3 +1,3 @@
 """Not code: this file makes the shipped recipes folder the package ``finetune._recipes`` (see pyproject.toml), so
-that finetune/resources.py finds the recipes, presets and data with importlib.resources, from a checkout (editable
+that finetune/config/resources.py finds the recipes, presets and data with importlib.resources, from a checkout (editable
 install) or an installed wheel alike."""

@@ -31,12 +31,13 @@ LONG_STEPS = 10_000
 
 
 def _register_hooks() -> None:
-    from finetune import checkpoint, hooks
+    from finetune import hooks
+    from finetune.artifacts import checkpoint
 
     save_at = int(os.environ.get("BENCH_SAVE_AND_EXIT_AT", "0"))
     first_step_file = os.environ.get("BENCH_FIRST_STEP_FILE")
 
-    def after_step(trainer: Any) -> None:  # a finetune.loop.Trainer
+    def after_step(trainer: Any) -> None:  # a finetune.runtime.loop.Trainer
         if save_at and trainer.state.step == save_at:
             checkpoint.save(trainer.accelerator, trainer.cfg, trainer.state, trainer.objects, trainer.tokenizer,
                             trainer.run_dir, trainer.backend.name, trainer.run_id)

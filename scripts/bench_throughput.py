@@ -23,7 +23,7 @@ Setup (once, before any variant; none of it is timed):
   (median 96, sigma 0.75, clipped to [8, 512]) and each text is cut to its target with the tokenizer, so the
   counts are only roughly log-normal: the script reports the measured lengths. The rows are tokenized ONCE by
   finetune's own pipeline (``finetune.data.load_splits`` with the recipe's DataConfig, tokenizer from
-  ``finetune.modeling.build_tokenizer``): BOS + text + EOS, labels = input_ids with BOS ignored (-100). Every
+  ``finetune.runtime.modeling.build_tokenizer``): BOS + text + EOS, labels = input_ids with BOS ignored (-100). Every
   variant trains on exactly these ``input_ids``/``labels``, in file order, 8 samples per step (micro-batch 8,
   global batch 8, no accumulation), one epoch = 48 steps.
 * Training: fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0), constant lr, no warmup, no
@@ -61,7 +61,8 @@ What is measured, identically for every variant:
   runs from the end of step N to the end of the last step, so it includes collating, host-to-device copies and
   each framework's per-step bookkeeping.
 * What the model is fed: forward hooks on the model (installed on finetune's model by wrapping
-  ``finetune.worker.build_trainer``) record each forward's ``input_ids`` size, its attended tokens (attention-mask
+  ``finetune.runtime.worker.build_trainer``) record each forward's ``input_ids`` size, its attended tokens
+  (attention-mask
   sum, or every token without a mask), its number of samples (rows, or position-id restarts without a mask), and
   the loss (the model's ``loss`` output; for finetune, the loss sum its task returns divided by the step's target
   count).
@@ -435,8 +436,8 @@ def prepare(work: Workload, workdir: Path, device: torch.device) -> Bench:
     from finetune.config import load_recipe
     from finetune.data import load_splits
     from finetune.data.tokenize import column
-    from finetune.modeling import build_tokenizer
     from finetune.registry import get_model
+    from finetune.runtime.modeling import build_tokenizer
 
     model_dir = workdir / "model"
     model_dir.mkdir(parents=True)
@@ -576,7 +577,8 @@ def _dispatch_after_step(**kwargs: Any) -> None:
 
 def run_finetune(bench: Bench, packed: bool) -> Trace:
     """``finetune run`` in this process (``finetune.cli.run``); its Trainer is instrumented when it is built."""
-    from finetune import cli, hooks, worker
+    from finetune import cli, hooks
+    from finetune.runtime import worker
 
     if _dispatch_after_step not in hooks._HOOKS.get("after_step", ()):
         hooks.register("after_step", _dispatch_after_step)

@@ -9,7 +9,8 @@ repeat the straight run's), ``finetune export --from`` that checkpoint (verified
 each model gives the loss parity.
 
 Measured per row: input tokens/s per GPU (non-padding tokens the model read, timed over steps without a checkpoint,
-after warm-up), MFU (``finetune.flops``; omitted for a device the peak table does not know, or ``--peak-tflops``),
+after warm-up), MFU (``finetune.runtime.flops``; omitted for a device the peak table does not know, or
+``--peak-tflops``),
 peak ``torch.cuda.max_memory_allocated`` against the plan's per-rank device total. A measurement hook (this module,
 imported by the worker through ``FINETUNE_HOOKS``) records them at each step boundary; it changes nothing in training.
 
@@ -273,10 +274,10 @@ def _flops_coefficients(recipe: Path) -> tuple[float, float] | None:
     import torch
     import transformers
 
-    from finetune import flops
     from finetune.config import load_recipe
-    from finetune.modeling import build_config
     from finetune.registry import recipe_row
+    from finetune.runtime import flops
+    from finetune.runtime.modeling import build_config
 
     cfg, _ = load_recipe(recipe)
     row = recipe_row(cfg)
@@ -339,7 +340,7 @@ def run_row(row: Row, sizes: Sizes, out: Path, run: Runner, refs: dict[str, dict
             plan_out: tuple[int, str], peak_override: float | None) -> Result:
     """Train, resume from the middle, export the middle checkpoint, evaluate the export; check each (and the plan
     ``finetune plan --json`` printed, ``plan_out``)."""
-    from finetune import flops
+    from finetune.runtime import flops
 
     res = Result(row.name)
     slug = _slug(row)
@@ -502,8 +503,8 @@ def main(argv: list[str] | None = None) -> int:
              f"relative tolerance {LOSS_RTOL:g}; resume parity {RESUME_RTOL:g}; export eval parity {EVAL_RTOL:g}; "
              f"peak memory fails above {PLAN_SLACK:g} x the plan.",
              "Tokens/s counts input tokens (padding excluded) over steps after warm-up that saved no checkpoint. "
-             "MFU uses finetune.flops (matmuls and full attention per sample) against the dense bf16 peak table; "
-             "an unknown device gets none."]
+             "MFU uses finetune.runtime.flops (matmuls and full attention per sample) against the dense bf16 peak "
+             "table; an unknown device gets none."]
     attn = None
     if args.dry_run:
         notes.append("Nothing in this report ran on a GPU: --dry-run trains tiny models on the CPU; peak device "

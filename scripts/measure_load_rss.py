@@ -1,5 +1,5 @@
 """Measure: each rank's peak memory while 2 processes build and prepare a model loaded from disk, with every rank
-reading the weights (the old behaviour) and with rank 0 alone reading them (finetune.materialize).
+reading the weights (the old behaviour) and with rank 0 alone reading them (finetune.runtime.materialize).
 
     .venv/bin/python scripts/measure_load_rss.py [--out docs/load-rss.md] [--backends ddp fsdp2 zero3]
         [--hidden 1024 --layers 12 --intermediate 2816] [--allocator mmap64k|default] [--max-load 1.5 --wait 600]
@@ -8,7 +8,7 @@ What it does: a Llama-architecture model (default hidden 1024, 12 layers, 16 hea
 the bundled tokenizer: ~155M parameters, random weights) is saved in fp32 with ``save_pretrained`` into a temporary
 folder. For each backend and each behaviour a fresh ``accelerate launch`` of 2 processes runs this script's child
 mode on every rank: import what the worker imports on its way, reset the resident high-water mark (``VmHWM``, by
-writing 5 to /proc/self/clear_refs), run ``finetune.worker.build_trainer`` (accelerator, tokenizer, data, model,
+writing 5 to /proc/self/clear_refs), run ``finetune.runtime.worker.build_trainer`` (accelerator, tokenizer, data, model,
 optimizer, ``accelerator.prepare``; no training step) while a thread samples /proc/self/smaps_rollup every 20 ms,
 then read ``VmHWM``. The old behaviour is the same code with ``FINETUNE_LOAD_EVERYWHERE=1``. Reported per rank, as
 growth over the process before the build: peak RSS (VmHWM; it counts the weight file's pages a rank maps and
@@ -86,14 +86,15 @@ def child(resolved: Path, out: Path) -> None:
     """On every rank under the launcher: build and prepare the run of ``resolved``; write this rank's memory."""
     import importlib
 
-    from finetune.backends import detect
     from finetune.config import load_resolved
-    from finetune.worker import build_trainer
+    from finetune.runtime.backends import detect
+    from finetune.runtime.worker import build_trainer
 
     # what building imports on the way, loaded first so that "before" is the process without a model
     for module in ("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "accelerate", "datasets",
-                   "peft", "transformers.models.llama.modeling_llama", "finetune.loop", "finetune.data",
-                   "finetune.tasks", "finetune.tracking", "finetune.materialize", "finetune.probe", "finetune.portable",
+                   "peft", "transformers.models.llama.modeling_llama", "finetune.runtime.loop", "finetune.data",
+                   "finetune.tasks", "finetune.runtime.tracking", "finetune.runtime.materialize",
+                   "finetune.artifacts.probe", "finetune.artifacts.portable",
                    *(("deepspeed",) if detect().kind == "deepspeed" else ())):
         importlib.import_module(module)
     cfg = load_resolved(resolved)
@@ -117,7 +118,7 @@ def save_model(folder: Path, hidden: int, layers: int, intermediate: int) -> int
     import torch
     import transformers
 
-    from finetune.modeling import ASSETS
+    from finetune.runtime.modeling import ASSETS
 
     config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                                       num_attention_heads=16, num_key_value_heads=16, vocab_size=512,
@@ -145,8 +146,9 @@ def measure(work: Path, model: Path, backend: str, behaviour: str, allocator: di
     rank's row."""
     import yaml
 
-    from finetune import backends, rundir
+    from finetune.artifacts import rundir
     from finetune.config import load_recipe
+    from finetune.runtime import backends
 
     name = f"{backend}-{'old' if behaviour == 'every rank reads' else 'new'}"
     path = work / f"{name}.yaml"
@@ -240,9 +242,10 @@ def report(rows: list[dict[str, Any]], params: int, command: str, loads: tuple[f
         "```",
         "",
         "Each row is one rank; each cell pair is two fresh 2-process `accelerate launch`es that run "
-        "`finetune.worker.build_trainer` (accelerator, tokenizer, data, model, optimizer, `accelerator.prepare`; no "
-        "training step): *old* is every rank reading the weights (`FINETUNE_LOAD_EVERYWHERE=1`, the behaviour "
-        "before), *new* is rank 0 alone reading them (the default now). MiB, as growth over the process after its "
+        "`finetune.runtime.worker.build_trainer` (accelerator, tokenizer, data, model, optimizer, "
+        "`accelerator.prepare`; no training step): *old* is every rank reading the weights "
+        "(`FINETUNE_LOAD_EVERYWHERE=1`, the behaviour before), *new* is rank 0 alone reading them (the default "
+        "now). MiB, as growth over the process after its "
         "imports (*before*, the old run's):",
         "",
         "- **RSS**: the kernel's resident high-water mark (VmHWM, reset before the build). It counts the pages of "

@@ -1,7 +1,7 @@
 """Which checkpoint a command uses: the one place that chooses (resume, export, eval of a run's checkpoint, ls).
 
 The choice is the newest complete resumable checkpoint, or the one ``--from`` names (a name in ``checkpoints/`` or a
-path). Each checkpoint's manifest is read once, here (:func:`finetune.checkpoint.inspect`), and carried on the
+path). Each checkpoint's manifest is read once, here (:func:`finetune.artifacts.checkpoint.inspect`), and carried on the
 returned :class:`Chosen` (``info.manifest``) for the caller to verify and use. Newer checkpoints passed over are
 returned as ``(name, reason)`` pairs, which the callers print one line each (:func:`skipped_lines`).
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune import checkpoint, rundir
-from finetune.checkpoint import CheckpointInfo
+from finetune.artifacts import checkpoint, rundir
+from finetune.artifacts.checkpoint import CheckpointInfo
 from finetune.errors import RunDirError
 
 NO_CHECKPOINT = {  # what the command does, for the line that says none can be chosen
@@ -41,7 +41,7 @@ def inventory(run_dir: Path) -> list[CheckpointInfo]:
 def choose(run_dir: Path, name: str | None, purpose: str = "resume") -> Chosen:
     """The checkpoint ``name`` (e.g. ``step-000100``, or a path) or, for None, the newest resumable one, with the
     newer ones passed over and why; RunDirError (one line) if none fits. ``purpose`` (``resume`` or ``export``)
-    words that line. Whether it belongs to this run is checked by :func:`finetune.checkpoint.verify`."""
+    words that line. Whether it belongs to this run is checked by :func:`finetune.artifacts.checkpoint.verify`."""
     if name is None:
         infos = inventory(run_dir)
         usable = [info for info in infos if info.resumable]

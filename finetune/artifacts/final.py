@@ -16,13 +16,13 @@ from typing import Any
 
 import torch
 
-from finetune import registry, rundir
-from finetune.artifacts import writer
+from finetune import registry
+from finetune.artifacts import rundir, writer
 from finetune.artifacts.record import record
-from finetune.backends import Backend, export_module, full_state_dict, layout
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import NonFiniteError
-from finetune.modeling import save_custom_weights, save_tokenizer
+from finetune.runtime.backends import Backend, export_module, full_state_dict, layout
+from finetune.runtime.modeling import save_custom_weights, save_tokenizer
 
 
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
@@ -32,13 +32,15 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
     ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
-    (:func:`finetune.modeling.save_custom_weights`); always the tokenizer, the resolved recipe and a manifest (with
+    (:func:`finetune.runtime.modeling.save_custom_weights`); always the tokenizer, the resolved recipe and a manifest
+    (with
     the row, the classification ``labels`` and the layout, :mod:`finetune.artifacts.record`).
 
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
     copy of the model (base and adapter) for a backend that must save from one (see
-    :func:`finetune.backends.export_module`). ``precision``: the run's :class:`finetune.precision.Precision`, whose
+    :func:`finetune.runtime.backends.export_module`). ``precision``: the run's
+    :class:`finetune.runtime.precision.Precision`, whose
     autocast the reference forward runs under, as training ran (None: no autocast, fp32 training)."""
     out = run_dir / rundir.FINAL
     state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends

@@ -15,16 +15,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune import layout, registry, rundir
-from finetune import peft as lora
+from finetune import registry
+from finetune.artifacts import layout, rundir
+from finetune.artifacts.checkpoint import verify
+from finetune.artifacts.portable import apply_model_state, read_full_state
 from finetune.artifacts.record import labels_of, row_of
-from finetune.checkpoint import verify
 from finetune.config import RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import apply_overrides
 from finetune.errors import ConfigError, FinetuneError, RunDirError, unreadable
-from finetune.portable import apply_model_state, read_full_state
 from finetune.quiet import library_warnings_off
 from finetune.registry import CUSTOM_WEIGHTS, SupportedModel
+from finetune.runtime import peft as lora
 
 
 @dataclass
@@ -115,7 +116,7 @@ def portable_overrides(recipe: dict[str, Any]) -> tuple[list[str], list[str]]:
     if model.get("attn_implementation") == "flash_attention_2":
         import torch
 
-        from finetune.modeling import flash_attn_installed  # imports torch
+        from finetune.runtime.modeling import flash_attn_installed  # imports torch
 
         missing = ("the flash_attn package is not installed" if not flash_attn_installed()
                    else "no CUDA device is available" if not torch.cuda.is_available() else None)
@@ -130,7 +131,7 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None = None
     """The model of ``where``, built as its row with its labels (``labels``: others, e.g. for a folder opened
     without a manifest). A QLoRA adapter sits on the 4-bit base it was trained with, unless ``quantized`` is False
     (merge: the full-precision base). A checkpoint of any backend is read by :func:`apply_checkpoint`."""
-    from finetune.modeling import build_base, build_model, loading  # imports torch
+    from finetune.runtime.modeling import build_base, build_model, loading  # imports torch
 
     row = where.row or registry.recipe_row(cfg)
     labels = labels if labels is not None else where.labels
@@ -158,7 +159,7 @@ def apply_checkpoint(model: Any, ckpt: Path) -> None:
     """Load a verified checkpoint's model weights, in whatever layout its backend wrote them (single/DDP
     safetensors, FSDP's DCP shards, DeepSpeed ZeRO partitions; full or adapter-only), into ``model`` (built from
     the checkpoint's recipe, with the adapter applied for LoRA runs), in this one process through
-    :mod:`finetune.portable` (the model alone needs no scratch folder)."""
+    :mod:`finetune.artifacts.portable` (the model alone needs no scratch folder)."""
     with unreadable(lambda detail: f"{ckpt}: the model weights cannot be read ({detail}); the checkpoint is damaged "
                     "or of another finetune version: use another checkpoint"):
         state = read_full_state(ckpt, optimizer=False).model
@@ -174,7 +175,7 @@ def apply_checkpoint(model: Any, ckpt: Path) -> None:
 
 def load_tokenizer(cfg: RecipeConfig, where: Target) -> Any:
     """The tokenizer saved with an export (a full model or an adapter), else the one the recipe's model names."""
-    from finetune.modeling import build_tokenizer  # imports torch
+    from finetune.runtime.modeling import build_tokenizer  # imports torch
 
     export = where.full_model or where.adapter
     return build_tokenizer(cfg.model, where.row or registry.recipe_row(cfg), source=str(export) if export else None)

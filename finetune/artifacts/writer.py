@@ -5,14 +5,15 @@ Every model folder finetune writes goes through :func:`write`: a run's ``final/`
 (:func:`write_checkpoint`), and ``finetune merge``. The steps, in order:
 
 1. save: the caller's ``save(folder)`` writes the model (or adapter), tokenizer and recipe into a fresh ``.tmp``
-   folder beside the destination (:func:`finetune.rundir.scratch_dir`, or the run dir's ``final.tmp``);
+   folder beside the destination (:func:`finetune.artifacts.rundir.scratch_dir`, or the run dir's ``final.tmp``);
 2. verify: weights that are not all finite are never written (:func:`all_finite`, the one check); with a
-   :class:`Check`, a FRESH process (``python -m finetune.reload``) loads the folder as any user would and computes
-   its logits on the probe inputs (the ones the checkpoint recorded, else :func:`finetune.probe.fixed_inputs`)
+   :class:`Check`, a FRESH process (``python -m finetune.artifacts.reload``) loads the folder as any user would and
+   computes
+   its logits on the probe inputs (the ones the checkpoint recorded, else :func:`finetune.artifacts.probe.fixed_inputs`)
    under the recipe's ``train.mixed_precision``; they must equal the expected logits within
-   :func:`finetune.probe.tolerance` (the caller's one-line error otherwise: nothing is published);
+   :func:`finetune.artifacts.probe.tolerance` (the caller's one-line error otherwise: nothing is published);
 3. publish: the manifest (with the verification) is written last and the folder is renamed into place
-   (:func:`finetune.rundir.publish`, which owns every name and deletion in a run dir); a failure at any step
+   (:func:`finetune.artifacts.rundir.publish`, which owns every name and deletion in a run dir); a failure at any step
    removes the scratch folders and leaves any previous folder where it was.
 
 Nothing here imports a command module.
@@ -30,15 +31,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import probe, rundir
+from finetune.artifacts import probe, rundir
+from finetune.artifacts.checkpoint import tokenizer_fingerprint
+from finetune.artifacts.probe import Probe, ProbeMismatch
 from finetune.artifacts.record import record
 from finetune.artifacts.target import Target, load_model
-from finetune.checkpoint import tokenizer_fingerprint
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, NonFiniteError
-from finetune.probe import Probe, ProbeMismatch
 
-RELOAD_MODULE = "finetune.reload"  # what the fresh process runs
+RELOAD_MODULE = "finetune.artifacts.reload"  # what the fresh process runs
 
 
 def all_finite(state_dict: dict[str, Any] | None) -> bool:
@@ -79,7 +80,8 @@ def write(out: Path, save: Callable[[Path], None], manifest: dict[str, Any], *, 
 
     ``weights``: the state dict whose finiteness is checked first (NonFiniteError ``nonfinite``; None: the caller
     checked it, e.g. collectively across ranks). ``tmp``/``old``: the scratch and previous-folder names (default:
-    :func:`finetune.rundir.scratch_dir` beside ``out``). ``recheck_out``: check again, just before publishing, that
+    :func:`finetune.artifacts.rundir.scratch_dir` beside ``out``). ``recheck_out``: check again, just before publishing,
+    that
     what is at ``out`` may be replaced (something may have been put there meanwhile). Returns the verified
     max |delta logit| (None without a check)."""
     if weights is not None and not all_finite(weights):
@@ -116,7 +118,8 @@ def write(out: Path, save: Callable[[Path], None], manifest: dict[str, Any], *, 
 
 def reload_logits(folder: Path, inputs: dict[str, Any], labels: list[str] | None, trust_remote_code: bool,
                   scratch: Path, mixed_precision: str) -> Any:
-    """The logits of the model folder ``folder``, loaded in a fresh Python process (``python -m finetune.reload``),
+    """The logits of the model folder ``folder``, loaded in a fresh Python process (``python -m
+    finetune.artifacts.reload``),
     on ``inputs``, computed under ``mixed_precision`` autocast (the training precision); ``scratch`` (outside the
     folder) carries the inputs and the logits as safetensors."""
     from safetensors.torch import load_file, save_file
@@ -157,12 +160,13 @@ def write_checkpoint(cfg: RecipeConfig, where: Target, out: Path, *, trust_remot
     export ``finetune eval`` of a checkpoint evaluates): its recipe's model (plus the adapter for LoRA runs) with
     the checkpoint's weights, the tokenizer its recipe names, its recipe, and for an adapter the merge check, written
     by :func:`write` and verified against the logits the checkpoint recorded (a checkpoint written before probes
-    existed: against this process's model on :func:`finetune.probe.fixed_inputs`). ``mismatch(delta, tolerance,
+    existed: against this process's model on :func:`finetune.artifacts.probe.fixed_inputs`). ``mismatch(delta,
+    tolerance,
     rule, recorded)`` is the caller's error for a failed check; ``manifest``: the head of the folder's manifest
     (the row and labels are added)."""
-    from finetune import peft as lora
-    from finetune.backends import _unwrap_without_importing_deepspeed
-    from finetune.modeling import build_tokenizer, save_tokenizer  # imports torch
+    from finetune.runtime import peft as lora
+    from finetune.runtime.backends import _unwrap_without_importing_deepspeed
+    from finetune.runtime.modeling import build_tokenizer, save_tokenizer  # imports torch
 
     assert where.checkpoint is not None and where.row is not None
     recorded = probe.read(where.checkpoint)  # a damaged record is refused before the weights are read

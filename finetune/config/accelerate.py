@@ -1,7 +1,7 @@
 """The one reader of accelerate config files: find one by path or shipped name, read it, and say in one line what is
 wrong with it.
 
-Every command that needs an accelerate config reads it here, through :func:`finetune.backends.accelerate_config`
+Every command that needs an accelerate config reads it here, through :func:`finetune.runtime.backends.accelerate_config`
 (which turns the settings into the Backend they select), except recipe validation, which sits below ``backends`` in
 the layering and so calls :func:`load` itself. A missing, unreadable or invalid file is therefore the same
 :class:`ConfigError` line (naming the file and the fix, exit 2) through ``finetune run``, ``plan``, ``generate`` and
@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from finetune import resources
+from finetune.config import resources
 from finetune.errors import ConfigError
 
 RECIPE_KEY = "launch.accelerate_config"  # the setting's name in a recipe (and what --accelerate-config sets there)
@@ -45,7 +45,7 @@ def distributed_type(settings: Mapping[str, Any]) -> str:
 
 def locate(name: str) -> Path | None:
     """An accelerate config by path (an existing file wins) or by the name of a shipped one (``zero2``, found by
-    :mod:`finetune.resources` in a checkout or an installed wheel alike); None if neither exists."""
+    :mod:`finetune.config.resources` in a checkout or an installed wheel alike); None if neither exists."""
     try:
         local = Path(name).is_file()
     except (OSError, ValueError):  # a name the OS refuses (too long): not a file

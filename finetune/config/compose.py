@@ -26,9 +26,9 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
+from finetune.config.resources import is_recipe_name, recipe_names, recipes_dir, shipped_recipe
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
-from finetune.resources import is_recipe_name, recipe_names, recipes_dir, shipped_recipe
 
 PATH_KEYS = ("data.train", "data.eval", "model.path")
 SOURCE_KEYS = ("data.train", "data.eval")  # a path, or a list of sources {path, ...} whose paths resolve alike
@@ -386,9 +386,10 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def _resolve_extends(entry: Any, owner: Path, where: str) -> Path:
     """The recipe file an ``extends:`` entry names: next to ``owner`` first, then in the shipped recipes folder
-    (found by :func:`finetune.resources.recipes_dir`, so ``extends: presets/smoke.yaml`` works from an installed wheel),
+    (found by :func:`finetune.config.resources.recipes_dir`, so ``extends: presets/smoke.yaml`` works from an installed
+    wheel),
     then, for a bare name (``quickstart``), the shipped recipe of that name, looked up as ``finetune run quickstart``
-    looks it up (:func:`finetune.resources.shipped_recipe`).
+    looks it up (:func:`finetune.config.resources.shipped_recipe`).
 
     ``where`` is ``owner:line`` of the ``extends:`` key, for messages. A directory or special file of that name is
     reported as such (not as "not found") unless a regular file is found in the other place.

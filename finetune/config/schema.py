@@ -126,7 +126,8 @@ def _source_kind(value: Any) -> str | None:
 def _sources_of(kind: type[DataSource]) -> Any:
     """The type of data.train (TrainSource) or data.eval (DataSource): a path, or a non-empty list of sources."""
     return Annotated[
-        Annotated[str, Tag("single")] | Annotated[list[kind], Field(min_length=1), Tag("sources")],  # type: ignore[valid-type]
+        # type: ignore[valid-type]
+        Annotated[str, Tag("single")] | Annotated[list[kind], Field(min_length=1), Tag("sources")],
         Discriminator(_source_kind, custom_error_type="data_sources",
                       custom_error_message="must be a path (file or hub name) or a list of sources {path, ...}"),
     ]
@@ -252,8 +253,8 @@ class TrainConfig(Section):
     peak_tflops: float | None = Field(
         default=None, gt=0,
         description="this device's peak dense TFLOP/s, for the logged mfu; null: looked up by GPU name (bf16 dense "
-        "tensor-core figures of common GPUs, finetune.flops.PEAK_BF16_TFLOPS); on the CPU or an unknown GPU the mfu "
-        "is then omitted, never guessed",
+        "tensor-core figures of common GPUs, finetune.runtime.flops.PEAK_BF16_TFLOPS); on the CPU or an unknown "
+        "GPU the mfu is then omitted, never guessed",
     )
 
     @model_validator(mode="after")

@@ -434,7 +434,7 @@ def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool
 def load_resolved(path: str | Path, allow_plugin: bool = False) -> RecipeConfig:
     """Read a recipe.resolved.yaml written by :func:`write_resolved` (what every worker reads). A run's file: its
     ``model.plugin`` is imported only with ``allow_plugin``, which the launching process passes explicitly
-    (``finetune.worker --allow-plugin``), never inferred from the file."""
+    (``finetune.runtime.worker --allow-plugin``), never inferred from the file."""
     from finetune.config.compose import compose
 
     return validate(compose(path), allow_plugin=allow_plugin)

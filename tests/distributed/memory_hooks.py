@@ -2,7 +2,7 @@
 every training step, measured with no code shared with ``finetune plan``.
 
 Loaded at the first hook that fires (after step 1, or when a rank tokenizes), the module wraps
-``finetune.loop.train_step`` (``loop.train`` looks it up at every step). Inside each step a :class:`LiveBytes`
+``finetune.runtime.loop.train_step`` (``loop.train`` looks it up at every step). Inside each step a :class:`LiveBytes`
 dispatch mode sees every storage an operator reads or writes, per rank, on plain tensors and inside tensor
 subclasses (FSDP2's DTensor parameters, gradients and optimizer states), and counts the bytes of each storage it
 has seen, as its current ``nbytes()``, until the storage is freed (a weakref on it). A storage seen first as an
@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-from finetune import loop
+from finetune.runtime import loop
 from tests.distributed.paths import side_file
 
 

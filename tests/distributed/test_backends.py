@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.launch import free_port
-from finetune.tracking import read_metrics
+from finetune.runtime.launch import free_port
+from finetune.runtime.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
 from tests.recipe_files import write_recipe_file
@@ -82,8 +82,8 @@ def workdir(tmp_path_factory) -> Path:
     no-decay group) moves the losses and weights well past the 1e-4 the parity tests allow."""
     import transformers
 
-    from finetune.modeling import ASSETS
     from finetune.registry import SUPPORTED_MODELS
+    from finetune.runtime.modeling import ASSETS
 
     root = tmp_path_factory.mktemp("dist")
     torch.manual_seed(0)
@@ -210,7 +210,7 @@ def test_plan_is_within_15_percent_of_the_measured_peak(workdir: Path, backend: 
     zero2, 1.04 without them) and FSDP1's two gathered decoder layers (the whole model here). For a real model
     those are small next to the activations that are still alive when they are allocated."""
     from finetune.config import load_recipe
-    from finetune.plan import build_plan
+    from finetune.runtime.plan import build_plan
 
     run = _straight_run(workdir, backend)
     ratios = {}
@@ -308,7 +308,7 @@ def test_resume_across_world_sizes(workdir: Path, reference: Path) -> None:
 
     import shutil
 
-    from finetune import rundir
+    from finetune.artifacts import rundir
 
     left = workdir / "zero2-resumed"  # left by test_resume_equals_straight[zero2]
     if not left.is_dir():
@@ -335,7 +335,7 @@ def test_a_dead_rank_fails_the_job_quickly(workdir: Path, reference_bf16: Path) 
     also DDP's bf16 parity: each rank computes the same 4-row micro-batches in the same precision as the 1-process
     bf16 run's micro-steps, only the gradient sums are ordered differently, so the losses of steps 1-5 match it
     within 1e-4, as the fp32 runs do (measured: equal)."""
-    from finetune.checkpoint import inspect
+    from finetune.artifacts.checkpoint import inspect
 
     run, done = _run(workdir, "killed", "--accelerate-config", "ddp", "--num-processes", "2",
                      "train.mixed_precision=bf16", FINETUNE_KILL_RANK="1:5")
@@ -398,7 +398,7 @@ def test_worker_refuses_a_world_size_the_recipe_did_not_plan(reference: Path) ->
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
          str(REPO / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2", "--main_process_port",
-         str(free_port()), "-m", "finetune.worker",
+         str(free_port()), "-m", "finetune.runtime.worker",
          str(reference / "recipe.resolved.yaml"), "--allow-plugin"],
         env=_env(), capture_output=True, text=True, timeout=300,
     )
@@ -417,7 +417,7 @@ def _ranks_alive(run: Path, launcher: int) -> list[int]:
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if "finetune.worker" in cmdline and str(run) in cmdline and int(proc.name) != launcher:
+        if "finetune.runtime.worker" in cmdline and str(run) in cmdline and int(proc.name) != launcher:
             pids.append(int(proc.name))
     return pids
 
@@ -472,7 +472,7 @@ def copy_with_payload(source: Path, run: Path, pattern: str, marker: Path) -> No
     import pickle
     import shutil
 
-    from finetune import rundir
+    from finetune.artifacts import rundir
 
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(source, run)

@@ -1,5 +1,5 @@
 """Elastic resume: a checkpoint of any backend continues on another world size, and on another backend, through the
-portable state (finetune.portable), with the losses and weights of the run that never stopped.
+portable state (finetune.artifacts.portable), with the losses and weights of the run that never stopped.
 
 The straight 8-step, 2-process runs of tests/distributed/test_backends.py (checkpoints at steps 4 and 8) are
 reused: a copy of one is resumed from step 4 on the new layout and must end where the straight run ended.
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune import rundir
-from finetune.tracking import read_metrics
+from finetune.artifacts import rundir
+from finetune.runtime.tracking import read_metrics
 from tests.distributed.test_backends import (
     BACKENDS,
     CHECKPOINT_BACKENDS,
@@ -120,7 +120,7 @@ import json, sys
 from pathlib import Path
 import torch
 from safetensors.torch import load_file
-from finetune.portable import read_full_state
+from finetune.artifacts.portable import read_full_state
 run = Path(sys.argv[1])
 final = load_file(str(run / "final" / "model.safetensors"))
 ckpt = run / "checkpoints" / "step-000008"

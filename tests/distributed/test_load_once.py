@@ -1,5 +1,5 @@
 """With 2 processes and ``model.path``, rank 0 alone reads the weights; rank 1 builds the model empty and receives
-them, and training is the 1-process training (finetune.materialize).
+them, and training is the 1-process training (finetune.runtime.materialize).
 
 A tiny Llama with tied embeddings (and so a tied lm_head and non-persistent rotary buffers, the parts that are
 easy to get wrong) is saved with ``save_pretrained`` and trained for 4 steps from that folder: once on 1 process
@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
 from tests.recipe_files import write_recipe_file
@@ -44,8 +44,8 @@ def load_once_dir(tmp_path_factory) -> Path:
     """The saved model (``pretrained/``), the recipe that trains from it, and the start-up file of every run."""
     import transformers
 
-    from finetune.modeling import ASSETS
     from finetune.registry import SUPPORTED_MODELS
+    from finetune.runtime.modeling import ASSETS
 
     root = tmp_path_factory.mktemp("load-once")
     torch.manual_seed(0)
@@ -177,11 +177,11 @@ def _build_on_rank(rank: int, folder: str, out: str) -> None:
 
     import torch.distributed as dist
 
-    from finetune import materialize
-    from finetune.backends import backend_named
     from finetune.config.schema import ModelConfig
-    from finetune.modeling import build_model
     from finetune.registry import SUPPORTED_MODELS
+    from finetune.runtime import materialize
+    from finetune.runtime.backends import backend_named
+    from finetune.runtime.modeling import build_model
     from tests.distributed.weight_reads import _digest
 
     dist.init_process_group("gloo", init_method=f"file://{out}/rendezvous", rank=rank, world_size=2)

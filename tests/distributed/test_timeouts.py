@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoint, rundir
+from finetune.artifacts import checkpoint, rundir
 from tests.integration.conftest import tiny_recipe
 from tests.recipe_files import write_recipe_file
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.cli import main
 from tests.integration.conftest import DATA, recipe_file, trained_run
 
@@ -454,8 +454,8 @@ def prepared(tmp_path_factory) -> dict[str, Path]:
     saved tiny Llama and a tiny BERT with the bundled tokenizer."""
     import transformers
 
-    from finetune.modeling import ASSETS
     from finetune.registry import get_model
+    from finetune.runtime.modeling import ASSETS
 
     folder = tmp_path_factory.mktemp("prepared")
     full = trained_run(folder, "full", train={"max_steps": 4}, checkpoint={"every_steps": 2, "keep_last": 3},
@@ -535,7 +535,7 @@ def test_a_checkpoint_pruned_while_an_export_reads_it_is_said_to_be(prepared: di
                                                                    monkeypatch, capsys) -> None:
     """A live run's keep_last deletes the checkpoint an export has verified: the line says it was pruned (exit 2),
     not 'recipe file not found'."""
-    from finetune import probe
+    from finetune.artifacts import probe
 
     run = tmp_path / "run"
     shutil.copytree(prepared["full"], run)

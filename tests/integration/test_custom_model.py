@@ -17,7 +17,7 @@ import torch
 
 from finetune import registry
 from finetune.errors import ConfigError
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import (
     DATA,
@@ -80,7 +80,7 @@ def test_the_plugin_row_builds_through_its_factory_and_its_output_has_logits() -
     """The factory's model is seeded by build_base (same weights twice, other weights for another seed), holds the
     wrapped block class, and its bare-logits forward (and an object-with-.logits forward) both read as ``.logits``."""
     from finetune.config.schema import ModelConfig
-    from finetune.modeling import build_base
+    from finetune.runtime.modeling import build_base
 
     registry.load_plugin(PLUGIN)
     row = registry.get_model("tiny-custom")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import (
     DATA,
     REPO,
@@ -62,7 +62,7 @@ def _rows(run: Path, kind: str) -> list[dict]:
 def test_dpo_trains_from_log2_and_finetune_eval_reproduces_its_eval(train_recipe, pairs) -> None:
     """At step 0 the policy IS the reference: every pair costs exactly log 2 and none is won (h = 0, ties lose).
     Training lowers the loss and wins pairs; `finetune eval` recomputes the reference and the same numbers."""
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     run = train_recipe(dpo_recipe(pairs, eval={"at_start": True, "every_steps": 8}, train={"max_steps": 8}))
     evals, train = _rows(run, "eval"), _rows(run, "train")
@@ -149,7 +149,7 @@ def test_lora_dpo_scores_the_reference_with_the_adapter_disabled(write_run_recip
 
 
 def test_lora_dpo_trains_and_exports_an_adapter(train_recipe, pairs) -> None:
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     run = train_recipe(dpo_recipe(pairs, name="lora-dpo", peft={"method": "lora", "dropout": 0.0},
                                   optim={"lr": 5e-3}, train={"max_steps": 6}))

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from finetune import loop
+from finetune.runtime import loop
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import tiny_recipe, write_named
 

@@ -1,6 +1,6 @@
 """`finetune eval` and `finetune merge` of a run trained elsewhere: the recipe's machine-specific keys (its
 launcher, its attention kernel) never stop them, because they run one process and every attention implementation
-computes the same function (finetune.evaluation.portable_overrides)."""
+computes the same function (finetune.commands.evaluate.portable_overrides)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.evaluation import evaluate_target, portable_overrides
+from finetune.commands.evaluate import evaluate_target, portable_overrides
 from tests.integration.conftest import REPO, tiny_recipe
 
 pytestmark = pytest.mark.integration
@@ -21,7 +21,7 @@ def test_flash_attention_falls_back_only_where_it_cannot_run(monkeypatch, instal
                                                              falls_back: bool) -> None:
     import torch
 
-    from finetune import modeling
+    from finetune.runtime import modeling
 
     monkeypatch.setattr(modeling, "flash_attn_installed", lambda: installed)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -40,7 +40,7 @@ def test_eval_of_a_run_whose_launcher_and_kernel_are_not_on_this_machine(train_r
     (an override stands in for a recipe written on a GPU machine: the run's recipe files are hash-verified and
     cannot be edited). Eval still runs, with the model's default attention and the same numbers as the run's last
     in-training eval (the run itself used sdpa, the default)."""
-    from finetune.tracking import read_metrics
+    from finetune.runtime.tracking import read_metrics
 
     custom = tmp_path / "elsewhere" / "my-launcher.yaml"
     custom.parent.mkdir()

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune import rundir
-from finetune.tracking import read_metrics
+from finetune.artifacts import rundir
+from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, trained_run
 
@@ -61,7 +61,7 @@ def _fix_manifest(folder: Path) -> None:
 
 
 def _recorded(ckpt: Path) -> dict[str, Any]:
-    from finetune.checkpoint import read_state
+    from finetune.artifacts.checkpoint import read_state
 
     return read_state(ckpt, "probe")
 
@@ -148,8 +148,8 @@ def test_lora_export_is_an_adapter_that_peft_loads_on_the_base(runs, tmp_path, m
     from peft import PeftModel
 
     from finetune.config import load_resolved
-    from finetune.modeling import build_base
     from finetune.registry import recipe_row
+    from finetune.runtime.modeling import build_base
 
     run = runs["lora"]
     out = tmp_path / "adapter"
@@ -303,7 +303,7 @@ def test_overwrite_replaces_an_earlier_export(runs, tmp_path, monkeypatch, capsy
 def test_ls_shows_each_checkpoints_layout_and_where_it_resumes(runs, tmp_path, monkeypatch, capsys) -> None:
     """Each checkpoint's layout (backend x world size, sharding) and where it can resume; an older manifest
     without the layout record falls back to its top-level backend and world size."""
-    from finetune.portable import resume_targets
+    from finetune.artifacts.portable import resume_targets
 
     run = _copy(runs["full"], tmp_path, "run")
     manifest = json.loads((_ckpt(run, 2) / rundir.MANIFEST).read_text())

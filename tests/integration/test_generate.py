@@ -69,7 +69,7 @@ def one_at_a_time(model_dir: Path, rows: list[dict[str, Any]], max_new_tokens: i
     the model loaded with transformers. Sampling follows generate's documented recipe: prompt i draws one uniform
     number per token from a generator seeded with ``prompt_seed(seed, i)`` and takes the token where the cumulative
     sum of the descending probabilities first exceeds it."""
-    from finetune.generate import prompt_seed
+    from finetune.commands.generate import prompt_seed
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
@@ -171,9 +171,9 @@ def test_sampling_is_reproducible_per_seed(run: Path, prompts_file: Path, tmp_pa
 def test_prompts_are_tokenized_as_training_tokenizes_them(run: Path, tmp_path: Path) -> None:
     """The prompt side of alpaca rows and of chat conversations gives the token ids training's tokenizer gives the
     same rows' prompts (finetune.data.tokenize), so a fine-tuned model sees the prompt it learned from."""
+    from finetune.commands.generate import encode, prompt_text, read_prompts
     from finetune.data.loading import load_raw
     from finetune.data.tokenize import tokenize_rows
-    from finetune.generate import encode, prompt_text, read_prompts
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(run / "final")
     chat = [json.loads(line) for line in (DATA / "tiny_chat.jsonl").read_text().splitlines()]
@@ -253,7 +253,7 @@ def test_stop_tokens_pad_the_row_and_all_stopped_ends_early(decoder_llama: Any) 
 
 
 def test_finish_cuts_at_the_first_stop_token() -> None:
-    from finetune.generate import finish
+    from finetune.commands.generate import finish
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(
         Path(__file__).resolve().parents[2] / "finetune" / "assets" / "tiny-llama-tokenizer")

@@ -1,5 +1,6 @@
 """A checkpoint carries the optimizer's state, not this machine's kernel choice: resuming keeps the fused /
-foreach setting the current build chose (finetune.checkpoint.keep_kernel_choice). On CPU torch has a fused AdamW,
+foreach setting the current build chose (finetune.artifacts.checkpoint.keep_kernel_choice). On CPU torch has a fused
+AdamW,
 so both directions run here: a plain checkpoint resumed with optim.fused=true, and a fused one resumed plain."""
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.checkpoint import KERNEL_KEYS, keep_kernel_choice
+from finetune.artifacts.checkpoint import KERNEL_KEYS, keep_kernel_choice
 from tests.integration.conftest import new_trainer, tiny_recipe
 
 pytestmark = pytest.mark.integration
@@ -52,7 +53,7 @@ def test_loaded_state_keeps_the_built_kernel(saved: bool | None, built: bool | N
 
 
 def test_resume_through_checkpoint_load_keeps_the_recipes_kernel(tmp_path: Path) -> None:
-    from finetune import checkpoint
+    from finetune.artifacts import checkpoint
     from finetune.config import validate
     from finetune.config.compose import Composed
 
@@ -61,7 +62,7 @@ def test_resume_through_checkpoint_load_keeps_the_recipes_kernel(tmp_path: Path)
                              train={"max_steps": 2}, checkpoint={"every_steps": 2})
         return new_trainer(validate(Composed(recipe)))
 
-    from finetune import loop
+    from finetune.runtime import loop
 
     plain = trainer("plain", None)
     loop.train(plain)

@@ -15,8 +15,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune import hooks, rundir
-from finetune.tracking import read_metrics
+from finetune import hooks
+from finetune.artifacts import rundir
+from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import (
     DATA,
@@ -71,7 +72,7 @@ def lora_run(tmp_path_factory) -> Path:
 
 def test_lora_trains_only_the_adapter(tmp_path: Path) -> None:
     from finetune.config import load_recipe
-    from finetune.loop import train_step
+    from finetune.runtime.loop import train_step
 
     cfg, _ = load_recipe(write_named(tmp_path, "only", lora_recipe("only")))
     trainer = new_trainer(cfg)
@@ -115,10 +116,10 @@ def test_lora_checkpoint_holds_only_the_adapter(lora_run: Path, tmp_path: Path) 
 def test_final_is_a_peft_adapter_and_eval_reproduces_training(lora_run: Path) -> None:
     from peft import PeftModel
 
+    from finetune.commands.evaluate import evaluate_target
     from finetune.config import load_resolved
-    from finetune.evaluation import evaluate_target
-    from finetune.modeling import build_base
     from finetune.registry import get_model
+    from finetune.runtime.modeling import build_base
 
     final = lora_run / "final"
     names = {p.name for p in final.iterdir()}
@@ -150,7 +151,7 @@ def _assert_plain_model(out: Path) -> None:
 
 
 def test_merge_causal_lm(lora_run: Path, tmp_path: Path, monkeypatch, capsys) -> None:
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     out = tmp_path / "merged"
     code, stdout, err = main_exit(monkeypatch, capsys, "merge", str(lora_run), "-o", str(out))

@@ -1,7 +1,8 @@
 """MFU, tokens/s and memory in every train row (issue 21 item 6), on real CPU runs in this process.
 
 A run with ``train.peak_tflops`` logs, for every step, ``mfu`` = the step's FLOPs / (its seconds x the peak), where the
-step's FLOPs are :func:`finetune.flops.train_flops` on the sample lengths the step really trained: recorded here from
+step's FLOPs are :func:`finetune.runtime.flops.train_flops` on the sample lengths the step really trained: recorded here
+from
 the host batches train_step was given (packed: from the position_ids restarts, not the collator's cu_seq_lens that the
 loop reads; padded: the attention mask rows). The packed run (padded to a multiple of 8 by a padding segment, which is
 not input) and the padded run train the same samples, so they log the same input tokens and FLOPs per token. Without
@@ -18,8 +19,9 @@ from typing import Any
 import pytest
 import torch
 
-from finetune import flops, hooks, loop
-from finetune.tracking import read_metrics
+from finetune import hooks
+from finetune.runtime import flops, loop
+from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import cli_exit_code, recipe_file
 
 pytestmark = pytest.mark.integration
@@ -29,7 +31,7 @@ PEAK_TFLOPS = 0.01  # a CPU-sized peak: the tiny model's mfu is then a few perce
 
 
 def _lengths(batch: dict[str, Any]) -> list[int]:
-    """The samples' lengths of one host micro-batch, found independently of finetune.meter."""
+    """The samples' lengths of one host micro-batch, found independently of finetune.runtime.meter."""
     if "position_ids" in batch and "attention_mask" not in batch:  # packed: a sample starts where positions restart
         positions = batch["position_ids"][0].tolist()
         starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]

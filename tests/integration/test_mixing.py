@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from finetune import hooks
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, write_named
 
@@ -51,8 +51,8 @@ def test_two_sources_train_in_their_configured_proportions(tmp_path: Path) -> No
     from finetune.data import load_splits
     from finetune.data.batching import StreamSampler
     from finetune.data.tokenize import IGNORE
-    from finetune.modeling import build_tokenizer
     from finetune.registry import get_model
+    from finetune.runtime.modeling import build_tokenizer
 
     recipe = tiny_recipe(data={"format": "alpaca", "train": _sources(tmp_path, 24, 8, 1.0, 2.0), "eval": None},
                          train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": None, "epochs": 2})

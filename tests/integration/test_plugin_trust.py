@@ -2,7 +2,8 @@
 
 Importing a plugin runs its code. ``finetune run RECIPE`` imports the plugin of the recipe the user named; every
 command that reads a recipe stored in a run (eval of a run, a checkpoint or an export; export; merge; generate;
-resume) and every process such a command starts (the export check's ``finetune.reload``, the ranks of a launched
+resume) and every process such a command starts (the export check's ``finetune.artifacts.reload``, the ranks of a
+launched
 resume or generate) imports it only with the permission given on this command line, passed on explicitly. Without
 it the command is refused in one line (exit 2) that names the module, the run's recipe file and the fix, before
 the module is imported and before anything is written.
@@ -144,7 +145,7 @@ def test_launched_ranks_get_the_permission_from_the_command_line(
     assert launched == []
     code, _, err = main_exit(monkeypatch, capsys, *args, "--trust-remote-code")
     assert code == 0, err
-    module = {"resume": "finetune.worker", "generate": "finetune.generate"}[command]
+    module = {"resume": "finetune.runtime.worker", "generate": "finetune.commands.generate"}[command]
     permission = {"resume": "--allow-plugin", "generate": "--trust-remote-code"}[command]
     (argv,) = launched
     assert argv[argv.index("-m", argv.index("accelerate.commands.launch")) + 1] == module
@@ -163,16 +164,16 @@ def test_run_passes_the_permission_to_its_ranks(fresh: tuple[Planted, Path], mon
                              "--num-processes", "2", "--accelerate-config", "ddp")
     assert code == 0, err
     (argv,) = launched
-    assert argv[-3:] == ["finetune.worker", str(root / "again" / "recipe.resolved.yaml"), "--allow-plugin"]
+    assert argv[-3:] == ["finetune.runtime.worker", str(root / "again" / "recipe.resolved.yaml"), "--allow-plugin"]
 
 
 CHILDREN: dict[str, Callable[[Path, Path, Path], tuple[str, list[str]]]] = {
     # the module a command starts, and its arguments as the command passes them, without the permission
-    "worker": lambda run, root, prompts: ("finetune.worker", [str(run / "recipe.resolved.yaml")]),
-    "reload": lambda run, root, prompts: ("finetune.reload", [
+    "worker": lambda run, root, prompts: ("finetune.runtime.worker", [str(run / "recipe.resolved.yaml")]),
+    "reload": lambda run, root, prompts: ("finetune.artifacts.reload", [
         str(run / "final"), "--inputs", str(root / "in.safetensors"), "--output", str(root / "out.safetensors"),
         "--mixed-precision", "no"]),
-    "generate": lambda run, root, prompts: ("finetune.generate", [
+    "generate": lambda run, root, prompts: ("finetune.commands.generate", [
         str(run), str(prompts), "-o", str(root / "gen.jsonl"), "--max-new-tokens", "2",
         "--temperature", "0.0", "--top-p", "1.0", "--seed", "0", "--batch-size", "1"]),
 }

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import tiny_recipe
 
 pytestmark = pytest.mark.integration
@@ -21,8 +21,8 @@ def pretrained_dir(tmp_path_factory) -> Path:
     import torch
     import transformers
 
-    from finetune.modeling import ASSETS
     from finetune.registry import SUPPORTED_MODELS
+    from finetune.runtime.modeling import ASSETS
 
     out = tmp_path_factory.mktemp("tiny-llama-pretrained")
     torch.manual_seed(0)
@@ -48,7 +48,7 @@ def test_qlora_trains_on_a_4bit_base_and_merges(tmp_path: Path, pretrained_dir: 
     assert merged.exit_code == 0, merged.output
     assert "QLoRA: merged into the full-precision base" in merged.output and "merge check passed" in merged.output
     assert (tmp_path / "merged" / "model.safetensors").is_file()
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     live = [r for r in read_metrics(run) if r["kind"] == "eval"][-1]
     assert evaluate_target(run, [])["eval_loss"] == pytest.approx(live["eval_loss"], rel=1e-3)

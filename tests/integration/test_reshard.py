@@ -1,4 +1,5 @@
-"""finetune.portable in one process: a single-process checkpoint read back as whole tensors equals the live model
+"""finetune.artifacts.portable in one process: a single-process checkpoint read back as whole tensors equals the live
+model
 and optimizer at that step (full and LoRA), and the portable load path continues a run exactly as the straight run
 went on (losses and weights bit for bit), while the checkpoint stays as it was."""
 
@@ -10,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from finetune import hooks, rundir
-from finetune.tracking import read_metrics
+from finetune import hooks
+from finetune.artifacts import rundir
+from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import final_weights, new_trainer, recipe_file, trained_run
 
 pytestmark = pytest.mark.integration
@@ -55,7 +57,7 @@ def _assert_optimizer_equal(read: dict[str, Any], live: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_read_full_state_equals_the_live_state(tmp_path: Path, lora: bool) -> None:
-    from finetune.portable import FullState, read_full_state
+    from finetune.artifacts.portable import FullState, read_full_state
 
     live = _capture_at(4)
     run = trained_run(tmp_path, "run", **SECTIONS, **(LORA if lora else {}))
@@ -75,9 +77,10 @@ def test_read_full_state_equals_the_live_state(tmp_path: Path, lora: bool) -> No
 def test_portable_load_continues_exactly(tmp_path: Path) -> None:
     """The portable path (read_full_state, load_full_state through torch's full state dicts, then the rest of the
     checkpoint) from step 4 of a straight 8-step run gives its steps 5..8: the same losses and weights, exactly."""
-    from finetune import checkpoint, loop
+    from finetune.artifacts import checkpoint
+    from finetune.artifacts.portable import resume_from
     from finetune.config import load_recipe
-    from finetune.portable import resume_from
+    from finetune.runtime import loop
 
     straight = trained_run(tmp_path, "straight", **SECTIONS)
     ckpt = straight / "checkpoints" / "step-000004"
@@ -107,7 +110,7 @@ def test_a_checkpoint_without_param_names_still_resumes_natively(tmp_path: Path)
     import json
     import shutil
 
-    from finetune.portable import resume_targets
+    from finetune.artifacts.portable import resume_targets
     from tests.integration.conftest import cli_exit_code
 
     straight = trained_run(tmp_path, "straight", **SECTIONS)

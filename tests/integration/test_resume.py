@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from finetune import hooks
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, with_sections, write_named
 
 pytestmark = pytest.mark.integration

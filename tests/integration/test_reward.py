@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from finetune import hooks
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import (
     cli_exit_code,
     final_weights,
@@ -120,7 +120,7 @@ def test_export_scores_what_the_trained_model_scored(tmp_path: Path, pref_data: 
     """final/ loads with AutoModelForSequenceClassification in a fresh process and gives the live model's scores
     on an eval batch; `finetune eval` of the run, its last checkpoint and final/ reproduce the last in-training eval
     and print eval_preference_accuracy."""
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     seen: dict[str, Any] = {}
 
@@ -175,8 +175,8 @@ def test_micro_batches_carry_different_padding(pref_data: dict[str, Path]) -> No
     token-weighted (rather than pair-weighted) division would give different weights."""
     from finetune.config import RecipeConfig
     from finetune.data import load_splits
-    from finetune.modeling import build_tokenizer
     from finetune.registry import get_model
+    from finetune.runtime.modeling import build_tokenizer
     from finetune.tasks import build_task
 
     cfg = RecipeConfig.model_validate(reward_recipe(pref_data, train={"micro_batch_size": 2}))
@@ -218,7 +218,7 @@ def test_lora_trains_the_head_and_evaluates(tmp_path: Path, pref_data: dict[str,
     base) reproduces the last in-training eval."""
     from safetensors.torch import load_file
 
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     recipe = reward_recipe(pref_data, name="lora", peft={"method": "lora", "preset": "attn"}, optim={"lr": 5e-3},
                            train={"max_steps": 6})

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from finetune import hooks, rundir
+from finetune import hooks
+from finetune.artifacts import rundir
 from finetune.errors import ConfigError
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, recipe_file
@@ -37,7 +38,7 @@ def test_a_run_that_fails_before_training_leaves_no_folder(tmp_path: Path, monke
     def broken_model(*_args: Any) -> None:
         raise ConfigError("model.path: this model cannot train here (a stand-in for a model-side mistake)")
 
-    monkeypatch.setattr("finetune.modeling.check_fits", broken_model)  # fails after the folder exists
+    monkeypatch.setattr("finetune.runtime.modeling.check_fits", broken_model)  # fails after the folder exists
     recipe = recipe_file(tmp_path, "badmodel", train={"max_steps": 2})
     code, _, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", "runs/nested/badmodel")
     assert code == 2 and "stand-in for a model-side mistake" in err, err

@@ -22,8 +22,9 @@ import pytest
 import torch
 import yaml
 
-from finetune import hooks, rundir
-from finetune.tracking import read_metrics
+from finetune import hooks
+from finetune.artifacts import rundir
+from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import DATA, REPO, recipe_file, trained_run
 from tests.recipe_files import write_recipe_file
@@ -184,7 +185,7 @@ def test_forged_restored_state_is_refused_in_one_line(field: str, trained: Path,
 
 def test_an_unchanged_checkpoint_passes_the_restored_state_check(trained: Path) -> None:
     """The check refuses forgeries, not what finetune wrote: both checkpoints of a real run pass it."""
-    from finetune import checkpoint, restored
+    from finetune.artifacts import checkpoint, restored
 
     built = {"scheduler": _state(rundir.step_dir(trained, 2), "scheduler"), "scaler": {}}
     for step in (2, 4):
@@ -321,7 +322,7 @@ def test_non_finite_weights_are_never_exported(trained: Path, tmp_path: Path, mo
 
 def test_a_nonfinite_step_is_skipped_and_does_not_touch_the_weights(tmp_path: Path) -> None:
     from finetune.config import load_recipe
-    from finetune.loop import train_step
+    from finetune.runtime.loop import train_step
     from tests.integration.conftest import new_trainer
 
     cfg, _ = load_recipe(recipe_file(tmp_path, "skip", data={"eval": None}))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, new_trainer, tiny_recipe
 
 pytestmark = pytest.mark.integration
@@ -80,8 +80,8 @@ def test_micro_batches_carry_different_token_counts() -> None:
     from finetune.data.batching import Collator, StreamSampler
     from finetune.data.loading import load_raw
     from finetune.data.tokenize import tokenize_rows
-    from finetune.modeling import build_tokenizer
     from finetune.registry import get_model
+    from finetune.runtime.modeling import build_tokenizer
     from finetune.tasks.causal_lm import count_next_token_targets
 
     cfg = RecipeConfig.model_validate(tiny_recipe(data={"format": "completion"}))
@@ -98,7 +98,7 @@ def test_micro_batches_carry_different_token_counts() -> None:
 def test_fp16_scales_and_skips_overflowed_steps(write_run_recipe) -> None:
     """fp16 really runs with a dynamic loss scale: an overflowing scale skips the step and halves."""
     from finetune.config import load_recipe
-    from finetune.loop import train_step
+    from finetune.runtime.loop import train_step
 
     cfg, _ = load_recipe(write_run_recipe(tiny_recipe(train={"mixed_precision": "fp16"}, data={"eval": None})))
     trainer = new_trainer(cfg)
@@ -150,7 +150,7 @@ def test_export_loads_and_eval_matches_training(train_recipe) -> None:
     """final/ loads with from_pretrained; `finetune eval` on it reproduces the last in-training eval exactly."""
     import transformers
 
-    from finetune.evaluation import evaluate_target
+    from finetune.commands.evaluate import evaluate_target
 
     run = train_recipe(tiny_recipe(train={"max_steps": 4}, checkpoint={"every_steps": 2},
                                    eval={"metrics": ["token_accuracy", "exact_match"], "batch_size": 64}))

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe, with_sections, write_named
 from tests.plugins import half_only_attention
@@ -49,7 +49,7 @@ def fp32_refused() -> None:
 
     from finetune import registry
     from finetune.config.schema import ModelConfig
-    from finetune.modeling import build_model
+    from finetune.runtime.modeling import build_model
 
     cfg = ModelConfig(type="tiny-llama", config_overrides={"_attn_implementation": half_only_attention.NAME})
     model = build_model(cfg, registry.get_model("tiny-llama", None))
@@ -159,7 +159,8 @@ def test_a_vision_language_run_generates_with_images_under_bf16(tmp_path: Path, 
 def test_the_half_precision_tolerance_says_what_it_allows() -> None:
     """bf16 autocast over fp32 weights is half-precision compute: the probe, export and merge checks accept
     max(0.05, 1/32 of the largest |logit|), and their messages say so; float32 compute stays at 1e-4."""
-    from finetune import merge, probe
+    from finetune.artifacts import probe
+    from finetune.commands import merge
 
     assert probe.tolerance("float32", "no", "single", False, scale=30.0) == 1e-4
     assert probe.tolerance("float32", "bf16", "ddp", False, scale=0.5) == 5e-2

@@ -18,7 +18,7 @@ import torch
 
 from finetune import registry
 from finetune.config.schema import ModelConfig
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import (
     DATA,
@@ -136,7 +136,7 @@ def test_freeze_vision_trains_only_the_projector_and_the_language_model(tmp_path
     while the projector (merger) and the language model train; train.log says how many parameters were frozen."""
     from finetune import registry
     from finetune.config.schema import ModelConfig
-    from finetune.modeling import build_base
+    from finetune.runtime.modeling import build_base
 
     recipe = vlm_recipe(tmp_path, model={"freeze": ["vision"]}, train={"max_steps": 2},
                         eval={"every_steps": None}, checkpoint={"every_steps": None})
@@ -182,7 +182,7 @@ def test_every_hub_vision_row_trains_from_a_model_folder(tmp_path: Path, name: s
     as the row's own class with its image processor."""
     import transformers
 
-    from finetune.modeling import build_tokenizer, save_tokenizer
+    from finetune.runtime.modeling import build_tokenizer, save_tokenizer
 
     row = registry.SUPPORTED_MODELS[name]
     hub = tmp_path / "hub"

@@ -2,7 +2,7 @@
 folder, used from an empty folder.
 
 The recipes, presets, data and accelerate configs live in the checkout's top-level folders; these tests prove that
-the wheel carries them and that finetune finds them there (finetune/resources.py), not in the checkout. The venv
+the wheel carries them and that finetune finds them there (finetune/config/resources.py), not in the checkout. The venv
 also has this project installed in editable mode, so every check first asserts which ``finetune`` is imported.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.launch import LAUNCHER_ENV
+from finetune.runtime.launch import LAUNCHER_ENV
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -130,7 +130,7 @@ def test_the_build_warns_about_nothing(installed: Installed) -> None:
 def test_the_installed_package_and_its_shipped_files_win_over_the_checkout(installed: Installed) -> None:
     # the venv's editable finder would fill in a module missing from the installation from the checkout: every
     # finetune module the CLI and the config package load must come from the installation
-    out = installed.python("import sys, finetune.cli, finetune.resources as r\n"
+    out = installed.python("import sys, finetune.cli, finetune.config.resources as r\n"
                            "print(r.recipes_dir(), r.accelerate_configs_dir(), sep='\\n')\n"
                            "print(*(m.__file__ for n, m in sys.modules.items() if n.split('.')[0] == 'finetune'), "
                            "sep='\\n')")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.artifacts.choose import choose, inventory, skipped_lines
 from finetune.errors import RunDirError
 

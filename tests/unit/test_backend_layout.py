@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from finetune.backends import Backend, launcher_config_name
+from finetune.runtime.backends import Backend, launcher_config_name
 
 BACKENDS = [Backend("single"), Backend("ddp"), Backend("fsdp", fsdp_version=1), Backend("fsdp", fsdp_version=2),
             Backend("deepspeed", zero_stage=1), Backend("deepspeed", zero_stage=2), Backend("deepspeed", zero_stage=3),

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.checkpoint import read_state, rng_state, set_rng_state, write_state
+from finetune.artifacts.checkpoint import read_state, rng_state, set_rng_state, write_state
 
 
 def test_state_round_trips_exactly(tmp_path: Path) -> None:
@@ -57,7 +57,7 @@ def test_dcp_metadata_loads_only_dcp_records(tmp_path: Path, monkeypatch) -> Non
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from finetune.backends import restrict_dcp_metadata
+    from finetune.runtime.backends import restrict_dcp_metadata
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))

@@ -142,7 +142,7 @@ def test_dry_run_with_two_processes_prints_the_accelerate_argv(tmp_path, monkeyp
     assert argv[:4] == [sys.executable, "-P", "-m", "accelerate.commands.launch"]  # -P: no cwd on its sys.path
     assert " --num_processes 2 " in plan
     assert argv[argv.index("--config_file") + 1] == str(REPO / "accelerate_configs" / "ddp.yaml")
-    assert argv[-3:] == ["-m", "finetune.worker", str(out / "recipe.resolved.yaml")]
+    assert argv[-3:] == ["-m", "finetune.runtime.worker", str(out / "recipe.resolved.yaml")]
 
 
 def test_a_launch_gets_a_free_port_unless_its_config_names_one(tmp_path):
@@ -150,15 +150,15 @@ def test_a_launch_gets_a_free_port_unless_its_config_names_one(tmp_path):
     already in use'): a config without main_process_port gets a port nobody listens on; one that names it keeps it."""
     import socket
 
-    from finetune.launch import accelerate_argv
+    from finetune.runtime.launch import accelerate_argv
 
-    argv = accelerate_argv(REPO / "accelerate_configs" / "ddp.yaml", 2, "finetune.worker", [])
+    argv = accelerate_argv(REPO / "accelerate_configs" / "ddp.yaml", 2, "finetune.runtime.worker", [])
     port = int(argv[argv.index("--main_process_port") + 1])
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))  # free: binds
     named = tmp_path / "named.yaml"
     named.write_text((REPO / "accelerate_configs" / "ddp.yaml").read_text() + "main_process_port: 29611\n")
-    assert "--main_process_port" not in accelerate_argv(named, 2, "finetune.worker", [])
+    assert "--main_process_port" not in accelerate_argv(named, 2, "finetune.runtime.worker", [])
     assert "--main_process_port" not in accelerate_argv(REPO / "accelerate_configs" / "cpu.yaml", 1, "m", [])
 
 
@@ -300,7 +300,7 @@ def test_recipes_lists_quickstart_with_its_description():
 def test_no_output_may_be_an_input(tmp_path: Path) -> None:
     """The one check every -o goes through: blank is refused; is / lies inside / contains an input is refused,
     through a symbolic link too; a sibling is fine."""
-    from finetune import outputs
+    from finetune.config import outputs
     from finetune.errors import RunDirError
 
     for blank in ("", " ", "\t"):
@@ -321,7 +321,7 @@ def test_no_output_may_be_an_input(tmp_path: Path) -> None:
 def test_no_module_is_imported_from_the_current_folder(tmp_path: Path) -> None:
     """``python -m finetune`` and the ``accelerate launch`` command finetune execs (with its environment, which its
     ranks inherit) never import a typer.py / yaml.py planted in the folder they run in."""
-    from finetune.launch import accelerate_argv, child_env
+    from finetune.runtime.launch import accelerate_argv, child_env
 
     for name in ("typer", "yaml"):
         (tmp_path / f"{name}.py").write_text(f"open({str(tmp_path / 'imported')!r}, 'a').write('{name} ')\n"
@@ -330,7 +330,7 @@ def test_no_module_is_imported_from_the_current_folder(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-m", "finetune", "models"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and not (tmp_path / "imported").exists(), done.stderr[-2000:]
-    launcher = accelerate_argv(Path("cpu.yaml"), 1, "finetune.worker", [])[:4]
+    launcher = accelerate_argv(Path("cpu.yaml"), 1, "finetune.runtime.worker", [])[:4]
     done = subprocess.run([*launcher, "--help"], cwd=tmp_path, env=child_env(),
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and not (tmp_path / "imported").exists(), done.stderr[-2000:]

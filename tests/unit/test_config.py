@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from finetune import registry
+from finetune.artifacts.rundir import write_resolved
 from finetune.config import compose, load_recipe, load_resolved, validate
 from finetune.config.compose import parse_override
 from finetune.errors import ConfigError
-from finetune.rundir import write_resolved
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -90,7 +90,7 @@ def test_the_readme_editor_example_trains_into_runs_of_its_own_name(write_recipe
     """README, Editor support: ``name: mine`` over ``extends: [quickstart.yaml]`` (or the bare name, as
     ``finetune run quickstart`` takes it) is the shipped quickstart renamed, and it trains into runs/mine: no
     shipped recipe pins output_dir, and a bare name finds the same file as the command line does."""
-    from finetune.resources import resolve_recipe
+    from finetune.config.resources import resolve_recipe
 
     mine = write_recipe(f"# yaml-language-server: $schema=recipe.schema.json\nname: mine\nextends: [{base}]\n",
                         "mine.yaml", tmp_path / "my-recipes")

@@ -216,7 +216,7 @@ def test_mixed_types_are_found_by_line_when_datasets_cannot_load_them(tmp_path: 
 
 
 def test_label_names_without_a_label_column_is_a_data_error(tmp_path: Path) -> None:
-    """``finetune.peft`` calls label_names straight after load_raw: a missing column must not be a KeyError."""
+    """``finetune.runtime.peft`` calls label_names straight after load_raw: a missing column must not be a KeyError."""
     path = write(tmp_path, "jsonl", [{"text": "a", "category": "x"}])
     with pytest.raises(DataError) as excinfo:
         label_names(load_raw(path), None, path)

@@ -1,4 +1,4 @@
-"""finetune.flops against torch's own count: ``FlopCounterMode`` around a real forward + backward on CPU.
+"""finetune.runtime.flops against torch's own count: ``FlopCounterMode`` around a real forward + backward on CPU.
 
 Eager attention is used because FlopCounterMode has no formula for torch's CPU flash kernel; eager's two batched
 matmuls per layer are what the formula's attention term counts. Each case checks within 5%; the frozen cases also
@@ -12,8 +12,8 @@ import torch
 import transformers
 from torch.utils.flop_counter import FlopCounterMode
 
-from finetune import flops
 from finetune.registry import SUPPORTED_MODELS
+from finetune.runtime import flops
 
 BATCH, SEQ = 2, 48
 

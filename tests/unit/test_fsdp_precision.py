@@ -12,9 +12,9 @@ import torch
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from finetune import plan, worker
-from finetune.backends import Backend, fsdp_mixed_precision
-from finetune.precision import NoScaler, Precision, master_weights_warning
+from finetune.runtime import plan, worker
+from finetune.runtime.backends import Backend, fsdp_mixed_precision
+from finetune.runtime.precision import NoScaler, Precision, master_weights_warning
 
 FSDP1, FSDP2 = Backend("fsdp", fsdp_version=1), Backend("fsdp", fsdp_version=2)
 ZERO2, DDP = Backend("deepspeed", zero_stage=2), Backend("ddp")
@@ -87,7 +87,8 @@ def test_warning_for_16_bit_weights_without_fp32_master_copy() -> None:
 
 
 def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:
-    """On GPUs the worker asks finetune.plan about the smallest visible device; on the CPU, without accumulation or
+    """On GPUs the worker asks finetune.runtime.plan about the smallest visible device; on the CPU, without accumulation
+    or
     without an answer it reduce-scatters every micro-step."""
     accumulating, once = types.SimpleNamespace(grad_accum=2), types.SimpleNamespace(grad_accum=1)
     assert worker.fsdp_accumulation(accumulating, FSDP2) == FSDP2  # this CPU machine: no question asked

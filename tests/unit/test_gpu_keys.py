@@ -19,8 +19,8 @@ from finetune import registry
 from finetune.config import load_recipe
 from finetune.config.schema import ModelConfig, OptimConfig, TrainConfig
 from finetune.errors import ConfigError
-from finetune.modeling import build_model, compile_failures, compile_model
-from finetune.optim import build_optimizer, fused_adamw_available, use_fused
+from finetune.runtime.modeling import build_model, compile_failures, compile_model
+from finetune.runtime.optim import build_optimizer, fused_adamw_available, use_fused
 from tests.cli_helpers import assert_user_error, main_exit
 
 ROW = registry.get_model("tiny-llama")
@@ -153,7 +153,7 @@ def test_null_attention_keeps_the_models_default() -> None:
 
 
 def test_flash_attention_without_cuda_is_one_line_at_build(monkeypatch) -> None:
-    monkeypatch.setattr("finetune.modeling.flash_attn_installed", lambda: True)
+    monkeypatch.setattr("finetune.runtime.modeling.flash_attn_installed", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError) as info:
         build_model(ModelConfig(type="tiny-llama", dtype="bfloat16", attn_implementation="flash_attention_2"), ROW)
@@ -163,7 +163,7 @@ def test_flash_attention_without_cuda_is_one_line_at_build(monkeypatch) -> None:
 
 
 def test_flash_attention_without_flash_attn_is_one_line_at_build(monkeypatch) -> None:
-    monkeypatch.setattr("finetune.modeling.flash_attn_installed", lambda: False)
+    monkeypatch.setattr("finetune.runtime.modeling.flash_attn_installed", lambda: False)
     with pytest.raises(ConfigError, match=r"^model\.attn_implementation: .*pip install flash-attn") as info:
         build_model(ModelConfig(type="tiny-llama", dtype="bfloat16", attn_implementation="flash_attention_2"), ROW)
     assert len(str(info.value).splitlines()) == 1
@@ -282,7 +282,7 @@ def test_without_compile_errors_pass_through() -> None:
 
 def test_kernel_keys_are_layout_changes_on_resume() -> None:
     """Switching a kernel on resume (a run moved to a GPU machine) is logged, not refused; a math key is refused."""
-    from finetune.resume import recipe_changes
+    from finetune.artifacts.resume import recipe_changes
 
     before = {"model": {"attn_implementation": None}, "train": {"compile": False}, "optim": {"fused": None, "lr": 1e-3}}
     after = {"model": {"attn_implementation": "flash_attention_2"}, "train": {"compile": True},

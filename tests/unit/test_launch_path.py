@@ -15,7 +15,7 @@ def test_a_safe_path_child_keeps_pythonpath_first_and_never_the_current_folder(t
     run from the repository root): Python put PYTHONPATH's entry first, not the current folder, so isolating must
     keep it; a module planted in the current folder stays unimportable either way."""
     (tmp_path / "planted_here.py").write_text("raise SystemExit('imported from the current folder')\n")
-    code = ("from finetune.launch import isolate_sys_path; isolate_sys_path(); import tests.plugins; "
+    code = ("from finetune.runtime.launch import isolate_sys_path; isolate_sys_path(); import tests.plugins; "
             "import importlib.util as u; print(u.find_spec('planted_here') is None)")
     env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": str(REPO)}
     for cwd in (REPO, tmp_path):

@@ -414,7 +414,7 @@ def test_vision_row_loss_and_grads_match_full_logits(tmp_path: Path, monkeypatch
     from finetune import registry
     from finetune.config.schema import ModelConfig
     from finetune.data.vision import VisionCollator
-    from finetune.modeling import build_tokenizer, image_inputs
+    from finetune.runtime.modeling import build_tokenizer, image_inputs
     from finetune.tasks import losses
     from tests.unit.test_vision_data import image, qa, tokenize, write
 

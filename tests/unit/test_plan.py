@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 from finetune.cli import app
 from finetune.config import load_recipe
 from finetune.config.schema import RecipeConfig
-from finetune.plan import Item, MemoryPlan, build_plan, check_fit, format_bytes, render
 from finetune.registry import get_model
+from finetune.runtime.plan import Item, MemoryPlan, build_plan, check_fit, format_bytes, render
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.recipe_files import write_recipe_file
 
@@ -75,9 +75,9 @@ def _real_training_bytes(cfg: RecipeConfig) -> dict[str, int]:
     import torch
     import torch.nn.functional as F
 
-    from finetune import peft as lora
-    from finetune.modeling import build_base, freeze
-    from finetune.optim import build_optimizer
+    from finetune.runtime import peft as lora
+    from finetune.runtime.modeling import build_base, freeze
+    from finetune.runtime.optim import build_optimizer
     from finetune.tasks.causal_lm import shifted_loss
 
     row = get_model(cfg.model.type)
@@ -132,7 +132,7 @@ def test_state_bytes_equal_a_real_model_after_one_training_step(case: str) -> No
         assert item is not None and item.shards == 1 and item.where == "device"
         assert item.per_rank_bytes == item.whole_bytes == real[key], (key, item, real[key])
     if cfg.peft.method != "none":  # the same counts as the --dry-run peft summary
-        from finetune import peft as lora
+        from finetune.runtime import peft as lora
 
         described = lora.describe_on_meta(cfg, get_model(cfg.model.type))
         assert (described["trainable_params"], described["total_params"]) == (real["trainable"], real["total"])
@@ -145,7 +145,7 @@ def pretrained_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     import transformers
 
-    from finetune.modeling import ASSETS
+    from finetune.runtime.modeling import ASSETS
 
     out = tmp_path_factory.mktemp("llama-pretrained")
     torch.manual_seed(0)
@@ -159,8 +159,8 @@ def test_qlora_plan_matches_a_real_4bit_model(pretrained_llama: Path) -> None:
     pytest.importorskip("bitsandbytes")
     import torch
 
-    from finetune import peft as lora
-    from finetune.modeling import build_base
+    from finetune.runtime import peft as lora
+    from finetune.runtime.modeling import build_base
 
     cfg = _cfg("model.type=llama", f"model.path={pretrained_llama}", "model.config_overrides={}",
                "peft.method=qlora", "train.mixed_precision=no")
@@ -262,7 +262,7 @@ def test_deepspeed_bf16_casts_the_model_and_keeps_fp32_masters() -> None:
 def test_deepspeed_reduce_bucket_is_counted_capped_at_the_model(config: str) -> None:
     """DeepSpeed allocates its whole reduce bucket (5e8 elements by default: 2 GB in fp32) whatever the model's size;
     the worker caps it at the trainable parameters (backends.size_deepspeed_buckets) and the plan counts it."""
-    from finetune.backends import reduce_bucket_elements
+    from finetune.runtime.backends import reduce_bucket_elements
 
     for mixed, size in (("no", 4), ("bf16", 2)):
         plan = _plan(*TWO, f"launch.accelerate_config={config}", f"train.mixed_precision={mixed}")
@@ -337,7 +337,7 @@ def test_fsdp_accumulation_keeps_whole_gradients_only_where_they_fit() -> None:
     """FSDP with 2 micro-steps per step: whole gradients kept across the window (no_sync) are counted where they fit
     the device and the backend may keep them; otherwise every micro-step reduce-scatters and nothing more is held.
     The plan did not count them before, whatever the device."""
-    from finetune.plan import unsharded_accumulation_fits
+    from finetune.runtime.plan import unsharded_accumulation_fits
 
     accumulating = (*WIDE, "launch.num_processes=2", "train.micro_batch_size=8", "train.global_batch_size=32")
     cfg = _cfg(*accumulating, "launch.accelerate_config=fsdp2")
@@ -413,8 +413,8 @@ def _saved_for_backward(cfg: RecipeConfig) -> tuple[int, Any]:
     the loop runs it (autocast for bf16); and the logits."""
     import torch
 
-    from finetune import peft as lora
-    from finetune.modeling import build_base
+    from finetune.runtime import peft as lora
+    from finetune.runtime.modeling import build_base
 
     row = get_model(cfg.model.type)
     model = build_base(cfg.model, row, 0, lora._label_names(cfg) if row.task == "classification" else None)
@@ -483,8 +483,8 @@ def test_activation_estimate_tracks_what_autograd_saves(recipe: Path, overrides:
 
 def cfg_hidden(cfg: Any) -> int:
     """The hidden size of the recipe's model (its config, built on the meta device)."""
-    from finetune.plan import model_facts
     from finetune.registry import recipe_row
+    from finetune.runtime.plan import model_facts
 
     return model_facts(cfg, recipe_row(cfg)).shape.hidden
 
@@ -558,7 +558,7 @@ def test_plan_subprocess_exits_0_and_the_cli_imports_nothing_heavy(tmp_path: Pat
                           capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "device total per rank" in done.stdout and "optimizer states" in done.stdout
-    script = (f"import sys, finetune.cli, finetune.plan; heavy = {HEAVY!r}; "
+    script = (f"import sys, finetune.cli, finetune.runtime.plan; heavy = {HEAVY!r}; "
               "print(sorted(m for m in sys.modules if m.split('.')[0] in heavy))")
     light = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True,
                            timeout=120, check=False)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 from finetune.config import load_recipe
-from finetune.plan import build_plan
 from finetune.registry import get_model
+from finetune.runtime.plan import build_plan
 from tests.unit.test_plan_measured import QUICKSTART, live_bytes_mode
 
 LLAMA_7B = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -26,8 +26,8 @@ def test_plan_of_a_7b_step_matches_its_fake_tensor_trace() -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from transformers.initialization import no_init_weights
 
-    from finetune.modeling import build_base
-    from finetune.optim import build_optimizer
+    from finetune.runtime.modeling import build_base
+    from finetune.runtime.optim import build_optimizer
     from finetune.tasks.causal_lm import shifted_loss
 
     overrides = [f"model.config_overrides.{k}={str(v).lower() if isinstance(v, bool) else v}"

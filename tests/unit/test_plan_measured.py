@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 from finetune.config import load_recipe
-from finetune.plan import build_plan
+from finetune.runtime.plan import build_plan
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "recipes" / "quickstart.yaml"
@@ -78,9 +78,9 @@ def _long_rows(path: Path) -> Path:
 
 def _measured_peak(cfg: Any, run_dir: Path) -> int:
     """Peak live tensor bytes over two real optimizer steps (the second one holds the optimizer states)."""
-    from finetune import rundir
-    from finetune.loop import train_step
-    from finetune.worker import build_trainer
+    from finetune.artifacts import rundir
+    from finetune.runtime.loop import train_step
+    from finetune.runtime.worker import build_trainer
 
     live = live_bytes_mode()
     with live:

@@ -1,4 +1,5 @@
-"""finetune.portable without training: where a checkpoint can resume (from its manifest), the layout record, the
+"""finetune.artifacts.portable without training: where a checkpoint can resume (from its manifest), the layout record,
+the
 parameter names a checkpoint keeps, peft's adapter-key renaming, and apply_model_state's checks."""
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from finetune import rundir
-from finetune.backends import Backend, backend_named, layout
-from finetune.errors import FinetuneError
-from finetune.portable import (
+from finetune.artifacts import rundir
+from finetune.artifacts.portable import (
     PARAM_NAMES,
     ParamNames,
     apply_model_state,
@@ -22,6 +21,8 @@ from finetune.portable import (
     reshard_problem,
     resume_targets,
 )
+from finetune.errors import FinetuneError
+from finetune.runtime.backends import Backend, backend_named, layout
 
 NAMES = ["single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
 
@@ -89,7 +90,7 @@ def test_native_or_portable(saved: str, saved_world: int, now: Backend, world: i
 
 def test_param_names_follow_the_optimizer_groups(llama: Any) -> None:
     from finetune.config.schema import OptimConfig
-    from finetune.optim import build_optimizer
+    from finetune.runtime.optim import build_optimizer
 
     optimizer = build_optimizer(OptimConfig(name="adamw", lr=1e-3, weight_decay=0.1), llama, "cpu")
     names = ParamNames.of(llama, optimizer)
@@ -234,7 +235,7 @@ def test_a_zero1_checkpoint_reads_its_frozen_parameters(tmp_path: Path, monkeypa
     """DeepSpeed's zero_to_fp32 returns no frozen parameter of a ZeRO-1 checkpoint (none recorded): read_full_state
     takes them from the model states file as saved (bf16: what DeepSpeed cast the module to, the values the run
     trained with), and the trainable ones from the fp32 masters."""
-    from finetune.portable import read_full_state
+    from finetune.artifacts.portable import read_full_state
 
     monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")  # (read_full_state sets it for its process)
     torch.manual_seed(0)

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 
 from finetune import registry
+from finetune.commands.generate import prompt_ids, read_prompts
 from finetune.config.schema import ModelConfig
 from finetune.data import prompts
 from finetune.data.loading import load_raw
 from finetune.data.tokenize import tokenize_rows
 from finetune.errors import DataError
-from finetune.generate import prompt_ids, read_prompts
-from finetune.modeling import build_tokenizer, image_inputs
+from finetune.runtime.modeling import build_tokenizer, image_inputs
 
 LONG = " ".join(f"word{i}" for i in range(60))  # far over the limits below in tokens
 

@@ -28,8 +28,11 @@ TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
 SINGLE_PROCESS = textwrap.dedent("""
     import json, sys
     import torch
-    from finetune import checkpoint, cli, evaluation, loop, peft, registry, tracking, worker
-    from finetune.backends import Backend, full_state_dict, make_accelerator, restrict_checkpoint_loading
+    from finetune import cli, registry
+    from finetune.artifacts import checkpoint
+    from finetune.commands import evaluate
+    from finetune.runtime import loop, peft, tracking, worker
+    from finetune.runtime.backends import Backend, full_state_dict, make_accelerator, restrict_checkpoint_loading
     from finetune.config.schema import RecipeConfig
 
     cfg = RecipeConfig.model_validate({"name": "t", "model": {"type": "tiny-llama"},

@@ -1,4 +1,4 @@
-"""finetune/resources.py in this checkout: the shipped recipes and accelerate configs are found without a path
+"""finetune/config/resources.py in this checkout: the shipped recipes and accelerate configs are found without a path
 relative to the working folder, recipes can be named on the command line, and an existing file always wins.
 
 The same behaviour from an installed wheel is tests/integration/test_wheel.py.
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune import resources
+from finetune.config import resources
 from finetune.config.validate import accelerate_config_path
 from finetune.errors import ConfigError
 from tests.cli_helpers import assert_user_error, main_exit

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune import restored
+from finetune.artifacts import restored
 
 
 def _scaler_state() -> dict:

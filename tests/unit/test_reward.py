@@ -22,8 +22,8 @@ from finetune import registry
 from finetune.config.schema import ModelConfig
 from finetune.data.batching import PreferenceCollator
 from finetune.errors import ConfigError
-from finetune.modeling import ASSETS, build_base, build_model, build_tokenizer, set_reward_head
 from finetune.registry import SUPPORTED_MODELS
+from finetune.runtime.modeling import ASSETS, build_base, build_model, build_tokenizer, set_reward_head
 from finetune.tasks.reward import RewardTask, bradley_terry_sum, pair_rewards
 
 CAUSAL_ROWS = sorted(name for name, row in SUPPORTED_MODELS.items() if row.task == "causal_lm")
@@ -168,8 +168,8 @@ def test_a_reward_export_loads_back_with_its_scores(tmp_path: Path) -> None:
 
 def test_lora_trains_the_head_in_full() -> None:
     """Under LoRA the reward head is a module to save: trainable, with the adapters, and nothing else is."""
-    from finetune import peft as lora
     from finetune.config.schema import PeftConfig
+    from finetune.runtime import peft as lora
 
     row = registry.get_model("tiny-llama", "reward")
     model = lora.apply(tiny_reward_model("tiny-llama"), PeftConfig(method="lora", preset="attn"), row)

@@ -52,7 +52,7 @@ def test_the_row_is_resolved_only_by_recipe_row() -> None:
 def test_the_worker_carries_the_row_it_resolved() -> None:
     """build_trainer resolves the row once (or takes the one prepare.inputs read for) and hands it to the Trainer;
     the export's clean copy and the end summary take it from there."""
-    from finetune import loop, prepare
+    from finetune.runtime import loop, prepare
 
     assert "row" in loop.Trainer.__dataclass_fields__ and "row" in prepare.Inputs.__dataclass_fields__
     worker = dict(_modules())["worker.py"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.errors import RunDirError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -203,7 +203,7 @@ def test_protected_locations_are_refused(tmp_path: Path, monkeypatch) -> None:
 HOLD = """
 import sys, time
 from pathlib import Path
-from finetune import rundir
+from finetune.artifacts import rundir
 lock = rundir.RunLock.acquire(Path(sys.argv[1]), "finetune run holder")
 print("locked", flush=True)
 time.sleep(120)

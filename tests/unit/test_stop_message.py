@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune import worker
 from finetune.errors import Interrupted
-from finetune.tracking import ProgressTracker
+from finetune.runtime import worker
+from finetune.runtime.tracking import ProgressTracker
 
 STOP = "stopped by signal after step 2; checkpoint step-000002 saved; continue with `finetune resume runs/x`"
 

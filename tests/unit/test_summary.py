@@ -1,4 +1,5 @@
-"""finetune.summary: a finished run's summary read back from the files it wrote (rows written here as the tracker
+"""finetune.artifacts.summary: a finished run's summary read back from the files it wrote (rows written here as the
+tracker
 writes them); which commands it suggests, and that a resume (which drops the end row) makes the run unfinished."""
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from finetune import rundir
-from finetune.summary import read_summary, render
-from finetune.tracking import truncate_metrics
+from finetune.artifacts import rundir
+from finetune.artifacts.summary import read_summary, render
+from finetune.runtime.tracking import truncate_metrics
 from tests.recipe_files import write_recipe_file
 
 

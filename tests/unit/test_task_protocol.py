@@ -22,7 +22,7 @@ from finetune.data import DataBundle
 from finetune.tasks.base import Task, TaskData
 
 ROOT = Path(finetune.tasks.__file__).parents[1]
-DRIVERS = ("worker.py", "loop.py", "evaluation.py")  # the modules that build and run a task
+DRIVERS = ("runtime/worker.py", "runtime/loop.py", "commands/evaluate.py")  # the modules that build and run a task
 
 
 def declared() -> tuple[set[str], set[str]]:

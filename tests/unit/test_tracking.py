@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.config.schema import RecipeConfig
 from finetune.errors import RunDirError
-from finetune.tracking import (
+from finetune.runtime.tracking import (
     Eta,
     JsonlTracker,
     MultiTracker,
@@ -29,7 +29,7 @@ from finetune.tracking import (
     format_metrics,
     read_metrics,
 )
-from finetune.worker import resumed_step
+from finetune.runtime.worker import resumed_step
 
 TIMESTAMP = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} ")
 TRAIN_ROW = {"step": 10, "loss": 2.31412, "lr": 3e-4, "grad_norm": 1.0212, "tokens": 51200, "elapsed_s": 10.0,

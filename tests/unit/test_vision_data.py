@@ -17,7 +17,7 @@ from finetune.data.loading import load_raw
 from finetune.data.tokenize import IGNORE, tokenize_rows
 from finetune.data.vision import VisionCollator, expand, fit
 from finetune.errors import DataError
-from finetune.modeling import build_tokenizer, image_inputs
+from finetune.runtime.modeling import build_tokenizer, image_inputs
 
 ROW = registry.get_model("tiny-qwen2-vl")
 
@@ -133,7 +133,7 @@ def test_a_bad_row_is_one_line_naming_it(tools, tmp_path: Path, bad: dict, messa
 def test_an_image_the_processor_refuses_is_one_line_in_training_and_in_generate(tools, tmp_path: Path) -> None:
     """A 1x300 strip: Qwen2-VL's processor raises 'absolute aspect ratio must be smaller than 200' (an internal
     error before); tokenizing the data and generate's prompt check both say which line, image and size."""
-    from finetune.generate import Prompt, _image_grids
+    from finetune.commands.generate import Prompt, _image_grids
 
     thin = image(tmp_path / "thin.png", size=(1, 300))
     with pytest.raises(DataError) as caught:

@@ -1,4 +1,5 @@
-"""``python -m finetune.reload EXPORT --inputs IN --output OUT``: an export's logits, computed in a fresh process.
+"""``python -m finetune.artifacts.reload EXPORT --inputs IN --output OUT``: an export's logits, computed in a fresh
+process.
 
 The one writer (:func:`finetune.artifacts.writer.write`: ``finetune export``, ``eval`` of a checkpoint, ``merge``)
 runs this in a new Python process so that its check sees the folder exactly as a user will: nothing of the writing
@@ -7,7 +8,7 @@ export (:func:`finetune.artifacts.target.load_model`): ``from_pretrained`` of a 
 plus ``PeftModel.from_pretrained`` of an adapter; data only (safetensors), the folder's own code only with
 ``--trust-remote-code``. The logits on the inputs of ``IN`` (safetensors: input_ids, attention_mask) are computed
 under ``--mixed-precision`` (the recipe's ``train.mixed_precision``, which the writing process passes in: the
-forward runs in the training precision, :func:`finetune.probe.forward_precision`) and written to ``OUT``
+forward runs in the training precision, :func:`finetune.artifacts.probe.forward_precision`) and written to ``OUT``
 (safetensors: logits, fp32). Failures are one ``error:`` line and an exit code (run_main).
 """
 
@@ -16,9 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from finetune import probe
+from finetune.artifacts import probe
+from finetune.artifacts.checkpoint import forbid_unpickling
 from finetune.artifacts.target import load_model, locate, recipe_of
-from finetune.checkpoint import forbid_unpickling
 from finetune.errors import run_main
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     """Parse the command line and run :func:`reload_logits` with finetune's messages and exit codes."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m finetune.reload")
+    parser = argparse.ArgumentParser(prog="python -m finetune.artifacts.reload")
     parser.add_argument("folder", type=Path, help="an export: config.json + weights, or a PEFT adapter")
     parser.add_argument("--inputs", type=Path, required=True, help="safetensors with input_ids and attention_mask")
     parser.add_argument("--output", type=Path, required=True, help="where the logits are written (safetensors)")
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from finetune.launch import die_with_launcher, isolate_sys_path
+    from finetune.runtime.launch import die_with_launcher, isolate_sys_path
 
     isolate_sys_path()
     die_with_launcher()

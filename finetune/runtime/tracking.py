@@ -27,12 +27,12 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError, RunDirError
 
 if TYPE_CHECKING:
-    from finetune.meter import StepFlops
+    from finetune.runtime.meter import StepFlops
 
 Row = Mapping[str, Any]
 """A row: name -> value. Train and eval rows always hold ``step``; an info row holds ``message``."""
@@ -49,7 +49,8 @@ KINDS: tuple[str, ...] = ("train", "eval", "info", "end")
 - ``info``: an event, ``{"message": "saved checkpoint step-000100"}``; ``"level": "warning"`` marks one the user
   must see (the console sends it to stderr when it is not drawing a bar); ``"console": False`` one for the logs
   only (the command prints it itself, e.g. the stop message that ends the process);
-- ``end``: the run's last row in metrics.jsonl, written once it has finished (see :mod:`finetune.summary`): step,
+- ``end``: the run's last row in metrics.jsonl, written once it has finished (see :mod:`finetune.artifacts.summary`):
+step,
   samples, tokens, train_s (training time, over every process of the run) and wall_s (this process, from its start
   to the end); a finished run is one whose metrics.jsonl ends with it.
 """
@@ -170,7 +171,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 def truncate_metrics(run_dir: Path, step: int) -> int:
     """Drop the rows logged after ``step`` (by a process that died or stopped after its last checkpoint), and the
-    run's end row (:mod:`finetune.summary`) with what follows it: a resumed run is not finished.
+    run's end row (:mod:`finetune.artifacts.summary`) with what follows it: a resumed run is not finished.
 
     A resumed run re-logs those steps, so metrics.jsonl ends up with every step exactly once. The file is cut in
     place at the first row after ``step`` (rows are appended in step order), so a tracker that already holds it

@@ -3,9 +3,10 @@
 
 Why a module of its own: the worker builds the FLOPs model once, from the plain model before ``accelerator.prepare``
 (:func:`step_flops`); the loop counts each batch on the host (:func:`input_lengths`, like ``Task.count_targets``:
-no device sync) and reads the memory peaks (:func:`memory_peaks`); :class:`finetune.tracking.Throughput` turns the
-counts into rates. The formula itself is :mod:`finetune.flops`. torch is imported inside the functions that need
-it, so that :mod:`finetune.tracking` can name :class:`StepFlops` without importing torch.
+no device sync) and reads the memory peaks (:func:`memory_peaks`); :class:`finetune.runtime.tracking.Throughput` turns
+the
+counts into rates. The formula itself is :mod:`finetune.runtime.flops`. torch is imported inside the functions that need
+it, so that :mod:`finetune.runtime.tracking` can name :class:`StepFlops` without importing torch.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.tokenize import IGNORE
-from finetune.flops import Param, attention_of, peak_flops, train_flops
+from finetune.runtime.flops import Param, attention_of, peak_flops, train_flops
 
 GB = 1e9  # memory is logged in decimal gigabytes
 
@@ -22,7 +23,8 @@ GB = 1e9  # memory is logged in decimal gigabytes
 @dataclass(frozen=True)
 class StepFlops:
     """A step's training FLOPs as ``per_token x input tokens + per_square x sum(sample length^2)`` (both summed
-    over the step's samples; :func:`finetune.flops.train_flops` is linear in these two), and ``peak``: this device's
+    over the step's samples; :func:`finetune.runtime.flops.train_flops` is linear in these two), and ``peak``: this
+    device's
     peak FLOP/s, None when unknown (the mfu is then omitted, never guessed)."""
 
     per_token: float
@@ -38,7 +40,7 @@ def _numel(param: Any) -> int:
     """The element count of the weight a parameter stands for: a 4-bit QLoRA weight stores two values per byte
     (its shape is the packed one; bitsandbytes keeps the real shape in ``quant_state.shape``); ZeRO-3 partitions
     parameters at birth (``backends.full_numel`` gives the whole size)."""
-    from finetune.backends import full_numel
+    from finetune.runtime.backends import full_numel
 
     shape = getattr(getattr(param, "quant_state", None), "shape", None)
     if shape is not None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune import checkpoint, rundir
+from finetune.artifacts import checkpoint, rundir
 from finetune.artifacts.choose import choose, skipped_lines
 from finetune.config import REMOTE_CODE_KEY, RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import flatten
@@ -114,7 +114,7 @@ def begin(run_dir: Path, overrides: list[str], from_name: str | None, allow_chan
 
     Returns the plan and the held lock (None on other ranks), which the caller hands to the launch. On any failure
     the lock is released and nothing in the run dir has changed. The per-rank part (tokenizer and layout checks,
-    loading, dropping the metrics rows after the checkpoint) is :func:`finetune.worker.resume_state`."""
+    loading, dropping the metrics rows after the checkpoint) is :func:`finetune.runtime.worker.resume_state`."""
     lock, run_id = rundir.open_existing(run_dir, f"finetune resume {run_dir}") if is_main else (None, "")
     try:
         run_id = run_id or rundir.run_id(run_dir)

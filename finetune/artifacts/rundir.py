@@ -65,7 +65,8 @@ _TREES = frozenset({WANDB, TENSORBOARD, FINAL_TMP, FINAL_OLD,  # written whole b
 LAYOUT_FILES = _FILES  # every file name finetune writes at the top of a run dir (tests enumerate these)
 LAYOUT_TREES = _TREES | {CHECKPOINTS, FINAL}  # every folder it writes there
 _STEP = re.compile(r"step-(\d{6,})")
-RESHARD_WRITES = ("converted.json", "universal")  # what a conversion writes in reshard.tmp (finetune.portable)
+# what a conversion writes in reshard.tmp (finetune.artifacts.portable)
+RESHARD_WRITES = ("converted.json", "universal")
 _HASH_BLOCK = 1 << 20
 
 
@@ -452,7 +453,8 @@ def _clear(run_dir: Path, keep_lock: bool = True) -> None:
 
 
 def clear_unstarted(run_dir: Path) -> None:
-    """Remove everything a run that trained nothing wrote, its lock file included (finetune.unstarted decides when);
+    """Remove everything a run that trained nothing wrote, its lock file included (finetune.artifacts.unstarted decides
+    when);
     the same rule as --overwrite: refused, deleting nothing, when anything in it is not finetune's."""
     _clear(run_dir, keep_lock=False)
 
@@ -553,7 +555,8 @@ def remove_scratch(path: Path) -> None:
 
 
 def reshard_scratch(run_dir: Path) -> Path:
-    """``<run_dir>/reshard.tmp``: where a resume on another layout converts a checkpoint (finetune.portable). A
+    """``<run_dir>/reshard.tmp``: where a resume on another layout converts a checkpoint (finetune.artifacts.portable).
+    A
     folder left there by a crash is removed before the next conversion and after every one."""
     return run_dir / RESHARD_TMP
 
@@ -588,7 +591,7 @@ def check_location(run_dir: Path, protected: Iterable[Path | str] = ()) -> None:
     places: list[tuple[Path, str]] = [(Path.cwd().resolve(), "the current folder")]
     with contextlib.suppress(RuntimeError, KeyError):  # no home folder known: nothing to protect there
         places.append((Path.home().resolve(), "your home folder"))
-    places.append((Path(__file__).resolve().parent, "the finetune package"))
+    places.append((Path(__file__).resolve().parents[1], "the finetune package"))
     places += [(Path(p).resolve(), str(p)) for p in protected if p]
     why = "it is the root folder" if target.parent == target else next(
         (f"{what} is in it" if where != target else f"it is {what}" for where, what in places

@@ -25,12 +25,12 @@ import torch
 import transformers
 from transformers.modeling_outputs import CausalLMOutput
 
-from finetune.backends import full_numel
 from finetune.config.schema import ModelConfig
 from finetune.errors import ConfigError, FinetuneError
 from finetune.registry import CUSTOM_WEIGHTS, SupportedModel, model_type_problem, resolve_factory
+from finetune.runtime.backends import full_numel
 
-ASSETS = Path(__file__).resolve().parent / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"  # finetune/assets
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 POSITION_TABLES = ("position_embeddings", "wpe", "embed_positions")  # learned absolute positions (BERT, GPT-2, OPT)
 # transformers' methods that accept or refuse an attention implementation while a model is built: an exception
@@ -227,7 +227,7 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     ``empty``: the model that ``from_pretrained`` would give without its weights: every parameter and buffer on the
     meta device, built from the folder's config with the same dtype and attention implementation, in eval mode as
     ``from_pretrained`` leaves it. Only config.json (and, with trust_remote_code, the model's code) is read;
-    finetune.materialize fills it from rank 0. What needs weights at load time (a custom row, QLoRA's 4-bit
+    finetune.runtime.materialize fills it from rank 0. What needs weights at load time (a custom row, QLoRA's 4-bit
     placement) has no empty form."""
     if empty and (row.factory is not None or quantization is not None or not (source or cfg.path)):
         raise ValueError("an empty model is built only for pretrained Hugging Face weights without quantization")
@@ -428,7 +428,7 @@ def compile_model(model: torch.nn.Module, row: SupportedModel) -> int:
 def freeze(model: torch.nn.Module, row: SupportedModel, parts: list[str]) -> int:
     """Stop training the ``parts`` (``model.freeze``) of the model: every parameter under one of the module-name
     prefixes the row gives each part gets ``requires_grad=False`` before the optimizer is built. Returns how many
-    parameter elements were frozen (whole tensors, :func:`finetune.backends.full_numel`: under ZeRO-3 a model is
+    parameter elements were frozen (whole tensors, :func:`finetune.runtime.backends.full_numel`: under ZeRO-3 a model is
     partitioned at birth and ``numel()`` would count nothing); a part that matches none is a ConfigError (the
     row's prefixes do not fit this model)."""
     frozen = 0

@@ -1,8 +1,8 @@
 """``finetune merge``: base + LoRA adapter -> a plain Hugging Face model, verified before it is kept.
 
 The check compares logits on the probe inputs (the ones recorded with the adapter, else
-:func:`finetune.probe.fixed_inputs`), each forward under the recipe's ``train.mixed_precision`` autocast (the
-precision the adapter was trained and recorded in), within :func:`finetune.probe.logit_tolerance`, two ways:
+:func:`finetune.artifacts.probe.fixed_inputs`), each forward under the recipe's ``train.mixed_precision`` autocast (the
+precision the adapter was trained and recorded in), within :func:`finetune.artifacts.probe.logit_tolerance`, two ways:
 1. base + adapter (as loaded now) vs the reference the training run recorded in ``final/merge_check.safetensors``
    (catches a tampered or mismatched adapter, or a different base);
 2. the merged model, saved and loaded back in a fresh process, vs base + adapter (catches a bad merge or save).
@@ -21,15 +21,15 @@ from typing import Any
 
 import yaml
 
-from finetune import outputs, probe, rundir
+from finetune.artifacts import probe, rundir
+from finetune.artifacts.checkpoint import forbid_unpickling
+from finetune.artifacts.probe import logit_tolerance as tolerance  # the rule lives with the probe; named so here too
+from finetune.artifacts.probe import tolerance_rule
 from finetune.artifacts.record import record
 from finetune.artifacts.target import Target, load_model, open_target
 from finetune.artifacts.writer import Check, export_manifest, write
-from finetune.checkpoint import forbid_unpickling
-from finetune.config import RecipeConfig, to_yaml
+from finetune.config import RecipeConfig, outputs, to_yaml
 from finetune.errors import FinetuneError, RunDirError
-from finetune.probe import logit_tolerance as tolerance  # the rule lives with the probe; named so here too
-from finetune.probe import tolerance_rule
 
 
 class MergeCheckError(FinetuneError):
@@ -74,7 +74,7 @@ def _merge(where: Target, cfg: RecipeConfig, out: Path, log: Any, trust_remote_c
     import torch
     from safetensors.torch import load_file
 
-    from finetune.modeling import build_tokenizer, save_tokenizer  # imports torch
+    from finetune.runtime.modeling import build_tokenizer, save_tokenizer  # imports torch
 
     row = where.row
     assert row is not None

@@ -7,19 +7,22 @@ partitions; full or LoRA), the export runs in this ONE process on the CPU, witho
    before anything in it is read, and ``-o`` is checked (never the run dir or anything in it, never a folder
    finetune did not write);
 2. the model its own recipe builds (as the row and with the labels its manifest recorded; plus the adapter for
-   LoRA runs) gets the checkpoint's weights through :mod:`finetune.portable`
+   LoRA runs) gets the checkpoint's weights through :mod:`finetune.artifacts.portable`
    (:func:`finetune.artifacts.target.load_model`); steps 3-5 are the one writer's
    (:func:`finetune.artifacts.writer.write_checkpoint`), which ``finetune eval`` of a checkpoint uses too;
 3. it is written to a fresh hidden ``.tmp`` folder beside ``DIR``: safetensors + config (or a PEFT adapter and
    ``merge_check.safetensors`` for LoRA runs), the tokenizer, the checkpoint's resolved recipe;
-4. a FRESH process (``python -m finetune.reload``) loads that folder as any user would (``from_pretrained``; base +
-   adapter for LoRA) and computes its logits on the probe the checkpoint recorded (:mod:`finetune.probe`), under
+4. a FRESH process (``python -m finetune.artifacts.reload``) loads that folder as any user would (``from_pretrained``;
+base +
+   adapter for LoRA) and computes its logits on the probe the checkpoint recorded (:mod:`finetune.artifacts.probe`),
+   under
    the recipe's ``train.mixed_precision`` as training computed them; they must equal the recorded ones within the
-   tolerance of that compute precision (:func:`finetune.probe.tolerance_rule` says what it allows). A checkpoint
+   tolerance of that compute precision (:func:`finetune.artifacts.probe.tolerance_rule` says what it allows). A
+   checkpoint
    written before probes existed is loaded back the same way and compared with this process's model instead
    (noted: not verified by logits);
 5. only then the manifest (with the verification) is written and the folder becomes ``DIR``; a failed check
-   publishes nothing (:class:`finetune.probe.ProbeMismatch`, exit code 1).
+   publishes nothing (:class:`finetune.artifacts.probe.ProbeMismatch`, exit code 1).
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from finetune import checkpoint, layout, outputs, rundir
+from finetune.artifacts import checkpoint, layout, rundir
 from finetune.artifacts.choose import choose, skipped_lines
+from finetune.artifacts.probe import ProbeMismatch
 from finetune.artifacts.target import open_target
 from finetune.artifacts.writer import export_manifest, write_checkpoint
+from finetune.config import outputs
 from finetune.errors import FinetuneError, RunDirError
-from finetune.probe import ProbeMismatch
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,8 @@ def locate(target: Path, name: str | None) -> tuple[Path, str | None]:
 
 def check_output(out: Path, run_dir: Path, overwrite: bool) -> None:
     """Refuse an ``-o`` that is or lies in a run directory (this one, its checkpoints, or any other), contains the
-    run, is a protected place (see :func:`finetune.rundir.check_location`), or holds anything but an earlier export
+    run, is a protected place (see :func:`finetune.artifacts.rundir.check_location`), or holds anything but an earlier
+    export
     (that one is replaced only with ``overwrite``)."""
     target, run = out.resolve(), run_dir.resolve()
     if target == run or run in target.parents:

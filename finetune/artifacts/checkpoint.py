@@ -26,14 +26,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune import hooks, registry, rundir
+from finetune import hooks, registry
+from finetune.artifacts import rundir
 from finetune.artifacts.record import record
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import RunDirError
-from finetune.state import TrainState
+from finetune.runtime.state import TrainState
 
 if TYPE_CHECKING:
-    from finetune.backends import Backend
+    from finetune.runtime.backends import Backend
 
 
 def file_fingerprint(path: str | None) -> str | None:
@@ -71,7 +72,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sh
     import transformers
 
     from finetune import __version__
-    from finetune.backends import layout
+    from finetune.runtime.backends import layout
 
     return {
         "kind": "checkpoint",
@@ -250,7 +251,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _rng_name(rank: int) -> str:
-    from finetune.restored import rng_name
+    from finetune.artifacts.restored import rng_name
 
     return rng_name(rank)
 
@@ -437,9 +438,10 @@ def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any
     (safetensors, ``weights_only`` loads, or the backend's sharded format); the rest from our JSON/safetensors.
 
     ``model_and_optimizer=False``: everything but the model and the optimizer (a portable resume has loaded those
-    already, finetune.portable); objects marked ``holds_optimizer_state`` are then skipped too. An object marked
+    already, finetune.artifacts.portable); objects marked ``holds_optimizer_state`` are then skipped too. An object
+    marked
     ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as built."""
-    from finetune import restored
+    from finetune.artifacts import restored
 
     restored.check(ckpt, read_state, {name: objects[name].state_dict() for name in ("scheduler", "scaler")
                                       if name in objects})  # before anything loads
@@ -479,11 +481,11 @@ def forbid_unpickling(backend: Backend | None = None) -> None:
 
     ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns every ``torch.load`` into ``weights_only=True`` (DeepSpeed and
     torch.distributed.checkpoint pass ``weights_only=False``); the backend's own format is restricted by
-    :func:`finetune.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
+    :func:`finetune.runtime.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
     import os
 
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     if backend is not None:
-        from finetune.backends import restrict_checkpoint_loading
+        from finetune.runtime.backends import restrict_checkpoint_loading
 
         restrict_checkpoint_loading(backend)

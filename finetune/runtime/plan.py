@@ -1,8 +1,9 @@
 """``finetune plan``: the memory one rank will need, worked out before anything is launched.
 
 The model is built on the meta device (no weights are loaded, nothing is allocated) with the same helpers training
-uses (:func:`finetune.modeling.build_config`, :func:`finetune.peft.apply`), and the backend comes from
-:func:`finetune.backends.effective_settings` for ``launch.accelerate_config`` and ``launch.num_processes``. What is
+uses (:func:`finetune.runtime.modeling.build_config`, :func:`finetune.runtime.peft.apply`), and the backend comes from
+:func:`finetune.runtime.backends.effective_settings` for ``launch.accelerate_config`` and ``launch.num_processes``. What
+is
 counted, per rank:
 
 * **parameters**: every parameter in the dtype training holds it in: ``model.dtype``; DeepSpeed with bf16/fp16 casts
@@ -74,7 +75,8 @@ counted, per rank:
 The totals are per rank: device memory (a GPU, or the CPU's memory where the run trains on the CPU) and host
 memory (what offload puts in CPU memory). Where CUDA devices are visible, the device total is compared with the
 smallest one's memory. DeepSpeed's gradient **reduce bucket** is counted as the worker sizes it
-(:func:`finetune.backends.reduce_bucket_elements`: DeepSpeed's 5e8 elements, capped at the trainable parameters).
+(:func:`finetune.runtime.backends.reduce_bucket_elements`: DeepSpeed's 5e8 elements, capped at the trainable
+parameters).
 Not counted: the CUDA context and allocator caches, ZeRO's other communication buffers, DoRA's
 per-forward weight-norm temporaries, the eval pass (its logits are noted when they exceed training's activations and
 logits) and the generation cache of ``exact_match``.
@@ -98,10 +100,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from finetune import backends, launch
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
 from finetune.registry import CAUSAL_TASKS, SupportedModel, recipe_row
+from finetune.runtime import backends, launch
 
 Where = Literal["device", "host"]
 # FSDP with gradient accumulation: "unsharded" keeps whole gradients across a window's micro-steps (no_sync, one
@@ -315,10 +317,10 @@ def _fsdp_strategy(fsdp: Mapping[str, Any]) -> str:
 
 def resolve_sharding(settings: Mapping[str, Any], world: int, num_machines: int = 1,
                      in_this_process: bool = False) -> Sharding:
-    """The sharding of ``settings`` (:func:`finetune.backends.effective_settings`) at ``world`` ranks.
+    """The sharding of ``settings`` (:func:`finetune.runtime.backends.effective_settings`) at ``world`` ranks.
 
     ``in_this_process``: one process started without a launcher trains in the CLI's process with no backend at all
-    (:func:`finetune.launch.in_process`), whatever the accelerate config says."""
+    (:func:`finetune.runtime.launch.in_process`), whatever the accelerate config says."""
     name = str(settings.get("backend", "single"))
     if in_this_process or name == "single" or (name == "ddp" and world == 1):
         why = " (one process trains in this process, so the accelerate config does not apply)" \
@@ -658,7 +660,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
 
 
 def _shape(config: Any, model: Any, attn_implementation: str | None) -> ModelShape:
-    from finetune.peft import linear_module_names
+    from finetune.runtime.peft import linear_module_names
 
     # a vision-language config nests its decoder's: the activations estimated are the decoder's (the vision
     # tower's, for the images of a batch, are not counted)
@@ -701,8 +703,8 @@ def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
     import torch
     import transformers
 
-    from finetune import peft as lora
-    from finetune.modeling import DTYPES, attention_support, build_config, freeze, loading
+    from finetune.runtime import peft as lora
+    from finetune.runtime.modeling import DTYPES, attention_support, build_config, freeze, loading
 
     labels = lora._label_names(cfg) if row.task == "classification" else None
     config = build_config(cfg.model, row, labels=labels)
@@ -808,7 +810,7 @@ def render(plan: MemoryPlan) -> str:
             line(("device total per rank", format_bytes(plan.device_total), "device", "", "", "")),
             line(("host total per rank", format_bytes(plan.host_total), "host", "", "", ""))]
     tail = ["", f"fit: {plan.fit.message}", *(f"note: {n}" for n in plan.notes),
-            "note: activations are an estimate from the model config (formula: finetune/plan.py)"]
+            "note: activations are an estimate from the model config (formula: finetune/runtime/plan.py)"]
     return "\n".join(head + body + tail)
 
 

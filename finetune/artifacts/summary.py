@@ -5,7 +5,7 @@ metrics.jsonl once the run has finished (step, samples, tokens, training and wal
 final train loss), the last eval row (every final eval metric with its counts, as ``finetune eval`` prints them),
 the recipe (a PEFT run can be merged; a classification or reward model generates no text) and the files present
 (``final/``, ``plots.png``, the logs). A run is finished when its metrics.jsonl ends with an end row: a resume that
-continues it drops that row (:func:`finetune.tracking.truncate_metrics`).
+continues it drops that row (:func:`finetune.runtime.tracking.truncate_metrics`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from typing import Any
 
 import yaml
 
-from finetune import registry, rundir
+from finetune import registry
+from finetune.artifacts import rundir
 from finetune.errors import FinetuneError, RunDirError
 from finetune.registry import SupportedModel
-from finetune.tracking import format_metrics, read_metrics
+from finetune.runtime.tracking import format_metrics, read_metrics
 
 
 @dataclass(frozen=True)

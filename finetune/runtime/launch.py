@@ -9,15 +9,16 @@ import os
 import sys
 from pathlib import Path
 
-from finetune import backends
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
+from finetune.runtime import backends
 
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
 
 
 def isolate_sys_path() -> None:
-    """``python -m finetune`` (and ``-m finetune.worker`` under accelerate launch) put the current folder first on
+    """``python -m finetune`` (and ``-m finetune.runtime.worker`` under accelerate launch) put the current folder first
+    on
     ``sys.path``; the ``finetune`` console script does not. Drop it, so that a module named by a recipe
     (``model.plugin``) is imported only from what is installed or on PYTHONPATH, never from whatever folder, such as
     a run directory, the command happens to run in."""
@@ -31,7 +32,7 @@ def isolate_sys_path() -> None:
 def child_env() -> dict[str, str]:
     """The environment of every process finetune starts (``accelerate launch`` and, through it, every rank):
     ``PYTHONSAFEPATH`` keeps the current folder off their ``sys.path`` (``python -m accelerate.commands.launch`` and
-    torchrun's ``python -m finetune.worker`` would otherwise import a yaml.py or typer.py planted there)."""
+    torchrun's ``python -m finetune.runtime.worker`` would otherwise import a yaml.py or typer.py planted there)."""
     return {**os.environ, "PYTHONSAFEPATH": "1"}
 
 
@@ -64,13 +65,13 @@ def in_process(cfg: RecipeConfig, env: dict[str, str] | None = None) -> bool:
 def launch_argv(cfg: RecipeConfig, resolved: Path, worker_args: list[str] | None = None) -> list[str]:
     """The exact ``accelerate launch`` command line that runs the worker on every rank."""
     return accelerate_argv(backends.accelerate_config(cfg.launch.accelerate_config), cfg.launch.num_processes,
-                           "finetune.worker", [str(resolved), *(worker_args or [])])
+                           "finetune.runtime.worker", [str(resolved), *(worker_args or [])])
 
 
 def accelerate_argv(config: backends.AccelerateConfig | Path, num_processes: int, module: str,
                     args: list[str]) -> list[str]:
     """``accelerate launch`` running ``python -m module args`` on ``num_processes`` ranks with ``config`` (the
-    training worker, or ``finetune generate``'s): as :func:`finetune.backends.accelerate_config` read it, or its
+    training worker, or ``finetune generate``'s): as :func:`finetune.runtime.backends.accelerate_config` read it, or its
     file (read here when it matters). With several processes, a config that names no ``main_process_port`` gets a
     free one (:func:`free_port`): accelerate's default, 29500, is one port per machine, so a second run started on
     the same machine failed with 'address already in use'."""

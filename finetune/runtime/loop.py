@@ -18,16 +18,18 @@ from typing import Any
 
 import torch
 
-from finetune import checkpoint, hooks, meter
-from finetune.backends import Backend
+from finetune import hooks
+from finetune.artifacts import checkpoint
 from finetune.config import RecipeConfig
 from finetune.errors import EvalError, FinetuneError, NonFiniteError
-from finetune.precision import Precision
 from finetune.registry import SupportedModel
-from finetune.signals import Interrupted, StopRequest
-from finetune.state import TrainState
+from finetune.runtime import meter
+from finetune.runtime.backends import Backend
+from finetune.runtime.precision import Precision
+from finetune.runtime.signals import Interrupted, StopRequest
+from finetune.runtime.state import TrainState
+from finetune.runtime.tracking import Throughput, Tracker
 from finetune.tasks import Task
-from finetune.tracking import Throughput, Tracker
 
 # An fp16 step skipped for overflow still advances the schedule (a step is a step); torch warns about exactly that.
 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)

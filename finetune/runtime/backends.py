@@ -8,14 +8,15 @@ On top of it this module supplies what the recipe and the SupportedModel row kno
 - FSDP: the decoder-layer class to wrap (from the row), ``use_orig_params`` (our optimizer groups see real
   parameters), sharded state dicts for checkpoints, and no ``sync_module_states`` (every rank builds the same
   weights from the same seed; the option raises on CPU). Pretrained weights are read by rank 0 alone and sent to
-  the others as :attr:`Backend.weight_distribution` says (finetune.materialize; FSDP2: :func:`shard_from_rank0`).
+  the others as :attr:`Backend.weight_distribution` says (finetune.runtime.materialize; FSDP2:
+  :func:`shard_from_rank0`).
 - DeepSpeed: the whole DeepSpeed config generated from the recipe (global/micro batch, accumulation, clipping,
   precision, ZeRO stage and offload), so the two can never disagree.
 - CPU-only machines (docs/platform-notes.md): DDP needs ``Accelerator(cpu=True)`` (gloo); DeepSpeed needs a gloo
   process group and must NOT get ``cpu=True`` (it would silently run DDP); FSDP needs the shared PartialState marked
   as a multi-device run before the Accelerator exists, else accelerate silently falls back to DDP.
 
-Mixed precision stays ours (finetune.precision) except under DeepSpeed, whose engine owns it, and FSDP, whose
+Mixed precision stays ours (finetune.runtime.precision) except under DeepSpeed, whose engine owns it, and FSDP, whose
 mixed-precision policy casts the weights (autocast off; our grad scaler still runs fp16).
 """
 
@@ -44,7 +45,7 @@ class Backend:
     offload_param: str = "none"
     # FSDP with gradient accumulation: keep whole (unsharded) fp32 gradients across the window's micro-steps and
     # reduce-scatter once at its end (less traffic, one model's worth of gradients per rank), instead of reducing
-    # each micro-batch into the sharded gradients. Set only where finetune.plan says those gradients fit
+    # each micro-batch into the sharded gradients. Set only where finetune.runtime.plan says those gradients fit
     # (the worker asks it: ``worker.fsdp_accumulation``). See :attr:`syncs_each_micro_step`.
     keep_unsharded_grads: bool = False
 
@@ -99,7 +100,7 @@ class Backend:
     @property
     def weight_distribution(self) -> str:
         """How the ranks but 0 get pretrained weights when several processes load ``model.path``
-        (finetune.materialize; docs/platform-notes.md):
+        (finetune.runtime.materialize; docs/platform-notes.md):
 
         - ``broadcast`` (DDP, ZeRO-1/2, FSDP1): built empty, then every parameter and buffer is received from rank 0
           (these ranks hold the whole model anyway: DDP and ZeRO-1/2 train on it, FSDP1 shards it only when it wraps).
@@ -124,7 +125,7 @@ class Backend:
     @property
     def rank_bound_state(self) -> bool:
         """Checkpoints hold per-rank shards (ZeRO partitions, FSDP sharded state): the native load needs the same world
-        size (finetune.portable resumes them elsewhere)."""
+        size (finetune.artifacts.portable resumes them elsewhere)."""
         return self.kind in ("deepspeed", "fsdp")
 
     def resume_problem(self, saved_by: str, saved_world: int, world: int) -> str | None:
@@ -132,7 +133,8 @@ class Backend:
         ``saved_world`` processes in its NATIVE format, or None when it can (then resume loads it natively, bit for
         bit). Single and DDP checkpoints hold whole tensors, so they move between each other and any world size; a
         sharded backend reads only its own format, and only on the world size that wrote it (per-rank shards).
-        Any other pair resumes through the portable state (finetune.portable) when the checkpoint allows it."""
+        Any other pair resumes through the portable state (finetune.artifacts.portable) when the checkpoint allows
+        it."""
         if self.loads_natively(saved_by, saved_world, world):
             return None
         if saved_by in ("single", "ddp"):
@@ -393,7 +395,7 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
     ``gradient_accumulation_steps`` is the recipe's: the loop uses ``accelerator.accumulate`` so every backend
     (DeepSpeed included) knows which micro-step ends a window; whether gradients are also reduced on the other
     micro-steps is :attr:`Backend.syncs_each_micro_step`. Precision stays ``no`` for accelerate: autocast and the
-    scaler are ours (finetune.precision), and FSDP gets its own policy (:func:`fsdp_mixed_precision`).
+    scaler are ours (finetune.runtime.precision), and FSDP gets its own policy (:func:`fsdp_mixed_precision`).
     """
     import torch
     from accelerate import Accelerator
@@ -469,7 +471,7 @@ def shard_from_rank0(accelerator: Any, enabled: bool) -> None:
     """FSDP2: whether ``accelerator.prepare`` distributes rank 0's weights into every rank's shards (accelerate's
     ``cpu_ram_efficient_loading``: the model goes to the meta device, is sharded there, then each parameter is
     broadcast from rank 0 and each rank keeps its shard). Set after the model is built, because whether the model
-    allows it (finetune.materialize) is known only then. The flag is read only when the model is prepared; it is
+    allows it (finetune.runtime.materialize) is known only then. The flag is read only when the model is prepared; it is
     set on the plugin, not in the environment, where it would also change how transformers loads models."""
     plugin = getattr(accelerator.state, "fsdp_plugin", None)
     if plugin is None or plugin.fsdp_version != 2:
@@ -499,10 +501,11 @@ class FSDP1OptimizerState:
     """FSDP1 with ``use_orig_params``: accelerate's sharded optimizer save/load restores NOTHING (the optimizer
     state is empty after ``load_state``, so a resumed Adam restarts its moments). This object checkpoints the
     optimizer state once more, gathered whole with torch.distributed.checkpoint.state_dict (saved as JSON +
-    safetensors by finetune.checkpoint), and loads it back after accelerate's no-op; ``tests/distributed`` proves
+    safetensors by finetune.artifacts.checkpoint), and loads it back after accelerate's no-op; ``tests/distributed``
+    proves
     resume bit-identical with it."""
 
-    holds_optimizer_state = True  # a portable resume loads the optimizer itself (finetune.checkpoint.load)
+    holds_optimizer_state = True  # a portable resume loads the optimizer itself (finetune.artifacts.checkpoint.load)
 
     def __init__(self, model: Any, optimizer: Any) -> None:
         self.model, self.optimizer = model, getattr(optimizer, "optimizer", optimizer)
@@ -545,7 +548,7 @@ _DCP_METADATA_GLOBALS = {
 
 def restrict_checkpoint_loading(backend: Backend) -> None:
     """Data-only loading of the backend's own checkpoint format, on top of ``weights_only`` for every ``torch.load``
-    (finetune.checkpoint.forbid_unpickling). FSDP: DCP's ``.metadata`` pickle goes through
+    (finetune.artifacts.checkpoint.forbid_unpickling). FSDP: DCP's ``.metadata`` pickle goes through
     :func:`restrict_dcp_metadata`. DeepSpeed: its optimizer files hold its ZeRO stage enum, its loss scaler's
     settings and fragment addresses, data classes that run no code when rebuilt: they are allowed. (Each is set up
     only for its own backend: importing torch.distributed.checkpoint alone costs half a second.)"""

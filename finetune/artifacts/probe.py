@@ -7,7 +7,8 @@ end to end, for every backend, instead of trusting them.
 
 :class:`LogitProbe` is one of the worker's checkpointed ``objects``: at a checkpoint every rank calls its
 ``state_dict()`` (a forward pass is a collective under sharded backends) and rank 0 writes the result as
-``probe.json`` + ``probe.safetensors`` through :func:`finetune.checkpoint.write_state`. Resuming loads nothing from
+``probe.json`` + ``probe.safetensors`` through :func:`finetune.artifacts.checkpoint.write_state`. Resuming loads nothing
+from
 it. :func:`read` gets it back (``None`` for checkpoints written before probes existed).
 """
 
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.checkpoint import read_state
+from finetune.artifacts.checkpoint import read_state
 from finetune.errors import FinetuneError, RunDirError
 
 NAME = "probe"  # the checkpoint object's name: probe.json (+ probe.safetensors), see checkpoint.write_state
@@ -39,7 +40,8 @@ class LogitProbe:
 
     ``inputs`` makes the probe inputs (``worker.probe_batch``); it is called once, at the first checkpoint, when
     the data it reads exists. Every rank must call ``state_dict()`` at the same time under sharded backends.
-    ``precision``: the run's :class:`finetune.precision.Precision`; the probe runs under its autocast, as training
+    ``precision``: the run's :class:`finetune.runtime.precision.Precision`; the probe runs under its autocast, as
+    training
     does (a flash-attn model with fp32 weights cannot run outside it). None: no autocast (fp32 training)."""
 
     optional_in_checkpoint = True  # checkpoints written before probes existed hold none: resume them all the same
@@ -120,13 +122,13 @@ def fixed_inputs(tokenizer: Any) -> dict[str, Any]:
 
 
 def forward_precision(mixed_precision: str, device: Any) -> Any:
-    """The :class:`finetune.precision.Precision` whose ``autocast()`` every forward outside the training process
+    """The :class:`finetune.runtime.precision.Precision` whose ``autocast()`` every forward outside the training process
     runs under (eval, export and its fresh-process check, merge, generate): ``train.mixed_precision`` of the
     model's recipe on ``device`` (a torch device or its type), so that every forward runs in the precision the
     model was trained in (DESIGN.md). Without it, fp32 weights with a half-only kernel (flash-attn) cannot run."""
     import torch
 
-    from finetune.precision import Precision
+    from finetune.runtime.precision import Precision
 
     return Precision(mixed_precision, torch.device(device).type)
 

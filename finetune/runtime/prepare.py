@@ -48,7 +48,7 @@ class Inputs:
 def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
     """Download ``model.path`` when it is a hub id, build the tokenizer, load and tokenize the data; the first
     process to get here does the work while the others wait on a file lock, then read the caches."""
-    from finetune.modeling import build_tokenizer, image_inputs  # imports torch
+    from finetune.runtime.modeling import build_tokenizer, image_inputs  # imports torch
 
     def load() -> Inputs:
         download(cfg)
@@ -91,7 +91,7 @@ def download(cfg: RecipeConfig) -> None:
 
     if constants.HF_HUB_OFFLINE:  # transformers reads the cache, or says what is missing
         return
-    from finetune.modeling import loading
+    from finetune.runtime.modeling import loading
 
     with loading("model", repo):
         snapshot_download(repo, ignore_patterns=ignore_patterns(list_repo_files(repo)))

@@ -1,6 +1,6 @@
 """``finetune generate``: completions for a file of prompts, from a run, a checkpoint or an exported model.
 
-The model is opened exactly as ``finetune eval`` opens it (:mod:`finetune.evaluation`): the target is verified
+The model is opened exactly as ``finetune eval`` opens it (:mod:`finetune.commands.evaluate`): the target is verified
 against its manifest before anything in it is read, loading is data only, and the folder's own code runs only with
 ``--trust-remote-code``. Each line of the prompts file (JSON lines) is one object holding its prompt as
 
@@ -25,7 +25,8 @@ prompts are left-padded with their own position ids and attention mask (one deco
 :func:`finetune.tasks.causal_lm.generate_tokens`, shared with eval's exact_match), and sampling draws from one
 generator per prompt, seeded by ``--seed`` and the prompt's line (vision-language prompts are sampled one at a
 time, each from torch's generator seeded the same way). With ``--num-processes N`` the front process checks
-everything, then execs ``accelerate launch ... -m finetune.generate`` (this module's :func:`main`); every rank takes
+everything, then execs ``accelerate launch ... -m finetune.commands.generate`` (this module's :func:`main`); every rank
+takes
 every N-th prompt, the results are gathered and rank 0 writes the file. Only one process and DDP are supported:
 sharded backends would need every rank to run the same forward passes.
 """
@@ -42,23 +43,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from finetune import backends, launch, outputs, registry, rundir
+from finetune import registry
+from finetune.artifacts import rundir
+from finetune.config import outputs
 from finetune.data import vision
 from finetune.data.formats import render_alpaca
 from finetune.data.prompts import PromptIds, chat_text, text_prompt, vision_prompt, vision_text
 from finetune.data.prompts import encode as encode_text  # generate.encode keeps its name for its callers
 from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
+from finetune.runtime import backends, launch
 
 if TYPE_CHECKING:
+    from finetune.commands.evaluate import Target
     from finetune.config import RecipeConfig
     from finetune.data.vision import ImageInputs
-    from finetune.evaluation import Target
     from finetune.registry import SupportedModel
 
 OUTPUT_KEYS = ("completion", "finish_reason")  # what generate adds to each line
 BACKENDS = ("single", "ddp")  # generation runs whole models: one process, or one copy per rank
-MODULE = "finetune.generate"  # what `accelerate launch -m` runs on every rank
+MODULE = "finetune.commands.generate"  # what `accelerate launch -m` runs on every rank
 
 
 @dataclass(frozen=True)
@@ -298,8 +302,8 @@ def launcher_config(num_processes: int, accelerate_config: str | None) -> backen
 def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     """Every check that needs no model: the flags, ``-o``, the target (verified, a model that generates), the
     prompts file, and the prompts' token ids. Each mistake is one line."""
-    from finetune.evaluation import load_tokenizer, open_target
-    from finetune.modeling import image_inputs
+    from finetune.commands.evaluate import load_tokenizer, open_target
+    from finetune.runtime.modeling import image_inputs
 
     problems = options.problems()
     if problems:
@@ -403,15 +407,15 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
              log: Callable[[str], Any] = print) -> dict[str, Any]:
     """Generate a completion for every prompt and write ``output`` (rank 0); on every rank under a launcher, each
     taking every N-th prompt. Returns the summary that rank 0 prints."""
-    from finetune.checkpoint import forbid_unpickling
+    from finetune.artifacts.checkpoint import forbid_unpickling
 
     forbid_unpickling()
     job = prepare(target, prompts, output, options)
 
-    from finetune.backends import detect, make_accelerator
+    from finetune.artifacts.probe import forward_precision
+    from finetune.commands.evaluate import load_model
     from finetune.data.batching import eval_shard
-    from finetune.evaluation import load_model
-    from finetune.probe import forward_precision
+    from finetune.runtime.backends import detect, make_accelerator
 
     backend = detect()
     if backend.kind not in BACKENDS:
@@ -482,7 +486,7 @@ def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
         return text
 
     from finetune.data.vision import VisionCollator
-    from finetune.modeling import image_inputs
+    from finetune.runtime.modeling import image_inputs
     from finetune.tasks.vision_lm import generate_with_images
 
     collator = VisionCollator(pad_id, image_inputs(tokenizer, job.row))
@@ -513,8 +517,8 @@ def start(target: Path, prompts: Path, output: Path, options: Options, num_proce
     if config is None:
         generate(target, prompts, output, options, log)
         return None
-    from finetune.checkpoint import forbid_unpickling
-    from finetune.launch import accelerate_argv
+    from finetune.artifacts.checkpoint import forbid_unpickling
+    from finetune.runtime.launch import accelerate_argv
 
     forbid_unpickling()
     prepare(target, prompts, output, options)  # every mistake is one line here, before any rank starts
@@ -523,7 +527,8 @@ def start(target: Path, prompts: Path, output: Path, options: Options, num_proce
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m finetune.generate TARGET PROMPTS -o OUT --max-new-tokens N ...`` on every rank (what ``accelerate
+    """``python -m finetune.commands.generate TARGET PROMPTS -o OUT --max-new-tokens N ...`` on every rank (what
+    ``accelerate
     launch`` runs); every flag is given by :func:`start`."""
     import argparse
 
@@ -545,7 +550,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from finetune.launch import die_with_launcher, isolate_sys_path
+    from finetune.runtime.launch import die_with_launcher, isolate_sys_path
 
     isolate_sys_path()
     die_with_launcher()

@@ -1,6 +1,6 @@
 """The entry point on every rank: build everything from the resolved recipe, train, export, close.
 
-``python -m finetune.worker runs/x/recipe.resolved.yaml`` (what ``accelerate launch`` runs), or
+``python -m finetune.runtime.worker runs/x/recipe.resolved.yaml`` (what ``accelerate launch`` runs), or
 :func:`run_worker` in-process for a single process. The resolved recipe file is all it reads.
 """
 
@@ -14,15 +14,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import ConfigError, RunDirError, run_main, unreadable
-from finetune.signals import Interrupted
+from finetune.runtime.signals import Interrupted
 
 if TYPE_CHECKING:
-    from finetune import prepare
-    from finetune.backends import Backend
-    from finetune.loop import Trainer
+    from finetune.runtime import prepare
+    from finetune.runtime.backends import Backend
+    from finetune.runtime.loop import Trainer
 
 
 def total_steps(cfg: RecipeConfig, train_size: int) -> int:
@@ -35,14 +35,14 @@ def total_steps(cfg: RecipeConfig, train_size: int) -> int:
 
 def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
     """FSDP with gradient accumulation on GPUs keeps whole gradients across a window's micro-steps only where
-    finetune.plan says the recipe fits the smallest visible device with them (``unsharded_accumulation_fits``);
+    finetune.runtime.plan says the recipe fits the smallest visible device with them (``unsharded_accumulation_fits``);
     everywhere else (the CPU, no accumulation, a plan that cannot be made) it reduce-scatters every micro-step,
     which never needs more memory. Asked here, above both, so that backends never imports the plan."""
     import torch  # heavy: imported only when a worker builds a run
 
     if backend.kind != "fsdp" or cfg.grad_accum == 1 or backend.keep_unsharded_grads or not torch.cuda.is_available():
         return backend
-    from finetune.plan import unsharded_accumulation_fits, visible_devices
+    from finetune.runtime.plan import unsharded_accumulation_fits, visible_devices
 
     try:
         fits = unsharded_accumulation_fits(cfg, min(size for _, size in visible_devices()))
@@ -56,18 +56,33 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
     ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
     tokenizer and data this process already read (`finetune run` reads them before it creates the run folder)."""
-    from finetune import checkpoint, loop, prepare, registry
-    from finetune import peft as lora
-    from finetune.backends import detect, extra_checkpoint_state, make_accelerator, model_init, size_deepspeed_buckets
-    from finetune.meter import step_flops
-    from finetune.modeling import build_base, check_fits, compile_failures, compile_model, enable_checkpointing, freeze
-    from finetune.optim import build_optimizer, build_scheduler
-    from finetune.portable import PARAM_NAMES, ParamNames
-    from finetune.precision import Precision, master_weights_warning
-    from finetune.probe import LogitProbe
-    from finetune.state import TrainState
+    from finetune import registry
+    from finetune.artifacts import checkpoint
+    from finetune.artifacts.portable import PARAM_NAMES, ParamNames
+    from finetune.artifacts.probe import LogitProbe
+    from finetune.runtime import loop, prepare
+    from finetune.runtime import peft as lora
+    from finetune.runtime.backends import (
+        detect,
+        extra_checkpoint_state,
+        make_accelerator,
+        model_init,
+        size_deepspeed_buckets,
+    )
+    from finetune.runtime.meter import step_flops
+    from finetune.runtime.modeling import (
+        build_base,
+        check_fits,
+        compile_failures,
+        compile_model,
+        enable_checkpointing,
+        freeze,
+    )
+    from finetune.runtime.optim import build_optimizer, build_scheduler
+    from finetune.runtime.precision import Precision, master_weights_warning
+    from finetune.runtime.state import TrainState
+    from finetune.runtime.tracking import build_tracker
     from finetune.tasks import build_task
-    from finetune.tracking import build_tracker
 
     row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried on the Trainer
     lora.check_hardware(cfg.peft)
@@ -95,7 +110,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
             f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")})
     for note in data.notes(cfg.data.max_seq_len):  # the mixture, and what fitting max_seq_len did per source
         tracker.log("info", {"message": note})
-    from finetune import materialize  # rank 0 alone reads pretrained weights when several processes run
+    from finetune.runtime import materialize  # rank 0 alone reads pretrained weights when several processes run
 
     quantization = lora.quantization_config(cfg.peft)
     with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
@@ -134,7 +149,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
     # scheduler is not prepared: accelerate would step it once per process.
     objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer),
-               PARAM_NAMES: param_names,  # makes the checkpoint readable on any layout (finetune.portable)
+               PARAM_NAMES: param_names,  # makes the checkpoint readable on any layout (finetune.artifacts.portable)
                # the live model's logits on 2 x 16 probe tokens (made at the first checkpoint; task is bound below):
                # 2 x 16 x vocab fp32 per checkpoint, ~20 MB at a 150k vocabulary
                "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16),
@@ -168,9 +183,9 @@ def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> d
 def clean_copy(trainer: Trainer) -> Callable[[], Any]:
     """A factory of a fresh, unwrapped copy of the trained model (base, and adapter for LoRA), built as this run
     built it; a backend that cannot save from its wrapped model saves from one (backends.export_module)."""
-    from finetune import peft as lora
     from finetune import registry
-    from finetune.modeling import build_base
+    from finetune.runtime import peft as lora
+    from finetune.runtime.modeling import build_base
 
     cfg = trainer.cfg
     row = trainer.row if trainer.row is not None else registry.recipe_row(cfg)
@@ -186,8 +201,8 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
     """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer and the
     layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes."""
-    from finetune import checkpoint, portable
-    from finetune.tracking import truncate_metrics
+    from finetune.artifacts import checkpoint, portable
+    from finetune.runtime.tracking import truncate_metrics
 
     manifest = rundir.read_manifest(ckpt)
     if checkpoint.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
@@ -240,12 +255,12 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
     ``inputs``: see :func:`build_trainer`.
 
-    Raises :class:`finetune.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
+    Raises :class:`finetune.runtime.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
-    from finetune import loop
     from finetune.artifacts import final  # imports torch
-    from finetune.backends import settle
-    from finetune.modeling import compile_failures
+    from finetune.runtime import loop
+    from finetune.runtime.backends import settle
+    from finetune.runtime.modeling import compile_failures
 
     started = time.monotonic()
     cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe, allow_plugin)
@@ -275,7 +290,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
             with compile_failures(cfg.train.compile):
                 trainer.tracker.log("eval", loop.checked_evaluate(trainer))
         if trainer.accelerator.is_main_process:  # <run>/plots.png; a failure is one warning line, never a failed run
-            from finetune.plot import write_run_plot
+            from finetune.artifacts.plot import write_run_plot
 
             write_run_plot(trainer.run_dir, log=lambda row: trainer.tracker.log("info", row))
             report_end(trainer, time.monotonic() - started)
@@ -290,8 +305,8 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
 def report_end(trainer: Trainer, wall_s: float) -> None:
     """Rank 0, once the run has finished: the end row in metrics.jsonl, then the run's summary read back from what
-    it wrote (:mod:`finetune.summary`, which ``finetune ls`` shows again), on the console and in train.log."""
-    from finetune.summary import read_summary, render
+    it wrote (:mod:`finetune.artifacts.summary`, which ``finetune ls`` shows again), on the console and in train.log."""
+    from finetune.artifacts.summary import read_summary, render
 
     state = trainer.state
     trainer.tracker.log("end", {"step": state.step, "samples": state.samples_seen, "tokens": state.tokens_seen,
@@ -304,8 +319,8 @@ def report_end(trainer: Trainer, wall_s: float) -> None:
 def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = None,
             allow_config_change: bool = False, allow_plugin: bool = False) -> None:
     """:func:`run_worker` with the CLI's messages and exit codes (finetune.errors.run_main); the process exits once
-    its last checkpoint is published (finetune.checkpoint.publishing)."""
-    from finetune.checkpoint import publishing
+    its last checkpoint is published (finetune.artifacts.checkpoint.publishing)."""
+    from finetune.artifacts.checkpoint import publishing
 
     def run() -> None:
         with publishing():
@@ -320,11 +335,11 @@ def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m finetune.worker RESOLVED [--resume CKPT] [--allow-config-change] [--allow-plugin]`` on every
+    """``python -m finetune.runtime.worker RESOLVED [--resume CKPT] [--allow-config-change] [--allow-plugin]`` on every
     rank."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m finetune.worker")
+    parser = argparse.ArgumentParser(prog="python -m finetune.runtime.worker")
     parser.add_argument("resolved", help="runs/<name>/recipe.resolved.yaml")
     parser.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     parser.add_argument("--allow-config-change", action="store_true")
@@ -334,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    from finetune.launch import die_with_launcher, isolate_sys_path
+    from finetune.runtime.launch import die_with_launcher, isolate_sys_path
 
     isolate_sys_path()
     die_with_launcher()

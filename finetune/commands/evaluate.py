@@ -1,4 +1,4 @@
-"""``finetune eval``: run :func:`finetune.loop.evaluate` alone on a run, a checkpoint or an exported model.
+"""``finetune eval``: run :func:`finetune.runtime.loop.evaluate` alone on a run, a checkpoint or an exported model.
 
 Before anything is loaded the target is verified against its manifest (sha256 of every file); loading is data only
 (safetensors, no pickles), and the model folder's own code runs only with ``--trust-remote-code`` on this command
@@ -23,7 +23,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune.artifacts import rundir
+from finetune.artifacts.checkpoint import forbid_unpickling
+from finetune.artifacts.probe import ProbeMismatch, forward_precision
 from finetune.artifacts.target import (  # (opened here, and by generate)
     Target,
     load_model,
@@ -32,10 +34,8 @@ from finetune.artifacts.target import (  # (opened here, and by generate)
     portable_overrides,
 )
 from finetune.artifacts.writer import export_manifest, write_checkpoint
-from finetune.checkpoint import forbid_unpickling
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, RunDirError, _io_cause
-from finetune.probe import ProbeMismatch, forward_precision
 
 __all__ = ["Target", "evaluate_target", "load_model", "load_tokenizer", "open_target", "portable_overrides",
            "reload_checkpoint", "scratch_folder"]
@@ -104,13 +104,13 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, scratch: Path, log: Call
 def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
               trust_remote_code: bool = False) -> dict[str, Any]:
     """Evaluate ``where`` (``scratch``: a checkpoint target's export folder) with the loop's own evaluate()."""
-    from finetune import loop
-    from finetune.backends import Backend, make_accelerator
     from finetune.data import load_splits
-    from finetune.modeling import build_base, image_inputs
-    from finetune.state import TrainState
+    from finetune.runtime import loop
+    from finetune.runtime.backends import Backend, make_accelerator
+    from finetune.runtime.modeling import build_base, image_inputs
+    from finetune.runtime.state import TrainState
+    from finetune.runtime.tracking import NullTracker
     from finetune.tasks import build_task
-    from finetune.tracking import NullTracker
 
     row = where.row
     assert row is not None

@@ -20,9 +20,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.errors import RunDirError
-from finetune.state import TrainState
+from finetune.runtime.state import TrainState
 
 COUNTERS = ("step", "micro_step", "epoch", "samples_seen", "train_size", "tokens_seen")  # non-negative ints
 
@@ -185,7 +185,7 @@ def _entries(state: Any) -> str:
 
 
 def _ours_problems(state: Any) -> list[str]:
-    """finetune's RNG file (finetune.checkpoint.rng_state): python, numpy, torch and, where present, cuda."""
+    """finetune's RNG file (finetune.artifacts.checkpoint.rng_state): python, numpy, torch and, where present, cuda."""
     if not isinstance(state, dict) or not set(state) >= {"python", "numpy", "torch"} or set(state) - {
             "python", "numpy", "torch", "cuda"}:
         return [f"has other entries than python, numpy, torch and cuda ({_entries(state)})"]
@@ -259,7 +259,7 @@ def rng_problems(ckpt: Path, manifest: dict[str, Any], micro_step: int,
 
 def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dict[str, Any] | None = None) -> None:
     """Refuse, in one line, a checkpoint whose restored state disagrees (see :func:`problems`, and with ``read``
-    (finetune.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
+    (finetune.artifacts.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
     build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint)."""
     manifest = rundir.read_manifest(ckpt)
     try:

@@ -1,6 +1,7 @@
 """Portable state: a checkpoint of any backend and world size as whole tensors, and whole tensors into any backend.
 
-A checkpoint is written in its backend's own format (finetune.checkpoint): whole tensors for single/DDP, per-rank
+A checkpoint is written in its backend's own format (finetune.artifacts.checkpoint): whole tensors for single/DDP,
+per-rank
 shards for FSDP (torch.distributed.checkpoint folders) and DeepSpeed ZeRO (per-rank partition files). The native
 load reads it only on the layout that wrote it. This module is the one way between layouts:
 
@@ -15,8 +16,8 @@ load reads it only on the layout that wrote it. This module is the one way betwe
 - :func:`resume_targets` / :func:`reshard_problem`: where a checkpoint can resume, from its manifest alone.
 
 Everything read here is data: safetensors, JSON, and ``torch.load`` with ``weights_only`` (forced for the whole
-process by finetune.checkpoint.forbid_unpickling, with the backend's own records allow-listed by
-finetune.backends.restrict_checkpoint_loading).
+process by finetune.artifacts.checkpoint.forbid_unpickling, with the backend's own records allow-listed by
+finetune.runtime.backends.restrict_checkpoint_loading).
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import layout, rundir
-from finetune.backends import Backend, backend_named
+from finetune.artifacts import layout, rundir
 from finetune.errors import RunDirError
+from finetune.runtime.backends import Backend, backend_named
 
 PARAM_NAMES = "param_names"
 """The checkpointed object (``param_names.json``) that names the optimizer's parameters: what makes a checkpoint
@@ -62,7 +63,8 @@ class ParamNames:
     file keys its state by parameter index becomes readable on any layout through it. Loading it changes nothing
     (the live names are this build's); a checkpoint written before it existed simply has none."""
 
-    optional_in_checkpoint = True  # finetune.checkpoint.load: an older checkpoint without it still loads natively
+    # finetune.artifacts.checkpoint.load: an older checkpoint without it still loads natively
+    optional_in_checkpoint = True
 
     def __init__(self, groups: list[list[str]]) -> None:
         self.groups = groups
@@ -130,7 +132,7 @@ def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None 
     ``scratch``: a ``.tmp`` folder the caller owns, needed to read a DeepSpeed checkpoint's optimizer (DeepSpeed's
     universal-checkpoint converter writes there; the caller removes it). When it already holds a complete
     conversion of ``ckpt`` (another rank made it), that is read instead of converting again."""
-    from finetune.checkpoint import forbid_unpickling
+    from finetune.artifacts.checkpoint import forbid_unpickling
 
     manifest = rundir.read_manifest(ckpt)
     name, world = _saved_layout(manifest)
@@ -151,7 +153,7 @@ def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None 
 
 
 def _param_groups(ckpt: Path, manifest: dict[str, Any]) -> list[list[str]]:
-    from finetune.checkpoint import read_state
+    from finetune.artifacts.checkpoint import read_state
 
     if not _has_names(manifest):
         raise RunDirError(f"{ckpt}: {reshard_problem(manifest)}; its optimizer cannot be read on another layout")
@@ -203,7 +205,7 @@ def _read_dcp(folder: Path) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from finetune.backends import restrict_dcp_metadata
+    from finetune.runtime.backends import restrict_dcp_metadata
 
     restrict_dcp_metadata()
     state: dict[str, Any] = {}
@@ -232,7 +234,7 @@ def _read_fsdp(ckpt: Path, backend: Backend, groups: list[list[str]] | None
                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """FSDP1 / FSDP2: the DCP model folder (clean FQN keys); the optimizer from FSDP1's whole copy
     (``fsdp1_optimizer``) or FSDP2's DCP optimizer folder."""
-    from finetune.checkpoint import read_state
+    from finetune.artifacts.checkpoint import read_state
 
     model = _read_dcp(ckpt / "pytorch_model_fsdp_0").get("model")
     if not isinstance(model, dict):
@@ -475,7 +477,7 @@ def load_full_state(accelerator: Any, backend: Backend, model: Any, optimizer: A
     """Load ``state`` into the built and prepared ``model`` / ``optimizer`` of ``backend``; every rank calls this
     with the same ``state``. After it the next forward uses the loaded weights and the next optimizer step is the
     one the saved run would have taken (moments, step counts, param-group hyperparameters; this build's kernel
-    choice, finetune.checkpoint.KERNEL_KEYS, is kept)."""
+    choice, finetune.artifacts.checkpoint.KERNEL_KEYS, is kept)."""
     if state.optimizer is None:
         raise ValueError("a resume needs the optimizer state: read_full_state(..., optimizer=True)")
     unwrapped = accelerator.unwrap_model(model)
@@ -488,8 +490,8 @@ def load_full_state(accelerator: Any, backend: Backend, model: Any, optimizer: A
 
 def _live_groups(saved: dict[str, Any], inner: Any) -> dict[str, Any]:
     """``saved`` with this build's kernel keys in every param group (what the checkpoint says is how that machine
-    computed a step, not what the step is; finetune.checkpoint.keep_kernel_choice)."""
-    from finetune.checkpoint import KERNEL_KEYS
+    computed a step, not what the step is; finetune.artifacts.checkpoint.keep_kernel_choice)."""
+    from finetune.artifacts.checkpoint import KERNEL_KEYS
 
     if len(saved["param_groups"]) != len(inner.param_groups):
         raise RunDirError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
@@ -511,7 +513,7 @@ def _load_torch(model: Any, optimizer: Any, full: dict[str, Any], optim: dict[st
         set_optimizer_state_dict,
     )
 
-    from finetune.checkpoint import KERNEL_KEYS, keep_kernel_choice
+    from finetune.artifacts.checkpoint import KERNEL_KEYS, keep_kernel_choice
 
     inner = getattr(optimizer, "optimizer", optimizer)
     options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=torch.cuda.is_available())

@@ -6,7 +6,7 @@ run, named by folder in one legend. Counts (``eval_samples``, ``eval_correct`` /
 ``eval_<metric>_correct`` / ``_total``) are not metrics: the metric's value is plotted, not its counts.
 
 The work is split so that what gets drawn is plain data: :func:`load_runs` reads and checks the runs (through
-:func:`finetune.tracking.read_metrics`), :func:`plan_panels` decides the panels and their series, and only
+:func:`finetune.runtime.tracking.read_metrics`), :func:`plan_panels` decides the panels and their series, and only
 :func:`draw` / :func:`render` touch matplotlib. matplotlib is imported inside them (the CLI stays light) and draws on
 its Agg canvas without pyplot: no window, no global figure state.
 """
@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune import rundir
+from finetune.artifacts import rundir
 from finetune.errors import FinetuneError, RunDirError
-from finetune.tracking import read_metrics
+from finetune.runtime.tracking import read_metrics
 
 # The train panels, in order: (row key, panel title, y-axis label).
 TRAIN_PANELS = (("loss", "train loss", "loss"), ("lr", "learning rate", "lr"),
@@ -280,7 +280,7 @@ def _colours(count: int) -> list[Any]:
 def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
     """Write ``data`` to ``tmp`` (default: a fresh hidden file beside ``path``), then rename it onto ``path``, so
     ``path`` is never half written and nothing is left behind on failure; never through a link
-    (:func:`finetune.rundir.write_bytes_atomic`)."""
+    (:func:`finetune.artifacts.rundir.write_bytes_atomic`)."""
     if tmp is None:  # a fresh random name (O_EXCL there: never someone else's file); a killed plot's is removed
         rundir.clear_stale_scratch(path)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{rundir.TMP}")

@@ -1,0 +1,2 @@
+"""The verbs: each module does one command's work (eval, export, merge, generate); cli.py parses
+and prints."""
