@@ -1,8 +1,9 @@
 """The ``finetune`` command line.
 
 This module imports nothing heavy: ``--help``, ``config``, ``models``, ``recipes`` and ``schema`` never load
-torch; ``run --dry-run`` and ``plan`` load it for the memory plan's meta-device build only. Training and evaluation
-import the worker lazily. Every user mistake raises a FinetuneError that
+torch; ``run --dry-run`` and ``plan`` load it for the memory plan's meta-device build only. The modules it imports
+load torch inside the functions that need it (tests/unit/test_architecture.py). Every user mistake raises a
+FinetuneError that
 :func:`main` prints as one line per problem with exit code 2 (``FINETUNE_DEBUG=1`` shows the traceback).
 """
 
@@ -17,19 +18,30 @@ from typing import Annotated, Any
 
 import typer
 import yaml
+from typer.exceptions import TyperException
 
 from finetune import registry
-from finetune.artifacts import rundir, unstarted
+from finetune.artifacts import layout, rundir, unstarted
 from finetune.artifacts.checkpoint import publishing
 from finetune.artifacts.choose import inventory
+from finetune.artifacts.finished import nothing_to_resume
+from finetune.artifacts.plot import plot_runs
+from finetune.artifacts.portable import resume_targets
+from finetune.artifacts.resume import begin
+from finetune.artifacts.summary import read_summary
+from finetune.artifacts.summary import render as summary_lines
+from finetune.commands.evaluate import evaluate_target
+from finetune.commands.export import export as export_checkpoint
+from finetune.commands.merge import merge as merge_adapter
 from finetune.config import Composed, compose, load_recipe, outputs, resources, to_yaml
-from finetune.config.schema import RecipeConfig
+from finetune.config.schema import RecipeConfig, recipe_file_schema
 from finetune.errors import ConfigError, FinetuneError, RunDirError, run_main
 from finetune.registry import SupportedModel
-from finetune.runtime import backends, launch, prepare
+from finetune.runtime import backends, launch, prepare, worker
 from finetune.runtime.peft import describe_on_meta
 from finetune.runtime.plan import build_plan, render, to_json
-from finetune.runtime.worker import run_worker
+from finetune.runtime.tracking import format_metrics
+from finetune.version import report
 
 app = typer.Typer(
     add_completion=False,
@@ -189,7 +201,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
     if launch.in_process(cfg):
         try:
             with publishing():  # rank 0's last checkpoint is complete before the lock goes
-                run_worker(cfg, resume_from, allow_change, inputs=inputs)
+                worker.run_worker(cfg, resume_from, allow_change, inputs=inputs)
         except BaseException:
             if unstarted is not None:
                 unstarted()
@@ -232,16 +244,13 @@ def resume(
 ) -> None:
     """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe. A finished
     run (its newest checkpoint at the last step, final/ exported from it) is left as it is: one line, exit 0."""
-    from finetune.artifacts.resume import begin
 
     flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
-    if from_ is None:  # a finished run: one line, exit 0 (finetune.artifacts.finished)
-        from finetune.artifacts.finished import nothing_to_resume
-
-        if done := nothing_to_resume(run_dir, [*(overrides or []), *extra], trust_remote_code):
-            typer.echo(done)
-            return
+    # a finished run: one line, exit 0 (finetune.artifacts.finished)
+    if from_ is None and (done := nothing_to_resume(run_dir, [*(overrides or []), *extra], trust_remote_code)):
+        typer.echo(done)
+        return
     plan, lock = begin(run_dir, [*(overrides or []), *extra], from_, allow_config_change, trust_remote_code,
                        is_main=_is_rank0(), warn=lambda note: typer.echo(f"warning: {note}", err=True))
     _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change,
@@ -257,18 +266,15 @@ def ls_(run_dir: Annotated[Path, typer.Argument(help="the run directory (runs/<n
     if not (run_dir / rundir.RESOLVED).is_file():
         raise RunDirError(f"{run_dir}: not a run directory (no {rundir.RESOLVED})")
     _ls_checkpoints(run_dir)
-    from finetune.artifacts.summary import read_summary, render
-
     summary = read_summary(run_dir)  # a finished run: the summary it ended with, read back from its files
     if summary is not None:
         typer.echo("")
-        for line in render(summary):
+        for line in summary_lines(summary):
             typer.echo(line)
 
 
 def _ls_checkpoints(run_dir: Path) -> None:
     """``finetune ls``'s checkpoint table."""
-    from finetune.artifacts import layout
 
     complete, stale = rundir.checkpoint_dirs(run_dir), rundir.stale_checkpoint_dirs(run_dir)
     root = run_dir / rundir.CHECKPOINTS
@@ -295,7 +301,6 @@ def _ls_checkpoints(run_dir: Path) -> None:
 def _resume_targets(manifest: dict[str, Any]) -> str:
     """Where a checkpoint can resume (finetune.artifacts.portable, imported only here: ls stays light); ``?`` when its
     manifest is too damaged to say (ls lists anything without failing)."""
-    from finetune.artifacts.portable import resume_targets
 
     try:
         return resume_targets(manifest)
@@ -313,7 +318,6 @@ def export(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Export any checkpoint (any backend, full or LoRA) as a Hugging Face folder, verified in a fresh process."""
-    from finetune.commands.export import export as export_checkpoint
 
     done = export_checkpoint(run_dir, from_, outputs.given(output), overwrite, trust_remote_code)
     check = (f"verified in a fresh process: logits match the recorded probe, max |delta| {done.delta:.2e} <= "
@@ -330,13 +334,11 @@ def eval_(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Evaluate a run's final model, a checkpoint, or an exported model on the recipe's eval set."""
-    from finetune.commands.evaluate import evaluate_target
 
     metrics = evaluate_target(target, overrides or [], trust_remote_code)
     if as_json:
         typer.echo(json.dumps(metrics, sort_keys=True))
     else:
-        from finetune.runtime.tracking import format_metrics
 
         for line in format_metrics(metrics):  # each metric once: `eval_exact_match 198/200 = 0.9900`
             typer.echo(line)
@@ -350,7 +352,6 @@ def merge(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Merge a LoRA adapter into its base model (safetensors), verifying the logits before keeping it."""
-    from finetune.commands.merge import merge as merge_adapter
 
     merge_adapter(target, outputs.given(output), overwrite, trust_remote_code=trust_remote_code, log=typer.echo)
 
@@ -375,7 +376,7 @@ def generate(
     trust_remote_code: TrustRemoteCode = False,
 ) -> None:
     """Generate a completion for every prompt of a JSON lines file (greedy or sampled), in input order."""
-    from finetune.commands.generate import Options, start
+    from finetune.commands.generate import Options, start  # lazy: imports numpy
 
     options = Options(max_new_tokens, temperature, top_p, seed, batch_size, overwrite, trust_remote_code)
     argv = start(target, prompts, outputs.given(output), options, num_processes, accelerate_config, log=typer.echo)
@@ -391,7 +392,6 @@ def plot(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing -o file")] = False,
 ) -> None:
     """Plot loss, lr, grad norm and every eval metric against step into one PNG, one colour per run."""
-    from finetune.artifacts.plot import plot_runs
 
     panels = plot_runs(runs, outputs.given(output), overwrite=overwrite)
     typer.echo(f"wrote {output}: {len(panels)} panels ({', '.join(p.key for p in panels)}) for "
@@ -432,11 +432,10 @@ def config(
 @app.command()
 def models() -> None:
     """List the SupportedModel table."""
-    from finetune.registry import SUPPORTED_MODELS
 
     header = ("type", "task", "HF class", "FSDP wraps", "capabilities", "about")
     rows = [(row.name, row.task, row.auto_class, row.decoder_layer or "-", ", ".join(sorted(row.capabilities)) or "-",
-             row.description) for row in SUPPORTED_MODELS.values()]
+             row.description) for row in registry.SUPPORTED_MODELS.values()]
     for line in plain_table(header, rows):
         typer.echo(line)
 
@@ -472,7 +471,6 @@ def recipes() -> None:
 def schema() -> None:
     """Print the JSON Schema of recipe files, for completion and checking in YAML editors
     (e.g. `finetune schema > recipe.schema.json`, then `# yaml-language-server: $schema=recipe.schema.json`)."""
-    from finetune.config.schema import recipe_file_schema
 
     typer.echo(json.dumps(recipe_file_schema(), indent=2))
 
@@ -480,7 +478,6 @@ def schema() -> None:
 def _print_version(value: bool) -> None:
     """``finetune --version``: the versions a bug report needs, from package metadata, then exit."""
     if value:  # importlib.metadata only: no torch import (finetune/version.py)
-        from finetune.version import report
 
         typer.echo("\n".join(report()))
         raise typer.Exit()
@@ -496,7 +493,6 @@ def _options(version: Annotated[bool, typer.Option(
 def _app() -> None:
     """The Typer app, with usage mistakes (an unknown flag or command, a missing argument, a value of the wrong type)
     as one FinetuneError line instead of Click's usage box."""
-    from typer.exceptions import TyperException
 
     try:
         os.getcwd()  # relative paths (runs/<name>, data, -o) all start here

@@ -85,7 +85,7 @@ def _path_is_safe() -> bool:
 
 
 def _install_record_filters() -> None:
-    import logging
+    import logging  # lazy: imported once the path is safe (a logging.py in the current folder is never run)
 
     for name, pattern in LIBRARY_RECORDS:
         logging.getLogger(name).addFilter(_Drop(re.compile(pattern)))

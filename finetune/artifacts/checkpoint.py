@@ -18,7 +18,9 @@ import contextlib
 import hashlib
 import json
 import math
+import os
 import random
+import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,11 +28,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune import hooks, registry
-from finetune.artifacts import rundir
+from finetune import __version__, hooks, registry
+from finetune.artifacts import restored, rundir
 from finetune.artifacts.record import record
+from finetune.artifacts.restored import rng_name
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import RunDirError
+from finetune.runtime.backends import layout, restrict_checkpoint_loading
 from finetune.runtime.state import TrainState
 
 if TYPE_CHECKING:
@@ -67,12 +71,10 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sh
     opens the checkpoint with (the row, the classification ``labels`` and the layout: :mod:`finetune.artifacts.
     record`); the inventory is added on write. ``tokenizer_sha256``: :func:`tokenizer_fingerprint` of the run's
     tokenizer."""
-    import accelerate
-    import torch
-    import transformers
+    import accelerate  # lazy: heavy
+    import torch  # lazy: heavy
+    import transformers  # lazy: heavy
 
-    from finetune import __version__
-    from finetune.runtime.backends import layout
 
     return {
         "kind": "checkpoint",
@@ -161,8 +163,8 @@ def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
 def _split(value: Any, tensors: dict[str, Any], path: str) -> Any:
     """``value`` as JSON, with every tensor moved into ``tensors`` (by a key) and tuples, non-string dict keys and
     numpy arrays tagged so that :func:`_join` restores them exactly."""
-    import numpy as np
-    import torch
+    import numpy as np  # lazy: heavy
+    import torch  # lazy: heavy
 
     if isinstance(value, torch.Tensor):
         key = f"t{len(tensors)}"
@@ -187,7 +189,7 @@ def _split(value: Any, tensors: dict[str, Any], path: str) -> Any:
 
 def _join(value: Any, tensors: dict[str, Any]) -> Any:
     """Inverse of :func:`_split`; only JSON types, tensors, tuples and numpy arrays can come out."""
-    import numpy as np
+    import numpy as np  # lazy: heavy
 
     if isinstance(value, list):
         return [_join(v, tensors) for v in value]
@@ -210,7 +212,7 @@ def _join(value: Any, tensors: dict[str, Any]) -> Any:
 
 def write_state(folder: Path, name: str, state: Any) -> None:
     """``<name>.json`` (+ ``<name>.safetensors`` when the state holds tensors)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: heavy
 
     tensors: dict[str, Any] = {}
     text = json.dumps(_split(state, tensors, name))
@@ -221,7 +223,7 @@ def write_state(folder: Path, name: str, state: Any) -> None:
 
 def read_state(folder: Path, name: str) -> Any:
     """What :func:`write_state` wrote."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: heavy
 
     tensor_file = folder / f"{name}.safetensors"
     tensors = load_file(str(tensor_file)) if tensor_file.is_file() else {}
@@ -230,8 +232,8 @@ def read_state(folder: Path, name: str) -> Any:
 
 def rng_state() -> dict[str, Any]:
     """This process's RNG states: Python, numpy, torch CPU and (where present) CUDA."""
-    import numpy as np
-    import torch
+    import numpy as np  # lazy: heavy
+    import torch  # lazy: heavy
 
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -240,8 +242,8 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    import numpy as np
-    import torch
+    import numpy as np  # lazy: heavy
+    import torch  # lazy: heavy
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -251,7 +253,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _rng_name(rank: int) -> str:
-    from finetune.artifacts.restored import rng_name
 
     return rng_name(rank)
 
@@ -382,7 +383,6 @@ def publishing() -> Iterator[None]:
 
 def _write_failure(what: str, exc: Exception, run_dir: Path) -> str:
     """One line for a failed write: what, why (the library's words), the free space, and what was kept."""
-    import shutil
 
     detail = (getattr(exc, "strerror", None) or str(exc).strip().splitlines()[0] if str(exc).strip() else "")[:160]
     try:
@@ -402,7 +402,7 @@ KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
 def _torch_optimizers(candidates: list[Any]) -> list[Any]:
     """The torch optimizers among ``candidates`` (accelerate's wrappers are unwrapped; DeepSpeed's own optimizers,
     which are not torch optimizers, keep their own rules)."""
-    import torch
+    import torch  # lazy: heavy
 
     found = []
     for candidate in candidates:
@@ -441,7 +441,6 @@ def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any
     already, finetune.artifacts.portable); objects marked ``holds_optimizer_state`` are then skipped too. An object
     marked
     ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as built."""
-    from finetune.artifacts import restored
 
     restored.check(ckpt, read_state, {name: objects[name].state_dict() for name in ("scheduler", "scaler")
                                       if name in objects})  # before anything loads
@@ -482,10 +481,8 @@ def forbid_unpickling(backend: Backend | None = None) -> None:
     ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns every ``torch.load`` into ``weights_only=True`` (DeepSpeed and
     torch.distributed.checkpoint pass ``weights_only=False``); the backend's own format is restricted by
     :func:`finetune.runtime.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
-    import os
 
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     if backend is not None:
-        from finetune.runtime.backends import restrict_checkpoint_loading
 
         restrict_checkpoint_loading(backend)

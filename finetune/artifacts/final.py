@@ -62,7 +62,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
         row = registry.recipe_row(cfg)
 
         def save(tmp: Path) -> None:
-            from safetensors.torch import save_file
+            from safetensors.torch import save_file  # lazy: heavy
 
             if row.factory is not None:  # a custom model: its state dict (no config.json)
                 save_custom_weights(state_dict or {}, tmp)

@@ -16,15 +16,15 @@ import json
 from pathlib import Path
 
 from finetune.artifacts import checkpoint, rundir
+from finetune.artifacts.resume import data_changes, recipe_changes
 from finetune.config import RecipeConfig, compose, remote_code_from_flag
 from finetune.errors import FinetuneError
+from finetune.runtime.worker import total_steps
 
 
 def nothing_to_resume(run_dir: Path, overrides: list[str], trust_remote_code: bool) -> str | None:
     """The line ``finetune resume`` prints for a finished run (see the module); None when there is work to do or
     the run cannot be read as finished (the resume then reports what is wrong)."""
-    from finetune.artifacts.resume import data_changes, recipe_changes
-    from finetune.runtime.worker import total_steps
 
     try:
         if not run_dir.is_dir():

@@ -211,10 +211,10 @@ def draw(panels: Sequence[Panel], labels: Sequence[str]) -> Any:
     """A matplotlib Figure (on the Agg canvas) with the panels as a grid: a title and step / metric axis labels on
     each (a log y axis where the panel says so), one colour per run (``labels``, in order), one legend above the
     grid naming every run, and the run names as the figure's title."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # lazy: heavy
+    from matplotlib.figure import Figure  # lazy: heavy
+    from matplotlib.lines import Line2D  # lazy: heavy
+    from matplotlib.ticker import MaxNLocator  # lazy: heavy
 
     ncols = 1 if len(panels) == 1 else 2 if len(panels) <= 4 else 3
     nrows = math.ceil(len(panels) / ncols)
@@ -265,7 +265,7 @@ def render(panels: Sequence[Panel], labels: Sequence[str]) -> bytes:
 
 def _colours(count: int) -> list[Any]:
     """``count`` distinct colours: matplotlib's tab10 (then tab20) palette, evenly spaced turbo beyond 20 runs."""
-    from matplotlib import colormaps
+    from matplotlib import colormaps  # lazy: heavy
 
     if count <= 10:
         return [colormaps["tab10"](i) for i in range(count)]

@@ -24,14 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
+import warnings
+from argparse import Namespace
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune.artifacts import layout, rundir
+from finetune.artifacts.checkpoint import KERNEL_KEYS, forbid_unpickling, keep_kernel_choice, read_state
 from finetune.errors import RunDirError
-from finetune.runtime.backends import Backend, backend_named
+from finetune.runtime.backends import Backend, backend_named, restrict_dcp_metadata
 
 PARAM_NAMES = "param_names"
 """The checkpointed object (``param_names.json``) that names the optimizer's parameters: what makes a checkpoint
@@ -132,7 +136,6 @@ def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None 
     ``scratch``: a ``.tmp`` folder the caller owns, needed to read a DeepSpeed checkpoint's optimizer (DeepSpeed's
     universal-checkpoint converter writes there; the caller removes it). When it already holds a complete
     conversion of ``ckpt`` (another rank made it), that is read instead of converting again."""
-    from finetune.artifacts.checkpoint import forbid_unpickling
 
     manifest = rundir.read_manifest(ckpt)
     name, world = _saved_layout(manifest)
@@ -153,7 +156,6 @@ def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None 
 
 
 def _param_groups(ckpt: Path, manifest: dict[str, Any]) -> list[list[str]]:
-    from finetune.artifacts.checkpoint import read_state
 
     if not _has_names(manifest):
         raise RunDirError(f"{ckpt}: {reshard_problem(manifest)}; its optimizer cannot be read on another layout")
@@ -187,8 +189,8 @@ def _by_name(optim: dict[str, Any], groups: list[list[str]], where: Path) -> dic
 
 def _read_whole(ckpt: Path, groups: list[list[str]] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """single / DDP: ``model.safetensors`` (adapter-only for LoRA) and ``optimizer.bin`` (state by index)."""
-    import torch
-    from safetensors.torch import load_file
+    import torch  # lazy: heavy
+    from safetensors.torch import load_file  # lazy: heavy
 
     model = _strip_prefix(load_file(str(ckpt / "model.safetensors")), "module.")
     if groups is None:
@@ -201,11 +203,10 @@ def _read_dcp(folder: Path) -> dict[str, Any]:
     """Every key of a torch.distributed.checkpoint folder, loaded whole in this process without a process group
     (what torch's own ``format_utils.dcp_to_torch_save`` does; the public ``dcp.load`` fills only keys it is
     given)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: heavy
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # lazy: heavy
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # lazy: heavy
 
-    from finetune.runtime.backends import restrict_dcp_metadata
 
     restrict_dcp_metadata()
     state: dict[str, Any] = {}
@@ -234,7 +235,6 @@ def _read_fsdp(ckpt: Path, backend: Backend, groups: list[list[str]] | None
                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """FSDP1 / FSDP2: the DCP model folder (clean FQN keys); the optimizer from FSDP1's whole copy
     (``fsdp1_optimizer``) or FSDP2's DCP optimizer folder."""
-    from finetune.artifacts.checkpoint import read_state
 
     model = _read_dcp(ckpt / "pytorch_model_fsdp_0").get("model")
     if not isinstance(model, dict):
@@ -254,7 +254,6 @@ def _read_fsdp(ckpt: Path, backend: Backend, groups: list[list[str]] | None
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Third-party progress prints and bars (DeepSpeed's converter, DCP's warnings) go nowhere."""
-    import warnings
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
             warnings.catch_warnings():
@@ -269,7 +268,7 @@ def _read_deepspeed(ckpt: Path, groups: list[list[str]] | None, scratch: Path | 
     :func:`_zero12_frozen`); the optimizer through DeepSpeed's universal checkpoint (one folder per
     parameter with its fp32 value and Adam moments), converted into ``scratch``."""
     with _quiet():
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # lazy: heavy
 
         model = {k: v.detach() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model")
                  .items()}
@@ -293,7 +292,7 @@ def _zero12_frozen(folder: Path, model: dict[str, Any]) -> dict[str, Any]:
     bf16 values DeepSpeed cast the module to when it built the engine (it keeps no fp32 copy of a parameter no
     optimizer steps), which are the values the run trained with and exported (fp32 weights before that are lost).
     ZeRO-3's model states hold partitioned placeholders, and its frozen parameters are recorded: nothing is taken."""
-    import torch
+    import torch  # lazy: heavy
 
     states = folder / "mp_rank_00_model_states.pt"  # (ZeRO-3's is zero_pp_rank_0_mp_rank_00_model_states.pt)
     if not states.is_file():
@@ -308,8 +307,6 @@ def _zero12_frozen(folder: Path, model: dict[str, Any]) -> dict[str, Any]:
 def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
     """DeepSpeed's universal checkpoint of ``ckpt`` in ``scratch`` (converted now unless a complete conversion of
     this very checkpoint is there already); returns its folder. The checkpoint itself is only read."""
-    import json
-    from argparse import Namespace
 
     if not scratch.name.endswith(rundir.TMP):
         raise AssertionError(f"not a scratch folder: {scratch}")
@@ -321,7 +318,7 @@ def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
         rundir.remove_scratch(scratch)
     scratch.mkdir(parents=True)
     with _quiet():
-        from deepspeed.checkpoint import ds_to_universal
+        from deepspeed.checkpoint import ds_to_universal  # lazy: heavy
 
         args = Namespace(input_folder=str(ckpt / "pytorch_model"), output_folder=str(out), num_extract_workers=1,
                          num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
@@ -331,7 +328,7 @@ def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
 
 
 def _universal_tensor(path: Path) -> Any:
-    import torch
+    import torch  # lazy: heavy
 
     value = torch.load(path, map_location="cpu", weights_only=True)  # safe: data only
     return value.get("param") if isinstance(value, dict) else value
@@ -340,7 +337,7 @@ def _universal_tensor(path: Path) -> Any:
 def _read_universal(universal: Path, groups: list[list[str]], model: dict[str, Any], ckpt: Path) -> dict[str, Any]:
     """The FQN-keyed optimizer state of a universal checkpoint (``zero/<fqn>/{fp32,exp_avg,exp_avg_sq,step}.pt``
     and ``zero/optimizer_state.pt``). Its fp32 values must equal zero_to_fp32's: two DeepSpeed tools, one truth."""
-    import torch
+    import torch  # lazy: heavy
 
     zero = universal / "zero"
     common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)  # safe: data only
@@ -440,7 +437,7 @@ def apply_model_state(model: Any, state_dict: dict[str, Any]) -> None:
     keys through ``peft.set_peft_model_state_dict``. Tied-weight aliases may be missing; any other missing or
     unexpected key is a RunDirError naming it."""
     if _is_adapter_only(model, state_dict):
-        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict  # lazy: heavy
 
         expected = set(get_peft_model_state_dict(model))
         _check_keys(sorted(expected - set(state_dict)), sorted(set(state_dict) - expected), set(), "adapter")
@@ -491,7 +488,6 @@ def load_full_state(accelerator: Any, backend: Backend, model: Any, optimizer: A
 def _live_groups(saved: dict[str, Any], inner: Any) -> dict[str, Any]:
     """``saved`` with this build's kernel keys in every param group (what the checkpoint says is how that machine
     computed a step, not what the step is; finetune.artifacts.checkpoint.keep_kernel_choice)."""
-    from finetune.artifacts.checkpoint import KERNEL_KEYS
 
     if len(saved["param_groups"]) != len(inner.param_groups):
         raise RunDirError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
@@ -506,14 +502,13 @@ def _load_torch(model: Any, optimizer: Any, full: dict[str, Any], optim: dict[st
     """single / DDP / FSDP1 / FSDP2: torch.distributed.checkpoint.state_dict with full state dicts (each rank holds
     all of it and keeps its shard). ``adapter_only``: ``full`` holds a LoRA run's trainable parameters only (the
     frozen base is what this build made, as in a native LoRA resume)."""
-    import torch
+    import torch  # lazy: heavy
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
-    )
+    )  # lazy: heavy
 
-    from finetune.artifacts.checkpoint import KERNEL_KEYS, keep_kernel_choice
 
     inner = getattr(optimizer, "optimizer", optimizer)
     options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=torch.cuda.is_available())
@@ -540,12 +535,12 @@ def _load_deepspeed(engine: Any, optimizer: Any, full: dict[str, Any], optim: di
     """DeepSpeed ZeRO 1/2/3: the fp32 masters and Adam moments through deepspeed.utils' safe_set_full_* (each rank
     keeps its partition), the module's own (low-precision) weights from the same values, the base optimizer's step
     counts and the param groups' hyperparameters (lr included) from the checkpoint."""
-    import torch
+    import torch  # lazy: heavy
     from deepspeed.utils import (
         lazy_init_hp_params_optimizer_state,
         safe_set_full_fp32_param,
         safe_set_full_optimizer_state,
-    )
+    )  # lazy: heavy
 
     zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
     base = zero.optimizer  # the torch optimizer it steps on its flat fp32 partitions
@@ -587,13 +582,13 @@ def _set_module_weights(engine: Any, unwrapped: Any, params: dict[str, Any], ful
     """The module's own parameters (what the next forward uses; low precision under bf16) and buffers from
     ``full``. ZeRO-3 parameters are gathered, set on every rank and partitioned again (deepspeed.zero's
     GatheredParameters); ZeRO 1/2 keep whole parameters on every rank."""
-    import torch
+    import torch  # lazy: heavy
 
     todo = [(name, p) for name, p in params.items() if name in full]
     zero3 = [p for _, p in todo if hasattr(p, "ds_id")]
     ctx: Any = contextlib.nullcontext()
     if zero3:
-        import deepspeed
+        import deepspeed  # lazy: heavy
 
         ctx = deepspeed.zero.GatheredParameters(zero3, modifier_rank=0)
     with ctx, torch.no_grad():

@@ -52,7 +52,7 @@ class LogitProbe:
 
     def state_dict(self) -> dict[str, Any]:
         """The live model's logits on the probe inputs (a collective under sharded backends)."""
-        import torch
+        import torch  # lazy: heavy
 
         if self._inputs is None:
             self._inputs = {k: v.detach().cpu() for k, v in self._make_inputs().items()}
@@ -98,7 +98,7 @@ class Probe:
 def read(ckpt: Path) -> Probe | None:
     """The probe a checkpoint recorded, or None when it has none (written before probes existed). A probe that
     cannot be read is a damaged checkpoint (RunDirError); call this only after the checkpoint was verified."""
-    import torch
+    import torch  # lazy: heavy
 
     if not (ckpt / f"{NAME}.json").is_file():
         return None
@@ -126,9 +126,9 @@ def forward_precision(mixed_precision: str, device: Any) -> Any:
     runs under (eval, export and its fresh-process check, merge, generate): ``train.mixed_precision`` of the
     model's recipe on ``device`` (a torch device or its type), so that every forward runs in the precision the
     model was trained in (DESIGN.md). Without it, fp32 weights with a half-only kernel (flash-attn) cannot run."""
-    import torch
+    import torch  # lazy: heavy
 
-    from finetune.runtime.precision import Precision
+    from finetune.runtime.precision import Precision  # lazy: imports torch
 
     return Precision(mixed_precision, torch.device(device).type)
 
@@ -136,7 +136,7 @@ def forward_precision(mixed_precision: str, device: Any) -> Any:
 def logits_of(model: Any, inputs: dict[str, Any], mixed_precision: str) -> Any:
     """``model``'s fp32 CPU logits on ``inputs`` (eval mode, no grad, the recipe's ``mixed_precision`` autocast:
     :func:`forward_precision`), on the model's own device."""
-    import torch
+    import torch  # lazy: heavy
 
     device = next(model.parameters()).device
     model.eval()

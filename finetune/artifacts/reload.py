@@ -14,6 +14,7 @@ forward runs in the training precision, :func:`finetune.artifacts.probe.forward_
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def reload_logits(folder: Path, inputs: Path, output: Path, labels: list[str] | 
                   mixed_precision: str) -> None:
     """Load the export in ``folder`` and write its logits on ``inputs``, computed under ``mixed_precision``
     autocast, to ``output``."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # lazy: heavy
 
     forbid_unpickling()
     where = locate(folder)
@@ -39,7 +40,6 @@ def reload_logits(folder: Path, inputs: Path, output: Path, labels: list[str] | 
 
 def main(argv: list[str] | None = None) -> None:
     """Parse the command line and run :func:`reload_logits` with finetune's messages and exit codes."""
-    import argparse
 
     parser = argparse.ArgumentParser(prog="python -m finetune.artifacts.reload")
     parser.add_argument("folder", type=Path, help="an export: config.json + weights, or a PEFT adapter")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 from collections.abc import Callable
 from dataclasses import fields
@@ -149,10 +150,9 @@ def generator_problem(kind: str, value: Any) -> str | None:
     """Why ``value`` is not a state of RNG ``kind`` (python, numpy, torch, or an accelerator's list of generator
     states); None when a generator of that kind accepts it. A scratch generator is the judge: the live ones are not
     touched."""
-    import random
 
-    import numpy as np
-    import torch
+    import numpy as np  # lazy: heavy
+    import torch  # lazy: heavy
 
     try:
         if kind == "python":
@@ -220,7 +220,7 @@ def _accelerate_problems(state: Any, micro_step: int, grad_accum: int | None) ->
 def load_accelerate_rng(path: Path) -> Any:
     """accelerate's ``random_states_<rank>.pkl`` as data only (``weights_only``: tensors, numpy arrays and plain
     values; anything else, e.g. a planted payload, fails to load instead of running), as accelerate reads it."""
-    from accelerate.utils import load
+    from accelerate.utils import load  # lazy: heavy
 
     return load(path, map_location="cpu", weights_only=True)
 

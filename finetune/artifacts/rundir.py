@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune import __version__
+from finetune.config import to_yaml
 from finetune.errors import RunDirError
 
 if TYPE_CHECKING:
@@ -682,7 +684,6 @@ def write_resolved(cfg: RecipeConfig, run_dir: Path, name: str = RESOLVED) -> Pa
     """Write ``<run_dir>/recipe.resolved.yaml`` atomically: from here on the single source of truth of the run.
     A resume writes ``recipe.resuming.yaml`` instead, which :func:`adopt_resumed` makes the run's recipe once the
     checkpoint has loaded (a resume that fails leaves the run's recipe as it was)."""
-    from finetune.config import to_yaml
 
     path = run_dir / name
     write_text_atomic(path, to_yaml(cfg))
@@ -751,7 +752,6 @@ def create(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = 
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = RunLock.acquire(run_dir, command)
-    from finetune import __version__
 
     write_text_atomic(run_dir / MARKER, json.dumps({"run_id": uuid.uuid4().hex, "finetune": __version__,
                                                     "created": time.strftime("%Y-%m-%dT%H:%M:%S")}) + "\n")

@@ -114,7 +114,7 @@ def portable_overrides(recipe: dict[str, Any]) -> tuple[list[str], list[str]]:
     notes: list[str] = []
     model = recipe.get("model") if isinstance(recipe.get("model"), dict) else {}
     if model.get("attn_implementation") == "flash_attention_2":
-        import torch
+        import torch  # lazy: heavy
 
         from finetune.runtime.modeling import flash_attn_installed  # imports torch
 
@@ -144,7 +144,7 @@ def load_model(cfg: RecipeConfig, where: Target, labels: list[str] | None = None
     quantization = lora.quantization_config(cfg.peft) if quantized else None
     base = build_base(cfg.model, row, cfg.train.seed, labels, quantization)
     if where.adapter is not None:
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: heavy
 
         with loading("adapter", str(where.adapter), key="eval"), library_warnings_off():  # peft asks a deprecated alias
             return PeftModel.from_pretrained(base, str(where.adapter))

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune import __version__
 from finetune.artifacts import probe, rundir
 from finetune.artifacts.checkpoint import tokenizer_fingerprint
 from finetune.artifacts.probe import Probe, ProbeMismatch
@@ -38,13 +39,15 @@ from finetune.artifacts.record import record
 from finetune.artifacts.target import Target, load_model
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, NonFiniteError
+from finetune.runtime import peft as lora
+from finetune.runtime.backends import _unwrap_without_importing_deepspeed
 
 RELOAD_MODULE = "finetune.artifacts.reload"  # what the fresh process runs
 
 
 def all_finite(state_dict: dict[str, Any] | None) -> bool:
     """Whether every floating-point tensor of ``state_dict`` is finite (the one finite-weight check)."""
-    import torch
+    import torch  # lazy: heavy
 
     return all(bool(torch.isfinite(t).all()) for t in (state_dict or {}).values()
                if isinstance(t, torch.Tensor) and t.is_floating_point())
@@ -53,7 +56,6 @@ def all_finite(state_dict: dict[str, Any] | None) -> bool:
 def export_manifest(run_id: str | None, step: int | None) -> dict[str, Any]:
     """The manifest head of an export (``final/``, ``finetune export`` or ``finetune merge``); the inventory is
     added on write."""
-    from finetune import __version__
 
     return {"kind": "export", "run_id": run_id, "step": step, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "finetune": __version__}
@@ -122,7 +124,7 @@ def reload_logits(folder: Path, inputs: dict[str, Any], labels: list[str] | None
     finetune.artifacts.reload``),
     on ``inputs``, computed under ``mixed_precision`` autocast (the training precision); ``scratch`` (outside the
     folder) carries the inputs and the logits as safetensors."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # lazy: heavy
 
     scratch = scratch.resolve()  # the child runs in scratch: a relative path (-o q-100) would name another file
     given, got = scratch / "inputs.safetensors", scratch / "logits.safetensors"
@@ -164,8 +166,6 @@ def write_checkpoint(cfg: RecipeConfig, where: Target, out: Path, *, trust_remot
     tolerance,
     rule, recorded)`` is the caller's error for a failed check; ``manifest``: the head of the folder's manifest
     (the row and labels are added)."""
-    from finetune.runtime import peft as lora
-    from finetune.runtime.backends import _unwrap_without_importing_deepspeed
     from finetune.runtime.modeling import build_tokenizer, save_tokenizer  # imports torch
 
     assert where.checkpoint is not None and where.row is not None
@@ -193,7 +193,7 @@ def write_checkpoint(cfg: RecipeConfig, where: Target, out: Path, *, trust_remot
         save_tokenizer(tokenizer, folder)
         (folder / rundir.RESOLVED).write_bytes(where.recipe.read_bytes())
         if adapter and recorded is not None:  # as final/: what `finetune merge` of this adapter checks against
-            from safetensors.torch import save_file
+            from safetensors.torch import save_file  # lazy: heavy
 
             save_file(recorded.tensors(), str(folder / rundir.MERGE_CHECK))
         log(f"verifying {out}: loading it in a fresh process ...")

@@ -36,6 +36,9 @@ from finetune.artifacts.target import (  # (opened here, and by generate)
 from finetune.artifacts.writer import export_manifest, write_checkpoint
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, RunDirError, _io_cause
+from finetune.runtime.backends import Backend, make_accelerator
+from finetune.runtime.state import TrainState
+from finetune.runtime.tracking import NullTracker
 
 __all__ = ["Target", "evaluate_target", "load_model", "load_tokenizer", "open_target", "portable_overrides",
            "reload_checkpoint", "scratch_folder"]
@@ -104,13 +107,10 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, scratch: Path, log: Call
 def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
               trust_remote_code: bool = False) -> dict[str, Any]:
     """Evaluate ``where`` (``scratch``: a checkpoint target's export folder) with the loop's own evaluate()."""
-    from finetune.data import load_splits
-    from finetune.runtime import loop
-    from finetune.runtime.backends import Backend, make_accelerator
-    from finetune.runtime.modeling import build_base, image_inputs
-    from finetune.runtime.state import TrainState
-    from finetune.runtime.tracking import NullTracker
-    from finetune.tasks import build_task
+    from finetune.data import load_splits  # lazy: imports numpy
+    from finetune.runtime import loop  # lazy: imports torch
+    from finetune.runtime.modeling import build_base, image_inputs  # lazy: imports torch
+    from finetune.tasks import build_task  # lazy: imports numpy
 
     row = where.row
     assert row is not None

@@ -33,6 +33,7 @@ sharded backends would need every rank to run the same forward passes.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -45,14 +46,20 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from finetune import registry
 from finetune.artifacts import rundir
+from finetune.artifacts.checkpoint import forbid_unpickling
+from finetune.artifacts.probe import forward_precision
+from finetune.commands.evaluate import load_model, load_tokenizer, open_target
 from finetune.config import outputs
 from finetune.data import vision
 from finetune.data.formats import render_alpaca
 from finetune.data.prompts import PromptIds, chat_text, text_prompt, vision_prompt, vision_text
 from finetune.data.prompts import encode as encode_text  # generate.encode keeps its name for its callers
 from finetune.data.rows import ROLES, error_detail, line_of, short_repr
+from finetune.data.vision import VisionCollator
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
 from finetune.runtime import backends, launch
+from finetune.runtime.backends import detect, make_accelerator
+from finetune.runtime.launch import accelerate_argv
 
 if TYPE_CHECKING:
     from finetune.commands.evaluate import Target
@@ -302,8 +309,7 @@ def launcher_config(num_processes: int, accelerate_config: str | None) -> backen
 def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     """Every check that needs no model: the flags, ``-o``, the target (verified, a model that generates), the
     prompts file, and the prompts' token ids. Each mistake is one line."""
-    from finetune.commands.evaluate import load_tokenizer, open_target
-    from finetune.runtime.modeling import image_inputs
+    from finetune.runtime.modeling import image_inputs  # lazy: imports torch
 
     problems = options.problems()
     if problems:
@@ -394,7 +400,7 @@ def write_lines(output: Path, rows: list[dict[str, Any]]) -> None:
 def gather_json(accelerator: Any, value: Any) -> list[Any]:
     """``value`` of every rank, in rank order, on every rank: sent as JSON bytes in a tensor, so nothing is
     unpickled (``all_gather_object`` would unpickle what the other ranks send)."""
-    import torch
+    import torch  # lazy: heavy
 
     device = accelerator.device
     data = torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8).to(device)
@@ -407,15 +413,11 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
              log: Callable[[str], Any] = print) -> dict[str, Any]:
     """Generate a completion for every prompt and write ``output`` (rank 0); on every rank under a launcher, each
     taking every N-th prompt. Returns the summary that rank 0 prints."""
-    from finetune.artifacts.checkpoint import forbid_unpickling
 
     forbid_unpickling()
     job = prepare(target, prompts, output, options)
 
-    from finetune.artifacts.probe import forward_precision
-    from finetune.commands.evaluate import load_model
-    from finetune.data.batching import eval_shard
-    from finetune.runtime.backends import detect, make_accelerator
+    from finetune.data.batching import eval_shard  # lazy: imports torch
 
     backend = detect()
     if backend.kind not in BACKENDS:
@@ -467,13 +469,13 @@ def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
     prompt. Vision-language rows: the model's own ``generate`` with the prompts' images, as eval's exact_match runs
     it (:func:`finetune.tasks.vision_lm.generate_with_images`); sampled prompts then go one at a time, from torch's
     generator seeded with the prompt's seed, so that no draw depends on the batch or the process."""
-    import torch
+    import torch  # lazy: heavy
 
-    from finetune.data.batching import left_pad
+    from finetune.data.batching import left_pad  # lazy: imports torch
 
     tokenizer, pad_id = job.tokenizer, job.tokenizer.pad_token_id
     if job.row.image_token is None:
-        from finetune.tasks.causal_lm import Sampling, generate_tokens
+        from finetune.tasks.causal_lm import Sampling, generate_tokens  # lazy: imports torch
 
         def text(batch: list[int]) -> list[list[int]]:
             ids, mask = left_pad([job.ids[i] for i in batch], pad_id)
@@ -485,9 +487,8 @@ def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
 
         return text
 
-    from finetune.data.vision import VisionCollator
-    from finetune.runtime.modeling import image_inputs
-    from finetune.tasks.vision_lm import generate_with_images
+    from finetune.runtime.modeling import image_inputs  # lazy: imports torch
+    from finetune.tasks.vision_lm import generate_with_images  # lazy: imports torch
 
     collator = VisionCollator(pad_id, image_inputs(tokenizer, job.row))
 
@@ -517,8 +518,6 @@ def start(target: Path, prompts: Path, output: Path, options: Options, num_proce
     if config is None:
         generate(target, prompts, output, options, log)
         return None
-    from finetune.artifacts.checkpoint import forbid_unpickling
-    from finetune.runtime.launch import accelerate_argv
 
     forbid_unpickling()
     prepare(target, prompts, output, options)  # every mistake is one line here, before any rank starts
@@ -530,7 +529,6 @@ def main(argv: list[str] | None = None) -> None:
     """``python -m finetune.commands.generate TARGET PROMPTS -o OUT --max-new-tokens N ...`` on every rank (what
     ``accelerate
     launch`` runs); every flag is given by :func:`start`."""
-    import argparse
 
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}")
     parser.add_argument("target")

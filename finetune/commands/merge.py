@@ -71,8 +71,8 @@ def merge(target: Path, out: Path, overwrite: bool = False, trust_remote_code: b
 
 
 def _merge(where: Target, cfg: RecipeConfig, out: Path, log: Any, trust_remote_code: bool) -> dict[str, Any]:
-    import torch
-    from safetensors.torch import load_file
+    import torch  # lazy: heavy
+    from safetensors.torch import load_file  # lazy: heavy
 
     from finetune.runtime.modeling import build_tokenizer, save_tokenizer  # imports torch
 

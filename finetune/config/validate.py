@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from finetune import registry
 from finetune.config import accelerate
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
-from finetune.config.compose import DATA_SUFFIXES, Composed
+from finetune.config.compose import DATA_SUFFIXES, Composed, compose
 from finetune.config.schema import (
     SOURCE_TAGS,
     DataConfig,
@@ -435,6 +435,5 @@ def load_resolved(path: str | Path, allow_plugin: bool = False) -> RecipeConfig:
     """Read a recipe.resolved.yaml written by :func:`write_resolved` (what every worker reads). A run's file: its
     ``model.plugin`` is imported only with ``allow_plugin``, which the launching process passes explicitly
     (``finetune.runtime.worker --allow-plugin``), never inferred from the file."""
-    from finetune.config.compose import compose
 
     return validate(compose(path), allow_plugin=allow_plugin)

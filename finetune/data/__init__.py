@@ -109,7 +109,7 @@ def _labels(raws: list[Dataset], sources: list[TrainSource], configured: list[st
 
 def _concatenate(parts: list[Part], key: str) -> Tokenized:
     """One split from its sources' tokenized rows, in source order, with the fitting counts summed."""
-    from datasets import concatenate_datasets
+    from datasets import concatenate_datasets  # lazy: heavy
 
     if len(parts) == 1:
         return parts[0].tokenized

@@ -315,8 +315,8 @@ def quiet_datasets(level: int = logging.WARNING) -> Iterator[None]:
     show by default; loading passes CRITICAL because ``datasets`` logs a failure before raising it, and the failure
     is reported once, as a DataError line. ``HF_DATASETS_DISABLE_PROGRESS_BARS=0`` (bars asked for) is respected.
     """
-    from datasets import config
-    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    from datasets import config  # lazy: heavy
+    from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars  # lazy: heavy
 
     logger = logging.getLogger("datasets")
     previous = logger.level
@@ -362,7 +362,7 @@ def _check_cache_error(exc: BaseException, source: str) -> None:
 def load_raw(source: str, subset: str | None = None, split: str = "train") -> Dataset:
     """Load one split's raw rows from a local file or a hub dataset name (``subset``: the hub dataset's
     configuration name, ``split``: its split; a local file is the one split ``train``)."""
-    import datasets
+    import datasets  # lazy: heavy
 
     suffix = Path(source).suffix
     if suffix in BUILDERS:

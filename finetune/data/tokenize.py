@@ -147,7 +147,7 @@ def label_index(names: list[str]) -> dict[str, int]:
 
 def output_features(fmt: str) -> Features:
     """Column types of the tokenized split, fixed so they never depend on the source file's column types."""
-    from datasets import Features, Sequence, Value
+    from datasets import Features, Sequence, Value  # lazy: heavy
 
     common = {"input_ids": Sequence(Value("int32")), "overlong": Value("bool"), "n_labels": Value("int64")}
     if fmt == "classification":

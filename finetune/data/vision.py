@@ -118,7 +118,7 @@ def resolve(ref: str, source: str) -> Path:
 
 def open_image(path: Path, where: str) -> Any:
     """The image at ``path`` as RGB, fully read; one DataError line (naming ``where``) when it cannot be."""
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image, UnidentifiedImageError  # lazy: heavy
 
     if not path.is_file():
         raise DataError(f"{where}: image not found: {path} (a relative image path starts at the folder of the file "
@@ -303,7 +303,7 @@ class VisionCollator:
 
     def _add(self, batch: dict[str, Any], prefix: str, pixels: dict[str, torch.Tensor],
              chosen: list[tuple[int, int, int]]) -> None:
-        import torch
+        import torch  # lazy: heavy
 
         if chosen:
             batch[f"{prefix}pixel_values"] = torch.cat([pixels["pixel_values"][a:b] for a, b, _ in chosen])
@@ -315,8 +315,8 @@ class VisionCollator:
 
     def _add_blank(self, batch: dict[str, Any], prefix: str) -> None:
         """The placeholder image (see the class docstring) in masked extra columns of row 0."""
-        import torch
-        from PIL import Image
+        import torch  # lazy: heavy
+        from PIL import Image  # lazy: heavy
 
         if self._blank is None:  # the processor's own output for a small black image, made once
             self._blank = self.inputs.pixels([Image.new("RGB", (28, 28))])

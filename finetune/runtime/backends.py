@@ -24,8 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
+import sys
+import time
+import types
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -317,7 +322,6 @@ def settle(accelerator: Any) -> None:
     collectives. Freeing a collective's tensors needs the GIL, and the process group's destructor joins those
     threads while holding it: a rank that got there while its last collective was still being freed hung for ever
     in ``~ProcessGroupGloo`` (seen in 2-process resumes, once rank 0 spent longer at the end writing the summary)."""
-    import time
 
     if accelerator.num_processes > 1:
         accelerator.wait_for_everyone()
@@ -341,16 +345,16 @@ def fsdp_mixed_precision(mixed_precision: str, fsdp_version: int) -> Any | None:
     the weights, reduce gradients in fp32, keep the sharded master weights (and so the optimizer) in their fp32.
     Buffers (rotary frequencies) keep their dtype, as under autocast. FSDP2: ``MixedPrecisionPolicy``; FSDP1:
     ``MixedPrecision`` (its gradients come back in fp32: ``keep_low_precision_grads`` stays off)."""
-    import torch
+    import torch  # lazy: heavy
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
     if dtype is None:
         return None
     if fsdp_version == 2:
-        from torch.distributed.fsdp import MixedPrecisionPolicy
+        from torch.distributed.fsdp import MixedPrecisionPolicy  # lazy: heavy
 
         return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    from torch.distributed.fsdp import MixedPrecision
+    from torch.distributed.fsdp import MixedPrecision  # lazy: heavy
 
     return MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32, buffer_dtype=None)
 
@@ -359,8 +363,8 @@ def _mark_cpu_run_as_multi_device(group: dict[str, Any]) -> None:
     """FSDP on CPU (docs/platform-notes.md): accelerate only builds FSDP for a multi-device state, so create the
     shared PartialState on the CPU (``group``: :func:`process_group_kwargs`) and mark it as one before the
     Accelerator reads it."""
-    import torch
-    from accelerate.utils import DistributedType
+    import torch  # lazy: heavy
+    from accelerate.utils import DistributedType  # lazy: heavy
 
     state = _start_process_group(group, cpu=True)
     state.distributed_type = DistributedType.MULTI_GPU
@@ -376,9 +380,8 @@ def _unwrap_without_importing_deepspeed() -> None:
     once deepspeed has been imported, so accelerate's "is deepspeed installed?" is narrowed, for that check only,
     to "is deepspeed imported?": the same answer, without the import. DeepSpeed backends import it themselves.
     """
-    import sys
 
-    from accelerate.utils import other
+    from accelerate.utils import other  # lazy: heavy
 
     current = getattr(other, "is_deepspeed_available", None)
     if current is not None and current.__name__ != "_deepspeed_imported":  # (a newer accelerate may not have it)
@@ -397,13 +400,13 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
     micro-steps is :attr:`Backend.syncs_each_micro_step`. Precision stays ``no`` for accelerate: autocast and the
     scaler are ours (finetune.runtime.precision), and FSDP gets its own policy (:func:`fsdp_mixed_precision`).
     """
-    import torch
-    from accelerate import Accelerator
+    import torch  # lazy: heavy
+    from accelerate import Accelerator  # lazy: heavy
     from accelerate.utils import (
         DeepSpeedPlugin,
         FullyShardedDataParallelPlugin,
         GradientAccumulationPlugin,
-    )
+    )  # lazy: heavy
 
     backend = backend or detect()
     on_cpu = not torch.cuda.is_available()
@@ -426,7 +429,7 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
         return Accelerator(**kwargs), backend
     _unwrap_without_importing_deepspeed()
     if backend.kind == "fsdp":
-        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig
+        from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig  # lazy: heavy
 
         if on_cpu:
             _mark_cpu_run_as_multi_device(group)
@@ -449,7 +452,6 @@ def make_accelerator(cfg: RecipeConfig, row: SupportedModel, backend: Backend | 
 def process_group_kwargs(cfg: RecipeConfig, backend: Backend, on_cpu: bool) -> dict[str, Any]:
     """``init_process_group``'s keywords for this run: ``launch.timeout_minutes`` as the collective timeout on every
     backend (NCCL's default is 10 minutes, gloo's 30), and gloo for DeepSpeed on a CPU-only machine."""
-    from datetime import timedelta
 
     kwargs: dict[str, Any] = {"timeout": timedelta(minutes=cfg.launch.timeout_minutes)}
     if backend.kind == "deepspeed" and on_cpu:
@@ -462,7 +464,7 @@ def _start_process_group(kwargs: dict[str, Any], cpu: bool) -> Any:
     with ``kwargs`` passed as they are; the Accelerator created next adopts it. Not through accelerate's
     ``InitProcessGroupKwargs``: it passes on only the fields that differ from its NCCL defaults, so a 10-minute
     timeout was dropped (gloo then waited 30), and a PartialState created before it (FSDP on CPU) ignores it."""
-    from accelerate import PartialState
+    from accelerate import PartialState  # lazy: heavy
 
     return PartialState(cpu=cpu, **kwargs)
 
@@ -488,7 +490,7 @@ def model_init(accelerator: Any, backend: Backend, from_config: bool) -> Iterato
     if not (from_config and backend.kind == "deepspeed" and backend.zero_stage == 3):
         yield
         return
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # lazy: heavy
 
     unset_hf_deepspeed_config()
     try:
@@ -511,19 +513,19 @@ class FSDP1OptimizerState:
         self.model, self.optimizer = model, getattr(optimizer, "optimizer", optimizer)
 
     def _options(self) -> Any:
-        import torch
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
+        import torch  # lazy: heavy
+        from torch.distributed.checkpoint.state_dict import StateDictOptions  # lazy: heavy
 
         return StateDictOptions(full_state_dict=True, cpu_offload=torch.cuda.is_available())
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: called on every rank by ``save_state``."""
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # lazy: heavy
 
         return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict  # lazy: heavy
 
         set_optimizer_state_dict(self.model, self.optimizer, optim_state_dict=state, options=self._options())
 
@@ -556,10 +558,10 @@ def restrict_checkpoint_loading(backend: Backend) -> None:
         restrict_dcp_metadata()
     if backend.kind != "deepspeed":
         return
-    import torch
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    import torch  # lazy: heavy
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: heavy
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: heavy
+    from deepspeed.utils.tensor_fragment import fragment_address  # lazy: heavy
 
     torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
 
@@ -568,11 +570,9 @@ def restrict_dcp_metadata() -> None:
     """torch.distributed.checkpoint (FSDP's sharded checkpoints) reads ``.metadata`` with a plain ``pickle.load``:
     make that module's ``pickle.load`` an unpickler that constructs only :data:`_DCP_METADATA_GLOBALS` and dtypes.
     (Its tensor and bytes records go through ``torch.load``, which ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` restricts.)"""
-    import pickle  # safe: only its restricted Unpickler and dump are used
-    import types
 
-    import torch
-    import torch.distributed.checkpoint.filesystem as dcp_fs
+    import torch  # lazy: heavy
+    import torch.distributed.checkpoint.filesystem as dcp_fs  # lazy: heavy
 
     if getattr(dcp_fs.pickle, "restricted", False):
         return
@@ -613,9 +613,9 @@ def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str,
     ``stage3_gather_16bit_weights_on_model_save``, which the generated DeepSpeed config always sets.
     """
     if backend.kind == "fsdp" and backend.fsdp_version == 1:
-        import torch
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        import torch  # lazy: heavy
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType  # lazy: heavy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # lazy: heavy
 
         config = FullStateDictConfig(offload_to_cpu=torch.cuda.is_available(), rank0_only=True)
         with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
@@ -638,8 +638,8 @@ def _with_fp32_masters(accelerator: Any, engine: Any, state_dict: dict[str, Any]
     weights rounded to bf16 (8 significant bits), unlike every other backend, which exports its fp32 masters.
     ``safe_get_full_fp32_param`` is a collective under ZeRO (it gathers the partitions): every rank calls it, in
     the same parameter order."""
-    import torch
-    from deepspeed.utils import safe_get_full_fp32_param
+    import torch  # lazy: heavy
+    from deepspeed.utils import safe_get_full_fp32_param  # lazy: heavy
 
     masters: dict[str, Any] = {}
     seen: dict[int, Any] = {}

@@ -5,7 +5,10 @@ Pure functions (no torch): the CLI prints the plan for ``--dry-run`` and execute
 
 from __future__ import annotations
 
+import ctypes
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -39,8 +42,6 @@ def child_env() -> dict[str, str]:
 def die_with_launcher() -> None:
     """A rank started by ``accelerate launch`` dies with it (Linux ``PR_SET_PDEATHSIG``). The launcher holds the
     run's lock; ranks that outlived a SIGKILLed launcher would go on writing an unlocked run dir."""
-    import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -90,7 +91,6 @@ def accelerate_argv(config: backends.AccelerateConfig | Path, num_processes: int
 
 def free_port() -> int:
     """A TCP port no process listens on now (the kernel's pick for port 0), for one machine's rendezvous."""
-    import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

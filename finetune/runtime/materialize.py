@@ -128,8 +128,8 @@ def materialize_empty(model: Any) -> Any:
 def _broadcast(tensor: Any, device: Any) -> None:
     """Rank 0's values of ``tensor`` into ``tensor`` on every rank, through ``device`` (the process group's) when
     the tensor lives elsewhere."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: heavy
+    import torch.distributed as dist  # lazy: heavy
 
     with torch.no_grad():
         data = tensor.detach()
@@ -144,8 +144,8 @@ def _broadcast(tensor: Any, device: Any) -> None:
 
 def _broadcast_text(text: str, device: Any, src: int = 0) -> str:
     """Rank ``src``'s ``text`` on every rank, as bytes in a tensor (nothing is pickled)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: heavy
+    import torch.distributed as dist  # lazy: heavy
 
     encoded = bytearray(text.encode())
     payload = torch.frombuffer(encoded, dtype=torch.uint8) if encoded else torch.empty(0, dtype=torch.uint8)
@@ -159,8 +159,8 @@ def _broadcast_text(text: str, device: Any, src: int = 0) -> str:
 
 def _first_rank(flag: bool, rank: int, world: int, device: Any) -> int | None:
     """The lowest rank where ``flag`` is true, or None (all ranks get the same answer)."""
-    import torch
-    import torch.distributed as dist
+    import torch  # lazy: heavy
+    import torch.distributed as dist  # lazy: heavy
 
     value = torch.tensor([rank if flag else world], dtype=torch.int64, device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)

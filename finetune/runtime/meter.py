@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from finetune.data.tokenize import IGNORE
+from finetune.runtime.backends import full_numel
 from finetune.runtime.flops import Param, attention_of, peak_flops, train_flops
 
 GB = 1e9  # memory is logged in decimal gigabytes
@@ -40,7 +41,6 @@ def _numel(param: Any) -> int:
     """The element count of the weight a parameter stands for: a 4-bit QLoRA weight stores two values per byte
     (its shape is the packed one; bitsandbytes keeps the real shape in ``quant_state.shape``); ZeRO-3 partitions
     parameters at birth (``backends.full_numel`` gives the whole size)."""
-    from finetune.runtime.backends import full_numel
 
     shape = getattr(getattr(param, "quant_state", None), "shape", None)
     if shape is not None:
@@ -66,7 +66,7 @@ def step_flops(model: Any, peak_tflops: float | None, device: Any) -> StepFlops 
     """The FLOPs model of ``model`` (the plain model, before ``accelerator.prepare``: names are unwrapped and sizes
     whole) and the peak of ``device`` (``train.peak_tflops``, else the table by CUDA device name; a CPU has none);
     None when the formula does not know a part of the model (a vision tower, a classification head)."""
-    import torch
+    import torch  # lazy: heavy
 
     config = getattr(model, "config", None)  # a custom (factory) row has none: no formula, no MFU
     try:
@@ -110,7 +110,7 @@ def input_lengths(batch: dict[str, Any], *, padded_tail: bool = False) -> tuple[
 def memory_peaks(device: Any) -> dict[str, float]:
     """``mem_alloc_gb`` / ``mem_reserved_gb``: this device's peak memory allocated and reserved by torch's caching
     allocator since the process started (allocator statistics: no device sync); empty off CUDA (not 0: unknown)."""
-    import torch
+    import torch  # lazy: heavy
 
     if torch.device(device).type != "cuda":
         return {}

@@ -26,6 +26,7 @@ import transformers
 from transformers.modeling_outputs import CausalLMOutput
 
 from finetune.config.schema import ModelConfig
+from finetune.data.vision import ImageInputs
 from finetune.errors import ConfigError, FinetuneError
 from finetune.registry import CUSTOM_WEIGHTS, SupportedModel, model_type_problem, resolve_factory
 from finetune.runtime.backends import full_numel
@@ -152,7 +153,6 @@ def image_inputs(tokenizer: Any, row: SupportedModel) -> Any:
     :func:`build_tokenizer` keeps on the tokenizer, and the id of the row's image placeholder token."""
     if row.image_token is None:
         return None
-    from finetune.data.vision import ImageInputs
 
     vocabulary = tokenizer.get_vocab()
     if row.image_token not in vocabulary:
@@ -301,7 +301,7 @@ def _logits_output(name: str, module: torch.nn.Module, args: Any, output: Any) -
 def save_custom_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> None:
     """A custom model's export: its whole state dict as :data:`CUSTOM_WEIGHTS` (copies, so tensors that share
     storage save too)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: heavy
 
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()}, str(folder / CUSTOM_WEIGHTS))
@@ -309,7 +309,7 @@ def save_custom_weights(state_dict: dict[str, torch.Tensor], folder: Path) -> No
 
 def load_custom_weights(model: torch.nn.Module, folder: Path) -> None:
     """Load :data:`CUSTOM_WEIGHTS` of an export into a freshly built custom model; every key must fit."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: heavy
 
     with loading("model weights", str(folder), key="eval"):
         model.load_state_dict(load_file(str(folder / CUSTOM_WEIGHTS)), strict=True)
@@ -364,7 +364,7 @@ def build_base(cfg: ModelConfig, row: SupportedModel, seed: int, labels: list[st
                quantization: Any = None, empty: bool = False) -> Any:
     """The model a run starts from: seeded first, so a config-built (debug) model is the same one every time -
     in training, in ``finetune eval`` of an adapter and in ``finetune merge``. ``empty``: see :func:`build_model`."""
-    from accelerate.utils import set_seed
+    from accelerate.utils import set_seed  # lazy: heavy
 
     set_seed(seed)
     return build_model(cfg, row, labels=labels, quantization=quantization, empty=empty)
@@ -380,8 +380,8 @@ def compile_failures(enabled: bool) -> Iterator[None]:
     if not enabled:
         yield
         return
-    from torch._dynamo.exc import TorchDynamoException
-    from torch._inductor import exc as inductor
+    from torch._dynamo.exc import TorchDynamoException  # lazy: heavy
+    from torch._inductor import exc as inductor  # lazy: heavy
 
     try:
         yield

@@ -8,9 +8,13 @@ import, so this module imports it only inside functions.
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import re
 from typing import Any
 
 from finetune.config.schema import PeftConfig
+from finetune.data.loading import load_raw
 from finetune.errors import ConfigError
 from finetune.quiet import library_warnings_off
 from finetune.registry import CAUSAL_TASKS, SupportedModel
@@ -45,7 +49,6 @@ def linear_module_names(model: Any) -> list[str]:
 def matched_modules(model: Any, targets: list[str], exclude: str | None = None) -> list[str]:
     """Linear modules whose name is a target or ends with ``.target`` (peft's suffix rule), except those whose whole
     name matches the regular expression ``exclude`` (peft's ``exclude_modules`` rule for a string)."""
-    import re
 
     return [name for name in linear_module_names(model)
             if any(name == t or name.endswith("." + t) for t in targets)
@@ -69,7 +72,6 @@ def check_hardware(cfg: PeftConfig) -> None:
     here with 0.50: 4-bit forward and LoRA training on CPU)."""
     if cfg.method != "qlora":
         return
-    import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
         raise ConfigError("peft.method=qlora needs bitsandbytes (pip install -e '.[qlora]'); or use peft.method=lora")
@@ -79,8 +81,8 @@ def quantization_config(cfg: PeftConfig) -> Any:
     """The 4-bit NF4 base-model quantization of QLoRA (None for other methods)."""
     if cfg.method != "qlora":
         return None
-    import torch
-    import transformers
+    import torch  # lazy: heavy
+    import transformers  # lazy: heavy
 
     compute = torch.bfloat16 if torch.cuda.is_available() else torch.float32  # CPUs here have no native bf16
     return transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
@@ -89,7 +91,7 @@ def quantization_config(cfg: PeftConfig) -> Any:
 
 def apply(model: Any, cfg: PeftConfig, row: SupportedModel) -> Any:
     """Wrap ``model`` in a PeftModel; only adapter (and modules_to_save) parameters stay trainable."""
-    import peft
+    import peft  # lazy: heavy
 
     check_targets(model, cfg, row)
     with library_warnings_off():  # peft calls transformers' deprecated aliases: not the user's (finetune/quiet.py)
@@ -100,7 +102,7 @@ def apply(model: Any, cfg: PeftConfig, row: SupportedModel) -> Any:
 
 def _lora_config(cfg: PeftConfig, row: SupportedModel) -> Any:
     """peft's LoraConfig for the recipe's method, targets and modules to save."""
-    import peft
+    import peft  # lazy: heavy
 
     # Classification and reward models use peft's generic task type: SEQ_CLS would add "classifier"/"score" to
     # modules_to_save whatever the recipe says, so an explicit list (or [] for none) would not be honoured.
@@ -122,12 +124,12 @@ def parameter_counts(model: Any) -> tuple[int, int]:
 
 def describe_on_meta(cfg: Any, row: SupportedModel) -> dict[str, Any]:
     """Resolved targets and parameter counts without loading weights: the model is built on the meta device."""
-    import torch
+    import torch  # lazy: heavy
 
-    from finetune.runtime.modeling import build_config
+    from finetune.runtime.modeling import build_config  # lazy: imports torch
 
     config = build_config(cfg.model, row, labels=_label_names(cfg) if row.task == "classification" else None)
-    import transformers
+    import transformers  # lazy: heavy
 
     with torch.device("meta"):
         model = getattr(transformers, row.auto_class).from_config(config)
@@ -146,8 +148,7 @@ def _label_names(cfg: Any) -> list[str]:
     if cfg.data.labels:
         return list(cfg.data.labels)
     try:
-        from finetune.data.loading import load_raw
-        from finetune.data.tokenize import label_names
+        from finetune.data.tokenize import label_names  # lazy: imports numpy
 
         return label_names(load_raw(cfg.data.train), None, cfg.data.train)
     except Exception:  # e.g. a hub dataset offline: the counts are then approximate
@@ -160,8 +161,8 @@ def register_adapter_checkpointing(accelerator: Any) -> None:
     accelerate's save/load hooks apply where it saves a plain state dict (one process, DDP); sharded backends keep
     their own (sharded, complete) format.
     """
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-    from safetensors.torch import load_file
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict  # lazy: heavy
+    from safetensors.torch import load_file  # lazy: heavy
 
     def save_hook(models: list[Any], weights: list[Any], output_dir: str) -> None:
         for i, model in enumerate(models):
@@ -169,7 +170,6 @@ def register_adapter_checkpointing(accelerator: Any) -> None:
                 weights[i] = get_peft_model_state_dict(accelerator.unwrap_model(model))
 
     def load_hook(models: list[Any], input_dir: str) -> None:
-        import os
 
         path = os.path.join(input_dir, "model.safetensors")
         if models and os.path.isfile(path):

@@ -104,6 +104,8 @@ from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
 from finetune.registry import CAUSAL_TASKS, SupportedModel, recipe_row
 from finetune.runtime import backends, launch
+from finetune.runtime import peft as lora
+from finetune.runtime.peft import linear_module_names
 
 Where = Literal["device", "host"]
 # FSDP with gradient accumulation: "unsharded" keeps whole gradients across a window's micro-steps (no_sync, one
@@ -407,7 +409,7 @@ def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size:
     head's small logits: fp32 copy and gradient."""
     if task == "classification":
         return micro_batch_size * shape.num_labels * (compute_bytes + 4 + 4)
-    from finetune.tasks.losses import default_chunk_rows
+    from finetune.tasks.losses import default_chunk_rows  # lazy: imports torch
 
     rows = min(tokens, default_chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
     chunk = rows * shape.vocab * (4 + compute_bytes)
@@ -660,7 +662,6 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
 
 
 def _shape(config: Any, model: Any, attn_implementation: str | None) -> ModelShape:
-    from finetune.runtime.peft import linear_module_names
 
     # a vision-language config nests its decoder's: the activations estimated are the decoder's (the vision
     # tower's, for the images of a batch, are not counted)
@@ -687,7 +688,7 @@ def _quantized_modules(model: Any) -> set[str]:
     """QLoRA: the linear layers bitsandbytes would quantize, that is every torch Linear except those transformers
     keeps in full precision (the output embedding, tied weights, the last module)."""
     try:
-        from transformers.quantizers.base import get_keys_to_not_convert
+        from transformers.quantizers.base import get_keys_to_not_convert  # lazy: heavy
 
         skip = set(get_keys_to_not_convert(model))
     except ImportError:  # another transformers layout: keep at least the output embedding
@@ -700,11 +701,16 @@ def _quantized_modules(model: Any) -> set[str]:
 def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
     """Build the recipe's model on the meta device (no weights loaded, nothing allocated), apply its PEFT method as
     training does, and describe its parameters."""
-    import torch
-    import transformers
+    import torch  # lazy: heavy
+    import transformers  # lazy: heavy
 
-    from finetune.runtime import peft as lora
-    from finetune.runtime.modeling import DTYPES, attention_support, build_config, freeze, loading
+    from finetune.runtime.modeling import (  # lazy: imports torch
+        DTYPES,
+        attention_support,
+        build_config,
+        freeze,
+        loading,
+    )
 
     labels = lora._label_names(cfg) if row.task == "classification" else None
     config = build_config(cfg.model, row, labels=labels)
@@ -741,7 +747,7 @@ def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
 
 def visible_devices() -> list[tuple[str, int]]:
     """(name, total bytes) of every visible CUDA device; empty without one."""
-    import torch
+    import torch  # lazy: heavy
 
     if not torch.cuda.is_available():
         return []

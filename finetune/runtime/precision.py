@@ -63,7 +63,7 @@ class Precision:
         self.scaler: Any = NoScaler()
         if mode == "fp16" and not engine_owned:
             if backend is not None and backend.sharded_scaler:
-                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+                from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler  # lazy: heavy
 
                 self.scaler = ShardedGradScaler(device_type)
             else:

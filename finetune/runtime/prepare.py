@@ -17,6 +17,7 @@ rows/s here, so 16 minutes for a million rows) or downloading a model's weights.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -87,11 +88,11 @@ def download(cfg: RecipeConfig) -> None:
     repo = hub_id(cfg)
     if repo is None:
         return
-    from huggingface_hub import constants, list_repo_files, snapshot_download
+    from huggingface_hub import constants, list_repo_files, snapshot_download  # lazy: heavy
 
     if constants.HF_HUB_OFFLINE:  # transformers reads the cache, or says what is missing
         return
-    from finetune.runtime.modeling import loading
+    from finetune.runtime.modeling import loading  # lazy: imports torch
 
     with loading("model", repo):
         snapshot_download(repo, ignore_patterns=ignore_patterns(list_repo_files(repo)))
@@ -102,9 +103,9 @@ def _lock_files(cfg: RecipeConfig) -> tuple[Path, Path]:
     beside the datasets cache, keyed by the data settings, each local data file (path, size, time), the model and
     the tokenization code. A key that misses a change costs only parallel work, never a wrong cache: the datasets
     cache has its own keys."""
-    from datasets import config as datasets_config
+    from datasets import config as datasets_config  # lazy: heavy
 
-    from finetune.data.tokenize import CODE_VERSION
+    from finetune.data.tokenize import CODE_VERSION  # lazy: imports numpy
 
     files = []
     for source in (*cfg.data.train_sources(), *cfg.data.eval_sources()):
@@ -123,7 +124,6 @@ def _exclusive(path: Path) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``path`` (waiting for it). Where none can be taken (an unwritable cache, a
     file system without locks), go on unlocked: the processes then tokenize side by side, which is correct, only
     slower."""
-    import fcntl
 
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -398,8 +398,8 @@ class _RichBar:
     """The live rich progress bar behind :class:`ProgressTracker` (only built when it will be seen)."""
 
     def __init__(self, max_steps: int | None, start_step: int, stream: TextIO) -> None:
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+        from rich.console import Console  # lazy: heavy
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # lazy: heavy
 
         self._progress = Progress(
             BarColumn(bar_width=20),
@@ -525,7 +525,7 @@ class WandbTracker:
             "WANDB_SILENT": "true",
         })
         try:
-            import wandb
+            import wandb  # lazy: heavy
         except ImportError as exc:
             raise ConfigError("logging.wandb.enabled is true but wandb is not installed: pip install wandb, "
                               "or set logging.wandb.enabled: false") from exc
@@ -562,7 +562,7 @@ class TensorboardTracker:
 
     def __init__(self, run_dir: Path) -> None:
         try:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # lazy: heavy
         except ImportError as exc:
             raise ConfigError("logging.tensorboard is true but tensorboard is not installed: pip install "
                               "tensorboard, or set logging.tensorboard: false") from exc

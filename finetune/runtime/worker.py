@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import os
@@ -14,10 +15,28 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.artifacts import rundir
+from finetune import registry
+from finetune.artifacts import checkpoint, portable, rundir
+from finetune.artifacts.checkpoint import publishing
+from finetune.artifacts.plot import write_run_plot
+from finetune.artifacts.portable import PARAM_NAMES, ParamNames
+from finetune.artifacts.probe import LogitProbe
+from finetune.artifacts.summary import read_summary, render
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import ConfigError, RunDirError, run_main, unreadable
+from finetune.runtime import materialize, plan
+from finetune.runtime import peft as lora
+from finetune.runtime.backends import (
+    detect,
+    extra_checkpoint_state,
+    make_accelerator,
+    model_init,
+    settle,
+    size_deepspeed_buckets,
+)
 from finetune.runtime.signals import Interrupted
+from finetune.runtime.state import TrainState
+from finetune.runtime.tracking import build_tracker, truncate_metrics
 
 if TYPE_CHECKING:
     from finetune.runtime import prepare
@@ -42,10 +61,9 @@ def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
 
     if backend.kind != "fsdp" or cfg.grad_accum == 1 or backend.keep_unsharded_grads or not torch.cuda.is_available():
         return backend
-    from finetune.runtime.plan import unsharded_accumulation_fits, visible_devices
 
     try:
-        fits = unsharded_accumulation_fits(cfg, min(size for _, size in visible_devices()))
+        fits = plan.unsharded_accumulation_fits(cfg, min(size for _, size in plan.visible_devices()))
     except Exception:  # the plan is an estimate for a speed-up; without one the memory-safe choice stands
         fits = False
     return dataclasses.replace(backend, keep_unsharded_grads=fits)
@@ -56,20 +74,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
     ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
     tokenizer and data this process already read (`finetune run` reads them before it creates the run folder)."""
-    from finetune import registry
-    from finetune.artifacts import checkpoint
-    from finetune.artifacts.portable import PARAM_NAMES, ParamNames
-    from finetune.artifacts.probe import LogitProbe
-    from finetune.runtime import loop, prepare
-    from finetune.runtime import peft as lora
-    from finetune.runtime.backends import (
-        detect,
-        extra_checkpoint_state,
-        make_accelerator,
-        model_init,
-        size_deepspeed_buckets,
-    )
-    from finetune.runtime.meter import step_flops
+    from finetune.runtime import loop, prepare  # lazy: imports torch
+    from finetune.runtime.meter import step_flops  # lazy: imports numpy
     from finetune.runtime.modeling import (
         build_base,
         check_fits,
@@ -77,12 +83,10 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
         compile_model,
         enable_checkpointing,
         freeze,
-    )
-    from finetune.runtime.optim import build_optimizer, build_scheduler
-    from finetune.runtime.precision import Precision, master_weights_warning
-    from finetune.runtime.state import TrainState
-    from finetune.runtime.tracking import build_tracker
-    from finetune.tasks import build_task
+    )  # lazy: imports torch
+    from finetune.runtime.optim import build_optimizer, build_scheduler  # lazy: imports torch
+    from finetune.runtime.precision import Precision, master_weights_warning  # lazy: imports torch
+    from finetune.tasks import build_task  # lazy: imports numpy
 
     row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried on the Trainer
     lora.check_hardware(cfg.peft)
@@ -110,7 +114,6 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
             f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")})
     for note in data.notes(cfg.data.max_seq_len):  # the mixture, and what fitting max_seq_len did per source
         tracker.log("info", {"message": note})
-    from finetune.runtime import materialize  # rank 0 alone reads pretrained weights when several processes run
 
     quantization = lora.quantization_config(cfg.peft)
     with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
@@ -170,7 +173,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
 
 def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> dict[str, Any]:
     """A few fixed inputs (the first eval, else train, samples) on which exports record reference logits."""
-    from finetune.data.batching import Collator
+    from finetune.data.batching import Collator  # lazy: imports torch
 
     split = task.data.eval or task.data.train
     assert split is not None
@@ -183,9 +186,7 @@ def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> d
 def clean_copy(trainer: Trainer) -> Callable[[], Any]:
     """A factory of a fresh, unwrapped copy of the trained model (base, and adapter for LoRA), built as this run
     built it; a backend that cannot save from its wrapped model saves from one (backends.export_module)."""
-    from finetune import registry
-    from finetune.runtime import peft as lora
-    from finetune.runtime.modeling import build_base
+    from finetune.runtime.modeling import build_base  # lazy: imports torch
 
     cfg = trainer.cfg
     row = trainer.row if trainer.row is not None else registry.recipe_row(cfg)
@@ -201,8 +202,6 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
     """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer and the
     layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes."""
-    from finetune.artifacts import checkpoint, portable
-    from finetune.runtime.tracking import truncate_metrics
 
     manifest = rundir.read_manifest(ckpt)
     if checkpoint.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
@@ -258,9 +257,8 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
     Raises :class:`finetune.runtime.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
     from finetune.artifacts import final  # imports torch
-    from finetune.runtime import loop
-    from finetune.runtime.backends import settle
-    from finetune.runtime.modeling import compile_failures
+    from finetune.runtime import loop  # lazy: imports torch
+    from finetune.runtime.modeling import compile_failures  # lazy: imports torch
 
     started = time.monotonic()
     cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe, allow_plugin)
@@ -290,7 +288,6 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
             with compile_failures(cfg.train.compile):
                 trainer.tracker.log("eval", loop.checked_evaluate(trainer))
         if trainer.accelerator.is_main_process:  # <run>/plots.png; a failure is one warning line, never a failed run
-            from finetune.artifacts.plot import write_run_plot
 
             write_run_plot(trainer.run_dir, log=lambda row: trainer.tracker.log("info", row))
             report_end(trainer, time.monotonic() - started)
@@ -306,7 +303,6 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 def report_end(trainer: Trainer, wall_s: float) -> None:
     """Rank 0, once the run has finished: the end row in metrics.jsonl, then the run's summary read back from what
     it wrote (:mod:`finetune.artifacts.summary`, which ``finetune ls`` shows again), on the console and in train.log."""
-    from finetune.artifacts.summary import read_summary, render
 
     state = trainer.state
     trainer.tracker.log("end", {"step": state.step, "samples": state.samples_seen, "tokens": state.tokens_seen,
@@ -320,7 +316,6 @@ def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = 
             allow_config_change: bool = False, allow_plugin: bool = False) -> None:
     """:func:`run_worker` with the CLI's messages and exit codes (finetune.errors.run_main); the process exits once
     its last checkpoint is published (finetune.artifacts.checkpoint.publishing)."""
-    from finetune.artifacts.checkpoint import publishing
 
     def run() -> None:
         with publishing():
@@ -337,7 +332,6 @@ def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = 
 def main(argv: list[str] | None = None) -> None:
     """``python -m finetune.runtime.worker RESOLVED [--resume CKPT] [--allow-config-change] [--allow-plugin]`` on every
     rank."""
-    import argparse
 
     parser = argparse.ArgumentParser(prog="python -m finetune.runtime.worker")
     parser.add_argument("resolved", help="runs/<name>/recipe.resolved.yaml")

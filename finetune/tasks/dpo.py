@@ -222,7 +222,7 @@ def compute_reference(task: DPOTask, model: Any, accelerator: Any, precision: An
                 results.append(unstride(gathered.cpu(), len(split.dataset), accelerator.num_processes))
     finally:
         model.train(was_training)
-    from datasets import Sequence, Value
+    from datasets import Sequence, Value  # lazy: heavy
 
     with accelerator.main_process_first():  # adding a column may write a cache file: rank 0 first
         for (_, split), values in zip(parts, results, strict=True):

@@ -165,7 +165,7 @@ def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq
                      rows: int, count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_logprobs` through any head module, one checkpointed chunk at a time (``split``, so the
     hidden states' gradient is assembled once, not zero-filled per chunk)."""
-    from torch.utils.checkpoint import checkpoint
+    from torch.utils.checkpoint import checkpoint  # lazy: heavy
 
     total = torch.zeros(sequences, dtype=torch.float32, device=hidden.device)
     hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)

@@ -51,8 +51,8 @@ def generate_with_images(model: Any, batch: dict[str, Any], *, max_new_tokens: i
     Only these settings decide the tokens: transformers fills every setting a GenerationConfig leaves unset from
     the model folder's own ``generation_config.json`` (a hub chat model's ``repetition_penalty``, ``top_k``,
     sampling defaults), so that file is set aside for the call and restored after it."""
-    from accelerate.utils import extract_model_from_parallel
-    from transformers import GenerationConfig
+    from accelerate.utils import extract_model_from_parallel  # lazy: heavy
+    from transformers import GenerationConfig  # lazy: heavy
 
     prompt = batch["prompt_ids"]
     sample = temperature > 0
