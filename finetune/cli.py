@@ -24,7 +24,6 @@ from finetune import registry
 from finetune.artifacts import layout, rundir, unstarted
 from finetune.artifacts.checkpoint import publishing
 from finetune.artifacts.choose import inventory
-from finetune.artifacts.finished import nothing_to_resume
 from finetune.artifacts.plot import plot_runs
 from finetune.artifacts.portable import resume_targets
 from finetune.artifacts.resume import begin
@@ -247,12 +246,11 @@ def resume(
 
     flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
-    # a finished run: one line, exit 0 (finetune.artifacts.finished)
-    if from_ is None and (done := nothing_to_resume(run_dir, [*(overrides or []), *extra], trust_remote_code)):
-        typer.echo(done)
-        return
     plan, lock = begin(run_dir, [*(overrides or []), *extra], from_, allow_config_change, trust_remote_code,
                        is_main=_is_rank0(), warn=lambda note: typer.echo(f"warning: {note}", err=True))
+    if plan.finished:  # a finished run: one line, exit 0, nothing written
+        typer.echo(plan.finished)
+        return
     _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change,
            allow_plugin=trust_remote_code)
 

@@ -148,8 +148,12 @@ def verify(path: Path, run_id: str | None, data: dict[str, Any] | None = None) -
     return data
 
 
-def latest_resumable(run_dir: Path) -> CheckpointInfo | None:
-    """The newest complete checkpoint that can be resumed from."""
+def latest_resumable(run_dir: Path, infos: list[CheckpointInfo] | None = None) -> CheckpointInfo | None:
+    """The newest complete checkpoint that can be resumed from: the one rule for "newest" (resume and export choose
+    it through :func:`finetune.artifacts.choose.choose`, which passes the ``infos`` it already read; pruning keeps
+    it; a failed write names it)."""
+    if infos is not None:
+        return next((info for info in reversed(infos) if info.resumable), None)
     for path in reversed(rundir.checkpoint_dirs(run_dir)):
         info = inspect(path)
         if info.resumable:

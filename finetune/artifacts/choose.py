@@ -44,12 +44,11 @@ def choose(run_dir: Path, name: str | None, purpose: str = "resume") -> Chosen:
     words that line. Whether it belongs to this run is checked by :func:`finetune.artifacts.checkpoint.verify`."""
     if name is None:
         infos = inventory(run_dir)
-        usable = [info for info in infos if info.resumable]
-        if not usable:
+        newest = checkpoint.latest_resumable(run_dir, infos)
+        if newest is None:
             broken = [f"{info.path.name}: {info.reason}" for info in infos]
             detail = f" ({'; '.join(broken)})" if broken else ""
             raise RunDirError(f"{run_dir}: {NO_CHECKPOINT[purpose]}{detail}; " + _what_now(run_dir, purpose))
-        newest = usable[-1]
         newer = infos[infos.index(newest) + 1:]
         return Chosen(newest, [(info.path.name, str(info.reason)) for info in newer])
     path = Path(name) if Path(name).is_dir() and not Path(name).is_symlink() else run_dir / rundir.CHECKPOINTS / name

@@ -14,6 +14,7 @@ anyway.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from finetune.artifacts.choose import choose, skipped_lines
 from finetune.config import REMOTE_CODE_KEY, RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import flatten
 from finetune.errors import FinetuneError, RunDirError
+from finetune.runtime.state import total_steps
 
 LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "launch.timeout_minutes", "train.micro_batch_size",
                "logging.progress", "output_dir", REMOTE_CODE_KEY,
@@ -41,6 +43,7 @@ class ResumePlan:
     changes: list[str] = field(default_factory=list)
     layout_changes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # one line per newer checkpoint passed over, and why
+    finished: str | None = None  # the line for a finished run: nothing to resume (see finished_line)
 
 
 def recipe_changes(before: dict[str, Any], after: dict[str, Any]) -> tuple[list[str], list[str]]:
@@ -106,11 +109,33 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
     return ResumePlan(cfg, info, changes, layout, skipped_lines(chosen))
 
 
+def finished_line(run_dir: Path, resume: ResumePlan) -> str | None:
+    """The line ``finetune resume RUN`` prints for a finished run, else None. A run is finished when its newest
+    resumable checkpoint is at its last step (``train.max_steps``, or the steps that ``train.epochs`` makes of the
+    train set), nothing about the recipe or its data changed (the plan's own diff), and ``final/`` was exported from
+    that step (or the recipe exports none). Resuming it would train nothing and only write ``final/`` again."""
+    info, cfg = resume.checkpoint, resume.cfg
+    if info.step is None or resume.changes:
+        return None
+    state = json.loads((info.path / rundir.TRAIN_STATE).read_text(encoding="utf-8"))
+    total = total_steps(cfg, int(state.get("train_size") or 0))
+    if info.step < total:
+        return None
+    if cfg.checkpoint.save_final and rundir.read_manifest(run_dir / rundir.FINAL).get("step") != info.step:
+        return None  # the export is what is left to do
+    exported = f"{rundir.FINAL}/ exported at that step" if cfg.checkpoint.save_final else "no export asked for"
+    return (f"{run_dir}: finished, nothing to resume ({info.path.name} is step {info.step} of {total}; {exported}). "
+            f"Train longer: `finetune resume {run_dir} train.max_steps=N --allow-config-change`; evaluate: "
+            f"`finetune eval {run_dir}`")
+
+
 def begin(run_dir: Path, overrides: list[str], from_name: str | None, allow_change: bool, trust_remote_code: bool,
           *, is_main: bool, warn: Callable[[str], None]) -> tuple[ResumePlan, rundir.RunLock | None]:
     """Everything the front process does to resume a run, in order: lock the run (the main process only; other
     ranks under a launcher just read its id), plan (checkpoint, verification, recipe and data changes), say which
     newer checkpoints are skipped (``warn``), append what happens to train.log and write recipe.resuming.yaml.
+    A finished run (:func:`finished_line`, asked only without ``--from``) stops after the plan: the lock is released,
+    nothing is written, and the plan carries the line to print.
 
     Returns the plan and the held lock (None on other ranks), which the caller hands to the launch. On any failure
     the lock is released and nothing in the run dir has changed. The per-rank part (tokenizer and layout checks,
@@ -119,6 +144,11 @@ def begin(run_dir: Path, overrides: list[str], from_name: str | None, allow_chan
     try:
         run_id = run_id or rundir.run_id(run_dir)
         resume = plan(run_dir, run_id, overrides, from_name, allow_change, trust_remote_code)
+        resume.finished = finished_line(run_dir, resume) if from_name is None else None
+        if resume.finished:
+            if lock is not None:
+                lock.release()
+            return resume, None
         for note in resume.skipped:
             warn(note)
         if is_main:

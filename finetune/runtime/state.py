@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from finetune.config import RecipeConfig
 
 
 @dataclass
@@ -35,3 +38,11 @@ class TrainState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key, value in state.items():
             setattr(self, key, value)
+
+
+def total_steps(cfg: RecipeConfig, train_size: int) -> int:
+    """``train.max_steps``, or the steps that ``train.epochs`` passes over the training set take."""
+    if cfg.train.max_steps is not None:
+        return cfg.train.max_steps
+    assert cfg.train.epochs is not None, "the schema requires max_steps or epochs"
+    return max(1, math.ceil(cfg.train.epochs * train_size / cfg.train.global_batch_size))

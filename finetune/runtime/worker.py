@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import time
 from collections.abc import Callable
@@ -35,21 +34,13 @@ from finetune.runtime.backends import (
     size_deepspeed_buckets,
 )
 from finetune.runtime.signals import Interrupted
-from finetune.runtime.state import TrainState
+from finetune.runtime.state import TrainState, total_steps
 from finetune.runtime.tracking import build_tracker, truncate_metrics
 
 if TYPE_CHECKING:
     from finetune.runtime import prepare
     from finetune.runtime.backends import Backend
     from finetune.runtime.loop import Trainer
-
-
-def total_steps(cfg: RecipeConfig, train_size: int) -> int:
-    """``train.max_steps``, or the steps that ``train.epochs`` passes over the training set take."""
-    if cfg.train.max_steps is not None:
-        return cfg.train.max_steps
-    assert cfg.train.epochs is not None, "the schema requires max_steps or epochs"
-    return max(1, math.ceil(cfg.train.epochs * train_size / cfg.train.global_batch_size))
 
 
 def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
