@@ -34,6 +34,7 @@ from finetune.artifacts.record import record
 from finetune.artifacts.restored import rng_name
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import RunDirError
+from finetune.registry import SupportedModel
 from finetune.runtime.backends import layout, restrict_checkpoint_loading
 from finetune.runtime.state import TrainState
 
@@ -66,7 +67,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
 
 
 def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sha256: str, backend: str,
-             run_id: str, labels: list[str] | None = None) -> dict[str, Any]:
+             run_id: str, labels: list[str] | None = None, row: SupportedModel | None = None) -> dict[str, Any]:
     """What a later resume compares against, what ``finetune ls`` shows, and what a later export, eval or merge
     opens the checkpoint with (the row, the classification ``labels`` and the layout: :mod:`finetune.artifacts.
     record`); the inventory is added on write. ``tokenizer_sha256``: :func:`tokenizer_fingerprint` of the run's
@@ -94,7 +95,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sh
                      "accelerate": accelerate.__version__},
         "resumable": True,
         "reason": None,
-        **record(cfg, registry.recipe_row(cfg), labels),
+        **record(cfg, row or registry.recipe_row(cfg), labels),  # the trainer's row; resolved here for tests
     }
 
 
@@ -262,7 +263,8 @@ def _rng_name(rank: int) -> str:
 
 
 def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[str, Any], tokenizer: Any,
-         run_dir: Path, backend: str, run_id: str, labels: list[str] | None = None) -> Path:
+         run_dir: Path, backend: str, run_id: str, labels: list[str] | None = None,
+         row: SupportedModel | None = None) -> Path:
     """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically. ``labels``:
     the classification label names, recorded in its manifest (:func:`manifest`).
 
@@ -307,7 +309,7 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
         world = accelerator.num_processes
 
         def record() -> dict[str, Any]:
-            return manifest(cfg, snapshot, world, tokenizer_sha256, backend, run_id, labels)
+            return manifest(cfg, snapshot, world, tokenizer_sha256, backend, run_id, labels, row)
 
         _PUBLISHER.start(lambda: _publish(tmp, final, record, cfg.checkpoint.keep_last), background=world > 1)
     accelerator.wait_for_everyone()

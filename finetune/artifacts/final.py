@@ -21,6 +21,7 @@ from finetune.artifacts import rundir, writer
 from finetune.artifacts.record import record
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import NonFiniteError
+from finetune.registry import SupportedModel
 from finetune.runtime.backends import Backend, export_module, full_state_dict, layout
 from finetune.runtime.modeling import save_custom_weights, save_tokenizer
 
@@ -28,7 +29,7 @@ from finetune.runtime.modeling import save_custom_weights, save_tokenizer
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
                  backend: Backend, run_id: str, step: int, probe: dict[str, Any] | None = None,
                  rebuild: Callable[[], Any] | None = None, precision: Any = None,
-                 labels: list[str] | None = None) -> Path:
+                 labels: list[str] | None = None, row: SupportedModel | None = None) -> Path:
     """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
     ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
@@ -59,7 +60,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
             reference = {**probe, "logits": model(**inputs).logits.float().cpu()}
         model.train(was_training)
     if accelerator.is_main_process:
-        row = registry.recipe_row(cfg)
+        row = row or registry.recipe_row(cfg)  # the trainer's row; resolved here for direct callers (tests)
 
         def save(tmp: Path) -> None:
             from safetensors.torch import save_file  # lazy: heavy

@@ -106,7 +106,7 @@ def train(t: Trainer) -> TrainState:
         saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
         if saved or stats.stop:  # before this step's eval: an eval that fails loses nothing
             path = checkpoint.save(t.accelerator, cfg, state, t.objects, t.tokenizer, t.run_dir, t.backend.name,
-                                   t.run_id, t.task.data.labels)
+                                   t.run_id, t.task.data.labels, t.row)
             t.tracker.log("info", {"message": f"saved checkpoint {path.name}"})
         if cfg.data.eval and _due(state.step, cfg.eval.every_steps) and not last:  # the last: after the export
             t.tracker.log("eval", checked_evaluate(t))

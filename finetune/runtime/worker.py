@@ -273,7 +273,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
                                          trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
                                          probe=probe_batch(trainer.task, trainer.tokenizer),
                                          rebuild=clean_copy(trainer), precision=trainer.precision,
-                                         labels=trainer.task.data.labels)
+                                         labels=trainer.task.data.labels, row=trainer.row)
             trainer.tracker.log("info", {"message": f"exported {out}"})
         if cfg.data.eval:  # after the export: a final eval that fails (e.g. out of memory) loses nothing
             with compile_failures(cfg.train.compile):

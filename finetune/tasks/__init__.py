@@ -20,17 +20,17 @@ def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: Dat
     """The adapter for the recipe's ``task`` (null / sft: the row's own task), over this rank's data (``lockstep``:
     see TaskData; ``images``: a vision-language row's image processor)."""
     if cfg.task == "dpo":
-        return DPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
+        return DPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
     if cfg.task == "reward":
-        return RewardTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
+        return RewardTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
     if row.task == "classification":
-        return ClassificationTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep)
+        return ClassificationTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
     with_prompts = "exact_match" in cfg.eval.metrics
     if row.task == "vision_causal_lm":
         return VisionCausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,
-                                  with_prompts=with_prompts, tokenizer=tokenizer, images=images)
+                                  with_prompts=with_prompts, tokenizer=tokenizer, images=images, row=row)
     return CausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,
-                        with_prompts=with_prompts, tokenizer=tokenizer)
+                        with_prompts=with_prompts, tokenizer=tokenizer, row=row)
 
 
 __all__ = ["EvalCounts", "Task", "build_task"]

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from finetune.config.schema import RecipeConfig
 from finetune.data import DataBundle
 from finetune.data.batching import Collator, PackingCollator, PreferenceCollator, StreamSampler, eval_shard
+from finetune.registry import SupportedModel, recipe_row
 
 
 @dataclass
@@ -91,10 +92,15 @@ class TaskData:
         """Nothing to prepare: the task reads only its data (see :meth:`Task.prepare`)."""
 
     def __init__(self, cfg: RecipeConfig, data: DataBundle, pad_id: int, rank: int, world: int,
-                 with_prompts: bool = False, lockstep: bool = False) -> None:
-        """``lockstep``: parameters are sharded, so every rank must run the same number of eval forward passes."""
+                 with_prompts: bool = False, lockstep: bool = False, row: SupportedModel | None = None) -> None:
+        """``lockstep``: parameters are sharded, so every rank must run the same number of eval forward passes.
+        ``row``: the recipe's row, as the worker resolved it (build_task hands it on); a hand-made config of the
+        task's own fields (no ``model``, tests) has none, and a task then assumes a Hugging Face model."""
         self.cfg, self.data, self.pad_id, self.rank, self.world = cfg, data, pad_id, rank, world
         self.with_prompts, self.lockstep = with_prompts, lockstep
+        if row is None and getattr(cfg, "model", None) is not None:
+            row = recipe_row(cfg)  # a task built without build_task (tests): resolved here, once
+        self.row = row
 
     def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]:
         """``train``: this rank's micro-batches from stream position ``start_sample``; ``eval``: its shard."""

@@ -203,8 +203,7 @@ class CausalLMTask(TaskData):
     def __init__(self, *args: Any, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tokenizer = tokenizer
-        model = getattr(self.cfg, "model", None)  # None: a hand-made config of the task's own fields (an HF model)
-        row = registry.recipe_row(self.cfg) if model is not None else None
+        row = self.row  # None: a hand-made config of the task's own fields (an HF model)
         self.model_inputs: tuple[str, ...] = row.model_inputs if row is not None else registry.MODEL_INPUTS
         self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
         self.output_head = row.output_head if row is not None else registry.OUTPUT_HEAD

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from finetune.data.batching import PreferenceCollator
 from finetune.data.rows import IGNORE
-from finetune.registry import OUTPUT_HEAD, recipe_row
+from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, PairTask
 from finetune.tasks.causal_lm import answer_logprobs, next_token_targets
 from finetune.tasks.losses import sequence_logprobs
@@ -90,8 +90,7 @@ class DPOTask(PairTask):
     @property
     def output_head(self) -> str | None:
         """The row's output head, which the log-probs are computed from (the default for a hand-made config)."""
-        model = getattr(self.cfg, "model", None)
-        return recipe_row(self.cfg).output_head if model is not None else OUTPUT_HEAD
+        return self.row.output_head if self.row is not None else OUTPUT_HEAD
 
     def _pairs(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per pair: the loss and ``h``; and the policy's summed log-probs of the 2B sequences."""
