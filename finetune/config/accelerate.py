@@ -11,6 +11,7 @@ or ``--accelerate-config``).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,9 +65,29 @@ def load(name: str, key: str = RECIPE_KEY) -> AccelerateFile:
     return AccelerateFile(path, read(path, key))
 
 
+_READ: dict[tuple[Path, int, int], dict[str, Any]] = {}  # (file, mtime_ns, size) -> settings: read once a process
+
+
 def read(path: Path, key: str = RECIPE_KEY) -> dict[str, Any]:
     """The settings of the accelerate config file ``path``; one ConfigError line (naming ``key``, the file, the cause
-    and the fix) when it cannot be read, is not UTF-8 text (a binary file), is not YAML, or is not a mapping."""
+    and the fix) when it cannot be read, is not UTF-8 text (a binary file), is not YAML, or is not a mapping.
+    A process reads a file once (validation, the one-machine check and the launch line all ask): later calls get a
+    copy of the first read while the file's modification time and size are unchanged."""
+    try:
+        stat = path.stat()
+        seen: tuple[Path, int, int] | None = (path, stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        seen = None  # read_text below says why, in one line
+    if seen in _READ:
+        return copy.deepcopy(_READ[seen])
+    settings = _parse(path, key)
+    if seen is not None:
+        _READ[seen] = copy.deepcopy(settings)
+    return settings
+
+
+def _parse(path: Path, key: str) -> dict[str, Any]:
+    """:func:`read` without the memo."""
     fix = f"fix the file, or use a shipped config ({SHIPPED})"
     try:
         text = path.read_text(encoding="utf-8")

@@ -135,3 +135,28 @@ def test_a_broken_accelerate_config_is_the_same_line_through_run_plan_and_genera
     assert (repr(str(config)) if kind == "missing" else str(config.resolve())) in body  # names the file
     assert "use a" in body or "shipped" in body  # and the fix
     assert not list(tmp_path.glob("runs")) and not (tmp_path / "out.jsonl").exists()
+
+
+def test_a_process_reads_an_accelerate_config_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Validation, the one-machine check and the launch line all ask for the file: it is read once, and read again
+    only when it changed."""
+    from finetune.config import accelerate
+
+    config = tmp_path / "mine.yaml"
+    config.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")
+    reads: list[Path] = []
+    real = Path.read_text
+
+    def counted(self: Path, *args: object, **kwargs: object) -> str:
+        reads.append(self)
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", counted)
+    first = accelerate.load(str(config))
+    first.settings["num_processes"] = 99  # a caller's change does not leak into the next read
+    again = accelerate.load(str(config))
+    assert reads.count(config.resolve()) == 1 and again.settings == {"distributed_type": "MULTI_GPU",
+                                                                      "num_processes": 2}
+    config.write_text("distributed_type: FSDP\n")
+    assert accelerate.load(str(config)).settings == {"distributed_type": "FSDP"}
+    assert reads.count(config.resolve()) == 2
