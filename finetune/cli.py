@@ -138,6 +138,19 @@ def run(
 
 
 @app.command()
+def preprocess(
+    recipe: Annotated[str, typer.Argument(help=RECIPE_HELP)],
+    overrides: Overrides = None,
+) -> None:
+    """Read and tokenize every data split of a recipe into the cache `finetune run` reads (and download a hub
+    model), once, before any launch; run it on each machine whose disk holds its own cache."""
+    cfg, _ = _recipe_with_flags(recipe, overrides)
+    inputs = prepare.inputs(cfg, registry.recipe_row(cfg))
+    for line in prepare.report(cfg, inputs.data):
+        typer.echo(line)
+
+
+@app.command()
 def plan(
     recipe: Annotated[str, typer.Argument(help=RECIPE_HELP)],
     overrides: Overrides = None,

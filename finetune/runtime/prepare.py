@@ -12,6 +12,8 @@ rows/s here, so 16 minutes for a million rows) or downloading a model's weights.
   (``finetune-locks/<key>.lock``, keyed by the data, the model and this code) tokenizes; the others wait on that
   lock, not in a collective, then read the cache. A cache on a disk that every node shares is filled once, a
   per-node cache once per node.
+- ``finetune preprocess``: only this, ahead of any run (:func:`report` says per source whether it was tokenized
+  now or read from the cache), so a later ``finetune run`` finds the caches filled.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.config import RecipeConfig
-from finetune.data import DataBundle, load_splits
+from finetune.data import DataBundle, load_splits, source_name
 from finetune.registry import SupportedModel
 
 # Files transformers never reads for a PyTorch model; left out of a hub download (Llama's original/ holds a second
@@ -66,6 +68,22 @@ def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
     return load()  # the caches are warm: every process reads them at once
 
 
+def report(cfg: RecipeConfig, data: DataBundle) -> list[str]:
+    """One line per tokenized source (``finetune preprocess``): its key and name, its samples, and whether they
+    were tokenized now (and cached for later runs) or read from the cache an earlier run filled."""
+    lines = []
+    for key, split, parts, sources in (("data.train", data.train, data.train_parts, cfg.data.train_sources()),
+                                       ("data.eval", data.eval, data.eval_parts, cfg.data.eval_sources())):
+        if split is None:
+            continue
+        for name, source, tokenized in ([(p.key, p.name, p.tokenized) for p in parts]
+                                        or [(key, source_name(sources[0]), split)]):
+            count = len(tokenized.dataset)
+            how = "read from the cache" if tokenized.cached else "tokenized now (cached)"
+            lines.append(f"{name} {source}: {count} sample{'s' * (count != 1)}, {how}")
+    return lines
+
+
 def hub_id(cfg: RecipeConfig) -> str | None:
     """``model.path`` when it names a hub repository (not a local folder, not ``pkg://``), else None."""
     path = cfg.model.path
@@ -100,9 +118,9 @@ def download(cfg: RecipeConfig) -> None:
 
 def _lock_files(cfg: RecipeConfig) -> tuple[Path, Path]:
     """The lock that one process fills the caches under, and the file that says it has, for this recipe's inputs:
-    beside the datasets cache, keyed by the data settings, each local data file (path, size, time), the model and
-    the tokenization code. A key that misses a change costs only parallel work, never a wrong cache: the datasets
-    cache has its own keys."""
+    beside the datasets cache, keyed by the data settings, each local data file (path, size, mtime, ctime), the
+    model and the tokenization code. A key that misses a change costs only parallel work, never a wrong cache: the
+    datasets cache has its own keys."""
     from datasets import config as datasets_config  # lazy: heavy
 
     from finetune.data.tokenize import CODE_VERSION  # lazy: imports numpy
@@ -111,7 +129,9 @@ def _lock_files(cfg: RecipeConfig) -> tuple[Path, Path]:
     for source in (*cfg.data.train_sources(), *cfg.data.eval_sources()):
         path = Path(source.path)
         stat = path.stat() if path.is_file() else None
-        files.append([source.path, stat.st_size if stat else None, stat.st_mtime_ns if stat else None])
+        # the ctime too: a file rewritten with its old mtime is read again by every process (finetune.data.sources)
+        files.append([source.path, stat.st_size if stat else None, stat.st_mtime_ns if stat else None,
+                      stat.st_ctime_ns if stat else None])
     key = json.dumps([cfg.data.model_dump(mode="json"), files, cfg.model.model_dump(mode="json"), cfg.task,
                       CODE_VERSION], sort_keys=True)
     folder = Path(datasets_config.HF_DATASETS_CACHE) / "finetune-locks"
