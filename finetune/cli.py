@@ -3,9 +3,8 @@
 This module imports nothing heavy: ``--help``, ``config``, ``models``, ``recipes`` and ``schema`` never load
 torch; ``run --dry-run`` and ``plan`` load it for the memory plan's meta-device build only. The modules it imports
 load torch inside the functions that need it (tests/unit/test_architecture.py). Every user mistake raises a
-FinetuneError that
-:func:`main` prints as one line per problem with exit code 2 (``FINETUNE_DEBUG=1`` shows the traceback).
-"""
+FinetuneError that :func:`main` prints as one line per problem with exit code 2 (``FINETUNE_DEBUG=1`` shows the
+traceback). """
 
 from __future__ import annotations
 
@@ -207,8 +206,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
     running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
     launcher across exec until every rank has exited. Before a launch, this process fills the caches the ranks
     read (finetune.runtime.prepare): no rank then tokenizes or downloads alone inside the process group. ``inputs``:
-    what
-    ``prepare.inputs`` already gave this process (the data check of `finetune run`); ``unstarted``: called, with
+    what ``prepare.inputs`` already gave this process (the data check of `finetune run`); ``unstarted``: called, with
     the lock still held, when training in this process fails (it removes a new run that trained nothing)."""
     if launch.in_process(cfg):
         try:

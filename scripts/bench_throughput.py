@@ -62,10 +62,9 @@ What is measured, identically for every variant:
   each framework's per-step bookkeeping.
 * What the model is fed: forward hooks on the model (installed on finetune's model by wrapping
   ``finetune.runtime.worker.build_trainer``) record each forward's ``input_ids`` size, its attended tokens
-  (attention-mask
-  sum, or every token without a mask), its number of samples (rows, or position-id restarts without a mask), and
-  the loss (the model's ``loss`` output; for finetune, the loss sum its task returns divided by the step's target
-  count).
+  (attention-mask sum, or every token without a mask), its number of samples (rows, or position-id restarts without a
+  mask), and the loss (the model's ``loss`` output; for finetune, the loss sum its task returns divided by the step's
+  target count).
 * ``useful tok/s``: the non-pad input tokens of the timed steps (the sum of their samples' lengths) / the timed
   seconds. ``non-pad``: those tokens / the tokens fed to the model in the timed steps, padding included.
 * ``peak mem``: on CUDA ``torch.cuda.max_memory_allocated()`` over the variant (stats reset at its start); on the

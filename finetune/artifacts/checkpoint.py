@@ -445,8 +445,8 @@ def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any
 
     ``model_and_optimizer=False``: everything but the model and the optimizer (a portable resume has loaded those
     already, finetune.artifacts.portable); objects marked ``holds_optimizer_state`` are then skipped too. An object
-    marked
-    ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as built."""
+    marked ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as
+    built."""
 
     restored.check(ckpt, read_state, {name: objects[name].state_dict() for name in ("scheduler", "scaler")
                                       if name in objects})  # before anything loads

@@ -34,8 +34,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
     ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
     (:func:`finetune.runtime.modeling.save_custom_weights`); always the tokenizer, the resolved recipe and a manifest
-    (with
-    the row, the classification ``labels`` and the layout, :mod:`finetune.artifacts.record`).
+    (with the row, the classification ``labels`` and the layout, :mod:`finetune.artifacts.record`).
 
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped

@@ -1,9 +1,8 @@
 """Portable state: a checkpoint of any backend and world size as whole tensors, and whole tensors into any backend.
 
 A checkpoint is written in its backend's own format (finetune.artifacts.checkpoint): whole tensors for single/DDP,
-per-rank
-shards for FSDP (torch.distributed.checkpoint folders) and DeepSpeed ZeRO (per-rank partition files). The native
-load reads it only on the layout that wrote it. This module is the one way between layouts:
+per-rank shards for FSDP (torch.distributed.checkpoint folders) and DeepSpeed ZeRO (per-rank partition files). The
+native load reads it only on the layout that wrote it. This module is the one way between layouts:
 
 - :func:`read_full_state`: one process, CPU, no process group, any format -> :class:`FullState`: the model's full
   tensors by the unwrapped model's state-dict key (fp32 masters where the backend keeps them) and torch's "full

@@ -8,9 +8,7 @@ end to end, for every backend, instead of trusting them.
 :class:`LogitProbe` is one of the worker's checkpointed ``objects``: at a checkpoint every rank calls its
 ``state_dict()`` (a forward pass is a collective under sharded backends) and rank 0 writes the result as
 ``probe.json`` + ``probe.safetensors`` through :func:`finetune.artifacts.checkpoint.write_state`. Resuming loads nothing
-from
-it. :func:`read` gets it back (``None`` for checkpoints written before probes existed).
-"""
+from it. :func:`read` gets it back (``None`` for checkpoints written before probes existed). """
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ class LogitProbe:
     ``inputs`` makes the probe inputs (``worker.probe_batch``); it is called once, at the first checkpoint, when
     the data it reads exists. Every rank must call ``state_dict()`` at the same time under sharded backends.
     ``precision``: the run's :class:`finetune.runtime.precision.Precision`; the probe runs under its autocast, as
-    training
-    does (a flash-attn model with fp32 weights cannot run outside it). None: no autocast (fp32 training)."""
+    training does (a flash-attn model with fp32 weights cannot run outside it). None: no autocast (fp32 training)."""
 
     optional_in_checkpoint = True  # checkpoints written before probes existed hold none: resume them all the same
 

@@ -3,8 +3,7 @@ and task) and the classification label names (the layout is :func:`finetune.runt
 
 Recorded when the folder is written (:func:`record`) and read back when it is opened (:func:`row_of`,
 :func:`labels_of`), so that no command re-resolves the row from a recipe or re-reads the training data to learn the
-labels.
-"""
+labels. """
 
 from __future__ import annotations
 

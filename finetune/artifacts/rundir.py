@@ -456,8 +456,7 @@ def _clear(run_dir: Path, keep_lock: bool = True) -> None:
 
 def clear_unstarted(run_dir: Path) -> None:
     """Remove everything a run that trained nothing wrote, its lock file included (finetune.artifacts.unstarted decides
-    when);
-    the same rule as --overwrite: refused, deleting nothing, when anything in it is not finetune's."""
+    when); the same rule as --overwrite: refused, deleting nothing, when anything in it is not finetune's."""
     _clear(run_dir, keep_lock=False)
 
 
@@ -558,8 +557,7 @@ def remove_scratch(path: Path) -> None:
 
 def reshard_scratch(run_dir: Path) -> Path:
     """``<run_dir>/reshard.tmp``: where a resume on another layout converts a checkpoint (finetune.artifacts.portable).
-    A
-    folder left there by a crash is removed before the next conversion and after every one."""
+    A folder left there by a crash is removed before the next conversion and after every one."""
     return run_dir / RESHARD_TMP
 
 

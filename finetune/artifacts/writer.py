@@ -8,10 +8,10 @@ Every model folder finetune writes goes through :func:`write`: a run's ``final/`
    folder beside the destination (:func:`finetune.artifacts.rundir.scratch_dir`, or the run dir's ``final.tmp``);
 2. verify: weights that are not all finite are never written (:func:`all_finite`, the one check); with a
    :class:`Check`, a FRESH process (``python -m finetune.artifacts.reload``) loads the folder as any user would and
-   computes
-   its logits on the probe inputs (the ones the checkpoint recorded, else :func:`finetune.artifacts.probe.fixed_inputs`)
-   under the recipe's ``train.mixed_precision``; they must equal the expected logits within
-   :func:`finetune.artifacts.probe.tolerance` (the caller's one-line error otherwise: nothing is published);
+   computes its logits on the probe inputs (the ones the checkpoint recorded, else
+   :func:`finetune.artifacts.probe.fixed_inputs`) under the recipe's ``train.mixed_precision``; they must equal the
+   expected logits within :func:`finetune.artifacts.probe.tolerance` (the caller's one-line error otherwise: nothing is
+   published);
 3. publish: the manifest (with the verification) is written last and the folder is renamed into place
    (:func:`finetune.artifacts.rundir.publish`, which owns every name and deletion in a run dir); a failure at any step
    removes the scratch folders and leaves any previous folder where it was.
@@ -83,9 +83,8 @@ def write(out: Path, save: Callable[[Path], None], manifest: dict[str, Any], *, 
     ``weights``: the state dict whose finiteness is checked first (NonFiniteError ``nonfinite``; None: the caller
     checked it, e.g. collectively across ranks). ``tmp``/``old``: the scratch and previous-folder names (default:
     :func:`finetune.artifacts.rundir.scratch_dir` beside ``out``). ``recheck_out``: check again, just before publishing,
-    that
-    what is at ``out`` may be replaced (something may have been put there meanwhile). Returns the verified
-    max |delta logit| (None without a check)."""
+    that what is at ``out`` may be replaced (something may have been put there meanwhile). Returns the verified max
+    |delta logit| (None without a check)."""
     if weights is not None and not all_finite(weights):
         raise NonFiniteError(nonfinite)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -163,9 +162,8 @@ def write_checkpoint(cfg: RecipeConfig, where: Target, out: Path, *, trust_remot
     the checkpoint's weights, the tokenizer its recipe names, its recipe, and for an adapter the merge check, written
     by :func:`write` and verified against the logits the checkpoint recorded (a checkpoint written before probes
     existed: against this process's model on :func:`finetune.artifacts.probe.fixed_inputs`). ``mismatch(delta,
-    tolerance,
-    rule, recorded)`` is the caller's error for a failed check; ``manifest``: the head of the folder's manifest
-    (the row and labels are added)."""
+    tolerance, rule, recorded)`` is the caller's error for a failed check; ``manifest``: the head of the folder's
+    manifest (the row and labels are added)."""
     from finetune.runtime.modeling import build_tokenizer, save_tokenizer  # imports torch
 
     assert where.checkpoint is not None and where.row is not None

@@ -12,14 +12,12 @@ partitions; full or LoRA), the export runs in this ONE process on the CPU, witho
    (:func:`finetune.artifacts.writer.write_checkpoint`), which ``finetune eval`` of a checkpoint uses too;
 3. it is written to a fresh hidden ``.tmp`` folder beside ``DIR``: safetensors + config (or a PEFT adapter and
    ``merge_check.safetensors`` for LoRA runs), the tokenizer, the checkpoint's resolved recipe;
-4. a FRESH process (``python -m finetune.artifacts.reload``) loads that folder as any user would (``from_pretrained``;
-base +
-   adapter for LoRA) and computes its logits on the probe the checkpoint recorded (:mod:`finetune.artifacts.probe`),
-   under
-   the recipe's ``train.mixed_precision`` as training computed them; they must equal the recorded ones within the
+4. a FRESH process (``python -m finetune.artifacts.reload``) loads that folder as any user would
+   (``from_pretrained``; base + adapter for LoRA) and computes its logits on the probe the checkpoint recorded
+   (:mod:`finetune.artifacts.probe`), under the recipe's ``train.mixed_precision`` as training computed them; they
+   must equal the recorded ones within the
    tolerance of that compute precision (:func:`finetune.artifacts.probe.tolerance_rule` says what it allows). A
-   checkpoint
-   written before probes existed is loaded back the same way and compared with this process's model instead
+   checkpoint written before probes existed is loaded back the same way and compared with this process's model instead
    (noted: not verified by logits);
 5. only then the manifest (with the verification) is written and the folder becomes ``DIR``; a failed check
    publishes nothing (:class:`finetune.artifacts.probe.ProbeMismatch`, exit code 1).
@@ -75,8 +73,7 @@ def locate(target: Path, name: str | None) -> tuple[Path, str | None]:
 def check_output(out: Path, run_dir: Path, overwrite: bool) -> None:
     """Refuse an ``-o`` that is or lies in a run directory (this one, its checkpoints, or any other), contains the
     run, is a protected place (see :func:`finetune.artifacts.rundir.check_location`), or holds anything but an earlier
-    export
-    (that one is replaced only with ``overwrite``)."""
+    export (that one is replaced only with ``overwrite``)."""
     target, run = out.resolve(), run_dir.resolve()
     if target == run or run in target.parents:
         raise RunDirError(f"-o {out}: lies inside the run {run_dir}, which is finetune's alone; write the export "

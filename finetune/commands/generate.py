@@ -26,10 +26,8 @@ prompts are left-padded with their own position ids and attention mask (one deco
 generator per prompt, seeded by ``--seed`` and the prompt's line (vision-language prompts are sampled one at a
 time, each from torch's generator seeded the same way). With ``--num-processes N`` the front process checks
 everything, then execs ``accelerate launch ... -m finetune.commands.generate`` (this module's :func:`main`); every rank
-takes
-every N-th prompt, the results are gathered and rank 0 writes the file. Only one process and DDP are supported:
-sharded backends would need every rank to run the same forward passes.
-"""
+takes every N-th prompt, the results are gathered and rank 0 writes the file. Only one process and DDP are supported:
+sharded backends would need every rank to run the same forward passes. """
 
 from __future__ import annotations
 
@@ -527,8 +525,7 @@ def start(target: Path, prompts: Path, output: Path, options: Options, num_proce
 
 def main(argv: list[str] | None = None) -> None:
     """``python -m finetune.commands.generate TARGET PROMPTS -o OUT --max-new-tokens N ...`` on every rank (what
-    ``accelerate
-    launch`` runs); every flag is given by :func:`start`."""
+    ``accelerate launch`` runs); every flag is given by :func:`start`."""
 
     parser = argparse.ArgumentParser(prog=f"python -m {MODULE}")
     parser.add_argument("target")

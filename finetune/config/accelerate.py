@@ -6,8 +6,7 @@ Every command that needs an accelerate config reads it here, through :func:`fine
 the layering and so calls :func:`load` itself. A missing, unreadable or invalid file is therefore the same
 :class:`ConfigError` line (naming the file and the fix, exit 2) through ``finetune run``, ``plan``, ``generate`` and
 validation; only its first words differ, naming the setting as that command spells it (``launch.accelerate_config``
-or ``--accelerate-config``).
-"""
+or ``--accelerate-config``). """
 
 from __future__ import annotations
 

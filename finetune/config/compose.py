@@ -387,9 +387,8 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 def _resolve_extends(entry: Any, owner: Path, where: str) -> Path:
     """The recipe file an ``extends:`` entry names: next to ``owner`` first, then in the shipped recipes folder
     (found by :func:`finetune.config.resources.recipes_dir`, so ``extends: presets/smoke.yaml`` works from an installed
-    wheel),
-    then, for a bare name (``quickstart``), the shipped recipe of that name, looked up as ``finetune run quickstart``
-    looks it up (:func:`finetune.config.resources.shipped_recipe`).
+    wheel), then, for a bare name (``quickstart``), the shipped recipe of that name, looked up as ``finetune run
+    quickstart`` looks it up (:func:`finetune.config.resources.shipped_recipe`).
 
     ``where`` is ``owner:line`` of the ``extends:`` key, for messages. A directory or special file of that name is
     reported as such (not as "not found") unless a regular file is found in the other place.

@@ -15,8 +15,7 @@ already starts with it (a template that writes it) — :func:`starts_with_bos` d
 samples too. Length: a prompt over ``max_len`` tokens keeps its last ``max_len`` (the cue to answer is at the
 end); a vision prompt whose kept end would leave out image tokens is kept whole instead and marked
 :attr:`PromptIds.cuts_image` (training generates from it whole; generate refuses it in one line), since its
-images cannot be given to the model in part.
-"""
+images cannot be given to the model in part. """
 
 from __future__ import annotations
 

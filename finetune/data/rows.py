@@ -2,8 +2,7 @@
 place and values are named in a one-line error.
 
 The bottom of finetune/data: it imports none of the others, so loading, vision, batching, tokenize and prompts
-can all import it without a circle.
-"""
+can all import it without a circle. """
 
 from __future__ import annotations
 

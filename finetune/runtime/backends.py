@@ -504,8 +504,7 @@ class FSDP1OptimizerState:
     state is empty after ``load_state``, so a resumed Adam restarts its moments). This object checkpoints the
     optimizer state once more, gathered whole with torch.distributed.checkpoint.state_dict (saved as JSON +
     safetensors by finetune.artifacts.checkpoint), and loads it back after accelerate's no-op; ``tests/distributed``
-    proves
-    resume bit-identical with it."""
+    proves resume bit-identical with it."""
 
     holds_optimizer_state = True  # a portable resume loads the optimizer itself (finetune.artifacts.checkpoint.load)
 

@@ -21,10 +21,9 @@ LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
 
 def isolate_sys_path() -> None:
     """``python -m finetune`` (and ``-m finetune.runtime.worker`` under accelerate launch) put the current folder first
-    on
-    ``sys.path``; the ``finetune`` console script does not. Drop it, so that a module named by a recipe
-    (``model.plugin``) is imported only from what is installed or on PYTHONPATH, never from whatever folder, such as
-    a run directory, the command happens to run in."""
+    on ``sys.path``; the ``finetune`` console script does not. Drop it, so that a module named by a recipe
+    (``model.plugin``) is imported only from what is installed or on PYTHONPATH, never from whatever folder, such as a
+    run directory, the command happens to run in."""
     if sys.flags.safe_path:  # PYTHONSAFEPATH / -P: Python added no current folder; sys.path[0] is PYTHONPATH's
         return
     here = os.getcwd()

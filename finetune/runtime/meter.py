@@ -4,10 +4,8 @@
 Why a module of its own: the worker builds the FLOPs model once, from the plain model before ``accelerator.prepare``
 (:func:`step_flops`); the loop counts each batch on the host (:func:`input_lengths`, like ``Task.count_targets``:
 no device sync) and reads the memory peaks (:func:`memory_peaks`); :class:`finetune.runtime.tracking.Throughput` turns
-the
-counts into rates. The formula itself is :mod:`finetune.runtime.flops`. torch is imported inside the functions that need
-it, so that :mod:`finetune.runtime.tracking` can name :class:`StepFlops` without importing torch.
-"""
+the counts into rates. The formula itself is :mod:`finetune.runtime.flops`. torch is imported inside the functions that
+need it, so that :mod:`finetune.runtime.tracking` can name :class:`StepFlops` without importing torch. """
 
 from __future__ import annotations
 
@@ -25,8 +23,7 @@ GB = 1e9  # memory is logged in decimal gigabytes
 class StepFlops:
     """A step's training FLOPs as ``per_token x input tokens + per_square x sum(sample length^2)`` (both summed
     over the step's samples; :func:`finetune.runtime.flops.train_flops` is linear in these two), and ``peak``: this
-    device's
-    peak FLOP/s, None when unknown (the mfu is then omitted, never guessed)."""
+    device's peak FLOP/s, None when unknown (the mfu is then omitted, never guessed)."""
 
     per_token: float
     per_square: float

@@ -39,9 +39,8 @@ def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, device_type: str |
     """AdamW or SGD; weight decay applies to matrices only (not biases or norm weights), as is usual.
 
     A matrix is told by its whole shape (:func:`finetune.runtime.backends.full_shape`), not by ``param.ndim``: under
-    ZeRO-3
-    a ``model.path`` model is partitioned at birth, every parameter a 1-D placeholder, and grouping by ``ndim`` put
-    every matrix in the no-decay group (weight decay silently off). So the groups, and so a checkpoint's param
+    ZeRO-3 a ``model.path`` model is partitioned at birth, every parameter a 1-D placeholder, and grouping by ``ndim``
+    put every matrix in the no-decay group (weight decay silently off). So the groups, and so a checkpoint's param
     groups, are the same under every backend and world size, and a checkpoint resumes on any of them.
 
     ``device_type`` is where training runs (``accelerator.device.type``): the optimizer is built before

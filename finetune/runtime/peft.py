@@ -116,8 +116,7 @@ def _lora_config(cfg: PeftConfig, row: SupportedModel) -> Any:
 
 def parameter_counts(model: Any) -> tuple[int, int]:
     """(trainable, total) parameter elements, of whole tensors (:func:`finetune.runtime.backends.full_numel`): under
-    ZeRO-3
-    a ``model.path`` model is partitioned at birth, and ``numel()`` counts this rank's empty placeholders."""
+    ZeRO-3 a ``model.path`` model is partitioned at birth, and ``numel()`` counts this rank's empty placeholders."""
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     return trainable, sum(full_numel(p) for p in model.parameters())
 

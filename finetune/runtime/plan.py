@@ -3,8 +3,7 @@
 The model is built on the meta device (no weights are loaded, nothing is allocated) with the same helpers training
 uses (:func:`finetune.runtime.modeling.build_config`, :func:`finetune.runtime.peft.apply`), and the backend comes from
 :func:`finetune.runtime.backends.effective_settings` for ``launch.accelerate_config`` and ``launch.num_processes``. What
-is
-counted, per rank:
+is counted, per rank:
 
 * **parameters**: every parameter in the dtype training holds it in: ``model.dtype``; DeepSpeed with bf16/fp16 casts
   the whole model to 16 bits; QLoRA keeps the quantized linear weights in 4-bit NF4 (packed bytes plus block
@@ -17,8 +16,8 @@ counted, per rank:
 * **sharding** divides those three: single process and DDP by nothing; ZeRO-1 the optimizer states (and master
   weights); ZeRO-2 also the gradients; ZeRO-3 also the parameters (those DeepSpeed keeps whole on every rank,
   fewer than ``stage3_param_persistence_threshold`` = 1e5 elements, are held whole besides their partition);
-  FSDP per its sharding strategy (FULL_SHARD,
-  or FSDP2 ``reshard_after_forward: true``: all three; SHARD_GRAD_OP / ``reshard_after_forward: false``: gradients
+  FSDP per its sharding strategy (FULL_SHARD, or FSDP2 ``reshard_after_forward: true``: all three; SHARD_GRAD_OP /
+  ``reshard_after_forward: false``: gradients
   and optimizer states, the parameters being gathered whole from forward to backward; NO_SHARD: nothing; HYBRID_*:
   the same within one machine). Each rank's share is rounded up per tensor. Offload moves what it offloads to host
   (CPU) memory: DeepSpeed ``offload_optimizer`` the optimizer states, master weights and an fp32 gradient
@@ -76,10 +75,9 @@ The totals are per rank: device memory (a GPU, or the CPU's memory where the run
 memory (what offload puts in CPU memory). Where CUDA devices are visible, the device total is compared with the
 smallest one's memory. DeepSpeed's gradient **reduce bucket** is counted as the worker sizes it
 (:func:`finetune.runtime.backends.reduce_bucket_elements`: DeepSpeed's 5e8 elements, capped at the trainable
-parameters).
-Not counted: the CUDA context and allocator caches, ZeRO's other communication buffers, DoRA's
-per-forward weight-norm temporaries, the eval pass (its logits are noted when they exceed training's activations and
-logits) and the generation cache of ``exact_match``.
+parameters). Not counted: the CUDA context and allocator caches, ZeRO's other communication buffers, DoRA's per-forward
+weight-norm temporaries, the eval pass (its logits are noted when they exceed training's activations and logits) and the
+generation cache of ``exact_match``.
 
 Checked by ``tests/unit/test_plan.py``: parameters, gradients and optimizer states equal the bytes of a real model
 after a real training step (full, LoRA, DoRA, bf16 weights, SGD, BERT), QLoRA's 4-bit estimate is within 2% of a

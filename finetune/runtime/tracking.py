@@ -50,8 +50,7 @@ KINDS: tuple[str, ...] = ("train", "eval", "info", "end")
   must see (the console sends it to stderr when it is not drawing a bar); ``"console": False`` one for the logs
   only (the command prints it itself, e.g. the stop message that ends the process);
 - ``end``: the run's last row in metrics.jsonl, written once it has finished (see :mod:`finetune.artifacts.summary`):
-step,
-  samples, tokens, train_s (training time, over every process of the run) and wall_s (this process, from its start
+  step, samples, tokens, train_s (training time, over every process of the run) and wall_s (this process, from its start
   to the end); a finished run is one whose metrics.jsonl ends with it.
 """
 

@@ -3,8 +3,7 @@ writes: every prompt exactly once, in input order, with the same sampled complet
 
 Both commands go through the real CLI in fresh processes (`python -m finetune generate ...`, which execs
 `accelerate launch ... -m finetune.commands.generate` for 2 processes), as tests/distributed/test_backends.py runs
-training.
-"""
+training. """
 
 from __future__ import annotations
 

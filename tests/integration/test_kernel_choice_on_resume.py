@@ -1,7 +1,6 @@
 """A checkpoint carries the optimizer's state, not this machine's kernel choice: resuming keeps the fused /
 foreach setting the current build chose (finetune.artifacts.checkpoint.keep_kernel_choice). On CPU torch has a fused
-AdamW,
-so both directions run here: a plain checkpoint resumed with optim.fused=true, and a fused one resumed plain."""
+AdamW, so both directions run here: a plain checkpoint resumed with optim.fused=true, and a fused one resumed plain."""
 
 from __future__ import annotations
 

@@ -2,13 +2,11 @@
 
 A run with ``train.peak_tflops`` logs, for every step, ``mfu`` = the step's FLOPs / (its seconds x the peak), where the
 step's FLOPs are :func:`finetune.runtime.flops.train_flops` on the sample lengths the step really trained: recorded here
-from
-the host batches train_step was given (packed: from the position_ids restarts, not the collator's cu_seq_lens that the
-loop reads; padded: the attention mask rows). The packed run (padded to a multiple of 8 by a padding segment, which is
-not input) and the padded run train the same samples, so they log the same input tokens and FLOPs per token. Without
+from the host batches train_step was given (packed: from the position_ids restarts, not the collator's cu_seq_lens that
+the loop reads; padded: the attention mask rows). The packed run (padded to a multiple of 8 by a padding segment, which
+is not input) and the padded run train the same samples, so they log the same input tokens and FLOPs per token. Without
 the override a CPU run logs no mfu; memory peaks are CUDA-only, so absent here. The counts travel in the step's one
-existing all-reduce: each step still calls ``accelerator.reduce`` twice.
-"""
+existing all-reduce: each step still calls ``accelerator.reduce`` twice. """
 
 from __future__ import annotations
 

@@ -3,9 +3,8 @@
 Importing a plugin runs its code. ``finetune run RECIPE`` imports the plugin of the recipe the user named; every
 command that reads a recipe stored in a run (eval of a run, a checkpoint or an export; export; merge; generate;
 resume) and every process such a command starts (the export check's ``finetune.artifacts.reload``, the ranks of a
-launched
-resume or generate) imports it only with the permission given on this command line, passed on explicitly. Without
-it the command is refused in one line (exit 2) that names the module, the run's recipe file and the fix, before
+launched resume or generate) imports it only with the permission given on this command line, passed on explicitly.
+Without it the command is refused in one line (exit 2) that names the module, the run's recipe file and the fix, before
 the module is imported and before anything is written.
 
 The plugin planted here writes a marker file when it is imported; it lies in a folder on ``sys.path`` and

@@ -1,6 +1,5 @@
 """finetune.artifacts.portable in one process: a single-process checkpoint read back as whole tensors equals the live
-model
-and optimizer at that step (full and LoRA), and the portable load path continues a run exactly as the straight run
+model and optimizer at that step (full and LoRA), and the portable load path continues a run exactly as the straight run
 went on (losses and weights bit for bit), while the checkpoint stays as it was."""
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Writes never follow a link or land in what finetune did not make (issue 22 item 1).
 
 For every name finetune writes in a run directory (enumerated from finetune.artifacts.rundir's layout, not a hand list)
-and
-for every output path of every command, a symlink to a user file or folder, a hard link to a user file, a folder
-and a FIFO are planted in its place; the command then exits 2 with one line before any work, or works without
-touching the user's files. Either way the user's files are byte-identical afterwards.
-"""
+and for every output path of every command, a symlink to a user file or folder, a hard link to a user file, a folder and
+a FIFO are planted in its place; the command then exits 2 with one line before any work, or works without touching the
+user's files. Either way the user's files are byte-identical afterwards. """
 
 from __future__ import annotations
 

@@ -88,8 +88,7 @@ def test_warning_for_16_bit_weights_without_fp32_master_copy() -> None:
 
 def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:
     """On GPUs the worker asks finetune.runtime.plan about the smallest visible device; on the CPU, without accumulation
-    or
-    without an answer it reduce-scatters every micro-step."""
+    or without an answer it reduce-scatters every micro-step."""
     accumulating, once = types.SimpleNamespace(grad_accum=2), types.SimpleNamespace(grad_accum=1)
     assert worker.fsdp_accumulation(accumulating, FSDP2) == FSDP2  # this CPU machine: no question asked
     asked: list[int] = []

@@ -1,6 +1,5 @@
 """finetune.runtime.meter and tracking.Throughput: the counts and arithmetic behind tokens_per_s, flops_per_token, mfu
-and
-the memory fields of a train row (the end-to-end check on real runs is tests/integration/test_mfu.py)."""
+and the memory fields of a train row (the end-to-end check on real runs is tests/integration/test_mfu.py)."""
 
 from __future__ import annotations
 

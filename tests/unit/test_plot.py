@@ -1,7 +1,6 @@
 """``finetune plot`` and ``finetune.artifacts.plot``: which panels and series a plot holds, the PNG it writes, and the
-user
-mistakes (one line, exit 2, nothing written). Runs are made by hand: a run dir created as ``finetune run`` does, with
-metrics.jsonl rows written as the tracker writes them. Nothing here trains."""
+user mistakes (one line, exit 2, nothing written). Runs are made by hand: a run dir created as ``finetune run`` does,
+with metrics.jsonl rows written as the tracker writes them. Nothing here trains."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """finetune.artifacts.portable without training: where a checkpoint can resume (from its manifest), the layout record,
-the
-parameter names a checkpoint keeps, peft's adapter-key renaming, and apply_model_state's checks."""
+the parameter names a checkpoint keeps, peft's adapter-key renaming, and apply_model_state's checks."""
 
 from __future__ import annotations
 

@@ -3,8 +3,7 @@
 For text (alpaca), chat and vision rows, the ids generate builds from a prompts file equal the ``prompt_ids`` that
 training's tokenization stores for the same rows (what eval's exact_match generates from), with the same bos rule
 and, for a prompt longer than data.max_seq_len, the same kept end. Each case compares the two sides, so a change
-of either side's rule alone fails here.
-"""
+of either side's rule alone fails here. """
 
 from __future__ import annotations
 

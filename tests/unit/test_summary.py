@@ -1,6 +1,6 @@
 """finetune.artifacts.summary: a finished run's summary read back from the files it wrote (rows written here as the
-tracker
-writes them); which commands it suggests, and that a resume (which drops the end row) makes the run unfinished."""
+tracker writes them); which commands it suggests, and that a resume (which drops the end row) makes the run
+unfinished."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ reset of shared process state, and no two fixtures with one name.
 Why: a second recipe writer drifts (one sorted its keys, one did not); a copied autouse reset is forgotten in the
 next module that needs it; two fixtures with one name make ``def test_x(run)`` mean different things in different
 folders, and a conftest fixture silently shadowed by a module's. Each check parses every ``.py`` under tests/ with
-``ast``; nothing is imported or run.
-"""
+``ast``; nothing is imported or run. """
 
 from __future__ import annotations
 
