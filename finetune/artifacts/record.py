@@ -43,9 +43,11 @@ def labels_of(manifest: dict[str, Any], cfg: RecipeConfig, row: SupportedModel, 
     if cfg.data.labels:
         return list(cfg.data.labels)
     config = where / "config.json"  # a full model written before: its own label mapping
-    if config.is_file():
-        mapping = json.loads(config.read_text(encoding="utf-8")).get("id2label")
+    try:
+        mapping = json.loads(config.read_text(encoding="utf-8")).get("id2label") if config.is_file() else None
         if isinstance(mapping, dict) and mapping:
             return [str(mapping[key]) for key in sorted(mapping, key=int)]
+    except (OSError, ValueError, AttributeError):  # a damaged config.json: the line below says what to do
+        pass
     raise RunDirError(f"{where}: its manifest records no classification labels (written by an older finetune); "
                       "give them in training order, e.g. data.labels='[neg, pos]', or use a newer checkpoint")

@@ -35,3 +35,10 @@ def test_a_folder_written_before_falls_back_to_the_recipe_then_its_config_then_o
     (tmp_path / "config.json").write_text(json.dumps({"id2label": {"1": "pos", "0": "neg"}}))
     assert labels_of({}, _cfg(), row, tmp_path) == ["neg", "pos"]
     assert labels_of({}, _cfg(), registry.get_model("llama"), tmp_path) is None  # not a classification row
+
+
+@pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"id2label": {"x": "pos"}}'])
+def test_a_damaged_config_json_is_the_one_line_not_a_traceback(tmp_path: Path, text: str) -> None:
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(RunDirError, match="records no classification labels"):
+        labels_of({}, _cfg(), registry.get_model("bert"), tmp_path)
