@@ -14,7 +14,6 @@ import re
 from typing import Any
 
 from finetune.config.schema import PeftConfig
-from finetune.data.loading import load_raw
 from finetune.errors import ConfigError
 from finetune.quiet import library_warnings_off
 from finetune.registry import CAUSAL_TASKS, SupportedModel
@@ -147,7 +146,8 @@ def _label_names(cfg: Any) -> list[str]:
     if cfg.data.labels:
         return list(cfg.data.labels)
     try:
-        from finetune.data.tokenize import label_names  # lazy: imports numpy
+        from finetune.data.loading import load_raw  # imports numpy (the data package): not at CLI start-up
+        from finetune.data.tokenize import label_names  # imports numpy
 
         return label_names(load_raw(cfg.data.train), None, cfg.data.train)
     except Exception:  # e.g. a hub dataset offline: the counts are then approximate

@@ -26,11 +26,13 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.config import RecipeConfig
-from finetune.data import DataBundle, load_splits, source_name
 from finetune.registry import SupportedModel
+
+if TYPE_CHECKING:  # the data package imports numpy: not at CLI start-up
+    from finetune.data import DataBundle
 
 # Files transformers never reads for a PyTorch model; left out of a hub download (Llama's original/ holds a second
 # copy of the weights in Meta's format).
@@ -51,6 +53,7 @@ class Inputs:
 def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
     """Download ``model.path`` when it is a hub id, build the tokenizer, load and tokenize the data; the first
     process to get here does the work while the others wait on a file lock, then read the caches."""
+    from finetune.data import load_splits  # imports numpy: not at CLI start-up
     from finetune.runtime.modeling import build_tokenizer, image_inputs  # imports torch
 
     def load() -> Inputs:
@@ -71,6 +74,8 @@ def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
 def report(cfg: RecipeConfig, data: DataBundle) -> list[str]:
     """One line per tokenized source (``finetune preprocess``): its key and name, its samples, and whether they
     were tokenized now (and cached for later runs) or read from the cache an earlier run filled."""
+    from finetune.data import source_name  # imports numpy: not at CLI start-up
+
     lines = []
     for key, split, parts, sources in (("data.train", data.train, data.train_parts, cfg.data.train_sources()),
                                        ("data.eval", data.eval, data.eval_parts, cfg.data.eval_sources())):

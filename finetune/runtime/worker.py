@@ -23,7 +23,7 @@ from finetune.artifacts.probe import LogitProbe
 from finetune.artifacts.summary import read_summary, render
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import ConfigError, RunDirError, run_main, unreadable
-from finetune.runtime import materialize, plan
+from finetune.runtime import materialize, plan, prepare
 from finetune.runtime import peft as lora
 from finetune.runtime.backends import (
     detect,
@@ -65,7 +65,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
     ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
     tokenizer and data this process already read (`finetune run` reads them before it creates the run folder)."""
-    from finetune.runtime import loop, prepare  # lazy: imports torch
+    from finetune.runtime import loop  # lazy: imports torch
     from finetune.runtime.meter import step_flops  # lazy: imports numpy
     from finetune.runtime.modeling import (
         build_base,

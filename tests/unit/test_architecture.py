@@ -28,7 +28,7 @@ HEAVY = {"torch", "safetensors", "datasets", "accelerate", "transformers", "deep
          "rich", "PIL", "wandb", "huggingface_hub", "tensorboard", "liger_kernel", "flash_attn",
          "bitsandbytes", "torchvision", "mlflow", "trackio", "aim", "pandas", "pyarrow"}
 
-SECONDS_TO_IMPORT = {"torch", "transformers", "datasets", "deepspeed", "accelerate", "peft", "matplotlib"}
+SECONDS_TO_IMPORT = {"torch", "transformers", "datasets", "deepspeed", "accelerate", "peft", "matplotlib", "numpy"}
 # Light modules imported late on purpose: finetune/__init__ runs before ``python -m finetune`` drops the current
 # folder from sys.path, so quiet.py imports logging only once the path is safe.
 DEFERRED = {("finetune.quiet", "logging")}
