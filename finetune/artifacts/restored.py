@@ -257,16 +257,40 @@ def rng_problems(ckpt: Path, manifest: dict[str, Any], micro_step: int,
     return found
 
 
-def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dict[str, Any] | None = None) -> None:
-    """Refuse, in one line, a checkpoint whose restored state disagrees (see :func:`problems`, and with ``read``
-    (finetune.artifacts.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
-    build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint)."""
-    manifest = rundir.read_manifest(ckpt)
+def _disagrees(ckpt: Path, found: list[str]) -> RunDirError:
+    """The one refusal line for a checkpoint whose restored state disagrees in the ways ``found`` lists."""
+    return RunDirError(f"{ckpt}: its restored state does not agree ({'; '.join(found)}); it was altered or is "
+                       "corrupted, so it is not resumed: resume from another checkpoint (finetune ls lists them)")
+
+
+def read_train_state(ckpt: Path) -> dict[str, Any]:
+    """The parsed ``train_state.json`` of checkpoint folder ``ckpt``, or one refusal line when it cannot be read as
+    JSON (the counters themselves are judged by :func:`problems`). Every reader of it goes through here, so a damaged
+    file is the same one line wherever it is met (resume's plan, the restore)."""
     try:
         state = json.loads((ckpt / rundir.TRAIN_STATE).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise RunDirError(f"{ckpt}: {rundir.TRAIN_STATE} cannot be loaded ({type(exc).__name__}); it was altered or "
                           "is corrupted: resume from another checkpoint (finetune ls lists them)") from None
+    return state
+
+
+def checked_train_state(ckpt: Path) -> dict[str, Any]:
+    """``train_state.json`` of ``ckpt`` once :func:`problems` finds nothing wrong with it against the manifest;
+    otherwise the one refusal line :func:`check` gives."""
+    state = read_train_state(ckpt)
+    found = problems(ckpt.name, rundir.read_manifest(ckpt), state)
+    if found:
+        raise _disagrees(ckpt, found)
+    return state
+
+
+def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dict[str, Any] | None = None) -> None:
+    """Refuse, in one line, a checkpoint whose restored state disagrees (see :func:`problems`, and with ``read``
+    (finetune.artifacts.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
+    build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint)."""
+    manifest = rundir.read_manifest(ckpt)
+    state = read_train_state(ckpt)
     found = problems(ckpt.name, manifest, state)
     if not found and read is not None:
         for name, judge in (("scheduler", lambda s, b: scheduler_problems(s, state["step"], b)),
@@ -284,5 +308,4 @@ def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dic
             found += judge(restored, (built or {})[name])
         found += rng_problems(ckpt, manifest, state["micro_step"], read)
     if found:
-        raise RunDirError(f"{ckpt}: its restored state does not agree ({'; '.join(found)}); it was altered or is "
-                          "corrupted, so it is not resumed: resume from another checkpoint (finetune ls lists them)")
+        raise _disagrees(ckpt, found)

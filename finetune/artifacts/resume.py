@@ -14,14 +14,13 @@ anyway.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import checkpoint, rundir
+from finetune.artifacts import checkpoint, restored, rundir
 from finetune.artifacts.choose import choose, skipped_lines
 from finetune.config import REMOTE_CODE_KEY, RecipeConfig, compose, remote_code_from_flag, validate
 from finetune.config.compose import flatten
@@ -117,7 +116,7 @@ def finished_line(run_dir: Path, resume: ResumePlan) -> str | None:
     info, cfg = resume.checkpoint, resume.cfg
     if info.step is None or resume.changes:
         return None
-    state = json.loads((info.path / rundir.TRAIN_STATE).read_text(encoding="utf-8"))
+    state = restored.checked_train_state(info.path)  # a damaged file is a refusal, not a traceback
     total = total_steps(cfg, int(state.get("train_size") or 0))
     if info.step < total:
         return None
