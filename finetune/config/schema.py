@@ -181,6 +181,22 @@ class DataConfig(Section):
         default=None, min_length=2,
         description="classification label names in id order (at least two); null = sorted names found in train",
     )
+    streaming: bool = Field(
+        default=False,
+        description="read data.train as a stream, tokenized on the fly while training (nothing cached; for corpora "
+        "larger than the disk cache): jsonl from a byte offset, parquet/csv/json/arrow files and hub datasets through "
+        "datasets' streaming. Needs train.max_steps (a stream has no epoch length). Sources mix by weight with a "
+        "seeded choice per sample; data.packing packs samples greedily into rows of at most max_seq_len tokens (the "
+        "global batch then counts packed rows); data.shuffle uses data.shuffle_buffer. The exact cursor (reader "
+        "positions, buffers, choices) is saved in every checkpoint, so a resume continues at the next unseen sample. "
+        "data.eval is not streamed; tokenizing runs in the training process (data.num_workers does not apply)",
+    )
+    shuffle_buffer: int = Field(
+        default=1000, ge=1, le=1_000_000,
+        description="data.streaming with data.shuffle: samples each source holds in a seeded shuffle buffer (every "
+        "draw takes a random one and refills its slot from the stream); its contents are saved in every checkpoint, "
+        "so resume is exact. Larger mixes further, costs memory and checkpoint size",
+    )
     num_proc: int | None = Field(
         default=None, ge=1, le=256,
         description="processes that tokenize the data (each a contiguous shard, in batches); null: the cores this "
@@ -209,6 +225,14 @@ class DataConfig(Section):
             raise ValueError(f"sources of different tasks cannot be mixed ({listed}); {', '.join(CAUSAL_FORMATS)} "
                              "mix with each other, any other format only with itself")
         return value
+
+    @model_validator(mode="after")
+    def _stream_formats(self) -> DataConfig:
+        """A stream is never read whole: classification label names must be given, not found in it."""
+        if self.streaming and self.labels is None and any(s.format == "classification" for s in self.train_sources()):
+            raise ValueError("data.streaming with data.format classification needs data.labels (the label names "
+                             "cannot be collected from a stream before training)")
+        return self
 
     def train_sources(self) -> list[TrainSource]:
         """data.train as sources, each with its format filled in (a path is one source of weight 1)."""
@@ -427,6 +451,19 @@ class RecipeConfig(Section):
         if self.train.global_batch_size % per_step:
             raise ValueError(batch_hint(self.train.global_batch_size, self.train.micro_batch_size,
                                         self.launch.num_processes))
+        return self
+
+    @model_validator(mode="after")
+    def _stream_length(self) -> RecipeConfig:
+        """A stream has no epoch length, so only train.max_steps can say how long to train; dpo scores its
+        reference log-probs over the whole train split before training."""
+        if self.data.streaming and self.train.max_steps is None:
+            raise ValueError("data.streaming: true needs train.max_steps (a stream has no epoch length for "
+                             f"train.epochs={self.train.epochs:g} to count); set train.max_steps and train.epochs: "
+                             "null")
+        if self.data.streaming and self.task == "dpo":
+            raise ValueError("data.streaming: true cannot run task dpo (its reference log-probs are scored over the "
+                             "whole train split before training); set data.streaming: false")
         return self
 
     @property

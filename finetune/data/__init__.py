@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.config.schema import DataConfig, DataSource, TrainSource
 from finetune.data.loading import check_columns, load_raw
 from finetune.data.mixing import Mixture
+from finetune.data.streaming import TrainStream, open_stream, peek_split
 from finetune.data.tokenize import Tokenized, check_labels, column, label_names, tokenize_rows
 from finetune.errors import DataError
 
@@ -40,10 +41,14 @@ class DataBundle:
     mixture: Mixture | None = None
     train_parts: list[Part] = field(default_factory=list)
     eval_parts: list[Part] = field(default_factory=list)
+    stream: TrainStream | None = None  # data.streaming: the training stream (``train`` holds its first samples)
 
     @property
     def train_size(self) -> int:
-        """Samples in one epoch of the training stream (the data cursor's epoch length)."""
+        """Samples in one epoch of the training stream (the data cursor's epoch length); 0 for data.streaming,
+        whose length is unknown."""
+        if self.stream is not None:
+            return 0
         if self.mixture is not None:
             return self.mixture.epoch_size
         assert self.train is not None
@@ -53,6 +58,9 @@ class DataBundle:
         """train.log lines about the data: the mixture (sources, rows, draws per epoch) and, per split (per source
         when a split is a list of sources), what was truncated, dropped or skipped to fit ``max_seq_len``."""
         lines: list[str] = []
+        if self.stream is not None:
+            return [f"data: data.train is streamed ({len(self.stream.sources)} source(s)), tokenized while training; "
+                    "its truncated/dropped counts are not known ahead"]
         if self.mixture is not None:
             shares = ", ".join(f"{p.key} {p.name}: {p.draws} of {len(p.tokenized.dataset)} rows (weight {p.weight:g})"
                                for p in self.train_parts)
@@ -126,25 +134,32 @@ def _concatenate(parts: list[Part], key: str) -> Tokenized:
 
 
 def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, images: Any = None,
-                labels: list[str] | None = None) -> DataBundle:
+                labels: list[str] | None = None, seed: int = 0) -> DataBundle:
     """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False); ``images``:
     the model's :class:`finetune.data.vision.ImageInputs` (vision_chat data). ``labels``: the classification label
     names a checkpoint or export recorded (with ``need_train`` False the train files are then not read at all).
 
     Each source is loaded, checked (errors name its own file and line) and tokenized with its own format, under
-    the same data.max_seq_len and data.overlong; a split of several sources is their concatenation."""
+    the same data.max_seq_len and data.overlong; a split of several sources is their concatenation. With
+    data.streaming the training split is a :class:`finetune.data.streaming.TrainStream` (``seed``: train.seed, its
+    shuffle and mixing choices), nothing of it is read ahead but its first samples, and ``train`` holds those."""
     train_sources = cfg.train_sources()
     known = labels is not None and not need_train  # recorded with the model: the train files are not read
-    raws = [] if known else [_load(source) for source in train_sources]
+    raws = [] if known or cfg.streaming else [_load(source) for source in train_sources]
     classification = train_sources[0].format == "classification"  # the schema keeps them apart from the others
-    if not known:
-        labels = _labels(raws, train_sources, cfg.labels) if classification else None
+    if not known:  # a stream's label names are data.labels (the schema requires them)
+        labels = (cfg.labels if cfg.streaming else _labels(raws, train_sources, cfg.labels)) if classification \
+            else None
     common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
               "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images,
               "num_proc": cfg.num_proc}
     listed = not isinstance(cfg.train, str)
-    train, mixture, train_parts = None, None, []
-    if need_train:
+    train, mixture, train_parts, stream = None, None, [], None
+    if need_train and cfg.streaming:  # nothing read ahead: the stream tokenizes while training
+        stream = open_stream(cfg, tokenizer, seed=seed, names=[source_name(s) for s in train_sources],
+                             images=images, labels=labels)
+        train = peek_split(stream)
+    elif need_train:
         for i, (raw, source) in enumerate(zip(raws, train_sources, strict=True)):
             tokenized = tokenize_rows(raw, fmt=source.format, source=source_name(source), **common)
             train_parts.append(Part(f"data.train[{i}]" if listed else "data.train", source_name(source), tokenized,
@@ -166,7 +181,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     if eval_parts:
         evaluation = _concatenate(eval_parts, "data.eval")
     return DataBundle(train, evaluation, labels, mixture,
-                      train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [])
+                      train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [], stream)
 
 
 __all__ = ["DataBundle", "Part", "load_splits", "source_name"]

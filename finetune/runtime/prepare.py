@@ -60,7 +60,7 @@ def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
         download(cfg)
         tokenizer = build_tokenizer(cfg.model, row)
         images = image_inputs(tokenizer, row)
-        return Inputs(tokenizer, images, load_splits(cfg.data, tokenizer, images=images), row)
+        return Inputs(tokenizer, images, load_splits(cfg.data, tokenizer, images=images, seed=cfg.train.seed), row)
 
     lock, done = _lock_files(cfg)
     with _exclusive(lock):  # waits while another process fills the caches; its failure leaves `done` unwritten
@@ -77,7 +77,11 @@ def report(cfg: RecipeConfig, data: DataBundle) -> list[str]:
     from finetune.data import source_name  # imports numpy: not at CLI start-up
 
     lines = []
-    for key, split, parts, sources in (("data.train", data.train, data.train_parts, cfg.data.train_sources()),
+    if data.stream is not None:  # data.streaming: nothing to cache; the first rows were read to check them
+        lines.append(f"data.train: streamed ({', '.join(s.name for s in data.stream.sources)}), tokenized while "
+                     "training, nothing cached")
+    for key, split, parts, sources in (("data.train", None if data.stream else data.train, data.train_parts,
+                                        cfg.data.train_sources()),
                                        ("data.eval", data.eval, data.eval_parts, cfg.data.eval_sources())):
         if split is None:
             continue

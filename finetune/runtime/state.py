@@ -30,7 +30,7 @@ class TrainState:
         self.micro_step += micro_steps
         self.samples_seen += samples
         self.tokens_seen += tokens
-        self.epoch = self.samples_seen // max(1, self.train_size)
+        self.epoch = self.samples_seen // self.train_size if self.train_size else 0  # 0: a stream (no epochs)
 
     def state_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -144,6 +144,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     # scheduler is not prepared: accelerate would step it once per process.
     objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer),
                PARAM_NAMES: param_names,  # makes the checkpoint readable on any layout (finetune.artifacts.portable)
+               **({"data_stream": data.stream} if data.stream is not None else {}),  # data.streaming: the cursor
                # the live model's logits on 2 x 16 probe tokens (made at the first checkpoint; task is bound below):
                # 2 x 16 x vocab fp32 per checkpoint, ~20 MB at a 150k vocabulary
                "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16),
@@ -153,8 +154,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
                                     f"{cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size} x accum "
                                     f"{cfg.grad_accum} x {accelerator.num_processes} process(es)), backend "
-                                    f"{backend.name} ({accelerator.distributed_type}), {data.train_size} "
-                                    "train samples"})
+                                    f"{backend.name} ({accelerator.distributed_type}), "
+                                    f"{'streamed' if data.stream else data.train_size} train samples"})
     # on the initial model (dpo's reference pass): now, before a resume loads a checkpoint
     with compile_failures(cfg.train.compile):
         task.prepare(lambda: model, accelerator, precision, lambda message: tracker.log("info", {"message": message}))
