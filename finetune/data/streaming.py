@@ -130,6 +130,7 @@ class DatasetRows:
             _check_file(source.path)
         elif Path(source.path).exists():
             raise DataError(f"{source.path}: unsupported data file type; use one of {', '.join(BUILDERS)}")
+        self._dataset: Any = None  # the IterableDataset, opened once (load_dataset costs seconds; a pass is an iter)
         self._rows: Iterator[dict[str, Any]] | None = None
         self._at = -1
 
@@ -139,14 +140,15 @@ class DatasetRows:
     def _open(self, index: int) -> Iterator[dict[str, Any]]:
         import datasets  # lazy: heavy
 
-        with quiet_datasets():
-            if self.suffix in BUILDERS:
-                stream = datasets.load_dataset(BUILDERS[self.suffix], data_files=self.source.path, split="train",
-                                               streaming=True)
-            else:
-                stream = datasets.load_dataset(self.source.path, name=self.source.subset, split=self.source.split,
-                                               streaming=True)
-        return iter(stream.skip(index) if index else stream)
+        if self._dataset is None:
+            with quiet_datasets():
+                if self.suffix in BUILDERS:
+                    self._dataset = datasets.load_dataset(BUILDERS[self.suffix], data_files=self.source.path,
+                                                          split="train", streaming=True)
+                else:
+                    self._dataset = datasets.load_dataset(self.source.path, name=self.source.subset,
+                                                          split=self.source.split, streaming=True)
+        return iter(self._dataset.skip(index) if index else self._dataset)
 
     def read(self, position: dict[str, int], count: int) -> tuple[list[Row], dict[str, int], bool]:
         index = position["index"]

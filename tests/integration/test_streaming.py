@@ -1,5 +1,6 @@
-"""data.streaming on real runs: a run stopped at a checkpoint and resumed is bit for bit the straight run (losses
-and final weights), for a shuffled mixture of a JSON lines and a parquet source, and for packed rows."""
+"""data.streaming on a real run: a run stopped at a checkpoint and resumed is bit for bit the straight run (losses
+and final weights), for a shuffled, packed mixture of a JSON lines and a parquet source (one case covers the
+shuffle buffers, the mixing choices and the packed row's leftover: each run costs seconds)."""
 
 from __future__ import annotations
 
@@ -20,41 +21,36 @@ def _rows(path: Path, n: int) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()[:n]]
 
 
-def _streamed(tmp_path: Path, packing: bool) -> dict[str, Any]:
-    """The data section: 40 alpaca rows (jsonl) and, unpacked, 12 completion rows (parquet) at weight 0.5, both
-    shuffled through an 8-sample buffer; the sources are short, so the run wraps into later passes of each."""
+def _streamed(tmp_path: Path) -> dict[str, Any]:
+    """The data section: 30 alpaca rows (jsonl) and 10 completion rows (parquet) at weight 0.5, each through an
+    8-sample shuffle buffer, packed into rows of at most 128 tokens; the sources are short, so both wrap into
+    later passes."""
     import pandas as pd
 
     alpaca = tmp_path / "reverse.jsonl"
-    alpaca.write_text("".join(json.dumps(row) + "\n" for row in _rows(DATA / "reverse_train.jsonl", 40)))
-    sources: list[dict[str, Any]] = [{"path": str(alpaca)}]
-    if not packing:
-        story = tmp_path / "story.parquet"
-        pd.DataFrame(_rows(DATA / "tiny_completion.jsonl", 12)).to_parquet(story)
-        sources.append({"path": str(story), "format": "completion", "weight": 0.5})
+    alpaca.write_text("".join(json.dumps(row) + "\n" for row in _rows(DATA / "reverse_train.jsonl", 30)))
+    story = tmp_path / "story.parquet"
+    pd.DataFrame(_rows(DATA / "tiny_completion.jsonl", 10)).to_parquet(story)
+    sources = [{"path": str(alpaca)}, {"path": str(story), "format": "completion", "weight": 0.5}]
     return {"format": "alpaca", "train": sources, "eval": None, "streaming": True, "shuffle_buffer": 8,
-            "packing": packing, "max_seq_len": 128 if packing else 64}
+            "packing": True, "max_seq_len": 128}
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["mixed-shuffled", "packed"])
-def test_a_stream_resumes_bit_for_bit(tmp_path: Path, packing: bool) -> None:
+def test_a_stream_resumes_bit_for_bit(tmp_path: Path) -> None:
     """4 straight steps == 1 step, SIGTERM (checkpoint at step 2), `finetune resume`, 2 more: the same losses and
-    the same final weights; the checkpoint holds the stream's cursor. Attention dropout makes the RNG matter too."""
+    the same final weights; the checkpoint holds the stream's cursor. Attention dropout makes the RNG matter too.
+    Without the cursor restored, step 3's loss differs (checked by hand: load_state_dict made a no-op)."""
     from finetune.artifacts.checkpoint import read_state
 
     recipe = tiny_recipe(model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
-                         data=_streamed(tmp_path, packing), train={"max_steps": 4, "global_batch_size": 8},
-                         checkpoint={"every_steps": 2, "save_final": True}, logging={"every_steps": 1,
-                                                                                    "progress": False})
+                         data=_streamed(tmp_path), train={"max_steps": 4},
+                         checkpoint={"every_steps": 2, "save_final": True})
     assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
     run_stopped_after(write_named(tmp_path, "resumed", recipe), 1)
     resumed = tmp_path / "resumed"
     cursor = read_state(resumed / "checkpoints" / "step-000002", "data_stream")
-    # the 16 samples of 2 steps were drawn from the shuffle buffers; packed: 16 rows of 2 or more, and the sample
-    # that did not fit the last row is carried
-    drawn = sum(source["draws"] for source in cursor["sources"])
-    assert (drawn > 32 and cursor["carry"] is not None) if packing else (drawn == cursor["choices"] == 16)
-    assert not (resumed / "final").exists()
+    # 16 packed rows of one or more samples drawn from the shuffle buffers, and the sample left over is carried
+    assert sum(source["draws"] for source in cursor["sources"]) > 16 and cursor["carry"] is not None
     assert cli_exit_code("resume", str(resumed)) == 0
 
     def losses(run: Path) -> list[tuple[int, float]]:
