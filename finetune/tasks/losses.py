@@ -4,11 +4,23 @@ hidden states and the output head chunk by chunk, with no host sync and no data-
 Why: full ``[tokens x vocab]`` logits are the largest tensors of a fine-tuning step (16k tokens at a 152k vocabulary
 are 5 GB in bf16, 10 GB in fp32, and autograd keeps them, or their fp32 log-softmax, until backward).
 :func:`sequence_logprobs` never builds them. For each fixed chunk of rows it computes ``logits = hidden @ W^T (+ b)``,
-an fp32 log-softmax of that chunk only, and picks each row's target; backward recomputes the chunk's logits and
-softmax and accumulates the gradients of the hidden states and of the head (one fp32 ``[V, H]`` buffer). So the
-extra memory at any time is one chunk of logits plus its fp32 softmax, whatever the batch. Summed token
-cross-entropy (SFT), a DPO policy's per-sequence log-probs and token accuracy are all this one function:
-the summed loss is minus the sum over one "sequence" (:func:`summed_cross_entropy`).
+an fp32 log-softmax of that chunk only, and picks each row's target. Summed token cross-entropy (SFT), a DPO policy's
+per-sequence log-probs and token accuracy are all this one function: the summed loss is minus the sum over one
+"sequence" (:func:`summed_cross_entropy`).
+
+Gradients: the gradient of a row's target log-prob with respect to its logits is ``g = onehot(target) - softmax``,
+times the upstream gradient of the row's sequence, which is known only in backward. When a backward will follow
+(grad mode on, an input needs a gradient) and one scale per row finishes every gradient, they are computed in
+forward from the chunk's softmax while it exists: ``g @ W`` into an ``[N, H]`` buffer for the hidden states, and
+``g^T h`` (and ``g.sum(0)`` for a bias) into one fp32 ``[V, H]`` buffer for the head. That is the case for one
+sequence (SFT's summed loss: the scale is the same for every row) and for a head that needs no gradient (LoRA, a
+frozen head: only the hidden states' gradient, scaled per row). Backward then only multiplies by the upstream
+gradient (``index_select`` of each row's sequence), so a training step does the three ``N x H x V`` products that
+autograd through full logits does (logits, hidden gradient, head gradient), not four. With several sequences AND a
+trainable head (a DPO policy training its head) the head's gradient would need one ``[V, H]`` buffer per sequence,
+so backward recomputes each chunk's logits and softmax instead and accumulates both gradients then. Either way the
+extra memory is one chunk of logits plus its fp32 softmax and gradient, and the two buffers (the early path keeps
+them from forward to backward in place of the hidden states and head weight the recompute path saves).
 
 No host syncs: chunk boundaries are fixed by the static row count and :func:`default_chunk_rows`; ignored targets
 are masked with ``where`` and gathered at a clamped index; per-sequence sums use ``index_add_`` over a fixed-size
@@ -19,8 +31,12 @@ need their positions on the host, i.e. a sync per micro-batch.
 
 Precision: the chunk's logits are computed in the dtype the model's head would use (the autocast dtype when autocast
 is on, else the weight's dtype), then log-softmax in fp32; sums accumulate in float64, so the chunked sum differs
-from one fused reduction by far less than fp32 rounding of the result. The gradient of the hidden states has their
-dtype, the head's gradient the weight's dtype.
+from one fused reduction by far less than fp32 rounding of the result. ``g`` is fp32 (on the early path the softmax
+is ``exp`` of that log-softmax, as autograd's log-softmax backward computes it), cast to the compute dtype for the
+products. The head's gradient accumulates in fp32 and is cast once to the weight's dtype; the hidden states'
+gradient has their dtype. On the early path the upstream scale multiplies the products (``s * (g @ W)``) rather
+than ``g`` (``(s * g) @ W``): in fp32 the two differ by fp32 rounding (~1e-7 relative); with half-precision hidden
+states the scaled gradient is rounded twice (the product, then the scaled product) instead of once.
 
 Heads: a plain ``nn.Linear`` (or just a weight and bias, which covers tied embeddings: the weight is the embedding
 matrix) takes the fused path above. Any other head module (a LoRA-adapted or ``modules_to_save``-wrapped head) is
@@ -72,9 +88,12 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch
 def _pick(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """fp32 log-softmax of the chunk at each row's target, 0 where the row has none (``where``, not a multiply: an
     ignored row with non-finite logits must add 0, not nan)."""
-    logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
-    picked = logp.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
-    return torch.where(valid, picked, 0.0)
+    return _picked(torch.log_softmax(logits, dim=-1, dtype=torch.float32), target, valid)
+
+
+def _picked(logp: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Each row's entry of the chunk's fp32 log-softmax ``logp`` at its target, 0 where the row has none."""
+    return torch.where(valid, logp.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1), 0.0)
 
 
 def _hits(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -82,14 +101,64 @@ def _hits(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> to
     return ((logits.argmax(-1) == target) & valid).long()
 
 
+def _logit_grad(probs: torch.Tensor, target: torch.Tensor, valid: torch.Tensor,
+                scale: torch.Tensor | None = None) -> torch.Tensor:
+    """In place on the chunk's fp32 softmax ``probs``: the gradient of the rows' target log-probs with respect to
+    their logits, ``(onehot(target) - softmax) * scale`` (``scale`` ``[rows]``; None: 1), and 0 on rows without a
+    target (whose logits may be non-finite)."""
+    if scale is None:
+        probs.neg_()
+        probs.scatter_add_(1, target.clamp(min=0).unsqueeze(1), torch.ones_like(probs[:, :1]))
+    else:
+        probs.mul_(-scale.unsqueeze(1))
+        probs.scatter_add_(1, target.clamp(min=0).unsqueeze(1), scale.unsqueeze(1))
+    return probs.masked_fill_(~valid.unsqueeze(1), 0.0)
+
+
+def _accumulate(grad: torch.Tensor, h: torch.Tensor, w: torch.Tensor | None, dtype: torch.dtype,
+                grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
+                grad_bias: torch.Tensor | None) -> None:
+    """Add one chunk's share to the gradient buffers, from ``grad`` (fp32 ``[rows, V]``, the gradient of its
+    logits): its rows of ``grad_hidden`` (``grad @ W``, in the compute dtype, stored in the hidden states' dtype),
+    and ``grad^T h`` / ``grad.sum(0)`` added to the fp32 ``grad_weight`` / ``grad_bias``."""
+    if w is None:
+        if grad_hidden is not None:
+            grad_hidden.copy_(grad)  # half precision: rounded once, from fp32
+        return
+    grad = grad.to(dtype)
+    if grad_hidden is not None:
+        grad_hidden.copy_(grad @ w)
+    if grad_weight is not None and dtype == torch.float32:
+        grad_weight.addmm_(grad.t(), h)  # no [V, H] temporary
+    elif grad_weight is not None:
+        grad_weight.add_(grad.t() @ h)
+    if grad_bias is not None:
+        grad_bias.add_(grad.sum(0, dtype=torch.float32))
+
+
+def _buffers(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, need_hidden: bool,
+             need_weight: bool, need_bias: bool) -> tuple[torch.Tensor | None, ...]:
+    """The gradient buffers: the hidden states' (their dtype and shape), the head's and the bias's (fp32)."""
+    return (torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None,
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None,
+            torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None)
+
+
 class _LinearLogProbs(torch.autograd.Function):
     """``[S]`` sums of target log-probs over ``[N, H]`` hidden states and an optional ``[V, H]`` head; see the module
-    docstring. Outputs the sums (fp32) and the argmax hits (long, not differentiable)."""
+    docstring. Outputs the sums (fp32) and the argmax hits (long, not differentiable).
+
+    ``grad_enabled`` (``torch.is_grad_enabled()`` at the call: a Function's forward always runs without grad mode, and
+    its ``needs_input_grad`` does not say whether a graph is being recorded) selects the early-gradient path."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int, dtype: torch.dtype,
-                count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                count_hits: bool, grad_enabled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
+        # early: the gradient pieces are computed now, from this softmax, when one scale per row finishes them
+        early = weight is not None and (need_hidden or need_weight or need_bias) and \
+            (sequences == 1 or not (need_weight or need_bias))
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype) if weight is not None else None
             b = bias.to(dtype) if bias is not None else None
@@ -97,20 +166,42 @@ class _LinearLogProbs(torch.autograd.Function):
             # float64 accumulator: chunk sums add up in another order than one fused reduction would
             out = torch.zeros(sequences, dtype=torch.float64, device=hidden.device)
             hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
+            grad_hidden, grad_weight, grad_bias = _buffers(hidden, weight, bias, need_hidden, need_weight,
+                                                           need_bias) if early else (None, None, None)
             for start in range(0, hidden.size(0), rows):
                 end = start + rows
-                logits = _chunk_logits(hidden[start:end], w, b)
-                out.index_add_(0, seq[start:end], _pick(logits, targets[start:end], valid[start:end]).double())
+                h = hidden[start:end].to(dtype) if w is not None else hidden[start:end]
+                logits = _chunk_logits(h, w, b)
+                logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+                out.index_add_(0, seq[start:end], _picked(logp, targets[start:end], valid[start:end]).double())
                 if count_hits:  # an argmax pass over the chunk: eval's token accuracy only
                     hits.index_add_(0, seq[start:end], _hits(logits, targets[start:end], valid[start:end]))
-        ctx.rows, ctx.dtype, ctx.sequences = rows, dtype, sequences
-        ctx.save_for_backward(hidden, weight, bias, targets, seq)
+                if early:  # softmax = exp(log-softmax), in place: logp is not needed any more
+                    _accumulate(_logit_grad(logp.exp_(), targets[start:end], valid[start:end]), h, w, dtype,
+                                grad_hidden[start:end] if grad_hidden is not None else None, grad_weight, grad_bias)
+        ctx.rows, ctx.dtype, ctx.sequences, ctx.early = rows, dtype, sequences, early
+        if early:  # the unscaled gradients: nothing else is needed (not the hidden states, not the weight)
+            ctx.save_for_backward(seq, grad_hidden, grad_weight, grad_bias)
+            ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, targets, seq)
         ctx.mark_non_differentiable(hits)
         return out.to(torch.float32), hits
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor, _grad_hits: Any) -> tuple[torch.Tensor | None, ...]:
+        none = (None,) * 7
+        if ctx.early:
+            seq, grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+            upstream = grad_out.to(torch.float32)
+            if grad_hidden is not None:  # each row's sequence scale, one rounding to the hidden states' dtype
+                grad_hidden = (grad_hidden * upstream.index_select(0, seq).unsqueeze(1)).to(grad_hidden.dtype)
+            if grad_weight is not None:  # one sequence: its scale is the upstream gradient's only entry
+                grad_weight = (grad_weight * upstream).to(ctx.dtypes[0])
+            if grad_bias is not None:
+                grad_bias = (grad_bias * upstream).to(ctx.dtypes[1])
+            return (grad_hidden, grad_weight, grad_bias, *none)
         hidden, weight, bias, targets, seq = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         with torch.autocast(hidden.device.type, enabled=False):
@@ -119,34 +210,18 @@ class _LinearLogProbs(torch.autograd.Function):
             valid = targets != IGNORE
             # d(sum of logp[target]) / d(logits) = (onehot(target) - softmax) * upstream gradient of the sequence
             scale = torch.where(valid, grad_out.to(torch.float32).index_select(0, seq), 0.0)
-            grad_hidden = torch.empty_like(hidden, memory_format=torch.contiguous_format) if need_hidden else None
-            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-                if need_weight else None
-            grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_bias else None
+            grad_hidden, grad_weight, grad_bias = _buffers(hidden, weight, bias, need_hidden, need_weight, need_bias)
             for start in range(0, hidden.size(0), ctx.rows):
                 end = start + ctx.rows
-                h, s, target = hidden[start:end], scale[start:end], targets[start:end]
-                grad = torch.softmax(_chunk_logits(h, w, b), dim=-1, dtype=torch.float32)
-                grad.mul_(-s.unsqueeze(1))
-                grad.scatter_add_(1, target.clamp(min=0).unsqueeze(1), s.unsqueeze(1))
-                grad.masked_fill_(~valid[start:end].unsqueeze(1), 0.0)  # non-finite logits of ignored rows: 0
-                if w is None:
-                    if grad_hidden is not None:
-                        grad_hidden[start:end].copy_(grad)  # half precision: rounded once, from fp32
-                    continue
-                grad = grad.to(ctx.dtype)
-                if grad_hidden is not None:
-                    grad_hidden[start:end].copy_(grad @ w)
-                if grad_weight is not None and ctx.dtype == torch.float32:
-                    grad_weight.addmm_(grad.t(), h.to(ctx.dtype))  # no [V, H] temporary
-                elif grad_weight is not None:
-                    grad_weight.add_(grad.t() @ h.to(ctx.dtype))
-                if grad_bias is not None:
-                    grad_bias.add_(grad.sum(0, dtype=torch.float32))
+                h = hidden[start:end].to(ctx.dtype) if w is not None else hidden[start:end]
+                probs = torch.softmax(_chunk_logits(h, w, b), dim=-1, dtype=torch.float32)
+                _accumulate(_logit_grad(probs, targets[start:end], valid[start:end], scale[start:end]), h, w,
+                            ctx.dtype, grad_hidden[start:end] if grad_hidden is not None else None, grad_weight,
+                            grad_bias)
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None,
-                None, None, None, None, None, None)
+                *none)
 
 
 def _module_chunk(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
@@ -206,7 +281,7 @@ def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Te
     if head is not None:
         return _module_logprobs(head, hidden, targets, seq, sequences, rows, count_hits)
     return _LinearLogProbs.apply(hidden, weight, bias, targets, seq, sequences, rows,
-                                 compute_dtype(hidden, weight), count_hits)
+                                 compute_dtype(hidden, weight), count_hits, torch.is_grad_enabled())
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:

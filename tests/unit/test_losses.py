@@ -245,36 +245,100 @@ def test_never_creates_full_fp32_tensor_for_bf16_logits(impl: str) -> None:
 # ---- the head path: hidden states and a weight, never [N, V] logits ---------------------------------------------
 
 
+# the three gradient paths: per-sequence scales with a trainable head (recomputed in backward), one sequence (SFT's
+# summed loss: every gradient finished in forward), per-sequence scales with a frozen head (LoRA's DPO: the same)
+GRADIENT_PATHS = {"sequences_trainable_head": (3, True), "one_sequence": (1, True), "sequences_frozen_head": (3, False)}
+
+
+@pytest.mark.parametrize("path", GRADIENT_PATHS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("chunk_rows", [1, 5, None])
-def test_sequence_logprobs_from_hidden_states_match_full_logits(bias: bool, chunk_rows: int | None) -> None:
-    """Per-sequence sums, hits, and the gradients of hidden, weight and bias equal those of full fp32 logits."""
+def test_sequence_logprobs_from_hidden_states_match_full_logits(bias: bool, chunk_rows: int | None,
+                                                                path: str) -> None:
+    """Per-sequence sums, hits, and the gradients of hidden, weight and bias equal those of full fp32 logits, on
+    each gradient path."""
+    sequences, trainable = GRADIENT_PATHS[path]
     gen = torch.Generator().manual_seed(6)
     hidden = torch.randn(N, 16, generator=gen)
     weight, b = torch.randn(V, 16, generator=gen), (torch.randn(V, generator=gen) if bias else None)
-    targets, seq = make_targets("every_third"), torch.arange(N) % 3
-    upstream = torch.tensor([0.5, -2.0, 1.5])
+    targets, seq = make_targets("every_third"), torch.arange(N) % sequences
+    upstream = torch.tensor([0.5, -2.0, 1.5])[:sequences]
 
     def run(chunked: bool) -> tuple[torch.Tensor, ...]:
-        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-        bb = b.clone().requires_grad_() if b is not None else None
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable)
+        bb = b.clone().requires_grad_(trainable) if b is not None else None
         if chunked:
-            sums, hits = sequence_logprobs(h, targets, seq, 3, weight=w, bias=bb, chunk_rows=chunk_rows)
+            sums, hits = sequence_logprobs(h, targets, seq, sequences, weight=w, bias=bb, chunk_rows=chunk_rows)
         else:
             logits = torch.nn.functional.linear(h, w, bb)
             picked = torch.where(targets != IGNORE, -F.cross_entropy(logits, targets.clamp(min=0), reduction="none"),
                                  0.0)
-            sums = torch.zeros(3).index_add(0, seq, picked)
-            hits = torch.zeros(3, dtype=torch.long).index_add(
+            sums = torch.zeros(sequences).index_add(0, seq, picked)
+            hits = torch.zeros(sequences, dtype=torch.long).index_add(
                 0, seq, ((logits.argmax(-1) == targets) & (targets != IGNORE)).long())
         (sums * upstream).sum().backward()
-        return sums.detach(), hits, h.grad, w.grad, bb.grad if bb is not None else torch.zeros(())
+        return sums.detach(), hits, h.grad, *(p.grad if p is not None and p.grad is not None else torch.zeros(())
+                                              for p in (w, bb))
 
     got, want = run(True), run(False)
     torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=0)
     assert torch.equal(got[1], want[1])
     for grad, ref in zip(got[2:], want[2:], strict=True):
         assert_grad_close(grad, ref)
+
+
+class Matmuls(TorchDispatchMode):
+    """The FLOPs of every matrix product dispatched (``2 m k n`` for mm, addmm, addmm_, bmm, baddbmm; FlopCounterMode
+    does not count the in-place ``addmm_``), and of those whose operands have a ``vocab``-sized dimension."""
+
+    OPS = ("mm", "addmm", "addmm_", "bmm", "baddbmm")
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.vocab, self.flops, self.vocab_flops = vocab, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func.overloadpacket.__name__ in self.OPS:
+            a, b = args[-2:] if func.overloadpacket.__name__ in ("addmm", "addmm_", "baddbmm") else args[:2]
+            flops = 2 * a.numel() * b.shape[-1]
+            self.flops += flops
+            if self.vocab in (*a.shape, *b.shape):
+                self.vocab_flops += flops
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("path,products", [("sequences_trainable_head", 4), ("one_sequence", 3),
+                                           ("sequences_frozen_head", 2)])
+def test_the_head_costs_one_product_per_gradient(path: str, products: int) -> None:
+    """Forward + backward of the primitive over hidden states and a head do the ``N x H x V`` products that the
+    gradients need and no more: the logits, ``grad @ W`` for the hidden states, ``grad^T h`` for a trainable head.
+    Only per-sequence scales with a trainable head (a DPO policy training its head) recompute the logits in
+    backward (4 products: the head's gradient would otherwise need one ``[V, H]`` buffer per sequence). The code
+    before recomputed them on every path (4 and 3), which is ~1/3 more head FLOPs per training step."""
+    sequences, trainable = GRADIENT_PATHS[path]
+    gen = torch.Generator().manual_seed(8)
+    hidden = torch.randn(N, 16, generator=gen).requires_grad_()
+    weight = torch.randn(V, 16, generator=gen).requires_grad_(trainable)
+    targets, seq = make_targets("every_third"), torch.arange(N) % sequences
+    with Matmuls(V) as mode:
+        sums, _ = sequence_logprobs(hidden, targets, seq, sequences, weight=weight, chunk_rows=5)
+        sums.sum().backward()
+    assert mode.flops == products * 2 * N * 16 * V
+
+
+def test_an_sft_step_costs_three_head_products(small_chunks: None) -> None:
+    """One SFT training step of a Llama (its summed loss is one sequence): 3 ``tokens x hidden x vocab`` products
+    (the logits, the hidden states' gradient, the head's gradient), as autograd through full logits does; the code
+    before did 4 (it recomputed the logits in backward). In eval (no grad) 1, and nothing is stashed for backward."""
+    model, task = _llama(False), _task()
+    batch = _text_batch(97, 3, 11, [0, 4, 9])
+    tokens, hidden = batch["input_ids"].numel(), model.config.hidden_size
+    with Matmuls(97) as mode:
+        task.train_output(model, batch).backward()
+    assert mode.vocab_flops == 3 * 2 * tokens * hidden * 97
+    with Matmuls(97) as mode, torch.no_grad():
+        task.train_output(model, batch)
+    assert mode.vocab_flops == 2 * tokens * hidden * 97
 
 
 class SyncOps(TorchDispatchMode):
