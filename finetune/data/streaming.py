@@ -161,8 +161,8 @@ class DatasetRows:
         except Exception as exc:  # datasets and pyarrow raise many types; the user gets one line
             self._rows = None
             what = f"as {self.suffix[1:]}" if self.suffix in BUILDERS else "as a streamed hub dataset"
-            raise DataError(f"{self.name}: cannot be read {what} near {line_of(self.source.path, index)} "
-                            f"({error_detail(exc)})") from None
+            after = f" after row {index}" if index else ""
+            raise DataError(f"{self.name}: cannot be read {what}{after} ({error_detail(exc)})") from None
         self._at = index + len(rows)
         return rows, {"index": self._at}, len(rows) < count
 
@@ -224,7 +224,11 @@ class SourceStream:
                  tokenize: Callable[[list[Row]], list[Sample]], *, seed: int, buffer: int, max_len: int) -> None:
         self.number, self.name, self.reader, self.tokenize = number, name, reader, tokenize
         self.seed, self.buffer_size, self.max_len = seed, buffer, max_len
-        self.load_state_dict({"position": reader.start(), "passes": 0, "rows": 0, "kept": 0, "queue": [],
+        self.restart()
+
+    def restart(self) -> None:
+        """Back to the start of the stream: the first pass's first row, nothing buffered or drawn."""
+        self.load_state_dict({"position": self.reader.start(), "passes": 0, "rows": 0, "kept": 0, "queue": [],
                               "buffer": [], "draws": 0})
 
     def state_dict(self) -> dict[str, Any]:
@@ -323,13 +327,16 @@ class TrainStream:
                 yield collate([sample for unit in mine[i:i + micro] for sample in unit])
 
     def peek(self) -> list[Sample]:
-        """The first source's first samples in file order, without moving the cursor."""
+        """The first source's first samples in file order, without moving the cursor. Every other source's first
+        chunk is read and tokenized too, so a source that cannot be opened or read (a hub dataset offline, a bad
+        first row) fails before training, not at its first draw."""
         state = self.state_dict()
-        first = self.sources[0]
-        first.load_state_dict({"position": first.reader.start(), "passes": 0, "rows": 0, "kept": 0, "queue": [],
-                               "buffer": [], "draws": 0})
         try:
-            return [first.in_order() for _ in range(PEEK)]
+            for source in self.sources:
+                source.restart()
+            for source in self.sources[1:]:
+                source.in_order()
+            return [self.sources[0].in_order() for _ in range(PEEK)]
         finally:
             self.load_state_dict(state)
 

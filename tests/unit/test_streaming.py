@@ -171,3 +171,39 @@ def test_a_stream_needs_max_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         "train": train})
     lines = assert_user_error(*main_exit(monkeypatch, capsys, "config", str(recipe)), *needles)
     assert len(lines) == 1
+
+
+def test_a_hub_dataset_streams_through_datasets(tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub name is opened with load_dataset(name, subset, split, streaming=True), once per stream; a resumed stream
+    skips to its row (the rows come from a local IterableDataset: no network here). A hub that cannot be reached is
+    one line, raised by load_splits (before training)."""
+    import datasets
+
+    rows = _rows(DATA / "tiny_completion.jsonl", 6)
+    calls: list[tuple[Any, ...]] = []
+
+    def fake(path: str, name: str | None = None, split: str | None = None, streaming: bool = False) -> Any:
+        calls.append((path, name, split, streaming))
+        return datasets.Dataset.from_list(rows).to_iterable_dataset()
+
+    cfg = DataConfig(format="completion", train=[{"path": "org/corpus", "subset": "en", "split": "validation"}],
+                     streaming=True, shuffle=False)
+    with monkeypatch.context() as patch:
+        patch.setattr(datasets, "load_dataset", fake)
+        stream = _stream(cfg, tok)
+        straight = [stream.sample()["input_ids"] for _ in range(9)]
+        first = _stream(cfg, tok)
+        [first.sample() for _ in range(3)]
+        resumed = _stream(cfg, tok)
+        resumed.load_state_dict(_round_trip(first.state_dict(), tmp_path))
+        assert [resumed.sample()["input_ids"] for _ in range(6)] == straight[3:]
+        assert set(calls) == {("org/corpus", "en", "validation", True)} and len(calls) == 3  # once per stream
+
+        def offline(*args: Any, **kwargs: Any) -> Any:
+            raise ConnectionError("Couldn't reach 'org/corpus' on the Hub (OfflineModeIsEnabled)")
+
+        patch.setattr(datasets, "load_dataset", offline)
+        with pytest.raises(DataError) as error:
+            load_splits(cfg, tok)
+    assert str(error.value) == ("org/corpus (subset=en, split=validation): cannot be read as a streamed hub dataset "
+                                "(Couldn't reach 'org/corpus' on the Hub (OfflineModeIsEnabled))")
