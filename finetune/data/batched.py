@@ -19,13 +19,16 @@ processes its counters live in shared memory that forked workers inherit, so the
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import json
 import multiprocessing
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from finetune import hooks
@@ -167,29 +170,222 @@ def answer_labels(ids: list[int], offsets: Sequence[tuple[int, int]], spans: Seq
             for tid, (start, end) in zip(ids, offsets, strict=True)]
 
 
-def samples(rendered: Sequence[Rendered], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """Token ids and labels of each rendered sample: labels by :func:`answer_labels`; the bos token first by the
-    prompts' rule (:func:`finetune.data.prompts.starts_with_bos`), eos last (and learned) where the format adds
-    it."""
+class _Listed:
+    """Token ids and offsets as transformers gives them, read as a Rust ``Encoding`` is (``ids``, ``offsets``,
+    ``token_to_chars``), so the functions below take either."""
+
+    def __init__(self, ids: list[int], offsets: Sequence[tuple[int, int]]) -> None:
+        self.ids, self.offsets = list(ids), [tuple(pair) for pair in offsets]
+
+    def token_to_chars(self, index: int) -> tuple[int, int] | None:
+        return self.offsets[index] if 0 <= index < len(self.offsets) else None
+
+
+def encodings(texts: Sequence[str], tokenizer: Any) -> list[tuple[list[int], Any]]:
+    """What :func:`encode_texts` gives, as (ids, encoding): the offsets left in the Rust ``Encoding`` of a fast
+    tokenizer's one call for the batch, since reading all of a text's offsets into Python tuples cost more than its
+    labels need (see :func:`_labels`). The ids lists are shared: never changed in place."""
+    if not texts:
+        return []
+    backend = _backend(tokenizer)
+    if backend is not None:
+        return [(enc.ids, enc) for enc in backend.encode_batch(list(texts), add_special_tokens=False)]
+    return [(listed.ids, listed) for listed in (_Listed(*pair) for pair in encode_texts(texts, tokenizer))]
+
+
+# Offsets that never go back (each token starts and ends at or after where the one before it starts and ends)
+# make the tokens overlapping a span [first, last) one run: from the first token ending after ``first`` to the
+# last starting before ``last``. Two binary searches find it, reading ~20 tokens' offsets instead of all. A fast
+# tokenizer's tokens come out piece by piece in text order (added-token matches, then pre-tokens, then the model's
+# tokens of each), and each token's offsets are its characters mapped back through the normalizer; only a
+# normalizer that reorders characters (Unicode normalization puts combining marks in canonical order) can map a
+# later token to earlier characters. ByteLevel's offset trimming moves a start forward only up to its own end,
+# and an end back only down to its own start, both within the token's own characters. :func:`monotone` allows
+# the runs where the normalizer is one of the order-keeping ones; else every token's offsets are compared
+# (:func:`answer_labels`).
+ORDER_KEEPING_NORMALIZERS = frozenset({"Sequence", "Prepend", "Replace", "Lowercase", "Strip", "StripAccents"})
+
+
+def monotone(tokenizer: Any) -> bool:
+    """Whether the offsets of ``tokenizer``'s tokens never go back (see the comment above): a Rust backend called
+    as is, whose normalizer (if any) only keeps order and whose pre-tokenizer is serializable (not Python code)."""
+    backend = _backend(tokenizer)
+    if backend is None:
+        return False
+    try:
+        for part in (backend.normalizer, backend.pre_tokenizer):
+            if part is not None:
+                json.loads(part.__getstate__())
+        normalizer = json.loads(backend.normalizer.__getstate__()) if backend.normalizer is not None else {}
+    except Exception:  # a custom (Python) component cannot be serialized: its rules are unknown
+        return False
+    return _types(normalizer) <= ORDER_KEEPING_NORMALIZERS
+
+
+def _types(config: Any) -> set[str]:
+    """Every component ``type`` named in a tokenizer component's JSON config."""
+    if isinstance(config, dict):
+        own = {config["type"]} if isinstance(config.get("type"), str) else set()
+        return own.union(*(_types(value) for value in config.values()))
+    if isinstance(config, list):
+        return set().union(*(_types(value) for value in config))
+    return set()
+
+
+def _labels(ids: list[int], enc: Any, spans: Sequence[tuple[int, int]], in_order: bool) -> list[int]:
+    """:func:`answer_labels` of a text's tokens (``enc``: its encoding); ``in_order`` (:func:`monotone`): by the
+    run of each span, found by binary search, the same labels without reading every token's offsets."""
+    if not in_order:
+        return answer_labels(ids, enc.offsets, spans)
+    count = len(ids)
+    try:
+        runs = [(bisect.bisect_right(range(count), first, key=lambda i: enc.token_to_chars(i)[1]),
+                 bisect.bisect_left(range(count), last, key=lambda i: enc.token_to_chars(i)[0]))
+                for first, last in spans]
+    except TypeError:  # a token without offsets (None): compare them all
+        return answer_labels(ids, enc.offsets, spans)
+    if len(runs) == 1:
+        [(start, stop)] = runs
+        if start >= stop:
+            return [IGNORE] * count
+        return [IGNORE] * start + ids[start:stop] + [IGNORE] * (count - stop)
+    labels = [IGNORE] * count
+    for start, stop in runs:
+        labels[start:stop] = ids[start:stop]
+    return labels
+
+
+def specials(tokenizer: Any) -> SimpleNamespace:
+    """The tokenizer's bos and eos, read once per batch: each read of ``tokenizer.bos_token_id`` is a lookup through
+    transformers' ``__getattr__`` (about 10 us; a row read them six times, as much as its checks and labels). The
+    result has the attributes :func:`finetune.data.prompts.starts_with_bos` reads, so that rule stays the one
+    rule."""
+    return SimpleNamespace(bos_token_id=tokenizer.bos_token_id, bos_token=tokenizer.bos_token,
+                           eos_token_id=tokenizer.eos_token_id)
+
+
+def _samples(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any]], tokenizer: Any,
+             special: SimpleNamespace) -> list[tuple[list[int], list[int]]]:
+    """:func:`samples` of texts already encoded (``encoded``: :func:`encodings` of their texts)."""
     out = []
-    for sample, (ids, offsets) in zip(rendered, encode_texts([r.text for r in rendered], tokenizer), strict=True):
-        labels = answer_labels(ids, offsets, sample.spans)
-        ids = list(ids)
-        if not prompts.starts_with_bos(sample.text, tokenizer):
-            ids, labels = [tokenizer.bos_token_id, *ids], [IGNORE, *labels]
-        if sample.add_eos and tokenizer.eos_token_id is not None:
-            ids, labels = [*ids, tokenizer.eos_token_id], [*labels, tokenizer.eos_token_id]
+    bos, eos = special.bos_token_id, special.eos_token_id
+    in_order = monotone(tokenizer)
+    for sample, (ids, enc) in zip(rendered, encoded, strict=True):
+        labels = _labels(ids, enc, sample.spans, in_order)  # a new list
+        if not prompts.starts_with_bos(sample.text, special):
+            ids, labels = [bos, *ids], [IGNORE, *labels]
+        if sample.add_eos and eos is not None:
+            ids = [*ids, eos]  # ids may be the encoding's list, shared with the prompt's
+            labels.append(eos)
         out.append((ids, labels))
     return out
 
 
+def samples(rendered: Sequence[Rendered], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
+    """Token ids and labels of each rendered sample: labels by :func:`answer_labels`; the bos token first by the
+    prompts' rule (:func:`finetune.data.prompts.starts_with_bos`), eos last (and learned) where the format adds
+    it."""
+    return _samples(rendered, encodings([r.text for r in rendered], tokenizer), tokenizer, specials(tokenizer))
+
+
+def _cue(ids: list[int], text: str, special: SimpleNamespace, max_len: int) -> list[int]:
+    """A text prompt's ids (no special tokens added) as :func:`finetune.data.prompts.text_prompt` makes them."""
+    ids = ids if prompts.starts_with_bos(text, special) else [special.bos_token_id, *ids]
+    return prompts.keep_end(ids, max_len).ids
+
+
 def prompt_ids(texts: Sequence[str], tokenizer: Any, max_len: int) -> list[list[int]]:
     """The text kind's generation prompt of each text (:func:`finetune.data.prompts.text_prompt`), in one call."""
-    out = []
-    for text, ids in zip(texts, token_ids(texts, tokenizer), strict=True):
-        ids = ids if prompts.starts_with_bos(text, tokenizer) else [tokenizer.bos_token_id, *ids]
-        out.append(prompts.keep_end(ids, max_len).ids)
-    return out
+    special = specials(tokenizer)
+    return [_cue(ids, text, special, max_len) for text, ids in zip(texts, token_ids(texts, tokenizer), strict=True)]
+
+
+# The prompt of a causal sample is the start of its text (``text[:p]``, p = len(prompt)): chat's generation prompt,
+# alpaca's instruction. Tokenizing it again costs a second tokenizer pass over most of the row. A fast tokenizer
+# cuts a text at each match of an added token (special tokens: ``<|assistant|>``, ``<|im_start|>``) before anything
+# else, and tokenizes the pieces between matches each on its own. So where the sample's tokens hold a match T
+# that ends at q <= p, the prompt's tokens are the sample's tokens up to T and the tokens of ``text[q:p]`` alone
+# (usually a "\n" or "assistant\n", the same in every row): the added tokens are found in ``text[:p]``
+# leftmost-longest as in the whole text, so the matches up to q are the same ones (a match ending after q would
+# have to start before q, inside a match or overlapping a longer one); the pieces up to T are the same strings at
+# the same places; and a piece after T is the same string either way. That holds when the rules of the tokenizer
+# depend on nothing but a piece's own text: :func:`seams` says when (else every prompt is tokenized).
+SEAM_WINDOW = 16  # tokens searched back from the prompt's end for a match to cut after (a chat prompt needs 1-3)
+
+
+def seams(tokenizer: Any) -> dict[int, str]:
+    """The added tokens a prompt's tokens may be cut after (id -> text; see the comment above), or none when the
+    tokenizer's rules do not allow it: no Rust backend to call as is; special tokens not matched
+    (``split_special_tokens``); an added token matched in the raw text that strips spaces around it or matches whole
+    words only (its match is not its text); a pre-tokenizer that treats a text's first piece differently
+    (Metaspace ``prepend_scheme: first``) or is Python code; a BPE with dropout (not the same tokens twice)."""
+    backend = _backend(tokenizer)
+    if backend is None or backend.encode_special_tokens:
+        return {}
+    try:
+        pre = json.loads(backend.pre_tokenizer.__getstate__()) if backend.pre_tokenizer is not None else None
+    except Exception:  # a custom (Python) pre-tokenizer cannot be serialized: its rules are unknown
+        return {}
+    if _first_piece_rule(pre) or getattr(backend.model, "dropout", None):
+        return {}
+    raw = {tid: token for tid, token in backend.get_added_tokens_decoder().items() if not token.normalized}
+    if any(token.lstrip or token.rstrip or token.single_word for token in raw.values()):
+        return {}
+    return {tid: token.content for tid, token in raw.items() if token.content}
+
+
+def _first_piece_rule(config: Any) -> bool:
+    """Whether a pre-tokenizer's JSON config holds a step that treats the start of the text apart."""
+    if isinstance(config, dict):
+        if config.get("type") == "Metaspace" and config.get("prepend_scheme", "always") == "first":
+            return True
+        return any(_first_piece_rule(value) for value in config.values())
+    if isinstance(config, list):
+        return any(_first_piece_rule(value) for value in config)
+    return False
+
+
+def _seam(text: str, prompt_len: int, ids: list[int], enc: Any, cut: dict[int, str]) -> tuple[int, int] | None:
+    """(index, end) of a token of ``text`` (``enc``: its encoding) that is a match of an added token in ``cut``
+    ending at or before ``prompt_len`` (the last such within :data:`SEAM_WINDOW` tokens of where the prompt's end
+    is found; where offsets go back that search may miss one, never take a wrong one), or None."""
+    try:  # the first token starting at or after the prompt's end, where offsets never go back
+        end = bisect.bisect_left(range(len(ids)), prompt_len, key=lambda i: enc.token_to_chars(i)[0])
+    except TypeError:  # a token without offsets
+        return None
+    for index in range(end - 1, max(end - SEAM_WINDOW, 0) - 1, -1):
+        content = cut.get(ids[index])
+        if content is not None:
+            start, stop = enc.token_to_chars(index)
+            if stop <= prompt_len and text[start:stop] == content:
+                return index, stop
+    return None
+
+
+def cue_ids(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any]], tokenizer: Any, max_len: int,
+            special: SimpleNamespace) -> list[list[int]]:
+    """:func:`prompt_ids` of each sample's prompt, from the sample's own tokens (``encoded``) where its prompt
+    starts its text and they hold a seam (see :func:`seams`): only the text after the seam is tokenized, once per
+    distinct text. Every other prompt is tokenized whole, as :func:`prompt_ids` does."""
+    cut = seams(tokenizer)
+    heads: list[list[int]] = []
+    tails: list[str] = []
+    for sample, (ids, enc) in zip(rendered, encoded, strict=True):
+        prompt = sample.prompt
+        found = None
+        if cut and prompt and sample.text.startswith(prompt):
+            found = _seam(sample.text, len(prompt), ids, enc, cut)
+        if found is None:
+            heads.append([])
+            tails.append(prompt)
+        else:
+            index, stop = found
+            heads.append(ids[:index + 1])
+            tails.append(prompt[stop:])
+    distinct = list(dict.fromkeys(tails))
+    tail_ids = dict(zip(distinct, token_ids(distinct, tokenizer), strict=True))
+    return [_cue(head + tail_ids[tail], sample.prompt, special, max_len)
+            for sample, head, tail in zip(rendered, heads, tails, strict=True)]
 
 
 def rendered(render_row: Callable[[], _R], where: str, what: str) -> _R:
@@ -215,7 +411,7 @@ def _rows(batch: Any, indices: list[int]) -> Iterator[tuple[int, dict[str, Any]]
 
 
 def _count(labels: list[int]) -> int:
-    return sum(label != IGNORE for label in labels)
+    return len(labels) - labels.count(IGNORE)
 
 
 def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
@@ -230,14 +426,19 @@ def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, ma
         outs.append(rendered(partial(render, row, fmt, tokenizer, train_on_prompt), line_of(source, index), what))
     columns: dict[str, list] = {name: [] for name in ("input_ids", "labels", "prompt_ids", "reference", "overlong",
                                                       "n_labels")}
-    cues = prompt_ids([out.prompt for out in outs], tokenizer, max_len)  # out.prompt of chat: prompts.chat_text
-    for out, (ids, labels), cue in zip(outs, samples(outs, tokenizer), cues, strict=True):
-        columns["input_ids"].append(ids[:max_len])
-        columns["labels"].append(labels[:max_len])
+    special = specials(tokenizer)
+    encoded = encodings([out.text for out in outs], tokenizer)
+    cues = cue_ids(outs, encoded, tokenizer, max_len, special)  # out.prompt of chat: prompts.chat_text
+    for out, (ids, labels), cue in zip(outs, _samples(outs, encoded, tokenizer, special), cues, strict=True):
+        overlong = len(ids) > max_len
+        if overlong:
+            ids, labels = ids[:max_len], labels[:max_len]
+        columns["input_ids"].append(ids)
+        columns["labels"].append(labels)
         columns["prompt_ids"].append(cue)
         columns["reference"].append(out.reference)
-        columns["overlong"].append(len(ids) > max_len)
-        columns["n_labels"].append(_count(labels[:max_len]))
+        columns["overlong"].append(overlong)
+        columns["n_labels"].append(_count(labels))
     return columns
 
 

@@ -6,6 +6,7 @@ can all import it without a circle. """
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -13,9 +14,16 @@ ROLES = ("system", "user", "assistant")
 IGNORE = -100  # the label of a token that is not trained on (prompt, padding, image tokens)
 
 
+@functools.lru_cache(maxsize=64)
+def _suffix(path: str) -> str:
+    """``Path(path).suffix``, remembered: :func:`line_of` runs for every row tokenized (twice), and parsing the
+    path each time cost as much as checking the row."""
+    return Path(path).suffix
+
+
 def line_of(path: str, index: int) -> str:
     """Where row ``index`` lives in its file, as ``file:line`` (csv counts its header line)."""
-    suffix = Path(path).suffix
+    suffix = _suffix(path)
     if suffix == ".jsonl":
         return f"{path}:{index + 1}"
     if suffix == ".csv":
