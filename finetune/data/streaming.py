@@ -316,15 +316,36 @@ class TrainStream:
             tokens, self.carry = tokens + size, None
 
     def batches(self, *, rank: int, world: int, micro: int, global_batch: int,
-                collate: Callable[[list[Sample]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
+                collate: Callable[[list[Sample]], dict[str, Any]], ahead: bool = False,
+                pin_memory: bool = False) -> Iterator[dict[str, Any]]:
         """This rank's micro-batches, step after step, forever: each step takes the next ``global_batch`` units,
-        split into equal contiguous shares per rank, then into micro-batches of ``micro`` units."""
+        split into equal contiguous shares per rank, then into micro-batches of ``micro`` units.
+
+        ``ahead``: one DataLoader worker process reads, tokenizes and collates the stream (a fork of this one, from
+        its cursor) up to two micro-batches ahead; each step's last micro-batch carries the stream's state at the
+        end of that step, which this process loads as it hands that micro-batch on. So :meth:`state_dict` is the
+        cursor of the steps taken, never of the worker's read-ahead, and a resume is exact either way."""
+        steps = self._steps(rank=rank, world=world, micro=micro, global_batch=global_batch, collate=collate)
+        if not ahead:
+            for batch, _ in steps:
+                yield batch
+            return
+        for batch, state, error in _worker_loader(self, steps, pin_memory):
+            if error is not None:  # a bad row, as one line (a worker's exception would arrive with its traceback)
+                raise DataError(error)
+            if state is not None:
+                self.load_state_dict(state)
+            yield batch
+
+    def _steps(self, *, rank: int, world: int, micro: int, global_batch: int,
+               collate: Callable[[list[Sample]], dict[str, Any]]) -> Iterator[tuple[dict[str, Any], bool]]:
+        """(micro-batch, whether it is its step's last) of this rank, forever."""
         share = global_batch // world
         while True:
-            units = [self.unit() for _ in range(global_batch)]
+            units = [self.unit() for _ in range(global_batch)]  # the whole step: the state is now the step's end
             mine = units[rank * share:(rank + 1) * share]
             for i in range(0, share, micro):
-                yield collate([sample for unit in mine[i:i + micro] for sample in unit])
+                yield collate([sample for unit in mine[i:i + micro] for sample in unit]), i + micro >= share
 
     def peek(self) -> list[Sample]:
         """The first source's first samples in file order, without moving the cursor. Every other source's first
@@ -339,6 +360,26 @@ class TrainStream:
             return [self.sources[0].in_order() for _ in range(PEEK)]
         finally:
             self.load_state_dict(state)
+
+
+def _worker_loader(stream: TrainStream, steps: Iterator[tuple[dict[str, Any], bool]], pin_memory: bool) -> Any:
+    """A DataLoader whose one worker process runs ``steps`` of ``stream`` (forked from this process, so from its
+    cursor) and yields (micro-batch, the stream's state after it when it ends a step else None, None), or
+    (None, None, the error line) for a DataError, after which it stops."""
+    import torch  # heavy
+    from torch.utils.data import DataLoader, IterableDataset  # imports torch
+
+    class Ahead(IterableDataset):
+        def __iter__(self) -> Iterator[tuple[Any, Any, str | None]]:
+            try:
+                for batch, last in steps:
+                    yield batch, (stream.state_dict() if last else None), None
+            except DataError as exc:
+                yield None, None, str(exc)
+
+    # own generator: starting the worker must not draw from the global RNG (dropout stays exact on resume)
+    return DataLoader(Ahead(), batch_size=None, num_workers=1, prefetch_factor=2, pin_memory=pin_memory,
+                      generator=torch.Generator())
 
 
 def open_stream(cfg: DataConfig, tokenizer: Any, *, seed: int, names: list[str], images: Any = None,

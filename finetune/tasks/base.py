@@ -105,9 +105,11 @@ class TaskData:
     def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]:
         """``train``: this rank's micro-batches from stream position ``start_sample``; ``eval``: its shard."""
         if split == "train" and self.data.stream is not None:  # data.streaming: the stream holds its own cursor
+            options = self.loader_options()  # a worker: one process tokenizes ahead, the cursor stays exact
             return self.data.stream.batches(rank=self.rank, world=self.world, micro=self.cfg.train.micro_batch_size,
                                             global_batch=self.cfg.train.global_batch_size,
-                                            collate=self.train_collator())
+                                            collate=self.train_collator(), ahead=options.get("num_workers", 0) > 0,
+                                            pin_memory=options["pin_memory"])
         if split == "train":
             assert self.data.train is not None
             dataset = self.data.train.dataset.with_format(None)

@@ -38,14 +38,17 @@ def _streamed(tmp_path: Path) -> dict[str, Any]:
 
 def test_a_stream_resumes_bit_for_bit(tmp_path: Path) -> None:
     """4 straight steps == 1 step, SIGTERM (checkpoint at step 2), `finetune resume`, 2 more: the same losses and
-    the same final weights; the checkpoint holds the stream's cursor. Attention dropout makes the RNG matter too.
-    Without the cursor restored, step 3's loss differs (checked by hand: load_state_dict made a no-op)."""
+    the same final weights; the checkpoint holds the stream's cursor. The stopped and resumed run tokenizes in a
+    DataLoader worker (data.num_workers: 1), the straight run in its own process. Attention dropout makes the RNG
+    matter too. Without the cursor restored, step 3's loss differs (checked by hand: load_state_dict made a
+    no-op)."""
     from finetune.artifacts.checkpoint import read_state
 
     recipe = tiny_recipe(model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
                          data=_streamed(tmp_path), train={"max_steps": 4},
                          checkpoint={"every_steps": 2, "save_final": True})
     assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
+    recipe["data"]["num_workers"] = 1  # a worker tokenizes ahead: the cursor must still be the steps taken
     run_stopped_after(write_named(tmp_path, "resumed", recipe), 1)
     resumed = tmp_path / "resumed"
     cursor = read_state(resumed / "checkpoints" / "step-000002", "data_stream")

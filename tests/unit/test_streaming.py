@@ -207,3 +207,21 @@ def test_a_hub_dataset_streams_through_datasets(tmp_path: Path, tok: Any, monkey
             load_splits(cfg, tok)
     assert str(error.value) == ("org/corpus (subset=en, split=validation): cannot be read as a streamed hub dataset "
                                 "(Couldn't reach 'org/corpus' on the Hub (OfflineModeIsEnabled))")
+
+
+def test_a_worker_reads_ahead_and_the_cursor_stays_exact(tmp_path: Path, tok: Any) -> None:
+    """With a DataLoader worker tokenizing ahead (data.num_workers), the batches are the same, and after 3 steps the
+    stream's state is the state of exactly 3 steps, though the worker has read further; a bad row the worker meets
+    is the same one line."""
+    rows = _rows(DATA / "reverse_train.jsonl", 150)
+    cfg = DataConfig(format="alpaca", train=_jsonl(tmp_path / "a.jsonl", rows), streaming=True, shuffle_buffer=4)
+    direct, ahead = _stream(cfg, tok), _stream(cfg, tok)
+    plain = _take(direct, 3)
+    batches = ahead.batches(rank=0, world=1, micro=2, global_batch=4, collate=_ids, ahead=True)
+    assert list(itertools.islice(batches, 6)) == plain
+    assert ahead.state_dict() == direct.state_dict()
+    bad = _jsonl(tmp_path / "bad.jsonl", [*rows[:99], {"instruction": "x"}, *rows[99:]])
+    stream = _stream(cfg.model_copy(update={"train": bad}), tok)
+    with pytest.raises(DataError) as error:
+        list(itertools.islice(stream.batches(rank=0, world=1, micro=2, global_batch=4, collate=_ids, ahead=True), 60))
+    assert str(error.value) == f"{bad}:100: missing field 'output' (alpaca rows need instruction, output)"
