@@ -189,7 +189,8 @@ class DataConfig(Section):
         "seeded choice per sample; data.packing packs samples greedily into rows of at most max_seq_len tokens (the "
         "global batch then counts packed rows); data.shuffle uses data.shuffle_buffer. The exact cursor (reader "
         "positions, buffers, choices) is saved in every checkpoint, so a resume continues at the next unseen sample. "
-        "data.eval is not streamed; tokenizing runs in the training process (data.num_workers does not apply)",
+        "data.eval is not streamed. Tokenizing runs in the training process, or with data.num_workers > 0 in one "
+        "worker process that reads ahead (the saved cursor stays exact)",
     )
     shuffle_buffer: int = Field(
         default=1000, ge=1, le=1_000_000,

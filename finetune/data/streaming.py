@@ -24,9 +24,9 @@ left over. :meth:`TrainStream.state_dict` gives it as JSON (a checkpoint object,
 resumed from it continues at the next unseen sample, bit for bit as a straight run
 (tests/integration/test_streaming.py). Every rank reads and tokenizes the whole stream and keeps its share of
 each step (the contiguous split of :class:`finetune.data.batching.StreamSampler`), so the state is the same on
-every rank and does not depend on the process count. Tokenizing runs in the training process
-(``data.num_workers`` does not apply): a DataLoader worker reads ahead of the step, and its state was not made
-exact for a checkpoint.
+every rank and does not depend on the process count. Tokenizing runs in the training process, or, with
+``data.num_workers`` > 0, in one DataLoader worker process that reads ahead: each step's last micro-batch carries
+the stream's state at that step's end, so the cursor a checkpoint saves is still exactly the steps taken.
 """
 
 from __future__ import annotations
