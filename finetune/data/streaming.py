@@ -8,8 +8,8 @@ step, is deterministic given the seed:
 
 - **Sources** (:class:`SourceStream`). A JSON lines file is read from a byte offset (:class:`JsonlRows`); parquet,
   csv, json and arrow files and hub datasets through ``datasets``' ``streaming=True`` (:class:`DatasetRows`, which
-  skips to a row index on resume). A source that ends starts over (its next pass), so the stream never ends; a pass
-  that yields no usable sample is an error. With ``data.shuffle`` each source feeds a shuffle buffer of
+  resumes at its own saved shard and offset). A source that ends starts over (its next pass), so the stream never
+  ends; a pass that yields no usable sample is an error. With ``data.shuffle`` each source feeds a shuffle buffer of
   ``data.shuffle_buffer`` samples: every draw takes a seeded random slot and puts the source's next sample in it.
 - **Mixing** (:class:`TrainStream`). Each sample comes from source ``i`` with probability ``weight_i / sum``: the
   ``n``-th choice is a function of (seed, n) alone. One source is never drawn for.
@@ -120,8 +120,10 @@ def json_loads(text: str) -> Any:
 
 class DatasetRows:
     """Rows through ``datasets``' streaming (``load_dataset(..., streaming=True)``): a local parquet, csv, json or
-    arrow file, or a hub dataset's split. A position is ``{"index"}``; reading elsewhere than where the open
-    stream is (a resume, a new pass) opens it again and skips to the row."""
+    arrow file, or a hub dataset's split. A position is ``{"index", "datasets"}``: the row index and the
+    IterableDataset's own ``state_dict()`` after that row (its shard and offset), so reading elsewhere than where
+    the open stream is (a resume, a new pass) restarts the iteration there without reading, or downloading, the
+    rows before it."""
 
     def __init__(self, source: DataSource, name: str) -> None:
         self.source, self.name = source, name
@@ -134,10 +136,11 @@ class DatasetRows:
         self._rows: Iterator[dict[str, Any]] | None = None
         self._at = -1
 
-    def start(self) -> dict[str, int]:
-        return {"index": 0}
+    def start(self) -> dict[str, Any]:
+        """The position of the first row."""
+        return {"index": 0, "datasets": None}
 
-    def _open(self, index: int) -> Iterator[dict[str, Any]]:
+    def _open(self, position: dict[str, Any]) -> Iterator[dict[str, Any]]:
         import datasets  # lazy: heavy
 
         if self._dataset is None:
@@ -148,14 +151,18 @@ class DatasetRows:
                 else:
                     self._dataset = datasets.load_dataset(self.source.path, name=self.source.subset,
                                                           split=self.source.split, streaming=True)
-        return iter(self._dataset.skip(index) if index else self._dataset)
+            self._start = self._dataset.state_dict()
+        self._dataset.load_state_dict(position["datasets"] or self._start)
+        return iter(self._dataset)
 
-    def read(self, position: dict[str, int], count: int) -> tuple[list[Row], dict[str, int], bool]:
+    def read(self, position: dict[str, Any], count: int) -> tuple[list[Row], dict[str, Any], bool]:
+        """Up to ``count`` rows from ``position``, the position after them, and whether the data ended."""
         index = position["index"]
         try:
             if self._rows is None or self._at != index:
-                self._rows, self._at = self._open(index), index
+                self._rows, self._at = self._open(position), index
             rows = [(index + i, dict(row)) for i, row in enumerate(itertools.islice(self._rows, count))]
+            after = self._dataset.state_dict()
         except DataError:
             raise
         except Exception as exc:  # datasets and pyarrow raise many types; the user gets one line
@@ -164,7 +171,7 @@ class DatasetRows:
             after = f" after row {index}" if index else ""
             raise DataError(f"{self.name}: cannot be read {what}{after} ({error_detail(exc)})") from None
         self._at = index + len(rows)
-        return rows, {"index": self._at}, len(rows) < count
+        return rows, {"index": self._at, "datasets": after}, len(rows) < count
 
 
 # ------------------------------------------------------------------------------------------------- tokenizing

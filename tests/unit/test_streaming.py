@@ -175,8 +175,8 @@ def test_a_stream_needs_max_steps(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def test_a_hub_dataset_streams_through_datasets(tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A hub name is opened with load_dataset(name, subset, split, streaming=True), once per stream; a resumed stream
-    skips to its row (the rows come from a local IterableDataset: no network here). A hub that cannot be reached is
-    one line, raised by load_splits (before training)."""
+    restarts from the IterableDataset's own saved state (the rows come from a local IterableDataset: no network
+    here). A hub that cannot be reached is one line, raised by load_splits (before training)."""
     import datasets
 
     rows = _rows(DATA / "tiny_completion.jsonl", 6)
