@@ -102,20 +102,14 @@ class JsonlRows:
         """One line as a JSON object; anything else is the one-line error the cached path gives for that line
         (:func:`finetune.data.loading._scan_jsonl` finds it: every earlier line parsed)."""
         try:
-            value = json_loads(raw.decode("utf-8").removeprefix("\ufeff" if index == 0 else ""))
+            text = raw.decode("utf-8").removeprefix("\ufeff" if index == 0 else "")
+            value = json.loads(text) if text.strip() else None  # a blank line: the scan words it
         except ValueError:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             value = None
         if isinstance(value, dict):
             return value
         _scan_jsonl(self.path, kinds=False)
         raise DataError(f"{self.path}:{index + 1}: expected a JSON object")
-
-
-def json_loads(text: str) -> Any:
-    """``json.loads``, refusing a blank line (which ``json`` reports as an error without saying so)."""
-    if not text.strip():
-        raise ValueError("empty line")
-    return json.loads(text)
 
 
 class DatasetRows:
@@ -162,7 +156,7 @@ class DatasetRows:
             if self._rows is None or self._at != index:
                 self._rows, self._at = self._open(position), index
             rows = [(index + i, dict(row)) for i, row in enumerate(itertools.islice(self._rows, count))]
-            after = self._dataset.state_dict()
+            saved = self._dataset.state_dict()  # as of the last row read
         except DataError:
             raise
         except Exception as exc:  # datasets and pyarrow raise many types; the user gets one line
@@ -171,7 +165,7 @@ class DatasetRows:
             after = f" after row {index}" if index else ""
             raise DataError(f"{self.name}: cannot be read {what}{after} ({error_detail(exc)})") from None
         self._at = index + len(rows)
-        return rows, {"index": self._at, "datasets": after}, len(rows) < count
+        return rows, {"index": self._at, "datasets": saved}, len(rows) < count
 
 
 # ------------------------------------------------------------------------------------------------- tokenizing
