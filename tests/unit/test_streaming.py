@@ -225,3 +225,18 @@ def test_a_worker_reads_ahead_and_the_cursor_stays_exact(tmp_path: Path, tok: An
     with pytest.raises(DataError) as error:
         list(itertools.islice(stream.batches(rank=0, world=1, micro=2, global_batch=4, collate=_ids, ahead=True), 60))
     assert str(error.value) == f"{bad}:100: missing field 'output' (alpaca rows need instruction, output)"
+
+
+def test_preprocess_says_a_stream_is_not_cached(tmp_path: Path, tok: Any) -> None:
+    """`finetune preprocess` of a streaming recipe: one line for the stream (nothing to cache), none claiming its
+    peeked samples were tokenized into the cache; the eval split is tokenized and cached as before."""
+    from finetune.config.schema import RecipeConfig
+    from finetune.runtime.prepare import report
+
+    train = _jsonl(tmp_path / "a.jsonl", _rows(DATA / "reverse_train.jsonl", 9))
+    cfg = RecipeConfig(name="s", model={"type": "tiny-llama"}, train={"max_steps": 2},
+                       data={"format": "alpaca", "train": train, "eval": str(DATA / "reverse_eval.jsonl"),
+                             "streaming": True})
+    lines = report(cfg, load_splits(cfg.data, tok, seed=cfg.train.seed))
+    assert lines[0] == f"data.train: streamed ({train}), tokenized while training, nothing cached"
+    assert len(lines) == 2 and lines[1].startswith(f"data.eval {DATA / 'reverse_eval.jsonl'}: ")
