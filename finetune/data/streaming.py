@@ -24,9 +24,12 @@ left over. :meth:`TrainStream.state_dict` gives it as JSON (a checkpoint object,
 resumed from it continues at the next unseen sample, bit for bit as a straight run
 (tests/integration/test_streaming.py). Every rank reads and tokenizes the whole stream and keeps its share of
 each step (the contiguous split of :class:`finetune.data.batching.StreamSampler`), so the state is the same on
-every rank and does not depend on the process count. Tokenizing runs in the training process, or, with
-``data.num_workers`` > 0, in one DataLoader worker process that reads ahead: each step's last micro-batch carries
-the stream's state at that step's end, so the cursor a checkpoint saves is still exactly the steps taken.
+every rank and does not depend on the process count. Reading and tokenizing run in the training process, or,
+with ``data.num_workers`` > 0, in one DataLoader worker process that reads ahead: it runs the same pipeline from
+the same cursor and hands on each tokenized chunk in the order the training process will ask for it, and the
+training process shuffles, mixes, packs and collates them. Only new samples cross between the processes (a state
+snapshot per step would carry the whole shuffle buffer: 15 MB for 1,000 samples of 2,048 tokens), and the cursor a
+checkpoint saves is the training process's own, exactly the steps taken.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ PEEK = 4  # samples of the first source shown to the probe and `finetune preproc
 
 Row = tuple[int, dict[str, Any]]  # (row index in its file, the row)
 Sample = dict[str, Any]
+Chunk = tuple[int, list[Sample], dict[str, Any], bool]  # rows read, their samples, position after, pass ended
 
 
 @lru_cache(maxsize=16)
@@ -225,6 +229,8 @@ class SourceStream:
                  tokenize: Callable[[list[Row]], list[Sample]], *, seed: int, buffer: int, max_len: int) -> None:
         self.number, self.name, self.reader, self.tokenize = number, name, reader, tokenize
         self.seed, self.buffer_size, self.max_len = seed, buffer, max_len
+        self.feed: Callable[[int], Chunk] | None = None  # set: chunks come from a worker (TrainStream.batches)
+        self.record: Callable[[Chunk], None] | None = None  # set in the worker: each chunk read is handed on
         self.restart()
 
     def restart(self) -> None:
@@ -247,9 +253,9 @@ class SourceStream:
         """The next sample in file order (the next pass's first after the last): tokenizes the next chunk when
         the last one's samples are taken."""
         while not self.queue:
-            rows, self.position, ended = self.reader.read(self.position, CHUNK_ROWS)
-            samples = self.tokenize(rows) if rows else []
-            self.rows, self.kept = self.rows + len(rows), self.kept + len(samples)
+            chunk = self.feed(self.number) if self.feed is not None else self._read()
+            read, samples, self.position, ended = chunk
+            self.rows, self.kept = self.rows + read, self.kept + len(samples)
             self.queue.extend(samples)
             if ended:
                 if not self.kept:
@@ -258,6 +264,15 @@ class SourceStream:
                                     f"{self.max_len}")
                 self.position, self.passes, self.rows, self.kept = self.reader.start(), self.passes + 1, 0, 0
         return self.queue.popleft()
+
+    def _read(self) -> Chunk:
+        """The next chunk from the reader: (rows read, their samples, the position after them, whether the
+        pass ended)."""
+        rows, position, ended = self.reader.read(self.position, CHUNK_ROWS)
+        chunk = (len(rows), self.tokenize(rows) if rows else [], position, ended)
+        if self.record is not None:
+            self.record(chunk)
+        return chunk
 
     def next(self) -> Sample:
         """The next sample: in order, or a seeded draw from the full shuffle buffer (refilled from the stream)."""
@@ -317,36 +332,42 @@ class TrainStream:
             tokens, self.carry = tokens + size, None
 
     def batches(self, *, rank: int, world: int, micro: int, global_batch: int,
-                collate: Callable[[list[Sample]], dict[str, Any]], ahead: bool = False,
-                pin_memory: bool = False) -> Iterator[dict[str, Any]]:
+                collate: Callable[[list[Sample]], dict[str, Any]], ahead: bool = False) -> Iterator[dict[str, Any]]:
         """This rank's micro-batches, step after step, forever: each step takes the next ``global_batch`` units,
         split into equal contiguous shares per rank, then into micro-batches of ``micro`` units.
 
-        ``ahead``: one DataLoader worker process reads, tokenizes and collates the stream (a fork of this one, from
-        its cursor) up to two micro-batches ahead; each step's last micro-batch carries the stream's state at the
-        end of that step, which this process loads as it hands that micro-batch on. So :meth:`state_dict` is the
-        cursor of the steps taken, never of the worker's read-ahead, and a resume is exact either way."""
-        steps = self._steps(rank=rank, world=world, micro=micro, global_batch=global_batch, collate=collate)
-        if not ahead:
-            for batch, _ in steps:
-                yield batch
-            return
-        for batch, state, error in _worker_loader(self, steps, pin_memory):
-            if error is not None:  # a bad row, as one line (a worker's exception would arrive with its traceback)
-                raise DataError(error)
-            if state is not None:
-                self.load_state_dict(state)
-            yield batch
+        ``ahead``: one DataLoader worker process (a fork of this one, from its cursor) runs the same pipeline and
+        hands on each chunk it reads and tokenizes, in the order this process will ask for them; this process
+        runs shuffling, mixing, packing and collating on them. Only new samples cross the process boundary, and
+        :meth:`state_dict` is this process's own state: the steps taken, never the worker's read-ahead.
+        """
+        if ahead:
+            feed = iter(_worker_loader(self))
+
+            def next_chunk(number: int) -> Chunk:
+                source, chunk, error = next(feed)
+                if error is not None:  # a bad row, as one line (a worker's exception would bring its traceback)
+                    raise DataError(error)
+                assert source == number, "the worker runs this process's pipeline from the same cursor"
+                return chunk
+
+            for source in self.sources:
+                source.feed = next_chunk
+        try:
+            yield from self._steps(rank=rank, world=world, micro=micro, global_batch=global_batch, collate=collate)
+        finally:
+            for source in self.sources:
+                source.feed = None
 
     def _steps(self, *, rank: int, world: int, micro: int, global_batch: int,
-               collate: Callable[[list[Sample]], dict[str, Any]]) -> Iterator[tuple[dict[str, Any], bool]]:
-        """(micro-batch, whether it is its step's last) of this rank, forever."""
+               collate: Callable[[list[Sample]], dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        """This rank's micro-batches, forever (the units of a whole step are drawn before its first batch)."""
         share = global_batch // world
         while True:
-            units = [self.unit() for _ in range(global_batch)]  # the whole step: the state is now the step's end
+            units = [self.unit() for _ in range(global_batch)]
             mine = units[rank * share:(rank + 1) * share]
             for i in range(0, share, micro):
-                yield collate([sample for unit in mine[i:i + micro] for sample in unit]), i + micro >= share
+                yield collate([sample for unit in mine[i:i + micro] for sample in unit])
 
     def peek(self) -> list[Sample]:
         """The first source's first samples in file order, without moving the cursor. Every other source's first
@@ -363,24 +384,38 @@ class TrainStream:
             self.load_state_dict(state)
 
 
-def _worker_loader(stream: TrainStream, steps: Iterator[tuple[dict[str, Any], bool]], pin_memory: bool) -> Any:
-    """A DataLoader whose one worker process runs ``steps`` of ``stream`` (forked from this process, so from its
-    cursor) and yields (micro-batch, the stream's state after it when it ends a step else None, None), or
-    (None, None, the error line) for a DataError, after which it stops."""
+def _worker_loader(stream: TrainStream) -> Any:
+    """A DataLoader whose one worker process runs ``stream``'s pipeline (forked from this process, so from its
+    cursor) and yields each chunk as it is read and tokenized: (source number, chunk, None), or (None, None, the
+    error line) for a DataError, after which it stops."""
     import torch  # heavy
     from torch.utils.data import DataLoader, IterableDataset  # imports torch
 
     class Ahead(IterableDataset):
-        def __iter__(self) -> Iterator[tuple[Any, Any, str | None]]:
+        def __iter__(self) -> Iterator[tuple[int | None, Chunk | None, str | None]]:
+            chunks: deque[tuple[int, Chunk]] = deque()
+            for source in stream.sources:
+                source.record = lambda chunk, number=source.number: chunks.append((number, chunk))
             try:
-                for batch, last in steps:
-                    yield batch, (stream.state_dict() if last else None), None
+                while True:
+                    stream.unit()
+                    while chunks:
+                        number, chunk = chunks.popleft()
+                        yield number, chunk, None
             except DataError as exc:
+                while chunks:  # those read before the bad row: this process may still need them
+                    number, chunk = chunks.popleft()
+                    yield number, chunk, None
                 yield None, None, str(exc)
 
     # own generator: starting the worker must not draw from the global RNG (dropout stays exact on resume)
-    return DataLoader(Ahead(), batch_size=None, num_workers=1, prefetch_factor=2, pin_memory=pin_memory,
+    return DataLoader(Ahead(), batch_size=None, num_workers=1, prefetch_factor=4, collate_fn=_as_is,
                       generator=torch.Generator())
+
+
+def _as_is(item: Any) -> Any:
+    """The worker's item unchanged (the default conversion would turn its tuples into lists)."""
+    return item
 
 
 def open_stream(cfg: DataConfig, tokenizer: Any, *, seed: int, names: list[str], images: Any = None,

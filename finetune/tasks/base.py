@@ -108,8 +108,7 @@ class TaskData:
             options = self.loader_options()  # a worker: one process tokenizes ahead, the cursor stays exact
             return self.data.stream.batches(rank=self.rank, world=self.world, micro=self.cfg.train.micro_batch_size,
                                             global_batch=self.cfg.train.global_batch_size,
-                                            collate=self.train_collator(), ahead=options.get("num_workers", 0) > 0,
-                                            pin_memory=options["pin_memory"])
+                                            collate=self.train_collator(), ahead=options.get("num_workers", 0) > 0)
         if split == "train":
             assert self.data.train is not None
             dataset = self.data.train.dataset.with_format(None)

@@ -217,9 +217,12 @@ def test_a_worker_reads_ahead_and_the_cursor_stays_exact(tmp_path: Path, tok: An
     cfg = DataConfig(format="alpaca", train=_jsonl(tmp_path / "a.jsonl", rows), streaming=True, shuffle_buffer=4)
     direct, ahead = _stream(cfg, tok), _stream(cfg, tok)
     plain = _take(direct, 3)
+    here: list[int] = []  # chunks tokenized in this process
+    tokenize = ahead.sources[0].tokenize
+    ahead.sources[0].tokenize = lambda rows: here.append(len(rows)) or tokenize(rows)
     batches = ahead.batches(rank=0, world=1, micro=2, global_batch=4, collate=_ids, ahead=True)
     assert list(itertools.islice(batches, 6)) == plain
-    assert ahead.state_dict() == direct.state_dict()
+    assert ahead.state_dict() == direct.state_dict() and not here
     bad = _jsonl(tmp_path / "bad.jsonl", [*rows[:99], {"instruction": "x"}, *rows[99:]])
     stream = _stream(cfg.model_copy(update={"train": bad}), tok)
     with pytest.raises(DataError) as error:
@@ -234,9 +237,9 @@ def test_preprocess_says_a_stream_is_not_cached(tmp_path: Path, tok: Any) -> Non
     from finetune.runtime.prepare import report
 
     train = _jsonl(tmp_path / "a.jsonl", _rows(DATA / "reverse_train.jsonl", 9))
+    evaluation = _jsonl(tmp_path / "e.jsonl", _rows(DATA / "reverse_eval.jsonl", 3))
     cfg = RecipeConfig(name="s", model={"type": "tiny-llama"}, train={"max_steps": 2},
-                       data={"format": "alpaca", "train": train, "eval": str(DATA / "reverse_eval.jsonl"),
-                             "streaming": True})
+                       data={"format": "alpaca", "train": train, "eval": evaluation, "streaming": True})
     lines = report(cfg, load_splits(cfg.data, tok, seed=cfg.train.seed))
-    assert lines[0] == f"data.train: streamed ({train}), tokenized while training, nothing cached"
-    assert len(lines) == 2 and lines[1].startswith(f"data.eval {DATA / 'reverse_eval.jsonl'}: ")
+    assert lines == [f"data.train: streamed ({train}), tokenized while training, nothing cached",
+                     f"data.eval {evaluation}: 3 samples, tokenized now (cached)"]
