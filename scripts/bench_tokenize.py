@@ -1,7 +1,7 @@
 """Tokenizing speed and memory: finetune's tokenization against a plain batched ``datasets.map``, on the same rows.
 
     .venv/bin/python scripts/bench_tokenize.py [--rows 100000] [--procs 1,2,all] [--memory 10000,1000000]
-        [--rounds 1] [--out docs/bench-tokenize.md] [--workdir DIR] [--quick]
+        [--rounds 1] [--one-thread] [--out docs/bench-tokenize.md] [--workdir DIR] [--quick]
 
 Rows: generated two-turn chat rows ``{"messages": [user, assistant]}`` of random lowercase words (seed 0; user
 turns 20-60 words, assistant turns 40-120, about 600 bytes a row, like the 61 MB per 100,000 rows of the issue),
@@ -23,10 +23,17 @@ emptied before it (every pass tokenizes; none is served from an earlier pass's c
 * ``cache hit``: ``tokenize_rows`` again after the last finetune pass, in a fresh process (what ``finetune run``
   does when the data was tokenized before).
 
+``--one-thread``: every pass with ``TOKENIZERS_PARALLELISM=false``, so each process tokenizes on one thread. By
+default a fast tokenizer's batch call spreads over every core in its own threads (``num_proc=1`` already uses
+them for the Rust part of the work), while ``datasets``' forked workers each get one thread (the tokenizers
+library turns its threads off in a process forked after it used them): with this flag ``num_proc`` is the only
+parallelism, which shows how the passes scale with processes.
+
 ``rows/s`` is rows over the wall time of the ``map`` (or ``tokenize_rows``) call alone; ``vs baseline`` is the
 ratio to the baseline's rows/s in the same run. ``--rounds N`` runs every pass N times (every other round in
 reverse order) and reports each pass's fastest round. ``CPU s`` is the CPU time the pass used (its threads and worker
-processes): on a machine other work shares, rows per CPU second compares the work each pass does, which wall time
+processes), and ``cores`` that CPU time over the wall time (how many cores the pass kept busy): on a machine
+other work shares, rows per CPU second compares the work each pass does, which wall time
 on a busy machine does not. ``peak RSS`` is the child's own ``ru_maxrss``; ``workers`` adds
 the largest of its worker processes (num_proc > 1). The machine may be shared: the report gives the load
 average, and only ratios within one run compare.
@@ -110,12 +117,16 @@ def run_pass(kind: str, data: str, procs: int) -> dict:
     return {"rows": len(raw), "seconds": seconds, "cpu": _cpu() - cpu, **_peaks()}
 
 
-def child(kind: str, data: str, procs: int, cache: Path, keep_cache: bool = False) -> dict:
-    """:func:`run_pass` in a fresh process; the tokenized-data cache is emptied first unless ``keep_cache``."""
+def child(kind: str, data: str, procs: int, cache: Path, keep_cache: bool = False, one_thread: bool = False
+          ) -> dict:
+    """:func:`run_pass` in a fresh process; the tokenized-data cache is emptied first unless ``keep_cache``;
+    ``one_thread``: the tokenizer's own threads off (``TOKENIZERS_PARALLELISM=false``)."""
     if not keep_cache:
         for stale in cache.rglob("cache-*.arrow"):
             stale.unlink()
     env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
+    if one_thread:
+        env["TOKENIZERS_PARALLELISM"] = "false"
     out = subprocess.run([sys.executable, __file__, "--child", kind, data, str(procs)], env=env, check=True,
                          capture_output=True, text=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -139,6 +150,7 @@ def main() -> int:
     parser.add_argument("--workdir", default="")
     parser.add_argument("--rounds", type=int, default=1, help="run every pass this many times; report the fastest")
     parser.add_argument("--quick", action="store_true", help="2,000 rows (for developing the script)")
+    parser.add_argument("--one-thread", action="store_true", help="every process tokenizes on one thread")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -161,23 +173,24 @@ def main() -> int:
     best: dict[str, dict] = {}
     for round_ in range(args.rounds):  # every other round in reverse order: a slow spell hits different passes
         for name, kind, n in passes if round_ % 2 == 0 else passes[::-1]:
-            got = child(kind, str(data), n, cache)
+            got = child(kind, str(data), n, cache, one_thread=args.one_thread)
             if name not in best or got["seconds"] < best[name]["seconds"]:
                 best[name] = got
     results = [(name, best[name]) for name, _, _ in passes]
     if args.rounds > 1:  # the last pass run (the baseline) emptied the cache: fill it again, untimed
-        child("finetune", str(data), procs[-1], cache)
+        child("finetune", str(data), procs[-1], cache, one_thread=args.one_thread)
     results.append((f"finetune cache hit (num_proc={procs[-1]})",
-                    child("finetune", str(data), procs[-1], cache, keep_cache=True)))
+                    child("finetune", str(data), procs[-1], cache, keep_cache=True, one_thread=args.one_thread)))
     base = results[0][1]["rows"] / results[0][1]["seconds"]
     base_cpu = results[0][1]["rows"] / results[0][1]["cpu"]
-    lines += ["| pass | rows | seconds | rows/s | vs baseline | CPU s | rows per CPU s | vs baseline | peak RSS MiB "
-              "| workers' peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| pass | rows | seconds | rows/s | vs baseline | CPU s | cores | rows per CPU s | vs baseline "
+              "| peak RSS MiB | workers' peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results:
         rate, per_cpu = r["rows"] / r["seconds"], r["rows"] / max(r["cpu"], 1e-9)
+        cores = r["cpu"] / max(r["seconds"], 1e-9)
         lines.append(f"| {name} | {r['rows']:,} | {r['seconds']:.1f} | {rate:,.0f} | {rate / base:.2f}x | "
-                     f"{r['cpu']:.1f} | {per_cpu:,.0f} | {per_cpu / base_cpu:.2f}x | {r['rss_mib']:,.0f} | "
-                     f"{r['workers_mib']:,.0f} |")
+                     f"{r['cpu']:.1f} | {cores:.2f} | {per_cpu:,.0f} | {per_cpu / base_cpu:.2f}x | "
+                     f"{r['rss_mib']:,.0f} | {r['workers_mib']:,.0f} |")
     if args.memory:
         small, big = (int(x) for x in args.memory.split(","))
         measured = []
@@ -202,6 +215,7 @@ def main() -> int:
         f"load average (1/5/15 min) {load_start} at the start, {load} at the end (the machine may be shared: compare "
         "ratios within this run only)",
         f"- versions: {versions()}",
+        f"- tokenizer threads: {'one per process (--one-thread)' if args.one_thread else 'the tokenizers default'}",
         f"- rows: {rows:,} generated two-turn chat rows ({data.stat().st_size / 2**20:.0f} MiB of JSON lines); "
         f"tokenizer: finetune/assets/tiny-llama-tokenizer (its own chat template)", "",
         *lines, "",

@@ -232,6 +232,26 @@ def _types(config: Any) -> set[str]:
     return set()
 
 
+def _run_start(enc: Any, count: int, first: int) -> int:
+    """The first token ending after character ``first`` (offsets that never go back): the token holding that
+    character, found by the encoding's own lookup and confirmed by its neighbour's offsets, else by binary search."""
+    k = enc.char_to_token(first) if hasattr(enc, "char_to_token") else None
+    if k is not None and enc.token_to_chars(k)[1] > first and (k == 0 or enc.token_to_chars(k - 1)[1] <= first):
+        return k
+    return bisect.bisect_right(range(count), first, key=lambda i: enc.token_to_chars(i)[1])
+
+
+def _run_stop(enc: Any, count: int, last: int) -> int:
+    """The first token starting at or after character ``last`` (offsets that never go back): found as for
+    :func:`_run_start` from the token holding that character, else by binary search."""
+    k = enc.char_to_token(last) if hasattr(enc, "char_to_token") else None
+    if k is not None:
+        k = k if enc.token_to_chars(k)[0] >= last else k + 1
+        if (k == 0 or enc.token_to_chars(k - 1)[0] < last) and (k == count or enc.token_to_chars(k)[0] >= last):
+            return k
+    return bisect.bisect_left(range(count), last, key=lambda i: enc.token_to_chars(i)[0])
+
+
 def _labels(ids: list[int], enc: Any, spans: Sequence[tuple[int, int]], in_order: bool) -> list[int]:
     """:func:`answer_labels` of a text's tokens (``enc``: its encoding); ``in_order`` (:func:`monotone`): by the
     run of each span, found by binary search, the same labels without reading every token's offsets."""
@@ -239,9 +259,7 @@ def _labels(ids: list[int], enc: Any, spans: Sequence[tuple[int, int]], in_order
         return answer_labels(ids, enc.offsets, spans)
     count = len(ids)
     try:
-        runs = [(bisect.bisect_right(range(count), first, key=lambda i: enc.token_to_chars(i)[1]),
-                 bisect.bisect_left(range(count), last, key=lambda i: enc.token_to_chars(i)[0]))
-                for first, last in spans]
+        runs = [(_run_start(enc, count, first), _run_stop(enc, count, last)) for first, last in spans]
     except TypeError:  # a token without offsets (None): compare them all
         return answer_labels(ids, enc.offsets, spans)
     if len(runs) == 1:
@@ -350,7 +368,7 @@ def _seam(text: str, prompt_len: int, ids: list[int], enc: Any, cut: dict[int, s
     ending at or before ``prompt_len`` (the last such within :data:`SEAM_WINDOW` tokens of where the prompt's end
     is found; where offsets go back that search may miss one, never take a wrong one), or None."""
     try:  # the first token starting at or after the prompt's end, where offsets never go back
-        end = bisect.bisect_left(range(len(ids)), prompt_len, key=lambda i: enc.token_to_chars(i)[0])
+        end = _run_stop(enc, len(ids), prompt_len)
     except TypeError:  # a token without offsets
         return None
     for index in range(end - 1, max(end - SEAM_WINDOW, 0) - 1, -1):
@@ -414,6 +432,25 @@ def _count(labels: list[int]) -> int:
     return len(labels) - labels.count(IGNORE)
 
 
+# The arrow types finetune.data.tokenize.output_features gives the token columns. A batch function returns its
+# columns as an arrow table of these types: ``datasets`` would otherwise infer int64 from the Python lists and cast
+# (input_ids to int32), twice the work of building them typed. The writer still casts every batch to the map's
+# features, so a type that differed here would cost a cast, never change what is stored.
+INT32_LISTS = frozenset({"input_ids", "chosen_input_ids", "rejected_input_ids"})
+
+
+def _table(columns: dict[str, list]) -> Any:
+    """``columns`` as an arrow table: lists of token ids typed as the output features type them (int32 ids, int64
+    labels and prompts), other columns as arrow infers them; a batch of no rows stays Python lists."""
+    import pyarrow as pa  # lazy: heavy (the CLI imports no pyarrow)
+
+    if not any(columns.values()):
+        return columns
+    arrays = [pa.array(values, type=pa.list_(pa.int32() if name in INT32_LISTS else pa.int64()))
+              if isinstance(values[0], list) else pa.array(values) for name, values in columns.items()]
+    return pa.Table.from_arrays(arrays, names=list(columns))
+
+
 def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
                  source: str, code_version: str = "") -> dict[str, list]:
     """Alpaca, completion and chat rows: checked, rendered (``train_on_prompt``: the whole text is the answer),
@@ -468,6 +505,16 @@ def preference_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len:
         # answer tokens are next-token targets: a label at the first position is never one
         columns["n_labels"].append(0 if same else min(_count(cut[1][1:]), _count(cut[3][1:])))
     return columns
+
+
+def causal_table(batch: Any, indices: list[int], **kwargs: Any) -> Any:
+    """:func:`causal_batch` as an arrow table (:func:`_table`): what ``tokenize_rows``' map writes."""
+    return _table(causal_batch(batch, indices, **kwargs))
+
+
+def preference_table(batch: Any, indices: list[int], **kwargs: Any) -> Any:
+    """:func:`preference_batch` as an arrow table (:func:`_table`): what ``tokenize_rows``' map writes."""
+    return _table(preference_batch(batch, indices, **kwargs))
 
 
 def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: ImageInputs, max_len: int,

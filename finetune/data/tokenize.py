@@ -188,9 +188,9 @@ def tokenize_rows(
         fn, kwargs = batched.vision_batch, {"tokenizer": tokenizer, "images": images, "max_len": max_len,
                                    "train_on_prompt": train_on_prompt}
     elif fmt == "preference":  # the prompt is always masked: train_on_prompt does not apply (validation refuses it)
-        fn, kwargs = batched.preference_batch, {"tokenizer": tokenizer, "max_len": max_len}
+        fn, kwargs = batched.preference_table, {"tokenizer": tokenizer, "max_len": max_len}
     else:
-        fn, kwargs = batched.causal_batch, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
+        fn, kwargs = batched.causal_table, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
                                    "train_on_prompt": train_on_prompt}
     procs = batched.processes(num_proc, len(dataset))
     fn_kwargs = {**kwargs, "source": source, "code_version": CODE_VERSION}

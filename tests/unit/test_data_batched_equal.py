@@ -181,3 +181,22 @@ def test_labels_by_binary_search_equal_every_token_compared() -> None:
             assert batched._labels(ids, enc, spans, True) == batched.answer_labels(ids, enc.offsets, spans)
     two = ((2, 9), (20, 31))
     assert batched._labels(ids, enc, two, True) == batched.answer_labels(ids, enc.offsets, two)
+
+
+@pytest.mark.parametrize("fmt", ["chat", "preference"])
+def test_the_tables_the_map_writes_hold_the_columns_with_the_output_types(fmt: str) -> None:
+    """causal_table / preference_table (what tokenize_rows' map calls) are the batch functions' columns, typed as
+    the output features type them (so the writer's cast to those features changes nothing)."""
+    from finetune.data.tokenize import output_features
+
+    tok = TOKENIZERS["tiny-llama"]()
+    if fmt == "chat":
+        rows, kwargs = ROWS["chat"], {"fmt": "chat", "max_len": 64, "train_on_prompt": False}
+        pair = batched.causal_batch, batched.causal_table
+    else:
+        rows, kwargs = [{"prompt": f"q {odd}", "chosen": odd, "rejected": "no"} for odd in ODD], {"max_len": 64}
+        pair = batched.preference_batch, batched.preference_table
+    columns = pair[0](_columns(rows), list(range(len(rows))), tokenizer=tok, source="rows.jsonl", **kwargs)
+    table = pair[1](_columns(rows), list(range(len(rows))), tokenizer=tok, source="rows.jsonl", **kwargs)
+    assert table.to_pydict() == columns
+    assert {f.name: f.type for f in table.schema} == {f.name: f.type for f in output_features(fmt).arrow_schema}
