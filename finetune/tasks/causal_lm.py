@@ -78,7 +78,8 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
             raise RuntimeError(f"output head {type(head).__name__} was called with {tuple(hidden.shape)}, "
                                f"expected the final hidden states {tuple(targets.shape)} + (hidden,)")
         flat = hidden.reshape(-1, hidden.size(-1))
-        fused = type(head) is torch.nn.Linear
+        # a Linear's own forward (FSDP2's FSDPLinear keeps it): fused; an override (LoRA, quantised): the module
+        fused = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
         picked["sums"], picked["hits"] = sequence_logprobs(
             flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
             bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits)

@@ -615,3 +615,41 @@ def test_peak_memory_of_a_qwen_like_step_is_under_half_of_the_full_logits_path()
     assert abs(loss.item() - ref.item()) <= RTOL * abs(ref.item())
     for name, grad in grads.items():
         assert (grad - ref_grads[name]).norm().item() <= RTOL * ref_grads[name].norm().item(), name
+
+
+def test_an_fsdp2_sharded_head_takes_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FSDP2 (``fully_shard`` swaps the head's class for ``FSDPLinear``, as accelerate does to the output
+    embedding) the head is still a plain Linear to the loss: 3 head products per step, and the loss and every
+    gradient equal the unsharded model's full-logits reference. The code before sent it through the checkpointed
+    module path (4 products, and other rounding than a 1-process run of the same recipe, which the fsdp2 parity
+    test then saw amplified by AdamW). World size 1 on gloo: the wrapping is the point, not the sharding."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model, task = _llama(False), _task()
+    batch = _text_batch(97, 3, 11, [0, 4, 9])
+    ref, _ = _reference_loss(model, task, batch)
+    ref.backward()
+    ref_grads = _grads(model)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(29900 + os.getpid() % 97))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        fully_shard(model.lm_head, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        assert type(model.lm_head) is not torch.nn.Linear
+        with Matmuls(97) as mode:
+            loss = task.train_output(model, batch)
+            loss.backward()
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    assert mode.vocab_flops == 3 * 2 * batch["input_ids"].numel() * model.config.hidden_size * 97
+    assert abs(loss.item() - ref.item()) <= RTOL * abs(ref.item())
+    assert grads.keys() == ref_grads.keys()
+    for name, grad in grads.items():
+        assert (grad - ref_grads[name]).norm().item() <= RTOL * ref_grads[name].norm().item(), name
