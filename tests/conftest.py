@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -12,6 +14,25 @@ import pytest
 
 from finetune import hooks
 from tests.recipe_files import write_recipe_file
+
+
+def share_the_cores() -> None:
+    """Under pytest-xdist, give each worker its share of the cores for torch's intra-op threads, and to the processes
+    its tests start (``OMP_NUM_THREADS``, which they inherit; ``accelerate launch`` reads it too). Why: ``make test``
+    runs 2 workers on CI's 2 cores, and a torch process's pool has one thread per core by default, so the workers
+    (and the processes they start) oversubscribe the cores and OpenMP threads spin against each other. Measured on
+    the 2-core machine: test_train.py's golden-loss and accumulation tests took 57 s of CPU with 2 threads and 24 s
+    with 1 (wall 96-130 s against 42-47 s). A value the shell set is kept; one process (no xdist) is left alone."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 0)
+    if workers < 1:
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    os.environ.setdefault("MKL_NUM_THREADS", os.environ["OMP_NUM_THREADS"])
+    if "torch" in sys.modules:  # imported before this file (a plugin): it read the variable already
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+share_the_cores()
 
 # Variables a test must not inherit from the shell or an earlier test: a launcher's (a test is one process unless it
 # launches more itself), debug tracebacks (they change what an error prints) and a replacement recipes folder.
