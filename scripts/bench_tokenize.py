@@ -187,9 +187,9 @@ def main() -> int:
               "| peak RSS MiB | workers' peak RSS MiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results:
         rate, per_cpu = r["rows"] / r["seconds"], r["rows"] / max(r["cpu"], 1e-9)
-        cores = r["cpu"] / max(r["seconds"], 1e-9)
+        busy = r["cpu"] / max(r["seconds"], 1e-9)  # cores kept busy
         lines.append(f"| {name} | {r['rows']:,} | {r['seconds']:.1f} | {rate:,.0f} | {rate / base:.2f}x | "
-                     f"{r['cpu']:.1f} | {cores:.2f} | {per_cpu:,.0f} | {per_cpu / base_cpu:.2f}x | "
+                     f"{r['cpu']:.1f} | {busy:.2f} | {per_cpu:,.0f} | {per_cpu / base_cpu:.2f}x | "
                      f"{r['rss_mib']:,.0f} | {r['workers_mib']:,.0f} |")
     if args.memory:
         small, big = (int(x) for x in args.memory.split(","))

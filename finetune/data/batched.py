@@ -5,7 +5,12 @@ Each row gets the work it always got, in file order: it is checked, rendered and
 every check, mask and ``file:line`` error is the one the row would get alone. What is batched is the tokenizer:
 one call per batch of texts to the Rust backend of a fast tokenizer (:func:`encode_texts`), which spreads the
 batch over the cores and skips transformers' per-call setup (a call per row cost more than the tokenizing). The
-labels of a sample come from its tokens' character offsets in one vectorized pass (:func:`answer_labels`).
+labels of a sample come from its tokens' character offsets (:func:`answer_labels`), or, where the tokenizer's
+offsets never go back (:func:`monotone`), from the run of tokens each answer span covers, found without reading
+every token's offsets (:func:`_labels`). Each sample is tokenized once: its generation prompt's ids are its own
+tokens up to a special-token match plus the few characters after it tokenized alone, where the tokenizer's rules
+make that exactly the prompt's own tokenization (:func:`seams`, :func:`cue_ids`); else the prompt is tokenized
+too. tests/unit/test_data_batched_equal.py holds both short cuts to a call per text on every format.
 
 ``data.num_proc`` worker processes (``datasets``' forked pool, each tokenizing a contiguous shard into its own
 cache file) add the Python side (checks, chat templates) to the parallel part; :func:`processes` picks how many.
