@@ -18,9 +18,11 @@ frozen head: only the hidden states' gradient, scaled per row). Backward then on
 gradient (``index_select`` of each row's sequence), so a training step does the three ``N x H x V`` products that
 autograd through full logits does (logits, hidden gradient, head gradient), not four. With several sequences AND a
 trainable head (a DPO policy training its head) the head's gradient would need one ``[V, H]`` buffer per sequence,
-so backward recomputes each chunk's logits and softmax instead and accumulates both gradients then. Either way the
-extra memory is one chunk of logits plus its fp32 softmax and gradient, and the two buffers (the early path keeps
-them from forward to backward in place of the hidden states and head weight the recompute path saves).
+so backward recomputes each chunk's logits and softmax instead and accumulates both gradients then; so does an fp16
+compute dtype (fp16 training's loss scale is applied before the products there, which keeps their small entries
+out of fp16's subnormal range; on the early path they would be computed unscaled). Either way the extra memory is
+one chunk of logits plus its fp32 softmax and gradient, and the two buffers (the early path keeps them from forward
+to backward in place of the hidden states and head weight the recompute path saves).
 
 No host syncs: chunk boundaries are fixed by the static row count and :func:`default_chunk_rows`; ignored targets
 are masked with ``where`` and gathered at a clamped index; per-sequence sums use ``index_add_`` over a fixed-size
@@ -156,8 +158,9 @@ class _LinearLogProbs(torch.autograd.Function):
                 targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int, dtype: torch.dtype,
                 count_hits: bool, grad_enabled: bool) -> tuple[torch.Tensor, torch.Tensor]:
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
-        # early: the gradient pieces are computed now, from this softmax, when one scale per row finishes them
-        early = weight is not None and (need_hidden or need_weight or need_bias) and \
+        # early: the gradient pieces are computed now, from this softmax, when one scale per row finishes them (not
+        # in fp16: its unscaled products would lose the small entries that the loss scale is there to keep)
+        early = weight is not None and dtype != torch.float16 and (need_hidden or need_weight or need_bias) and \
             (sequences == 1 or not (need_weight or need_bias))
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dtype) if weight is not None else None

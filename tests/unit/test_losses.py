@@ -307,18 +307,22 @@ class Matmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("path,products", [("sequences_trainable_head", 4), ("one_sequence", 3),
-                                           ("sequences_frozen_head", 2)])
-def test_the_head_costs_one_product_per_gradient(path: str, products: int) -> None:
+@pytest.mark.parametrize("path,products,dtype", [("sequences_trainable_head", 4, torch.float32),
+                                                 ("one_sequence", 3, torch.float32),
+                                                 ("sequences_frozen_head", 2, torch.float32),
+                                                 ("one_sequence", 4, torch.float16)],
+                         ids=["sequences_trainable_head", "one_sequence", "sequences_frozen_head", "one_sequence_fp16"])
+def test_the_head_costs_one_product_per_gradient(path: str, products: int, dtype: torch.dtype) -> None:
     """Forward + backward of the primitive over hidden states and a head do the ``N x H x V`` products that the
     gradients need and no more: the logits, ``grad @ W`` for the hidden states, ``grad^T h`` for a trainable head.
     Only per-sequence scales with a trainable head (a DPO policy training its head) recompute the logits in
-    backward (4 products: the head's gradient would otherwise need one ``[V, H]`` buffer per sequence). The code
-    before recomputed them on every path (4 and 3), which is ~1/3 more head FLOPs per training step."""
+    backward (4 products: the head's gradient would otherwise need one ``[V, H]`` buffer per sequence), and so does
+    an fp16 head (the loss scale must reach the products before fp16 rounds them). The code before recomputed them
+    on every path (4 and 3), which is ~1/3 more head FLOPs per training step."""
     sequences, trainable = GRADIENT_PATHS[path]
     gen = torch.Generator().manual_seed(8)
-    hidden = torch.randn(N, 16, generator=gen).requires_grad_()
-    weight = torch.randn(V, 16, generator=gen).requires_grad_(trainable)
+    hidden = torch.randn(N, 16, generator=gen).to(dtype).requires_grad_()
+    weight = torch.randn(V, 16, generator=gen).to(dtype).requires_grad_(trainable)
     targets, seq = make_targets("every_third"), torch.arange(N) % sequences
     with Matmuls(V) as mode:
         sums, _ = sequence_logprobs(hidden, targets, seq, sequences, weight=weight, chunk_rows=5)
