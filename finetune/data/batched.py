@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from finetune import hooks
 from finetune.data import prompts, vision
-from finetune.data.formats import Rendered, render, render_preference
+from finetune.data.formats import Rendered, prerender_chats, render, render_preference
 from finetune.data.loading import check_row
 from finetune.data.rows import IGNORE, error_detail, line_of
 from finetune.errors import DataError
@@ -463,9 +463,13 @@ def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, ma
     ``code_version`` is unused here: it is part of the map cache key (see :mod:`finetune.data.tokenize`)."""
     what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
     outs: list[Rendered] = []
-    for index, row in _rows(batch, indices):
+    # chat: every row's template renders in two batched calls (None: a row is bad, so rendered row by row below)
+    chats = prerender_chats(list(batch["messages"]), tokenizer) if fmt == "chat" and "messages" in batch else None
+    for k, (index, row) in enumerate(_rows(batch, indices)):
         check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
-        outs.append(rendered(partial(render, row, fmt, tokenizer, train_on_prompt), line_of(source, index), what))
+        texts = chats[k] if chats is not None else None
+        outs.append(rendered(partial(render, row, fmt, tokenizer, train_on_prompt, texts), line_of(source, index),
+                             what))
     columns: dict[str, list] = {name: [] for name in ("input_ids", "labels", "prompt_ids", "reference", "overlong",
                                                       "n_labels")}
     special = specials(tokenizer)
