@@ -227,16 +227,25 @@ def test_plan_is_within_15_percent_of_the_measured_peak(workdir: Path, backend: 
     assert all(0.85 <= r <= UPPER.get(backend, 1.15) for r in ratios.values()), (backend, ratios)
 
 
+PACKED_WEIGHTS = 5e-4  # see test_packed_parity_with_one_process
+
+
 @pytest.mark.parametrize("backend", ["fsdp2", "zero3"])  # the sharded ones; DDP packs as one process does
 def test_packed_parity_with_one_process(workdir: Path, reference: Path, backend: str) -> None:
-    """data.packing on 2 processes takes the steps of the padded 1-process run: per-step losses and exported
-    weights within 1e-4 (only the layout of each micro-batch and the reduction order change)."""
+    """data.packing on 2 processes takes the steps of the padded 1-process run: per-step losses within 1e-4 and
+    exported weights within PACKED_WEIGHTS (only the layout of each micro-batch and the reduction order change).
+
+    Why the weights get 5e-4: a few elements of this tiny model have gradients that are rounding noise (e.g.
+    ``layers.1.mlp.down_proj[13, 62]`` on a near-dead intermediate unit), which AdamW divides by a near-zero second
+    moment, so any change of summation order moves them: the loss that finishes its gradients in forward (issue 21)
+    moved that element by 2.4e-4 in the one-process run alone, and fsdp2 packed reached 1.86e-4 against the padded
+    run (5 of 139,584 weights beyond 1e-5 relative, every other one within 7.5e-7)."""
     run, done = _run(workdir, f"{backend}-packed", "data.packing=true", "--accelerate-config", backend,
                      "--num-processes", "2")
     assert done.returncode == 0, done.stderr[-3000:]
     _assert_really_distributed(run, backend, reference)
     assert _losses(run) == pytest.approx(_losses(reference), rel=1e-4)
-    assert max_rel_diff(final_weights(reference), final_weights(run)) <= 1e-4
+    assert max_rel_diff(final_weights(reference), final_weights(run)) <= PACKED_WEIGHTS
     tokens = [[r["tokens"] for r in read_metrics(x) if r["kind"] == "train"] for x in (run, reference)]
     assert tokens[0] == tokens[1]
     # the same samples per step: the input tokens and squared lengths summed over both ranks (in the step's one
