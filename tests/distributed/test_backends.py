@@ -58,9 +58,9 @@ BF16 = ("zero1", "zero3_offload")
 # frozen first layer is rounded to bf16 by the engine: measured 1.8e-2 (zero1 and zero3_offload).
 BF16_REL, BF16_WEIGHTS = 1e-3, 5e-2
 MEMORY_HOOKS = "tests.distributed.dist_hooks,tests.distributed.memory_hooks"
-# the upper bound of plan / measured peak where a tiny-scale effect puts a backend over 1.15 (measured 1.17 and
-# 1.19; the reason is in test_plan_is_within_15_percent_of_the_measured_peak)
-UPPER = {"fsdp1": 1.25, "zero2": 1.25}
+# the upper bound of plan / measured peak where a tiny-scale effect puts a backend over 1.15 (measured 1.16, 1.16
+# and 1.18; the reason is in test_plan_is_within_15_percent_of_the_measured_peak)
+UPPER = {"fsdp1": 1.25, "fsdp2": 1.25, "zero2": 1.25}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -198,17 +198,19 @@ def test_plan_is_within_15_percent_of_the_measured_peak(workdir: Path, backend: 
     trained (``data.max_seq_len`` = that length: the plan assumes full rows). Offloaded states are host memory in
     the plan and the same CPU memory here, so the plan's host total counts too.
 
-    Measured ratios (plan / peak, equal on both ranks): ddp 1.12, fsdp1 1.17, fsdp2 1.10, zero1 (bf16) 1.00, zero2
-    1.19, zero3 0.95, zero3_offload (bf16) 0.87. Before this test the plan missed ``model.freeze`` (ddp 1.25),
-    DeepSpeed's reduce bucket (5e8 elements whatever the model: zero2 0.003, zero3 0.002; the worker now caps it at
-    the trainable parameters and the plan counts it) and the partition ZeRO-3 keeps of a persistent parameter
-    besides its whole data. Two backends are over 1.15 for a reason of this tiny scale, and are held to the
-    stated bound of UPPER instead: here the step's peak is the loss's backward (its logits and softmax, two
-    0.4 MiB chunks of a 512-token vocabulary, about the size of the whole model's states), which comes before any
-    gradient exists (each rank runs one micro-step per step, and gradients are freed after every step); the plan
-    adds what the step holds later: the gradients and ZeRO-1/2's reduce bucket (allocated at the first gradient:
-    zero2, 1.04 without them) and FSDP1's two gathered decoder layers (the whole model here). For a real model
-    those are small next to the activations that are still alive when they are allocated."""
+    Measured ratios (plan / peak, equal on both ranks): ddp 1.11, fsdp1 1.16, fsdp2 1.16, zero1 (bf16) 1.00, zero2
+    1.18, zero3 0.94, zero3_offload (bf16) 0.87 (fsdp2 was 1.10 while its sharded head, an FSDPLinear, took the
+    loss's checkpointed path; it now takes the fused path as fsdp1's does, with fsdp1's peak and ratio). Before this
+    test the plan missed ``model.freeze`` (ddp 1.25), DeepSpeed's reduce bucket (5e8 elements whatever the model:
+    zero2 0.003, zero3 0.002; the worker now caps it at the trainable parameters and the plan counts it) and the
+    partition ZeRO-3 keeps of a persistent parameter besides its whole data. Three backends are over 1.15 for a
+    reason of this tiny scale, and are held to the stated bound of UPPER instead (fsdp2 with fsdp1, whose step it
+    now matches): here the step's peak is the loss (its logits and softmax, two 0.4 MiB chunks of a
+    512-token vocabulary, about the size of the whole model's states), which comes before any gradient exists (each
+    rank runs one micro-step per step, and gradients are freed after every step); the plan adds what the step holds
+    later: the gradients and ZeRO-1/2's reduce bucket (allocated at the first gradient: zero2, 1.04 without them)
+    and FSDP1's two gathered decoder layers (the whole model here). For a real model those are small next to the
+    activations that are still alive when they are allocated."""
     from finetune.config import load_recipe
     from finetune.runtime.plan import build_plan
 
