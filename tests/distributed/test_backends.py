@@ -280,7 +280,9 @@ def resumed_copy(source: Path, name: str, *args: str) -> Path:
     return run
 
 
-@pytest.mark.parametrize("backend", CHECKPOINT_BACKENDS)
+# ddp in make test-all (CI time): test_resume_across_world_sizes resumes on 2 DDP processes in make test
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b == "ddp" else b
+                                     for b in CHECKPOINT_BACKENDS])
 def test_resume_equals_straight(workdir: Path, backend: str) -> None:
     """A run resumed from its step-4 checkpoint ends with the straight run's bit-identical weights (gloo's 2-rank
     sums are order-independent and CPU kernels deterministic). Under fsdp2 the checkpoint is the one a SIGTERM on
@@ -385,7 +387,9 @@ def lora_run(workdir: Path, backend: str) -> Path:
 
 
 # ddp: LoRA on 2 DDP processes is matched with one process by tests/distributed/test_load_once.py
-@pytest.mark.parametrize("backend", [backend for backend in CHECKPOINT_BACKENDS if backend != "ddp"])
+# zero2 in make test-all (CI time): its layout is checked by the full-weight parity and resume runs
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b == "zero2" else b
+                                     for b in CHECKPOINT_BACKENDS if b != "ddp"])
 def test_lora_parity_complete_adapter_and_reload(workdir: Path, lora_reference: Path, backend: str) -> None:
     """LoRA on 2 processes: per-step losses equal the 1-process LoRA run within 1e-4; the saved adapter is complete
     (FSDP1 naively saves an empty one) and equal to the 1-process adapter; reloading it gives the live eval loss."""

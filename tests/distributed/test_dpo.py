@@ -50,7 +50,8 @@ def _reference_line(run: Path) -> str:
     return f"{found.group(1)} {found.group(2)}"
 
 
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero3"])
+# ddp in make test-all (CI time): the sharded backends are where DPO's reference pass and gathers differ
+@pytest.mark.parametrize("backend", [pytest.param("ddp", marks=pytest.mark.extended), "fsdp2", "zero3"])
 def test_dpo_parity_with_one_process(dpo_workdir: Path, dpo_single: Path, backend: str) -> None:
     """Same reference log-probs, per-step losses and exported weights (<= 1e-4) as 1 process; eval counts every
     pair once."""

@@ -50,8 +50,10 @@ def _assert_continues(run: Path, straight: Path, saved: str, saved_world: int, n
     assert not rundir.reshard_scratch(run).exists() and rundir.foreign_entries(run) == []
 
 
-# zero1/zero3_offload: their files are read below; ddp and fsdp1 (their layouts also read below) run in make test-all
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b in ("ddp", "fsdp1") else b
+# zero1/zero3_offload: their files are read below; ddp, fsdp1 and zero2 (their layouts also read below, zero2's on
+# the portable path too) run in make test-all (CI time)
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b in ("ddp", "fsdp1", "zero2")
+                                     else b
                                      for b in CHECKPOINT_BACKENDS])
 def test_shrink_to_one_process(workdir: Path, backend: str) -> None:
     """4 steps at 2 processes under ``backend``, then 4 at 1 process (backend single) == 8 straight at 2. (The
@@ -62,7 +64,7 @@ def test_shrink_to_one_process(workdir: Path, backend: str) -> None:
     _assert_continues(run, straight, backend, 2, "single", 1)
 
 
-@pytest.mark.parametrize("backend", ["fsdp1", "fsdp2", "zero3"])
+@pytest.mark.parametrize("backend", [pytest.param("fsdp1", marks=pytest.mark.extended), "fsdp2", "zero3"])  # CI time
 def test_grow_from_one_process(workdir: Path, reference: Path, backend: str) -> None:
     """4 steps at 1 process, then 4 at 2 processes under ``backend`` == 8 straight at 1 process."""
     run = resumed_copy(reference, f"1-to-{backend}", "--num-processes", "2", "--accelerate-config", backend)
@@ -138,7 +140,9 @@ print(json.dumps({
 """
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# zero3_offload in make test-all (CI time): its checkpoint files have zero3's layout, read in make test
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b == "zero3_offload" else b
+                                     for b in BACKENDS])
 def test_read_full_state_of_every_backend(workdir: Path, backend: str) -> None:
     """One process, no process group, reads a 2-process checkpoint of every backend whole: its model equals the
     exported weights of that step exactly, with and without the optimizer, which holds AdamW's state of step 8
