@@ -275,11 +275,11 @@ def read_train_state(ckpt: Path) -> dict[str, Any]:
     return state
 
 
-def checked_train_state(ckpt: Path) -> dict[str, Any]:
-    """``train_state.json`` of ``ckpt`` once :func:`problems` finds nothing wrong with it against the manifest;
-    otherwise the one refusal line :func:`check` gives."""
+def checked_train_state(ckpt: Path, manifest: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``train_state.json`` of ``ckpt`` once :func:`problems` finds nothing wrong with it against the manifest
+    (``manifest``: already read, else read here); otherwise the one refusal line :func:`check` gives."""
     state = read_train_state(ckpt)
-    found = problems(ckpt.name, rundir.read_manifest(ckpt), state)
+    found = problems(ckpt.name, rundir.read_manifest(ckpt) if manifest is None else manifest, state)
     if found:
         raise _disagrees(ckpt, found)
     return state
@@ -290,9 +290,9 @@ def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dic
     (finetune.artifacts.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
     build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint)."""
     manifest = rundir.read_manifest(ckpt)
-    state = read_train_state(ckpt)
-    found = problems(ckpt.name, manifest, state)
-    if not found and read is not None:
+    state = checked_train_state(ckpt, manifest)  # its counters first: a refusal there stops the other checks
+    found: list[str] = []
+    if read is not None:
         for name, judge in (("scheduler", lambda s, b: scheduler_problems(s, state["step"], b)),
                             ("scaler", scaler_problems)):
             if name not in (built or {}):

@@ -103,12 +103,12 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
         raise DataError("data.format: chat needs a tokenizer with a chat template; this model's tokenizer has none "
                         "(use alpaca or completion)")
     messages = row["messages"]
+    if texts is None:  # one template call per render that chat_renders lists
+        texts = {(n, gen): tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=gen)
+                 for n, gen in chat_renders(messages)}
 
     def upto(n: int, gen: bool) -> str:
-        if texts is not None:
-            return texts[(n, gen)]
-        return generation_prompt(messages[:n], tokenizer) if gen else \
-            tokenizer.apply_chat_template(messages[:n], tokenize=False)
+        return texts[(n, gen)]
 
     text = upto(len(messages), False)
     spans = []
