@@ -136,11 +136,13 @@ def _sources_of(kind: type[DataSource]) -> Any:
 class DataConfig(Section):
     """Training and evaluation data."""
 
-    format: Literal["alpaca", "chat", "completion", "classification", "preference", "vision_chat"] = Field(
+    format: Literal["alpaca", "chat", "completion", "classification", "preference", "vision_chat", "prompt"] = Field(
         description="alpaca | chat | completion (causal LM), classification, preference (pairs for task dpo / "
-        "reward: {prompt, chosen, rejected} strings or {chosen, rejected} message lists), or vision_chat "
+        "reward: {prompt, chosen, rejected} strings or {chosen, rejected} message lists), vision_chat "
         "({messages} whose user turns may hold image parts {type: image, image: path relative to the data file} "
-        "beside {type: text, text}; vision-language model types)",
+        "beside {type: text, text}; vision-language model types), or prompt (task grpo: {prompt: text} or "
+        "{messages} without the final assistant turn; every other field of a row, e.g. answer, goes to the reward "
+        "functions)",
     )
     train: _sources_of(TrainSource) = Field(  # type: ignore[valid-type]
         description="jsonl/json/csv/parquet file (relative to the recipe) or a hub dataset name; or a mixture: a "
@@ -257,8 +259,14 @@ class TrainConfig(Section):
     """Batch arithmetic, length of training, precision."""
 
     seed: int = Field(default=42, ge=0, lt=2**32)
-    micro_batch_size: int = Field(default=8, ge=1)
-    global_batch_size: int = Field(default=32, ge=1)
+    micro_batch_size: int = Field(
+        default=8, ge=1, description="samples per forward pass on each process (task grpo: prompts, each giving "
+                                     "grpo.group_size completions)",
+    )
+    global_batch_size: int = Field(
+        default=32, ge=1, description="samples per optimizer step over all processes (task grpo: prompts, each "
+                                      "giving grpo.group_size completions)",
+    )
     max_steps: int | None = Field(default=None, ge=1)
     epochs: float | None = Field(default=None, gt=0)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
@@ -362,6 +370,132 @@ class DPOConfig(Section):
         return value
 
 
+FUNCTION_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+REWARD_KINDS = ("exact_match", "regex", "function", "reward_model")  # the keys that say what a reward item is
+
+
+class RewardSpec(Section):
+    """One reward function of ``task: grpo``: exactly one of ``exact_match: true``, ``regex``, ``function`` or
+    ``reward_model``, with its weight in the total and the name its metrics are logged under."""
+
+    exact_match: Literal[True] | None = Field(
+        default=None, description="true: 1.0 when the completion, stripped, equals the row's answer field as text "
+                                  "(stripped), else 0.0",
+    )
+    regex: str | None = Field(
+        default=None, description="a Python regular expression: 1.0 when re.search(pattern, completion) finds it, "
+                                  "else 0.0 (a format reward)",
+    )
+    function: str | None = Field(
+        default=None,
+        description="a plugin 'pkg.module:function', called as function(prompts, completions, rows) -> one float per "
+        "completion (rows: each prompt row's other fields); imported only for a recipe given on the command line "
+        "(or with --trust-remote-code for a stored run)",
+    )
+    reward_model: str | None = Field(
+        default=None,
+        description="a task: reward run's final/ folder (or its run directory): its score of prompt + completion "
+        "(weights only, never remote code)",
+    )
+    weight: float = Field(default=1.0, description="this reward's factor in the total reward (its metric is "
+                                                   "logged unweighted)")
+    name: str | None = Field(
+        default=None, description="the metric name (rewards/<name>); null: exact_match, regex, the function's "
+                                  "name, or reward_model. Names must be unique",
+    )
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardSpec:
+        """Exactly one kind per item (an item of two kinds would be two rewards under one weight)."""
+        given = [kind for kind in REWARD_KINDS if getattr(self, kind) is not None]
+        if len(given) != 1:
+            what = f"has {' and '.join(given)}" if given else "names none"
+            raise ValueError(f"a reward item needs exactly one of {', '.join(REWARD_KINDS)}; this one {what} "
+                             "(split it into one item per reward)")
+        return self
+
+    @field_validator("regex")
+    @classmethod
+    def _compiles(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                re.compile(value)
+            except re.error as exc:
+                raise ValueError(f"{value!r} is not a regular expression ({exc})") from None
+        return value
+
+    @field_validator("function")
+    @classmethod
+    def _importable_name(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(FUNCTION_PATTERN, value):
+            raise ValueError(f"{value!r} must name a function as 'package.module:function'")
+        return value
+
+    @field_validator("reward_model")
+    @classmethod
+    def _a_path(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be the path of a task: reward run's final/ folder")
+        return value
+
+    @property
+    def kind(self) -> str:
+        """Which of :data:`REWARD_KINDS` this item is."""
+        return next(kind for kind in REWARD_KINDS if getattr(self, kind) is not None)
+
+    @property
+    def metric(self) -> str:
+        """The name its scores are logged under: ``name``, else the function's name, else its kind."""
+        if self.name is not None:
+            return self.name
+        if self.function is not None:
+            return self.function.rsplit(":", 1)[1]
+        return self.kind
+
+
+class GRPOConfig(Section):
+    """Group relative policy optimization (``task: grpo``): the policy generates ``group_size`` completions per
+    prompt, the rewards score them, and each completion's advantage is its reward against its group's.
+    train.global_batch_size and train.micro_batch_size count prompts."""
+
+    group_size: int = Field(default=4, ge=2, description="completions generated per prompt (the group whose "
+                                                         "rewards are normalised together)")
+    max_new_tokens: int = Field(
+        default=32, ge=1, description="tokens generated per completion at most; prompts are cut (their end kept) to "
+                                      "data.max_seq_len - max_new_tokens",
+    )
+    temperature: float = Field(default=1.0, gt=0, description="sampling temperature of the generation")
+    top_p: float = Field(default=1.0, gt=0, le=1, description="nucleus sampling: the smallest set of tokens "
+                                                             "holding this much probability (1: all)")
+    beta: float = Field(default=0.0, ge=0, description="weight of the KL penalty to the reference (initial) "
+                                                       "model; 0: no reference pass")
+    epsilon: float = Field(default=0.2, gt=0, description="the policy ratio is clipped to [1 - epsilon, "
+                                                          "1 + epsilon]")
+    iterations: int = Field(default=1, ge=1, description="optimizer updates per batch of generated completions")
+    loss: Literal["grpo", "token", "dr_grpo"] = Field(
+        default="grpo",
+        description="how token losses are averaged: grpo (each completion's mean, then the mean over completions), "
+        "token (the sum over the batch's completion tokens / their count), dr_grpo (the sum / (completions x "
+        "max_new_tokens))",
+    )
+    rewards: list[RewardSpec] = Field(
+        default_factory=list,
+        description="the reward functions (task grpo needs at least one), each {exact_match: true} | {regex: "
+        "pattern} | {function: 'pkg.module:function'} | {reward_model: path}, with weight: 1.0 and name",
+    )
+
+    @field_validator("rewards")
+    @classmethod
+    def _unique_names(cls, value: list[RewardSpec]) -> list[RewardSpec]:
+        """Each reward's metric name is its own (two scores logged under one name would hide one)."""
+        names = [spec.metric for spec in value]
+        twice = sorted({name for i, name in enumerate(names) if name in names[:i]})
+        if twice:
+            raise ValueError(f"reward names must be unique, but {', '.join(map(repr, twice))} names more than one; "
+                             "give the items distinct name: keys")
+        return value
+
+
 class CheckpointConfig(Section):
     """Periodic checkpoints under <output_dir>/checkpoints/step-NNNNNN/."""
 
@@ -421,10 +555,11 @@ class RecipeConfig(Section):
 
     name: str = Field(description="one path component (runs/<name>): letters, digits, . _ + -")
     output_dir: str | None = Field(default=None, description="null: runs/<name>")
-    task: Literal["sft", "dpo", "reward"] | None = Field(
+    task: Literal["sft", "dpo", "reward", "grpo"] | None = Field(
         default=None,
         description="the objective: null = the model row's own task; sft = causal LM; dpo = direct preference "
-        "optimization and reward = a reward model (both need data.format: preference)",
+        "optimization and reward = a reward model (both need data.format: preference); grpo = online RL from "
+        "rewards on the policy's own completions (needs data.format: prompt and grpo.rewards)",
     )
     model: ModelConfig
     data: DataConfig
@@ -435,6 +570,7 @@ class RecipeConfig(Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     peft: PeftConfig = Field(default_factory=PeftConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
@@ -465,6 +601,21 @@ class RecipeConfig(Section):
         if self.data.streaming and self.task == "dpo":
             raise ValueError("data.streaming: true cannot run task dpo (its reference log-probs are scored over the "
                              "whole train split before training); set data.streaming: false")
+        if self.data.streaming and self.task == "grpo":
+            raise ValueError("data.streaming: true cannot run task grpo (prompt rows are tokenized ahead, like the "
+                             "eval split); set data.streaming: false")
+        return self
+
+    @model_validator(mode="after")
+    def _grpo_prompts(self) -> RecipeConfig:
+        """task grpo learns from prompts and rewards; prompt rows are only for task grpo; the prompt leaves room for
+        the completion."""
+        if self.task == "grpo" and not self.grpo.rewards:
+            raise ValueError("grpo.rewards: task grpo needs at least one reward, e.g. [{exact_match: true}]")
+        if self.task == "grpo" and self.grpo.max_new_tokens >= self.data.max_seq_len:
+            raise ValueError(f"grpo.max_new_tokens={self.grpo.max_new_tokens} leaves no room for the prompt in "
+                             f"data.max_seq_len={self.data.max_seq_len}; raise data.max_seq_len or lower "
+                             "grpo.max_new_tokens")
         return self
 
     @property

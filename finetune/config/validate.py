@@ -49,7 +49,7 @@ def _sibling_keys(dotted: str) -> list[str]:
     for part in parts[:-1]:
         ann = model.model_fields[part].annotation if part in model.model_fields else None
         if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            ann = _source_model(ann) if part in ("train", "eval") and model is DataConfig else None
+            ann = _source_model(ann)  # a list of sections: data.train's sources, grpo.rewards' items
             if ann is None:
                 return []
         model = ann
@@ -68,14 +68,21 @@ def _unindexed(dotted: str) -> str:
     return re.sub(r"\[\d+\]", "", dotted)
 
 
+INDEXED_LISTS = (["grpo", "rewards"],)  # lists of sections whose items are named key[i] (as data sources are)
+
+
 def _dotted(loc: tuple[Any, ...]) -> str:
     """A pydantic error location as the user writes the key: ``data.train[1].weight`` for a source of a list
-    (the union tag pydantic puts after data.train / data.eval is dropped), ``optim.betas.0`` as before."""
+    (the union tag pydantic puts after data.train / data.eval is dropped), ``grpo.rewards[1].regex`` for an item of
+    a list of sections, ``optim.betas.0`` as before."""
     parts: list[str] = []
     in_sources = False
     for item in loc:
         text = str(item)
         if text.startswith("function-after"):
+            continue
+        if isinstance(item, int) and parts[-2:] in INDEXED_LISTS:
+            parts[-1] += f"[{item}]"
             continue
         if parts[-2:] in (["data", "train"], ["data", "eval"]) and text in SOURCE_TAGS:
             in_sources = text == "sources"
@@ -157,7 +164,7 @@ def _sections(data: dict[str, Any]) -> _Sections:
     task = data.get("task")
     return _Sections(one(ModelConfig, "model", True), one(DataConfig, "data", True), one(TrainConfig, "train", True),
                      one(EvalConfig, "eval", False), one(LaunchConfig, "launch", False),
-                     task if task in ("sft", "dpo", "reward") else None)
+                     task if task in ("sft", "dpo", "reward", "grpo") else None)
 
 
 def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> list[str]:
@@ -177,8 +184,9 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> 
     scored = cfg.task if preference else "dpo" if cfg.data is not None and cfg.data.format == "preference" else None
     if row is not None and cfg.model is not None:
         if cfg.eval is not None:
-            allowed = registry.PREFERENCE_METRICS[scored] if scored else registry.TASK_METRICS[row.task]
-            what = f"task {scored}" if scored else row.task
+            allowed = registry.PREFERENCE_METRICS[scored] if scored else GRPO_METRICS if cfg.task == "grpo" \
+                else registry.TASK_METRICS[row.task]
+            what = f"task {scored}" if scored else "task grpo" if cfg.task == "grpo" else row.task
             lines += [f"eval.metrics: {metric!r} is not a {what} metric; use one of {sorted(allowed)}"
                       for metric in cfg.eval.metrics if metric not in allowed]
             if "exact_match" in cfg.eval.metrics and "exact_match" in allowed and "generation" not in row.capabilities:
@@ -189,7 +197,11 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> 
                          "capability; use a causal LM model type (finetune models)")
         if cfg.task == "sft" and row.task not in registry.CAUSAL_TASKS:
             lines.append(f"task: sft trains causal LMs, but {row.name} is a {row.task} model; use task: null")
-        if cfg.data is not None and cfg.data.format != "preference" \
+        if cfg.task == "grpo" and (row.task != "causal_lm" or "generation" not in row.capabilities):
+            lines.append(f"task: grpo trains a causal LM on its own generated text, but {row.name} is a {row.task} "
+                         "model" + (" without the generation capability" if row.task == "causal_lm" else "")
+                         + "; use a causal LM model type that generates (finetune models)")
+        if cfg.data is not None and cfg.data.format not in ("preference", "prompt") \
                 and cfg.data.format not in registry.TASK_FORMATS[row.task]:
             lines.append(f"data.format: {cfg.data.format!r} does not fit {row.name} ({row.task}); use one of "
                          f"{sorted(registry.TASK_FORMATS[row.task])}")
@@ -228,11 +240,13 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> 
                      "or remove data.pack_to_multiple_of")
     if cfg.data is not None:
         lines += _preference_lines(cfg.task, cfg.data)
+        lines += _prompt_lines(cfg.task, cfg.data)
         lines += _source_lines(cfg.data, row, train_files)
         if cfg.eval is not None and (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) \
                 and not cfg.data.eval:
             lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
                          "set data.eval or clear eval.metrics/every_steps")
+    lines += _reward_lines(cfg)
     accelerate_file = None
     if cfg.launch is not None:
         try:
@@ -338,6 +352,44 @@ def _freeze_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) -
     return lines
 
 
+def _prompt_lines(task: str | None, data: DataConfig) -> list[str]:
+    """task grpo and data.format: prompt go together; prompt rows are generated from, so neither packed nor
+    trained on (the completions are what the policy learns from)."""
+    prompts = data.format == "prompt"
+    if task == "grpo" and not prompts:
+        return [f"task: grpo generates from prompt rows; set data.format=prompt (got {data.format})"]
+    if not prompts:
+        return []
+    lines = [] if task == "grpo" else [
+        f"data.format: prompt rows train task: grpo; set task (now {task or 'null'})"]
+    if data.packing:
+        lines.append("data.packing: prompt rows are not packed (task grpo trains on generated completions); set "
+                     "data.packing=false")
+    if data.train_on_prompt:
+        lines.append("data.train_on_prompt: task grpo learns from its completions only; set it to false")
+    return lines
+
+
+def _reward_lines(cfg: RecipeConfig | _Sections) -> list[str]:
+    """Each reward_model of task grpo names a folder that holds a model: a task: reward run's final/ folder, or
+    the run directory holding it (the grpo section has schema errors: nothing to check)."""
+    grpo = getattr(cfg, "grpo", None)
+    if cfg.task != "grpo" or grpo is None:
+        return []
+    lines = []
+    for i, spec in enumerate(grpo.rewards):
+        if spec.reward_model is None:
+            continue
+        folder = Path(spec.reward_model).expanduser()
+        key = f"grpo.rewards[{i}].reward_model"
+        if not folder.is_dir():
+            lines.append(f"{key}: folder not found: {spec.reward_model} (give a task: reward run's final/ folder)")
+        elif not (folder / "config.json").is_file() and not (folder / "final" / "config.json").is_file():
+            lines.append(f"{key}: {spec.reward_model} holds no config.json (nor final/config.json); give a task: "
+                         "reward run's final/ folder")
+    return lines
+
+
 def _preference_lines(task: str | None, data: DataConfig) -> list[str]:
     """task dpo / reward and data.format: preference go together; pairs are neither packed nor trained on prompts."""
     pairs = data.format == "preference"
@@ -355,6 +407,7 @@ def _preference_lines(task: str | None, data: DataConfig) -> list[str]:
     return lines
 
 
+GRPO_METRICS = frozenset({"exact_match", "reward"})  # task grpo's eval.metrics (greedy completions on the eval set)
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
 
 
