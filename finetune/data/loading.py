@@ -60,7 +60,7 @@ def _json_kind(value: Any) -> str:
 # ------------------------------------------------------------------------------------------- file-level checks
 
 
-def _check_file(source: str) -> None:
+def check_file(source: str) -> None:
     """The path names a readable, non-empty regular file (each failure would otherwise surface inside datasets)."""
     path = Path(source)
     if path.is_dir():
@@ -154,7 +154,7 @@ def _check_jsonl_start(path: str) -> None:
     """JSON lines start with an object; ``datasets`` would read a file starting with ``[`` as one JSON list."""
     head = _head(path)
     if head[:1] != b"{":
-        _scan_jsonl(path, kinds=False)  # raises for the first line
+        scan_jsonl(path, kinds=False)  # raises for the first line
 
 
 def _check_blank_lines(path: str) -> None:
@@ -182,7 +182,7 @@ def _check_blank_lines(path: str) -> None:
             carry = text[text.rfind(b"\n"):] if b"\n" in text else b""
             data = handle.read(CHUNK)
     if blank or re.search(rb"\n[ \t\r]+\Z", carry):
-        _scan_jsonl(path, kinds=False)  # raises with the line number
+        scan_jsonl(path, kinds=False)  # raises with the line number
 
 
 # ------------------------------------------------------------------------------- scans that find the bad line
@@ -201,7 +201,7 @@ def _check_kinds(row: dict[str, Any], where: str, label: str, seen: dict[str, tu
                             "a field must have one type in every row")
 
 
-def _scan_jsonl(path: str, kinds: bool = True) -> None:
+def scan_jsonl(path: str, kinds: bool = True) -> None:
     """Find the first line that is not a JSON object, or not UTF-8 (``datasets`` names no line for either); with
     ``kinds``, also a field whose type differs from earlier lines (only worth reporting once ``datasets`` failed)."""
     seen: dict[str, tuple[str, str]] = {}
@@ -234,7 +234,7 @@ def _scan_json(path: str) -> None:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data" and text.lstrip().startswith("{"):
-            _scan_jsonl(path)  # several objects: JSON lines
+            scan_jsonl(path)  # several objects: JSON lines
             return
         raise DataError(f"{path}:{exc.lineno}: invalid JSON ({exc.msg} at column {exc.colno})") from None
     if isinstance(value, dict):
@@ -366,7 +366,7 @@ def load_raw(source: str, subset: str | None = None, split: str = "train") -> Da
 
     suffix = Path(source).suffix
     if suffix in BUILDERS:
-        _check_file(source)
+        check_file(source)
         if suffix in TEXT_SUFFIXES:
             _check_utf8(source)
         if suffix == ".jsonl":
@@ -385,7 +385,7 @@ def load_raw(source: str, subset: str | None = None, split: str = "train") -> Da
             _check_cache_error(exc, source)
             # find the offending line (only on failure: a full parse costs seconds per 1M rows)
             if suffix == ".jsonl":
-                _scan_jsonl(source)
+                scan_jsonl(source)
             elif suffix == ".json":
                 _scan_json(source)
             elif suffix == ".csv":

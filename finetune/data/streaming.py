@@ -47,7 +47,7 @@ import numpy as np
 
 from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource
 from finetune.data import batched
-from finetune.data.loading import BUILDERS, _check_file, _scan_jsonl, label_error, quiet_datasets
+from finetune.data.loading import BUILDERS, check_file, label_error, quiet_datasets, scan_jsonl
 from finetune.data.rows import error_detail, line_of
 from finetune.data.tokenize import Tokenized, label_index
 from finetune.errors import DataError
@@ -81,7 +81,7 @@ class JsonlRows:
     """A local JSON lines file, read from a byte offset: a position is ``{"offset", "index"}``."""
 
     def __init__(self, path: str) -> None:
-        _check_file(path)
+        check_file(path)
         self.path = path
 
     def start(self) -> dict[str, int]:
@@ -104,7 +104,7 @@ class JsonlRows:
 
     def _parse(self, raw: bytes, index: int) -> dict[str, Any]:
         """One line as a JSON object; anything else is the one-line error the cached path gives for that line
-        (:func:`finetune.data.loading._scan_jsonl` finds it: every earlier line parsed)."""
+        (:func:`finetune.data.loading.scan_jsonl` finds it: every earlier line parsed)."""
         try:
             text = raw.decode("utf-8").removeprefix("\ufeff" if index == 0 else "")
             value = json.loads(text) if text.strip() else None  # a blank line: the scan words it
@@ -112,7 +112,7 @@ class JsonlRows:
             value = None
         if isinstance(value, dict):
             return value
-        _scan_jsonl(self.path, kinds=False)
+        scan_jsonl(self.path, kinds=False)
         raise DataError(f"{self.path}:{index + 1}: expected a JSON object")
 
 
@@ -127,7 +127,7 @@ class DatasetRows:
         self.source, self.name = source, name
         self.suffix = Path(source.path).suffix
         if self.suffix in BUILDERS:
-            _check_file(source.path)
+            check_file(source.path)
         elif Path(source.path).exists():
             raise DataError(f"{source.path}: unsupported data file type; use one of {', '.join(BUILDERS)}")
         self._dataset: Any = None  # the IterableDataset, opened once (load_dataset costs seconds; a pass is an iter)
