@@ -107,7 +107,7 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, scratch: Path, log: Call
 def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
               trust_remote_code: bool = False) -> dict[str, Any]:
     """Evaluate ``where`` (``scratch``: a checkpoint target's export folder) with the loop's own evaluate()."""
-    from finetune.data import load_splits  # lazy: imports numpy
+    from finetune.data import PromptOptions, load_splits  # lazy: imports numpy
     from finetune.runtime import loop  # lazy: imports torch
     from finetune.runtime.modeling import build_base, image_inputs  # lazy: imports torch
     from finetune.tasks import build_task  # lazy: imports numpy
@@ -118,7 +118,8 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
     export = where.full_model or where.adapter
     tokenizer = load_tokenizer(cfg, where)
     images = image_inputs(tokenizer, row)  # a vision-language row's image processor (else None)
-    data = load_splits(cfg.data, tokenizer, need_train=False, images=images, labels=where.labels)  # not from train
+    data = load_splits(cfg.data, tokenizer, need_train=False, images=images, labels=where.labels,  # not from train
+                       prompt=PromptOptions.of(cfg))
     if scratch is not None:
         loaded = reload_checkpoint(cfg, where, scratch, lambda line: print(line, file=sys.stderr), trust_remote_code)
     else:

@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from finetune.config.schema import DataConfig, DataSource, TrainSource
+from finetune.data import prompt_rows
 from finetune.data.loading import check_columns, load_raw
 from finetune.data.mixing import Mixture
+from finetune.data.prompt_rows import PromptOptions
 from finetune.data.streaming import TrainStream, open_stream, peek_split
 from finetune.data.tokenize import Tokenized, check_labels, column, label_names, tokenize_rows
 from finetune.errors import DataError
@@ -87,7 +89,10 @@ def _load(source: DataSource) -> Dataset:
     """The raw rows of one source, with the columns its format needs."""
     assert source.format is not None, "filled in by DataConfig.train_sources / eval_sources"
     raw = load_raw(source.path, source.subset, source.split)
-    check_columns(raw, source.format, source_name(source))
+    if source.format == prompt_rows.FORMAT:  # two row forms: checked by prompt_rows (with the fields they need)
+        prompt_rows.check_columns(raw, source_name(source))
+    else:
+        check_columns(raw, source.format, source_name(source))
     return raw
 
 
@@ -133,8 +138,23 @@ def _concatenate(parts: list[Part], key: str) -> Tokenized:
                      cached=all(p.tokenized.cached for p in parts))
 
 
+def _prompt_needs(source: DataSource, prompt: PromptOptions | None, *, train: bool) -> dict[str, Any]:
+    """The fields a prompt source's rows must have (train or eval rows); nothing for other formats."""
+    if source.format != prompt_rows.FORMAT or prompt is None:
+        return {}
+    return {"require": prompt.require if train else prompt.eval_require}
+
+
+def _number(tokenized: Tokenized, source: DataSource, read: int, rows: int) -> int:
+    """Number a prompt source's rows after the ``read`` rows of its split's sources before it; the rows read so
+    far, this source's included."""
+    if source.format == prompt_rows.FORMAT:
+        tokenized.dataset = prompt_rows.shift_index(tokenized.dataset, read)
+    return read + rows
+
+
 def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, images: Any = None,
-                labels: list[str] | None = None, seed: int = 0) -> DataBundle:
+                labels: list[str] | None = None, seed: int = 0, prompt: PromptOptions | None = None) -> DataBundle:
     """Load, check and tokenize the recipe's splits (the eval split only when ``need_train`` is False); ``images``:
     the model's :class:`finetune.data.vision.ImageInputs` (vision_chat data). ``labels``: the classification label
     names a checkpoint or export recorded (with ``need_train`` False the train files are then not read at all).
@@ -142,7 +162,9 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     Each source is loaded, checked (errors name its own file and line) and tokenized with its own format, under
     the same data.max_seq_len and data.overlong; a split of several sources is their concatenation. With
     data.streaming the training split is a :class:`finetune.data.streaming.TrainStream` (``seed``: train.seed, its
-    shuffle and mixing choices), nothing of it is read ahead but its first samples, and ``train`` holds those."""
+    shuffle and mixing choices), nothing of it is read ahead but its first samples, and ``train`` holds those.
+    ``prompt``: task grpo's options for prompt rows (:meth:`PromptOptions.of` the recipe): the room each prompt
+    leaves for its completion, and the fields (``answer``) its train and eval rows must have."""
     train_sources = cfg.train_sources()
     known = labels is not None and not need_train  # recorded with the model: the train files are not read
     raws = [] if known or cfg.streaming else [_load(source) for source in train_sources]
@@ -152,7 +174,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
             else None
     common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
               "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images,
-              "num_proc": cfg.num_proc}
+              "num_proc": cfg.num_proc, "prompt": prompt}
     listed = not isinstance(cfg.train, str)
     train, mixture, train_parts, stream = None, None, [], None
     if need_train and cfg.streaming:  # nothing read ahead: the stream tokenizes while training
@@ -160,8 +182,11 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
                              images=images, labels=labels)
         train = peek_split(stream)
     elif need_train:
+        read = 0  # rows of the sources before this one (prompt rows are numbered through the split)
         for i, (raw, source) in enumerate(zip(raws, train_sources, strict=True)):
-            tokenized = tokenize_rows(raw, fmt=source.format, source=source_name(source), **common)
+            tokenized = tokenize_rows(raw, fmt=source.format, source=source_name(source), **common,
+                                      **_prompt_needs(source, prompt, train=True))
+            read = _number(tokenized, source, read, len(raw))
             train_parts.append(Part(f"data.train[{i}]" if listed else "data.train", source_name(source), tokenized,
                                     source.weight))
         train = _concatenate(train_parts, "data.train")
@@ -172,10 +197,13 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
                 part.draws = draws
     evaluation, eval_parts = None, []
     eval_sources = cfg.eval_sources()
+    read = 0
     for i, source in enumerate(eval_sources):
         # eval metrics measure the answers, whatever train_on_prompt says for training
-        tokenized = tokenize_rows(_load(source), fmt=source.format, source=source_name(source),
-                                  **{**common, "train_on_prompt": False})
+        raw = _load(source)
+        tokenized = tokenize_rows(raw, fmt=source.format, source=source_name(source),
+                                  **{**common, "train_on_prompt": False}, **_prompt_needs(source, prompt, train=False))
+        read = _number(tokenized, source, read, len(raw))
         eval_parts.append(Part(f"data.eval[{i}]" if not isinstance(cfg.eval, str) else "data.eval",
                                source_name(source), tokenized))
     if eval_parts:
@@ -184,4 +212,4 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
                       train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [], stream)
 
 
-__all__ = ["DataBundle", "Part", "load_splits", "source_name"]
+__all__ = ["DataBundle", "Part", "PromptOptions", "load_splits", "source_name"]

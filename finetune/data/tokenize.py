@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from finetune.data import batched
+from finetune.data import batched, prompt_rows
 from finetune.data.batched import Progress
 from finetune.data.loading import check_columns, label_error, quiet_datasets, raw_values
 from finetune.data.rows import IGNORE, line_of
@@ -35,13 +35,14 @@ from finetune.errors import DataError
 if TYPE_CHECKING:
     from datasets import Dataset, Features
 
+    from finetune.data.prompt_rows import PromptOptions
     from finetune.data.vision import ImageInputs
 
 __all__ = ["CODE_VERSION", "IGNORE", "Progress", "Tokenized", "check_labels", "column", "label_index", "label_names",
            "output_features", "tokenize_rows"]
 MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
 # what decides a tokenized row
-RENDERING = ("formats.py", "rows.py", "prompts.py", "tokenize.py", "vision.py", "batched.py")
+RENDERING = ("formats.py", "rows.py", "prompts.py", "tokenize.py", "vision.py", "batched.py", "prompt_rows.py")
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
                                        for name in RENDERING)).hexdigest()[:16]
 
@@ -150,6 +151,8 @@ def output_features(fmt: str) -> Features:
     from datasets import Features, Sequence, Value  # lazy: heavy
 
     common = {"input_ids": Sequence(Value("int32")), "overlong": Value("bool"), "n_labels": Value("int64")}
+    if fmt == prompt_rows.FORMAT:
+        return prompt_rows.output_features()
     if fmt == "classification":
         return Features({**common, "label": Value("int64")})
     if fmt == "preference":
@@ -167,12 +170,20 @@ def output_features(fmt: str) -> Features:
 def tokenize_rows(
     dataset: Dataset, *, fmt: str, tokenizer: Any, max_len: int, overlong: str, train_on_prompt: bool = False,
     labels: list[str] | None = None, source: str = "", images: ImageInputs | None = None, num_proc: int | None = None,
+    prompt: PromptOptions | None = None, require: tuple[str, ...] = (),
 ) -> Tokenized:
     """Tokenize ``dataset``; apply the over-long policy; drop samples left without any answer token. ``images``:
     the model's image processor (vision_chat only); ``num_proc``: ``data.num_proc`` (see
-    :func:`finetune.data.batched.processes`)."""
-    check_columns(dataset, fmt, source)
-    if fmt == "classification":
+    :func:`finetune.data.batched.processes`); ``prompt``: the task's options of prompt rows (the room left for a
+    completion) and ``require``: the fields each prompt row must have (see :mod:`finetune.data.prompt_rows`)."""
+    if fmt == prompt_rows.FORMAT:
+        prompt_rows.check_columns(dataset, source, require)
+    else:
+        check_columns(dataset, fmt, source)
+    if fmt == prompt_rows.FORMAT:
+        room = prompt.new_tokens if prompt is not None else 0
+        fn, kwargs = prompt_rows.prompt_batch, {"tokenizer": tokenizer, "max_len": max_len - room, "require": require}
+    elif fmt == "classification":
         assert labels is not None, "classification needs label names"
         index = label_index(labels)
         values = column(dataset, "label")

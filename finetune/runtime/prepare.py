@@ -53,14 +53,15 @@ class Inputs:
 def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
     """Download ``model.path`` when it is a hub id, build the tokenizer, load and tokenize the data; the first
     process to get here does the work while the others wait on a file lock, then read the caches."""
-    from finetune.data import load_splits  # imports numpy: not at CLI start-up
+    from finetune.data import PromptOptions, load_splits  # imports numpy: not at CLI start-up
     from finetune.runtime.modeling import build_tokenizer, image_inputs  # imports torch
 
     def load() -> Inputs:
         download(cfg)
         tokenizer = build_tokenizer(cfg.model, row)
         images = image_inputs(tokenizer, row)
-        return Inputs(tokenizer, images, load_splits(cfg.data, tokenizer, images=images, seed=cfg.train.seed), row)
+        data = load_splits(cfg.data, tokenizer, images=images, seed=cfg.train.seed, prompt=PromptOptions.of(cfg))
+        return Inputs(tokenizer, images, data, row)
 
     lock, done = _lock_files(cfg)
     with _exclusive(lock):  # waits while another process fills the caches; its failure leaves `done` unwritten
