@@ -371,13 +371,20 @@ def _prompt_lines(task: str | None, data: DataConfig) -> list[str]:
 
 
 def _reward_lines(cfg: RecipeConfig | _Sections) -> list[str]:
-    """Each reward_model of task grpo names a folder that holds a model: a task: reward run's final/ folder, or
-    the run directory holding it (the grpo section has schema errors: nothing to check)."""
+    """Each function reward's package can be found (without importing it: that runs its code, which happens only
+    where the command line allows it, see finetune.tasks.rewards), and each reward_model names a folder that holds
+    a model: a task: reward run's final/ folder, or the run directory holding it (a grpo section with schema
+    errors has nothing to check)."""
     grpo = getattr(cfg, "grpo", None)
     if cfg.task != "grpo" or grpo is None:
         return []
     lines = []
     for i, spec in enumerate(grpo.rewards):
+        if spec.function is not None:
+            package = spec.function.split(":")[0].split(".")[0]
+            if importlib.util.find_spec(package) is None:  # the top package only: finding it runs no code
+                lines.append(f"grpo.rewards[{i}].function: package {package!r} is not installed or not on the "
+                             f"Python path (for {spec.function!r})")
         if spec.reward_model is None:
             continue
         folder = Path(spec.reward_model).expanduser()
@@ -407,7 +414,9 @@ def _preference_lines(task: str | None, data: DataConfig) -> list[str]:
     return lines
 
 
-GRPO_METRICS = frozenset({"exact_match", "reward"})  # task grpo's eval.metrics (greedy completions on the eval set)
+# task grpo's eval.metrics: exact_match of greedy completions against each eval row's answer (the mean reward of
+# those completions is always reported, like the loss)
+GRPO_METRICS = frozenset({"exact_match"})
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
 
 

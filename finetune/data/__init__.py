@@ -44,6 +44,7 @@ class DataBundle:
     train_parts: list[Part] = field(default_factory=list)
     eval_parts: list[Part] = field(default_factory=list)
     stream: TrainStream | None = None  # data.streaming: the training stream (``train`` holds its first samples)
+    prompt_room: int = 0  # prompt rows: the tokens each prompt leaves for its completion (grpo.max_new_tokens)
 
     @property
     def train_size(self) -> int:
@@ -72,7 +73,11 @@ class DataBundle:
             if split is None:
                 continue
             for prefix, counts in ([(f"{p.key} {p.name}: ", p.tokenized) for p in parts] or [("", split)]):
-                if counts.truncated or counts.dropped or counts.no_answer:
+                if self.prompt_room and (counts.truncated or counts.dropped):
+                    lines.append(f"data: {prefix}{counts.truncated} prompts truncated (their end kept), "
+                                 f"{counts.dropped} dropped (longer than data.max_seq_len - grpo.max_new_tokens = "
+                                 f"{max_seq_len - self.prompt_room} tokens)")
+                elif counts.truncated or counts.dropped or counts.no_answer:
                     lines.append(f"data: {prefix}{counts.truncated} truncated, {counts.dropped} dropped (longer than "
                                  f"data.max_seq_len={max_seq_len}), {counts.no_answer} without answer tokens skipped")
         return lines
@@ -209,7 +214,8 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     if eval_parts:
         evaluation = _concatenate(eval_parts, "data.eval")
     return DataBundle(train, evaluation, labels, mixture,
-                      train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [], stream)
+                      train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [], stream,
+                      prompt.new_tokens if prompt is not None and cfg.format == prompt_rows.FORMAT else 0)
 
 
 __all__ = ["DataBundle", "Part", "PromptOptions", "load_splits", "source_name"]

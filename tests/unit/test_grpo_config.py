@@ -54,7 +54,7 @@ def test_a_grpo_recipe_validates_with_its_defaults(grpo_recipe) -> None:
 
 
 def test_every_reward_kind_and_its_default_name(grpo_recipe) -> None:
-    rewards = [{"exact_match": True}, {"regex": r"^\d+$", "weight": 0.5}, {"function": "pkg.mod:score_it"},
+    rewards = [{"exact_match": True}, {"regex": r"^\d+$", "weight": 0.5}, {"function": "json.decoder:score_it"},
                {"regex": "x", "name": "has_x", "weight": -1}]
     cfg = grpo_recipe(grpo={"rewards": rewards, "loss": "dr_grpo", "group_size": 8})
     assert [r.metric for r in cfg.grpo.rewards] == ["exact_match", "regex", "score_it", "has_x"]
@@ -98,7 +98,7 @@ def test_a_bad_reward_item_is_one_line_naming_it(grpo_recipe, reward: dict, need
     ("data.packing=true", "data.packing: prompt rows are not packed"),
     ("data.train_on_prompt=true", "data.train_on_prompt: task grpo learns from its completions only"),
     ("eval.metrics=[token_accuracy]", "eval.metrics: 'token_accuracy' is not a task grpo metric; use one of "
-                                      "['exact_match', 'reward']"),
+                                      "['exact_match']"),
 ])
 def test_a_bad_grpo_setting_is_one_line(grpo_recipe, override: str, needle: str) -> None:
     sections = {"data": {"format": "prompt", "train": "prompts.jsonl", "eval": "prompts.jsonl"}} \
@@ -149,3 +149,9 @@ def test_the_keys_reach_the_json_schema_and_the_key_list() -> None:
     assert list(validator.iter_errors({"grpo": {"rewards": [{"regx": "a"}]}}))
     assert list(validator.iter_errors({"grpo": {"loss": "seq"}}))
     assert "prompts" in schema["$defs"]["TrainConfig"]["properties"]["global_batch_size"]["description"]
+
+
+def test_a_function_reward_whose_package_is_missing_is_one_line(grpo_recipe) -> None:
+    line = _one_line(grpo_recipe, grpo={"rewards": [{"function": "no_such_reward_pkg.scores:f"}]})
+    assert line == "grpo.rewards[0].function: package 'no_such_reward_pkg' is not installed or not on the Python " \
+                   "path (for 'no_such_reward_pkg.scores:f')"

@@ -141,3 +141,12 @@ def test_the_collator_left_pads_and_parses_the_fields(tmp_path: Path, tokenizer:
     assert batch["prompts"] == [r["prompt"] for r in rows]
     assert batch["rows"] == [{"answer": "4", "level": 1}, {"answer": "6", "level": 2}, {"answer": "12"}]
     assert batch["index"].tolist() == [0, 1, 2]
+
+
+def test_the_truncation_note_names_the_prompt_limit(tmp_path: Path, tokenizer: Any) -> None:
+    path = write(tmp_path / "p.jsonl", ROWS)
+    room = len(prompts.encode(ROWS[2]["prompt"], tokenizer)) - 3
+    bundle = load_splits(DataConfig(format="prompt", train=path, max_seq_len=room + 8), tokenizer,
+                         prompt=PromptOptions(8))
+    assert bundle.notes(room + 8) == [f"data: 1 prompts truncated (their end kept), 0 dropped (longer than "
+                                      f"data.max_seq_len - grpo.max_new_tokens = {room} tokens)"]
