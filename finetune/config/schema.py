@@ -414,6 +414,14 @@ class RewardSpec(Section):
                              "(split it into one item per reward)")
         return self
 
+    @field_validator("exact_match", mode="before")
+    @classmethod
+    def _true_only(cls, value: Any) -> Any:
+        """``exact_match: false`` would be an item naming no reward: say so rather than "should be True"."""
+        if value is False:
+            raise ValueError("false names no reward; write exact_match: true, or remove the item")
+        return value
+
     @field_validator("regex")
     @classmethod
     def _compiles(cls, value: str | None) -> str | None:

@@ -71,7 +71,9 @@ def test_every_reward_kind_and_its_default_name(grpo_recipe) -> None:
                                           "function, reward_model; this one has exact_match and regex"),
     ({"weight": 2.0}, "grpo.rewards[1]: a reward item needs exactly one of exact_match, regex, function, "
                       "reward_model; this one names none"),
-    ({"exact_match": False}, "grpo.rewards[1].exact_match: Input should be True"),
+    ({"exact_match": False}, "grpo.rewards[1].exact_match: false names no reward; write exact_match: true, or "
+                             "remove the item"),
+    ({"exact_match": "yes"}, "grpo.rewards[1].exact_match: Input should be True"),
     ({"regx": "a"}, "grpo.rewards[1].regx: unknown key; did you mean grpo.rewards[1].regex?"),
     ({"exact_match": True}, "grpo.rewards: reward names must be unique, but 'exact_match' names more than one"),
     ({"regex": "a", "weight": float("nan")}, "grpo.rewards[1].weight"),
