@@ -9,8 +9,9 @@ reward the advantages are computed from. They run on the host, on every rank for
 - ``regex: PATTERN``: 1.0 when ``re.search(PATTERN, completion)`` finds a match anywhere, else 0.0;
 - ``function: "pkg.module:name"``: a plugin ``name(prompts, completions, rows) -> list of numbers``, imported only
   where the command line allows code named by the recipe (``finetune run``; resume or eval of a stored run with
-  ``--trust-remote-code``), as ``model.plugin`` is. What it returns is checked on every call: one finite number per
-  completion, else the run stops with one line naming the function;
+  ``--trust-remote-code``), as ``model.plugin`` is. What it returns is checked on every call: one finite number
+  (int, float, numpy or 0-d tensor values alike; true/false count as 1.0 / 0.0) per completion, else the run stops
+  with one line naming the function;
 - ``reward_model: FOLDER``: a ``task: reward`` export (its final/ folder, or the run directory holding it), loaded
   from its weights only (safetensors, never the folder's code), in eval mode; it scores ``prompt + completion``
   tokenized by its own tokenizer as its training did (the bos rule of :mod:`finetune.data.prompts`, eos last), in
@@ -70,11 +71,12 @@ def _checked(name: str, values: Any, count: int) -> list[float]:
         raise RewardError(f"reward {name}: returned {type(values).__name__}, not a list of {count} numbers (one per "
                           "completion)")
     values = values.tolist() if hasattr(values, "tolist") else list(values)
+    values = [v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v for v in values]  # 0-d values
     if len(values) != count:
         raise RewardError(f"reward {name}: returned {len(values)} values for {count} completions (one per "
                           "completion)")
     for i, value in enumerate(values):
-        if isinstance(value, bool) or not isinstance(value, Real):
+        if not isinstance(value, Real):  # int, float, numpy floats; true/false count as 1.0 / 0.0
             raise RewardError(f"reward {name}: value {i} is {value!r} ({type(value).__name__}), not a number")
         if not math.isfinite(float(value)):
             raise RewardError(f"reward {name}: value {i} is {float(value)}, not a finite number")

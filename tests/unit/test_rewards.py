@@ -38,6 +38,14 @@ def nan(prompts, completions, rows):
 def text(prompts, completions, rows):
     return ["1"] * len(completions)
 
+def mixed(prompts, completions, rows):
+    import numpy, torch
+    return [1, True, numpy.float32(0.5), torch.tensor(2.0)][:len(completions)]
+
+def as_tensor(prompts, completions, rows):
+    import torch
+    return torch.arange(len(completions), dtype=torch.float64)
+
 def boom(prompts, completions, rows):
     raise KeyError("level")
 '''
@@ -103,6 +111,15 @@ def test_a_bad_plugin_result_stops_with_one_line_naming_it(plugin_dir: Path, fun
     with pytest.raises(RewardError) as info:
         rewards.score(["p", "p"], ["a", "b"], [{}, {}])
     assert str(info.value) == needle
+
+
+def test_a_plugin_may_return_any_real_numbers(plugin_dir: Path) -> None:
+    rewards = build_rewards(cfg_of({"function": "grpo_reward_plugin.scores:mixed"},
+                                   {"function": "grpo_reward_plugin.scores:as_tensor"}), device="cpu",
+                            allow_plugin=True)
+    scores = rewards.score(["p"] * 4, ["a"] * 4, [{}] * 4)
+    assert scores == [[1.0, 1.0, 0.5, 2.0], [0.0, 1.0, 2.0, 3.0]]
+    assert all(type(v) is float for column in scores for v in column)
 
 
 def test_a_plugin_that_cannot_be_imported_is_one_line(plugin_dir: Path) -> None:
