@@ -490,6 +490,9 @@ def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool
         raise ConfigError(f"output_dir: {out} is a symbolic link (to {out.resolve()}); finetune never writes through "
                           "a link: give the folder itself, or another output_dir / -o")
     cfg.output_dir = str(out.resolve())
+    for spec in cfg.grpo.rewards:  # stored absolute, as output_dir: a resume from another folder finds it
+        if spec.reward_model is not None:
+            spec.reward_model = str(Path(spec.reward_model).expanduser().resolve())
     return cfg
 
 

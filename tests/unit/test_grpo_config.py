@@ -133,6 +133,15 @@ def test_a_reward_model_folder_must_exist_and_hold_a_model(grpo_recipe, tmp_path
     assert cfg.grpo.rewards[0].metric == "reward_model"
 
 
+def test_a_relative_reward_model_path_is_stored_absolute(grpo_recipe, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "runs" / "rm" / "final").mkdir(parents=True)
+    (tmp_path / "runs" / "rm" / "final" / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    cfg = grpo_recipe(grpo={"rewards": [{"reward_model": "runs/rm/final"}]})
+    assert cfg.grpo.rewards[0].reward_model == str((tmp_path / "runs" / "rm" / "final").resolve())
+
+
 def test_the_other_tasks_ignore_the_grpo_section(write_recipe, minimal_recipe) -> None:
     cfg = load_recipe(write_recipe({**minimal_recipe, "grpo": {"group_size": 3}}), [])[0]
     assert cfg.task is None and cfg.grpo.group_size == 3 and cfg.grpo.rewards == []
