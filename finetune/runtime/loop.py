@@ -70,6 +70,7 @@ class StepStats:
     nonfinite: bool = False
     inputs: int = 0  # input tokens of the window on all ranks (padding left out)
     squares: int = 0  # the sum of their samples' squared lengths (the attention FLOPs)
+    extra: dict[str, float] = field(default_factory=dict)  # the task's metrics of the step (Task.step_metrics)
 
 
 def _due(step: int, every: int | None) -> bool:
@@ -153,8 +154,10 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     t.optimizer.zero_grad(set_to_none=True)
     # an fp16 overflow that the dynamic loss scale explains is the scaler's business, not a divergence
     nonfinite = not finite and not (math.isfinite(loss) and t.precision.absorbs_overflow())
+    extra = t.task.step_metrics(lambda sums: acc.reduce(sums, reduction="sum"))  # sync, only for a task with any
     return StepStats(loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(total_tokens), skipped=not stepped,
-                     stop=bool(summed[1] > 0), nonfinite=nonfinite, inputs=int(summed[2]), squares=int(summed[3]))
+                     stop=bool(summed[1] > 0), nonfinite=nonfinite, inputs=int(summed[2]), squares=int(summed[3]),
+                     extra=extra)
 
 
 def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
@@ -178,6 +181,7 @@ def _train_row(t: Trainer, stats: StepStats, throughput: Throughput) -> dict[str
         "step": t.state.step, "loss": stats.loss, "lr": stats.lr,
         "grad_norm": stats.grad_norm, "tokens": t.state.tokens_seen, "elapsed_s": round(t.state.elapsed_s, 3),
         **throughput.rates(t.state.tokens_seen, t.state.elapsed_s), **meter.memory_peaks(t.accelerator.device),
+        **stats.extra,
     }
     if t.precision.loss_scale is not None:
         row["loss_scale"] = t.precision.loss_scale

@@ -60,11 +60,12 @@ def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
     return dataclasses.replace(backend, keep_unsharded_grads=fits)
 
 
-def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs: prepare.Inputs | None = None
-                  ) -> Trainer:
+def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs: prepare.Inputs | None = None,
+                  allow_plugin: bool = False) -> Trainer:
     """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
     ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
-    tokenizer and data this process already read (`finetune run` reads them before it creates the run folder)."""
+    tokenizer and data this process already read (`finetune run` reads them before it creates the run folder).
+    ``allow_plugin``: see :func:`run_worker` (a GRPO reward function is such code)."""
     from finetune.runtime import loop  # lazy: imports torch
     from finetune.runtime.meter import step_flops  # lazy: imports numpy
     from finetune.runtime.modeling import (
@@ -150,7 +151,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
                "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16),
                                   precision)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
-                      lockstep=backend.shards_parameters, images=images)
+                      lockstep=backend.shards_parameters, images=images, allow_plugin=allow_plugin)
+    objects |= task.checkpoint_objects  # e.g. GRPO's generation batch inside a cycle
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
                                     f"{cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size} x accum "
                                     f"{cfg.grad_accum} x {accelerator.num_processes} process(es)), backend "
@@ -254,7 +256,8 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
     started = time.monotonic()
     cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe, allow_plugin)
-    trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(resume_from), inputs=inputs)
+    trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(resume_from), inputs=inputs,
+                            allow_plugin=allow_plugin)
     try:
         if resume_from is not None:
             main = trainer.accelerator.is_main_process

@@ -11,16 +11,21 @@ from finetune.tasks.base import EvalCounts, Task
 from finetune.tasks.causal_lm import CausalLMTask
 from finetune.tasks.classification import ClassificationTask
 from finetune.tasks.dpo import DPOTask
+from finetune.tasks.grpo import GRPOTask
 from finetune.tasks.reward import RewardTask
 from finetune.tasks.vision_lm import VisionCausalLMTask
 
 
 def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: DataBundle, rank: int,
-               world: int, lockstep: bool = False, images: Any = None) -> Task:
+               world: int, lockstep: bool = False, images: Any = None, allow_plugin: bool = False) -> Task:
     """The adapter for the recipe's ``task`` (null / sft: the row's own task), over this rank's data (``lockstep``:
-    see TaskData; ``images``: a vision-language row's image processor)."""
+    see TaskData; ``images``: a vision-language row's image processor; ``allow_plugin``: the recipe's code may be
+    imported, e.g. a GRPO reward function)."""
     if cfg.task == "dpo":
         return DPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
+    if cfg.task == "grpo":
+        return GRPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, tokenizer=tokenizer,
+                        allow_plugin=allow_plugin, row=row)
     if cfg.task == "reward":
         return RewardTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
     if row.task == "classification":

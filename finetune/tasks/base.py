@@ -74,6 +74,17 @@ class Task(Protocol):
         """The samples an eval batch holds (a preference batch holds two sequences per sample)."""
         ...
 
+    @property
+    def checkpoint_objects(self) -> dict[str, Any]:
+        """Name -> object with ``state_dict()`` / ``load_state_dict()`` that a checkpoint must hold besides the
+        model (GRPO: a generation batch that later steps still use); the worker adds them to ``Trainer.objects``."""
+        ...
+
+    def step_metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """Task metrics of the step just taken, for its train row, on every rank after each step; ``reduce``
+        sums a tensor over ranks (a collective: a task calls it the same number of times on every rank)."""
+        ...
+
 
 class TaskData:
     """Dataloaders shared by every task: the endless resumable train stream and the exact eval shard.
@@ -86,6 +97,15 @@ class TaskData:
     def count_samples(self, batch: dict[str, Any]) -> int:
         """One sample per row of the batch."""
         return len(batch["input_ids"])
+
+    @property
+    def checkpoint_objects(self) -> dict[str, Any]:
+        """Nothing to checkpoint besides the model: the data cursor is the loop's."""
+        return {}
+
+    def step_metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """No task metrics in the train row (and no collective)."""
+        return {}
 
     def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
                 splits: tuple[str, ...] = ("train", "eval")) -> None:

@@ -81,7 +81,7 @@ def test_every_task_class_has_every_member_of_the_protocol() -> None:
 def test_preparing_a_task_without_a_reference_never_builds_the_initial_model() -> None:
     """Only a task that needs the initial model asks for it (``finetune eval`` builds a base model for it)."""
     for cls in task_classes():
-        if cls.__name__ == "DPOTask":
+        if cls.__name__ in ("DPOTask", "GRPOTask"):  # DPO scores its reference, GRPO generates with the model
             continue
         instance(cls).prepare(lambda: pytest.fail("built the initial model"), None, None, print)
 

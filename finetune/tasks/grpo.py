@@ -1,0 +1,580 @@
+"""Group relative policy optimisation (``task: grpo``): online RL from rewards through the same seam as SFT.
+
+A step's global batch is ``train.global_batch_size`` PROMPTS (``micro_batch_size`` prompts per micro-batch); each
+prompt gives ``grpo.group_size`` completions sampled from the policy itself. The train dataloader of this task
+(:class:`Rollouts`) is an iterator that, for each generation cycle, takes this rank's prompts of every micro-batch
+of the window, generates their completions with the current weights (eval mode, KV cache, left-padded), scores
+the rewards on the host, normalises advantages within each group, scores the old log-probs (``iterations`` > 1)
+and the reference log-probs (``beta`` > 0), and yields micro-batches of prompt + completion sequences whose
+targets are the completion tokens up to and including the first EOS.
+
+Per completion token t, with ``r_t = exp(logp_t - old_t)`` (``old_t = logp_t.detach()`` when ``iterations`` is 1,
+so ``r_t`` is 1 with the policy gradient's derivative) and the k3 estimator of the KL to the reference
+``KL_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1``::
+
+    l_t = -min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon) A) + beta KL_t
+
+Normalisation (``grpo.loss``), exactly, over the whole accumulation window on all ranks (the loop's one division:
+``train_output`` returns the sum, ``count_targets`` the denominator's share of the micro-batch):
+
+* ``grpo``: each completion's mean over its tokens, then the mean over the window's completions
+  (targets = completions);
+* ``token``: the sum over every completion token of the window / the window's completion tokens
+  (targets = completion tokens);
+* ``dr_grpo``: the sum over every completion token / (completions x ``max_new_tokens``), and the advantage
+  without the group's std (targets = completions x max_new_tokens).
+
+Advantages: ``A = (r - mean_group) / std_group`` (sample std) for ``grpo`` and ``token``; ``r - mean_group`` for
+``dr_grpo``; a group whose rewards are all equal gets advantage 0 (and is counted in ``frac_zero_std``).
+
+Reproducibility: completion ``j`` of the prompt at position ``p`` of the global batch of generation step ``s`` is
+drawn from its own CPU generator seeded by ``(train.seed, s, p, j)`` (:func:`completion_seed`), one uniform draw
+per new token (:class:`finetune.tasks.causal_lm.Sampling`), so it does not depend on the micro-batch size, the
+batch composition or the number of processes. ``iterations`` k > 1: one generation batch serves k consecutive
+optimizer steps; the loop still counts ``global_batch_size`` samples per step, so ``samples_seen`` advances k
+times per generation batch and the prompt cursor is ``(samples_seen // (k G)) G``. A checkpoint written inside a
+cycle saves the cycle's generated batch (``grpo_rollouts``, in global prompt order, so any world size reads it);
+one at a cycle's end saves nothing, and a resume regenerates from the seeds.
+
+The generator is a seam (:class:`Generator`): the policy generates here (:class:`PolicyGenerator`); an external
+engine (vLLM on a GPU, fed the current weights) would implement ``complete`` with the same seeds.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from finetune.data.prompt_rows import PromptCollator
+from finetune.data.rows import IGNORE
+from finetune.errors import ConfigError
+from finetune.tasks.base import EvalCounts, TaskData
+from finetune.tasks.causal_lm import (
+    Sampling,
+    find_head,
+    generate_tokens,
+    head_logprobs,
+    next_token_targets,
+    normalize,
+)
+from finetune.tasks.losses import sequence_logprobs
+from finetune.tasks.rewards import build_rewards
+
+CACHE_NAME = "grpo_rollouts"  # the checkpoint object holding a generation batch that a later step still uses
+
+
+def completion_seed(seed: int, step: int, position: int, completion: int) -> int:
+    """The seed of one completion's generator: a hash of (train.seed, generation step, the prompt's position in
+    the step's global batch, the completion's number in its group), so nearby tuples give unrelated streams."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{position}:{completion}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+class Generator(Protocol):
+    """Where completions come from. ``prompt_ids`` / ``prompt_mask`` ``[N, L]`` are left-padded (one row per
+    completion, a prompt repeated ``group_size`` times), ``seeds`` one per row; returns ``[N, max_new_tokens]``
+    token ids, pad after each row's first stop token. A row's tokens depend on its prompt, its seed and the
+    weights only. An external engine (vLLM on a GPU) implements this with the policy's current weights."""
+
+    def complete(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+        ...
+
+
+class PolicyGenerator:
+    """Generation with the policy itself: eval mode (no dropout), the recipe's autocast, a KV cache, one seeded
+    generator per row (:func:`finetune.tasks.causal_lm.generate_tokens`); ``lockstep`` (sharded parameters): every
+    call runs ``max_new_tokens`` forward passes on every rank, else it ends once every row has stopped."""
+
+    def __init__(self, model: Any, precision: Any, *, max_new_tokens: int, temperature: float, top_p: float,
+                 stop_ids: Sequence[int], pad_id: int, lockstep: bool) -> None:
+        self.model, self.precision = model, precision
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.stop_ids, self.pad_id, self.lockstep = list(stop_ids), pad_id, lockstep
+
+    def complete(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, seeds: Sequence[int]) -> torch.Tensor:
+        sampling = None if self.temperature <= 0 else Sampling(
+            self.temperature, self.top_p, [torch.Generator().manual_seed(s) for s in seeds])
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self.precision.autocast():
+                new = generate_tokens(self.model, prompt_ids, prompt_mask, self.max_new_tokens, self.stop_ids,
+                                      self.pad_id, sampling, stop_when_done=not self.lockstep)
+        finally:
+            self.model.train(was_training)
+        return pad_columns(new, self.max_new_tokens, self.pad_id)
+
+
+def pad_columns(tokens: torch.Tensor, width: int, pad_id: int) -> torch.Tensor:
+    """``tokens`` ``[N, <= width]`` right-padded with ``pad_id`` to ``width`` columns."""
+    return torch.nn.functional.pad(tokens, (0, width - tokens.size(1)), value=pad_id)
+
+
+def completion_mask(tokens: torch.Tensor, stop_ids: Sequence[int]) -> torch.Tensor:
+    """1 on each row's tokens up to and including its first stop token (every token when it has none), else 0."""
+    if not len(stop_ids):
+        return torch.ones_like(tokens, dtype=torch.long)
+    stops = torch.isin(tokens, torch.tensor(list(stop_ids), dtype=tokens.dtype, device=tokens.device)).long()
+    before = stops.cumsum(-1) - stops  # stop tokens strictly before each position
+    return (before == 0).long()
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per completion (``rewards`` ``[N]``, groups of ``group_size`` consecutive rows): ``r - mean`` of its group,
+    divided by the group's sample std when ``scale``; 0 in a group whose rewards are all equal. Also whether each
+    group's std is 0 (``[N / group_size]``). float64."""
+    groups = rewards.double().reshape(-1, group_size)
+    centred = groups - groups.mean(1, keepdim=True)
+    std = groups.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(centred[:, :1])
+    flat = std == 0
+    advantage = torch.where(flat, 0.0, centred / std.where(~flat, 1.0) if scale else centred)
+    return advantage.reshape(-1), flat.reshape(-1)
+
+
+def token_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None) -> torch.Tensor:
+    """``[S, T]`` fp32: the log-prob of each next-token target (0 where IGNORE), with grad when enabled, from the
+    final hidden states and the output head chunk by chunk: :func:`finetune.tasks.losses.sequence_logprobs` with
+    one "sequence" per position (no ``[tokens x vocab]`` logits)."""
+    rows, length = targets.shape
+    seq = torch.arange(rows * length, device=targets.device)
+    head = find_head(model, head_name)
+    if head is not None:
+        sums, _ = head_logprobs(model, inputs, targets, seq, rows * length, head, count_hits=False)
+    else:
+        out = model(**inputs)
+        logits = out.logits if hasattr(out, "logits") else out
+        sums, _ = sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, rows * length,
+                                    count_hits=False)
+    return sums.reshape(rows, length)
+
+
+@dataclass
+class Rollout:
+    """One micro-batch of prompts and their completions (host tensors, ``N = prompts x group_size`` rows in
+    group order): the collated prompts, the completion ids ``[N, M]``, the unweighted rewards ``[F, N]``, and the
+    old and reference log-probs ``[N, M]`` when they are needed."""
+
+    prompts: dict[str, Any]
+    completions: torch.Tensor
+    rewards: torch.Tensor
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+
+def sequences(prompts: dict[str, Any], completions: torch.Tensor, group_size: int, stop_ids: Sequence[int],
+              pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompt + completion rows: ``input_ids``, ``attention_mask`` (prompt padding and everything after a stop
+    token hidden), ``position_ids`` (each row's real tokens counted), ``labels`` (completion tokens up to and
+    including the stop token, IGNORE elsewhere) and ``completion_mask`` ``[N, M]``."""
+    prompt_ids = prompts["prompt_ids"].repeat_interleave(group_size, 0)
+    prompt_mask = prompts["prompt_mask"].repeat_interleave(group_size, 0).long()
+    mask = completion_mask(completions, stop_ids)
+    attention = torch.cat([prompt_mask, mask], dim=1)
+    labels = torch.cat([torch.full_like(prompt_ids, IGNORE), torch.where(mask.bool(), completions, IGNORE)], dim=1)
+    return {"input_ids": torch.cat([prompt_ids, torch.where(mask.bool(), completions, pad_id)], dim=1),
+            "attention_mask": attention, "position_ids": (attention.cumsum(-1) - 1).clamp(min=0), "labels": labels,
+            "completion_mask": mask}
+
+
+def completion_logprobs(model: Any, batch: dict[str, Any], head_name: str | None,
+                        flags: dict[str, Any]) -> torch.Tensor:
+    """``[N, M]``: the log-prob of each completion token of a :func:`sequences` batch (0 after its stop)."""
+    targets = next_token_targets(batch["labels"])
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": batch["position_ids"], **flags}
+    width = batch["completion_mask"].size(1)
+    start = batch["input_ids"].size(1) - width - 1  # the position whose target is the first completion token
+    return token_logprobs(model, inputs, targets, head_name)[:, start:start + width]
+
+
+def policy_loss(logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantage: torch.Tensor,
+                mask: torch.Tensor, epsilon: float, beta: float, kind: str,
+                max_new_tokens: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The micro-batch's loss SUM under ``kind``'s normalisation (see the module docstring; the loop divides by
+    the window's targets) and the sums behind the step's metrics (clipped tokens, KL, tokens)."""
+    mask_f = mask.to(logp.dtype)
+    ratio = torch.exp(logp - old)
+    a = advantage.to(logp.dtype)[:, None]
+    unclipped, clipped = ratio * a, ratio.clamp(1.0 - epsilon, 1.0 + epsilon) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    stats = {"clipped": ((clipped < unclipped).to(logp.dtype) * mask_f).sum().detach(), "tokens": mask_f.sum()}
+    if ref is not None and beta > 0:
+        delta = ref.to(logp.dtype) - logp
+        kl = torch.exp(delta) - delta - 1.0
+        per_token = per_token + beta * kl
+        stats["kl"] = (kl * mask_f).sum().detach()
+    masked = per_token * mask_f
+    if kind == "grpo":
+        loss = (masked.sum(1) / mask_f.sum(1).clamp(min=1.0)).sum()
+    elif kind in ("token", "dr_grpo"):
+        loss = masked.sum()
+    else:
+        raise ValueError(f"unknown grpo loss {kind!r}")
+    return loss, stats
+
+
+def targets_of(kind: str, mask: torch.Tensor, max_new_tokens: int) -> int:
+    """The micro-batch's share of the loop's one division under ``kind``: completions (``grpo``), completion
+    tokens (``token``), completions x ``max_new_tokens`` (``dr_grpo``)."""
+    completions = mask.size(0)
+    if kind == "grpo":
+        return completions
+    if kind == "token":
+        return int(mask.sum())
+    return completions * max_new_tokens
+
+
+class GRPOTask(TaskData):
+    """``task: grpo`` over ``data.format: prompt`` rows (see the module docstring). Eval: greedy completions of
+    ``grpo.max_new_tokens`` tokens on the eval prompts, ``exact_match`` against each row's ``answer`` (sums and
+    counts) and the mean total ``reward``; the eval loss is 0 (a policy-gradient loss on greedy completions has
+    no meaning) and no perplexity is logged."""
+
+    perplexity = False
+    eval_means = ("reward",)
+
+    def __init__(self, *args: Any, tokenizer: Any, allow_plugin: bool = False, **kwargs: Any) -> None:
+        """``allow_plugin``: a ``function`` reward may be imported (what the command line allowed, as for
+        ``model.plugin``: ``finetune run`` always, a stored run's recipe with ``--trust-remote-code``)."""
+        super().__init__(*args, **kwargs)
+        self.tokenizer, self.allow_plugin = tokenizer, allow_plugin
+        row = self.row
+        self.output_head = row.output_head if row is not None else "lm_head"
+        self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_ids: list[int] = [] if eos is None else [eos]
+        self.model: Any = None
+        self.accelerator: Any = None
+        self.precision: Any = None
+        self.rewards: Any = None
+        self.reference: Any = None  # a frozen copy of the initial weights (full fine-tuning with beta > 0)
+        self.generator: Generator | None = None
+        self.rollouts: Rollouts | None = None
+        self.restored: tuple[int, torch.Tensor] | None = None  # (cycle, rows) read from a checkpoint
+        self._sums: dict[str, torch.Tensor] = {}  # this step's train_output sums (device tensors, no sync)
+        self._served: torch.Tensor | None = None  # the generation metrics of the batch serving this step (host)
+
+    # ------------------------------------------------------------------ the hand-over and the protocol
+
+    @property
+    def checkpoint_objects(self) -> dict[str, Any]:
+        """What a checkpoint must hold besides the model: the generation batch a later step still uses."""
+        return {CACHE_NAME: RolloutCache(self)}
+
+    def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
+                splits: tuple[str, ...] = ("train", "eval")) -> None:
+        """Bind the prepared model (it generates), the accelerator and the precision; build the reward functions;
+        with full fine-tuning and ``beta`` > 0, keep a frozen copy of the initial weights as the reference (this
+        runs before a resume loads a checkpoint, so the copy is the initial model)."""
+        grpo = self.cfg.grpo
+        self.model, self.accelerator, self.precision = initial(), accelerator, precision
+        self.rewards = build_rewards(self.cfg, device=accelerator.device, log=log, allow_plugin=self.allow_plugin)
+        self.generator = PolicyGenerator(self.model, precision, max_new_tokens=grpo.max_new_tokens,
+                                         temperature=grpo.temperature, top_p=grpo.top_p, stop_ids=self.stop_ids,
+                                         pad_id=self.pad_id, lockstep=self.lockstep)
+        unwrapped = accelerator.unwrap_model(self.model)
+        if grpo.beta > 0 and not hasattr(unwrapped, "disable_adapter") and "train" in splits:
+            if self.lockstep:
+                raise ConfigError("grpo.beta > 0 with full fine-tuning needs a frozen reference copy, which is not "
+                                  "built on a backend that shards parameters yet; use peft (LoRA: the reference "
+                                  "is the base with the adapter disabled), a DDP backend, or grpo.beta=0")
+            self.reference = copy.deepcopy(unwrapped).requires_grad_(False).eval()
+            log("grpo: reference = a frozen copy of the initial weights (grpo.beta > 0, full fine-tuning)")
+
+    def build_dataloader(self, split: str, start_sample: int = 0) -> Any:
+        """``train``: :class:`Rollouts` from the data cursor ``start_sample``; ``eval``: this rank's prompts."""
+        if split != "train":
+            return super().build_dataloader(split, start_sample)
+        if self.model is None:
+            raise RuntimeError("task grpo: prepare() must bind the model before training")
+        self.rollouts = Rollouts(self, start_sample)
+        return self.rollouts
+
+    def prompt_loader(self, start_prompt: int) -> Any:
+        """This rank's micro-batches of prompts from stream position ``start_prompt`` (TaskData's train stream)."""
+        return TaskData.build_dataloader(self, "train", start_prompt)
+
+    def train_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        return PromptCollator(self.pad_id)
+
+    def eval_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        return PromptCollator(self.pad_id)
+
+    def count_samples(self, batch: dict[str, Any]) -> int:
+        """One sample per prompt."""
+        return len(batch["prompt_ids"])
+
+    def count_targets(self, batch: dict[str, Any]) -> int:
+        return targets_of(self.cfg.grpo.loss, batch["completion_mask"], self.cfg.grpo.max_new_tokens)
+
+    def train_output(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
+        """The loss sum of a rollout micro-batch (see :func:`policy_loss`); its metric sums are kept for
+        :meth:`step_metrics`."""
+        grpo = self.cfg.grpo
+        logp = completion_logprobs(model, batch, self.output_head, self.forward_flags)
+        old = batch["old_logps"] if "old_logps" in batch else logp.detach()
+        loss, stats = policy_loss(logp, old.to(logp.dtype), batch.get("ref_logps"), batch["advantages"],
+                                  batch["completion_mask"], grpo.epsilon, grpo.beta, grpo.loss, grpo.max_new_tokens)
+        for key, value in stats.items():
+            self._sums[key] = self._sums.get(key, 0.0) + value.double()
+        return loss
+
+    def step_metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """The step's metrics over every rank, from one all-reduce of sums and counts: rewards (mean and std of
+        each function and of the total), the fraction of groups with zero std, completion length (mean, max),
+        the truncated fraction, the clip fraction and (``beta`` > 0) the mean per-token KL."""
+        assert self._served is not None, "a step was taken without a generation batch"
+        device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
+        train = [self._sums.get(k, torch.zeros((), dtype=torch.float64)) for k in ("clipped", "kl", "tokens")]
+        local = torch.cat([self._served.to(device), torch.stack([torch.as_tensor(v, dtype=torch.float64)
+                                                                 .to(device) for v in train])])
+        summed = reduce(local).double().cpu()
+        self._sums = {}
+        return generation_metrics(summed[:-3], list(self.rewards.names), self.cfg.grpo.max_new_tokens) | {
+            "clip_fraction": float(summed[-3] / summed[-1].clamp(min=1.0)),
+            **({"kl": float(summed[-2] / summed[-1].clamp(min=1.0))} if self.cfg.grpo.beta > 0 else {}),
+        }
+
+    def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
+        """Greedy completions: exact_match against ``answer`` (whitespace-normalised) and the summed reward."""
+        grpo = self.cfg.grpo
+        with torch.no_grad():
+            new = generate_tokens(model, batch["prompt_ids"], batch["prompt_mask"], grpo.max_new_tokens,
+                                  self.stop_ids, self.pad_id, None, stop_when_done=not self.lockstep)
+        texts = self.decode(new)
+        device = new.device
+        counts = EvalCounts(torch.zeros((), device=device), torch.tensor(float(len(texts)), device=device))
+        rows = batch["rows"]
+        if "exact_match" in self.cfg.eval.metrics:
+            hits = sum(normalize(t) == normalize(str(r.get("answer", ""))) for t, r in zip(texts, rows, strict=True))
+            counts.correct["exact_match"] = torch.tensor(float(hits), device=device)
+            counts.total["exact_match"] = torch.tensor(float(len(texts)), device=device)
+        if batch.get("filler"):  # lockstep filler: generated for the collectives, never scored
+            counts.means["reward"] = (torch.zeros((), device=device), torch.zeros((), device=device))
+            return counts
+        total = self.rewards.total(self.rewards.score(list(batch["prompts"]), texts, list(rows)))
+        counts.means["reward"] = (torch.tensor(float(sum(total)), device=device),
+                                  torch.tensor(float(len(total)), device=device))
+        return counts
+
+    # ------------------------------------------------------------------ rollouts
+
+    def decode(self, tokens: torch.Tensor) -> list[str]:
+        """Each row's text up to (not including) its first stop token, special tokens skipped."""
+        out = []
+        for row in tokens.tolist():
+            cut = next((i for i, t in enumerate(row) if t in self.stop_ids), len(row))
+            out.append(self.tokenizer.decode(row[:cut], skip_special_tokens=True))
+        return out
+
+    def rollout(self, prompts: dict[str, Any], step: int, first_position: int,
+                restored: torch.Tensor | None = None) -> Rollout:
+        """Completions of one micro-batch of prompts (generated, or ``restored`` rows from a checkpoint), their
+        rewards, and the old / reference log-probs the loss needs."""
+        grpo, device = self.cfg.grpo, self.accelerator.device
+        group, width = grpo.group_size, grpo.max_new_tokens
+        names = list(self.rewards.names)
+        if restored is not None:
+            completions = restored[:, :width].long()
+            rewards = restored[:, width:width + len(names)].T.contiguous()
+            rollout = Rollout(prompts, completions, rewards)
+            rest = restored[:, width + len(names):]
+            if grpo.iterations > 1:
+                rollout.old, rest = rest[:, :width].float(), rest[:, width:]
+            if grpo.beta > 0:
+                rollout.ref = rest[:, :width].float()
+            return rollout
+        ids = prompts["prompt_ids"].repeat_interleave(group, 0).to(device)
+        mask = prompts["prompt_mask"].repeat_interleave(group, 0).to(device)
+        seeds = [completion_seed(self.cfg.train.seed, step, first_position + i // group, i % group)
+                 for i in range(ids.size(0))]
+        assert self.generator is not None
+        completions = self.generator.complete(ids, mask, seeds).cpu()
+        texts = self.decode(completions)
+        rows = [row for row in prompts["rows"] for _ in range(group)]
+        texts_prompts = [p for p in prompts["prompts"] for _ in range(group)]
+        scores = self.rewards.score(texts_prompts, texts, rows)
+        rollout = Rollout(prompts, completions, torch.tensor(scores, dtype=torch.float64).reshape(len(names), -1))
+        if grpo.iterations > 1 or grpo.beta > 0:
+            batch = {k: v.to(device) for k, v in sequences(prompts, completions, group, self.stop_ids,
+                                                           self.pad_id).items()}
+            if grpo.iterations > 1:
+                rollout.old = self.score(self.model, batch, nullcontext()).cpu()
+            if grpo.beta > 0:
+                reference, context = self.reference_model()
+                rollout.ref = self.score(reference, batch, context).cpu()
+        return rollout
+
+    def reference_model(self) -> tuple[Any, Any]:
+        """The reference and the context it scores in: the frozen copy, or (LoRA) the model, adapter disabled."""
+        if self.reference is not None:
+            return self.reference, nullcontext()
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        return self.model, unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext()
+
+    def score(self, model: Any, batch: dict[str, Any], context: Any) -> torch.Tensor:
+        """Completion-token log-probs under ``model`` in eval mode, no gradient, the recipe's autocast."""
+        was_training = model.training
+        model.eval()
+        try:
+            with context, torch.no_grad(), self.precision.autocast():
+                return completion_logprobs(model, batch, self.output_head, self.forward_flags).float()
+        finally:
+            model.train(was_training)
+
+    def micro_batch(self, rollout: Rollout) -> dict[str, Any]:
+        """A rollout as the loop's micro-batch: the :func:`sequences` tensors, the advantages, old and reference
+        log-probs (host tensors)."""
+        grpo = self.cfg.grpo
+        batch: dict[str, Any] = sequences(rollout.prompts, rollout.completions, grpo.group_size, self.stop_ids,
+                                          self.pad_id)
+        total = torch.tensor(self.rewards.total(rollout.rewards.tolist()), dtype=torch.float64)
+        batch["advantages"], _ = group_advantages(total, grpo.group_size, scale=grpo.loss != "dr_grpo")
+        batch["advantages"] = batch["advantages"].float()
+        if rollout.old is not None:
+            batch["old_logps"] = rollout.old
+        if rollout.ref is not None:
+            batch["ref_logps"] = rollout.ref
+        return batch
+
+    def rollout_sums(self, rollouts: list[Rollout]) -> torch.Tensor:
+        """The generation metrics' sums of a window's rollouts on this rank (see :func:`generation_metrics`)."""
+        grpo = self.cfg.grpo
+        width = grpo.max_new_tokens
+        rewards = torch.cat([r.rewards for r in rollouts], dim=1)  # [F, N]
+        total = torch.tensor(self.rewards.total(rewards.tolist()), dtype=torch.float64)
+        _, flat = group_advantages(total, grpo.group_size, scale=True)
+        completions = torch.cat([r.completions for r in rollouts])
+        mask = completion_mask(completions, self.stop_ids)
+        lengths = mask.sum(1)
+        stopped = torch.isin(completions, torch.tensor(self.stop_ids, dtype=completions.dtype)).any(1) \
+            if self.stop_ids else torch.zeros(len(completions), dtype=torch.bool)
+        per = torch.cat([rewards, total[None]])  # [F + 1, N]
+        histogram = torch.bincount(lengths, minlength=width + 1)[: width + 1].double()
+        return torch.cat([per.sum(1), (per * per).sum(1), torch.tensor(
+            [float(len(total)), float(flat.sum()), float(len(flat)), float(lengths.sum()),
+             float((~stopped & (lengths == width)).sum())], dtype=torch.float64), histogram])
+
+    def cache_rows(self, rollouts: list[Rollout]) -> torch.Tensor:
+        """A window's rollouts as one float64 ``[N, columns]`` table (completion ids, rewards, old and reference
+        log-probs), rows in this rank's order: what a mid-cycle checkpoint saves."""
+        parts = []
+        for r in rollouts:
+            columns = [r.completions.double(), r.rewards.T.double()]
+            columns += [t.double() for t in (r.old, r.ref) if t is not None]
+            parts.append(torch.cat(columns, dim=1))
+        return torch.cat(parts)
+
+
+def generation_metrics(summed: torch.Tensor, names: list[str], max_new_tokens: int) -> dict[str, float]:
+    """The train row's generation metrics from the all-reduced sums of :meth:`GRPOTask.rollout_sums`."""
+    functions = len(names) + 1
+    sums, squares = summed[:functions], summed[functions:2 * functions]
+    n, flat, groups, length, truncated = summed[2 * functions:2 * functions + 5].tolist()
+    histogram = summed[2 * functions + 5:]
+    out: dict[str, float] = {}
+    for i, name in enumerate([*names, None]):
+        mean = float(sums[i]) / max(n, 1.0)
+        std = math.sqrt(max(float(squares[i]) / max(n, 1.0) - mean * mean, 0.0))
+        key = "reward" if name is None else f"reward_{name}"
+        out[key], out[f"{key}_std"] = mean, std
+    nonzero = torch.nonzero(histogram).flatten()
+    out |= {"frac_zero_std": flat / max(groups, 1.0), "completion_len": length / max(n, 1.0),
+            "completion_len_max": float(nonzero[-1]) if len(nonzero) else 0.0,
+            "truncated": truncated / max(n, 1.0)}
+    return out
+
+
+class Rollouts:
+    """The train dataloader of :class:`GRPOTask`: for each optimizer step, this rank's micro-batches of the
+    window, generated at the first step of each cycle of ``grpo.iterations`` steps and served again for the
+    others. ``start_sample`` is the loop's cursor (``global_batch_size`` per step)."""
+
+    def __init__(self, task: GRPOTask, start_sample: int) -> None:
+        cfg = task.cfg
+        self.task, self.per_step, self.k = task, cfg.train.global_batch_size, cfg.grpo.iterations
+        if start_sample % self.per_step:
+            raise ConfigError(f"task grpo: the data cursor ({start_sample} samples) is not a whole number of steps "
+                              f"of train.global_batch_size={self.per_step}; resume with the global batch it ran with")
+        step = start_sample // self.per_step
+        self.cycle, self.offset = divmod(step, self.k)
+        self.prompts = iter(task.prompt_loader(self.cycle * self.per_step))
+        self.window: list[Rollout] | None = None  # the current cycle's rollouts, while a later step uses them
+        self.served: torch.Tensor | None = None
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return self._batches()
+
+    def _batches(self) -> Iterator[dict[str, Any]]:
+        while True:
+            window = self.window if self.window is not None else self._generate()
+            self.offset += 1
+            if self.offset == self.k:  # the cycle's last step: the next one generates anew
+                self.cycle, self.offset, self.window = self.cycle + 1, 0, None
+            else:
+                self.window = window
+            self.task._served = self.served
+            for rollout in window:
+                yield self.task.micro_batch(rollout)
+
+    def _generate(self) -> list[Rollout]:
+        """The cycle's rollouts: generated with the current weights, or read back from a checkpoint."""
+        task, cfg = self.task, self.task.cfg
+        accum, micro, world = cfg.grad_accum, cfg.train.micro_batch_size, task.world
+        rows_per_micro = micro * cfg.grpo.group_size
+        restored = None
+        if task.restored is not None:
+            cycle, table = task.restored
+            task.restored = None
+            if cycle == self.cycle:
+                share = table.size(0) // world
+                restored = table[task.rank * share:(task.rank + 1) * share]
+            elif self.offset:
+                raise ConfigError(f"task grpo: the checkpoint's generation batch is of cycle {cycle}, the run resumes "
+                                  f"inside cycle {self.cycle}")
+        elif self.offset:
+            raise ConfigError(f"task grpo: resuming inside a generation cycle (step {self.cycle * self.k + self.offset}"
+                              f", grpo.iterations={self.k}) needs the checkpoint's saved generation batch, which it "
+                              "does not hold")
+        step = self.cycle * self.k
+        window = []
+        for i in range(accum):
+            prompts = next(self.prompts)
+            first = task.rank * (cfg.train.global_batch_size // world) + i * micro
+            part = None if restored is None else restored[i * rows_per_micro:(i + 1) * rows_per_micro]
+            window.append(task.rollout(prompts, step, first, part))
+        self.served = task.rollout_sums(window)
+        return window
+
+
+class RolloutCache:
+    """The checkpoint object ``grpo_rollouts``: the generation batch of the current cycle when a later step still
+    uses it (``iterations`` > 1, a checkpoint inside a cycle), gathered from every rank in global prompt order (so
+    a resume on any world size or micro-batch size takes its share); otherwise nothing. ``state_dict`` is a
+    collective exactly when a batch is live, which is the same on every rank."""
+
+    optional_in_checkpoint = True
+
+    def __init__(self, task: GRPOTask) -> None:
+        self.task = task
+
+    def state_dict(self) -> dict[str, Any]:
+        rollouts = self.task.rollouts
+        if rollouts is None or rollouts.window is None:
+            return {"cycle": -1}
+        table = self.task.cache_rows(rollouts.window)
+        acc = self.task.accelerator
+        if acc.num_processes > 1:
+            table = acc.gather(table.to(acc.device)).cpu()
+        return {"cycle": rollouts.cycle, "rows": table}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        cycle = int(state.get("cycle", -1))
+        self.task.restored = None if cycle < 0 else (cycle, torch.as_tensor(state["rows"], dtype=torch.float64))

@@ -1,0 +1,237 @@
+"""The GRPO task's pieces on a tiny Llama built from a config, with hand-built prompt batches and a stub config.
+
+Checks the group-normalised advantages, the completion mask (up to and including EOS), the three loss
+normalisations against their formulas, that iterations == 1 gives the plain policy gradient, that the per-token
+log-probs equal a full fp64 log-softmax, that a completion does not depend on the other prompts of its batch or on
+how a window is cut into micro-batches or ranks, and that a rollout's metric sums reduce to the right numbers.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from finetune.data import DataBundle
+from finetune.data.batching import left_pad
+from finetune.data.rows import IGNORE
+from finetune.tasks.causal_lm import next_token_targets
+from finetune.tasks.grpo import (
+    GRPOTask,
+    PolicyGenerator,
+    Rollout,
+    completion_logprobs,
+    completion_mask,
+    completion_seed,
+    generation_metrics,
+    group_advantages,
+    policy_loss,
+    sequences,
+    targets_of,
+    token_logprobs,
+)
+
+EOS, PAD = 2, 0
+PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63], [1, 70]]
+
+
+def make_cfg(loss: str = "grpo", group: int = 3, new: int = 5, beta: float = 0.0, iterations: int = 1,
+             micro: int = 2, global_batch: int = 4) -> Any:
+    """The recipe fields the GRPO task reads."""
+    return SimpleNamespace(
+        grpo=SimpleNamespace(group_size=group, max_new_tokens=new, temperature=1.0, top_p=1.0, beta=beta,
+                             epsilon=0.2, iterations=iterations, loss=loss),
+        train=SimpleNamespace(seed=3, global_batch_size=global_batch, micro_batch_size=micro),
+        eval=SimpleNamespace(metrics=["exact_match"], batch_size=2),
+        data=SimpleNamespace(shuffle=False, packing=False, num_workers=None),
+        grad_accum=global_batch // micro,
+    )
+
+
+class LengthReward:
+    """Two reward functions: the completion's length in characters, and whether it contains a 'a'."""
+
+    names = ("length", "has_a")
+    weights = (1.0, 0.5)
+
+    def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[list[float]]:
+        return [[float(len(c)) for c in completions], [float("a" in c) for c in completions]]
+
+    def total(self, scores: list[list[float]]) -> list[float]:
+        return [sum(w * s for w, s in zip(self.weights, column, strict=True)) for column in zip(*scores, strict=True)]
+
+
+def bound_task(cfg: Any, model: Any, tok: Any, rank: int = 0, world: int = 1) -> GRPOTask:
+    """A GRPOTask bound to ``model`` as prepare() binds it, with stub accelerator, precision and rewards."""
+    task = GRPOTask(cfg, DataBundle(None, None, None), PAD, rank, world, tokenizer=SimpleNamespace(
+        eos_token_id=EOS, decode=tok.decode))
+    task.model = model
+    task.accelerator = SimpleNamespace(device=torch.device("cpu"), unwrap_model=lambda m: m, num_processes=world)
+    task.precision = SimpleNamespace(autocast=nullcontext)
+    task.rewards = LengthReward()
+    grpo = cfg.grpo
+    task.generator = PolicyGenerator(model, task.precision, max_new_tokens=grpo.max_new_tokens,
+                                     temperature=grpo.temperature, top_p=grpo.top_p, stop_ids=[EOS], pad_id=PAD,
+                                     lockstep=False)
+    return task
+
+
+def prompt_batch(rows: list[list[int]]) -> dict[str, Any]:
+    ids, mask = left_pad(rows, PAD)
+    return {"prompt_ids": ids, "prompt_mask": mask, "prompts": [str(r) for r in rows],
+            "rows": [{"answer": "x"} for _ in rows], "index": torch.arange(len(rows))}
+
+
+def test_group_advantages() -> None:
+    rewards = torch.tensor([1.0, 2.0, 3.0, 5.0, 5.0, 5.0])
+    a, flat = group_advantages(rewards, 3, scale=True)
+    assert a[:3].tolist() == pytest.approx([-1.0, 0.0, 1.0])  # sample std of (1, 2, 3) is 1
+    assert a[3:].tolist() == [0.0, 0.0, 0.0] and flat.tolist() == [False, True]
+    centred, _ = group_advantages(torch.tensor([0.0, 4.0, 7.0, 7.0]), 2, scale=False)  # dr_grpo: no std
+    assert centred.tolist() == [-2.0, 2.0, 0.0, 0.0]
+
+
+def test_completion_mask_keeps_tokens_up_to_and_including_the_first_eos() -> None:
+    tokens = torch.tensor([[5, 6, EOS, PAD, PAD], [7, 8, 9, 10, 11], [EOS, PAD, PAD, PAD, PAD]])
+    assert completion_mask(tokens, [EOS]).tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+
+
+def test_sequences_target_the_completion_only() -> None:
+    batch = sequences(prompt_batch([[1, 9], [1, 8, 7]]), torch.tensor([[5, EOS, PAD], [6, 6, 6], [4, 4, EOS],
+                                                                        [EOS, PAD, PAD]]), 2, [EOS], PAD)
+    assert batch["input_ids"][0].tolist() == [PAD, 1, 9, 5, EOS, PAD]
+    assert batch["labels"][0].tolist() == [IGNORE, IGNORE, IGNORE, 5, EOS, IGNORE]
+    assert batch["attention_mask"][3].tolist() == [1, 1, 1, 1, 0, 0]
+    assert batch["position_ids"][0].tolist() == [0, 0, 1, 2, 3, 3]
+
+
+@pytest.mark.parametrize("kind", ["grpo", "token", "dr_grpo"])
+def test_loss_normalisations(kind: str) -> None:
+    """The sum each loss kind returns and the targets it counts give the formulas of the module docstring."""
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    logp = torch.randn(3, 4, dtype=torch.float64) * 0.1 - 1
+    old = logp + torch.randn(3, 4, dtype=torch.float64) * 0.3
+    ref = logp + torch.randn(3, 4, dtype=torch.float64) * 0.2
+    adv = torch.tensor([1.5, -0.5, -1.0], dtype=torch.float64)
+    eps, beta = 0.2, 0.1
+    loss, stats = policy_loss(logp, old, ref, adv, mask, eps, beta, kind, 4)
+    per = []
+    for i in range(3):
+        row = []
+        for t in range(int(mask[i].sum())):
+            r, a = math.exp(logp[i, t] - old[i, t]), float(adv[i])
+            term = -min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
+            d = float(ref[i, t] - logp[i, t])
+            row.append(term + beta * (math.exp(d) - d - 1))
+        per.append(row)
+    expected = {"grpo": sum(sum(r) / len(r) for r in per), "token": sum(map(sum, per)),
+                "dr_grpo": sum(map(sum, per))}[kind]
+    assert float(loss) == pytest.approx(expected, rel=1e-12)
+    assert targets_of(kind, mask, 4) == {"grpo": 3, "token": 8, "dr_grpo": 12}[kind]
+    assert float(stats["tokens"]) == 8
+
+
+def test_one_iteration_is_the_policy_gradient() -> None:
+    """old = logp.detach(): the ratio is 1 and the gradient is -A / len on each token (grpo), with no clipping."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
+    loss, stats = policy_loss(logp, logp.detach(), None, torch.tensor([2.0]), torch.tensor([[1, 1, 0]]), 0.2, 0.0,
+                              "grpo", 3)
+    loss.backward()
+    assert float(loss.detach()) == pytest.approx(-2.0)
+    assert logp.grad.tolist() == [[-1.0, -1.0, 0.0]]
+    assert float(stats["clipped"]) == 0
+
+
+def test_token_logprobs_equal_a_full_log_softmax(llama) -> None:
+    batch = sequences(prompt_batch(PROMPTS[:2]), torch.tensor([[5, 6, EOS], [7, 8, 9], [3, EOS, PAD], [4, 4, 4]]),
+                      2, [EOS], PAD)
+    targets = next_token_targets(batch["labels"])
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids")}
+    got = token_logprobs(llama, {**inputs, "use_cache": False}, targets, "lm_head")
+    logits = llama(**inputs).logits.double()
+    naive = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
+    naive = torch.where(targets != IGNORE, naive, 0.0)
+    assert torch.allclose(got.double(), naive, atol=1e-5)
+    window = completion_logprobs(llama, batch, "lm_head", {"use_cache": False})
+    assert window.shape == (4, 3)
+    assert torch.allclose(window.double(), naive[:, -4:-1], atol=1e-5)
+
+
+def test_a_completion_does_not_depend_on_its_batch(llama, tok) -> None:
+    """The same prompt (same seeds) alone and in a left-padded batch of 4 samples the same tokens."""
+    task = bound_task(make_cfg(new=6), llama, tok)
+    seeds = [completion_seed(3, 0, p, j) for p in range(4) for j in range(3)]
+    batch = prompt_batch(PROMPTS)
+    ids, mask = batch["prompt_ids"].repeat_interleave(3, 0), batch["prompt_mask"].repeat_interleave(3, 0)
+    together = task.generator.complete(ids, mask, seeds)
+    for p in (0, 3):  # the longest prompt (no padding in the batch) and the shortest (the most)
+        prompt = PROMPTS[p]
+        alone_ids, alone_mask = left_pad([prompt] * 3, PAD)
+        alone = task.generator.complete(alone_ids, alone_mask, seeds[3 * p:3 * p + 3])
+        assert torch.equal(alone, together[3 * p:3 * p + 3])
+    assert len({tuple(r) for r in together.tolist()}) > 4  # sampled: the group's completions differ
+    assert llama.training is False
+
+
+def test_the_generator_restores_train_mode(llama, tok) -> None:
+    task = bound_task(make_cfg(), llama, tok)
+    llama.train()
+    try:
+        ids, mask = left_pad([PROMPTS[0]], PAD)
+        seen = []
+        hook = llama.register_forward_pre_hook(lambda module, args: seen.append(module.training))
+        task.generator.complete(ids, mask, [1])
+        hook.remove()
+        assert seen and not any(seen) and llama.training
+    finally:
+        llama.eval()
+
+
+@pytest.mark.parametrize("micro,world", [(1, 1), (2, 1), (1, 2), (2, 2)])
+def test_rollouts_do_not_depend_on_micro_batches_or_ranks(llama, tok, micro: int, world: int) -> None:
+    """The window's completions, in global prompt order, are the same for 4x1, 2x2, 1x4 and 2 ranks: each
+    completion's seed is (seed, step, its prompt's position in the global batch, its number in the group)."""
+    def window(micro: int, world: int) -> torch.Tensor:
+        out = []
+        for rank in range(world):
+            cfg = make_cfg(micro=micro, global_batch=4)
+            task = bound_task(cfg, llama, tok, rank, world)
+            share = 4 // world
+            for i in range(share // micro):
+                first = rank * share + i * micro
+                out.append(task.rollout(prompt_batch(PROMPTS[first:first + micro]), 6, first).completions)
+        return torch.cat(out)
+
+    assert torch.equal(window(micro, world), window(4, 1))
+
+
+def test_rollout_metrics(llama, tok) -> None:
+    """The sums of a window reduce to the reward mean/std per function and total, zero-std groups, lengths."""
+    task = bound_task(make_cfg(group=2, new=4), llama, tok)
+    completions = torch.tensor([[5, EOS, PAD, PAD], [5, EOS, PAD, PAD], [6, 7, 8, 9], [6, 6, EOS, PAD]])
+    rewards = torch.tensor([[1.0, 1.0, 4.0, 2.0], [0.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
+    sums = task.rollout_sums([Rollout(prompt_batch(PROMPTS[:2]), completions, rewards)])
+    m = generation_metrics(sums, ["length", "has_a"], 4)
+    assert m["reward_length"] == pytest.approx(2.0)
+    assert m["reward_length_std"] == pytest.approx(math.sqrt((1 + 1 + 4 + 0) / 4))
+    total = [1.0, 1.0, 4.5, 2.5]
+    assert m["reward"] == pytest.approx(sum(total) / 4)
+    assert m["frac_zero_std"] == 0.5  # the first group's totals are equal
+    assert m["completion_len"] == pytest.approx((2 + 2 + 4 + 3) / 4) and m["completion_len_max"] == 4
+    assert m["truncated"] == 0.25  # the third: 4 tokens, no EOS
+
+
+def test_micro_batch_carries_advantages_and_counts(llama, tok) -> None:
+    task = bound_task(make_cfg(group=2, new=4, loss="dr_grpo"), llama, tok)
+    completions = torch.tensor([[5, EOS, PAD, PAD], [5, 6, EOS, PAD]])
+    batch = task.micro_batch(Rollout(prompt_batch(PROMPTS[:1]), completions,
+                                     torch.tensor([[1.0, 3.0], [0.0, 0.0]], dtype=torch.float64)))
+    assert batch["advantages"].tolist() == [-1.0, 1.0]  # r - mean, no std
+    assert task.count_targets(batch) == 2 * 4
+    loss = task.train_output(llama, batch)
+    assert loss.requires_grad and math.isfinite(float(loss.detach()))
