@@ -9,6 +9,7 @@ Files written (see ``recipes/data/README.md`` for the formats):
 
 * ``reverse_train.jsonl`` / ``reverse_eval.jsonl`` - alpaca-style letter reversal
 * ``reverse_pref_train.jsonl`` / ``reverse_pref_eval.jsonl`` - preference pairs of the same task (task: dpo)
+* ``reverse_prompts_train.jsonl`` / ``reverse_prompts_eval.jsonl`` - prompts of the same task with their answers (task: grpo)
 * ``shift_train.jsonl`` / ``shift_eval.jsonl`` - reversal with each letter moved one on (the LoRA quickstart's task)
 * ``topics_train.jsonl`` / ``topics_eval.jsonl`` - 4-way topic classification
 * ``tiny_chat.jsonl`` - chat ``messages`` rows (system / multi-turn variants)
@@ -146,6 +147,13 @@ def make_reverse_preference(rows: list[dict[str, str]], seed: int) -> list[dict[
         pairs.append({"prompt": REVERSE_PROMPT.format(instruction=row["instruction"], input=row["input"]),
                       "chosen": row["output"], "rejected": rejected})
     return pairs
+
+
+def make_reverse_prompts(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``{prompt, answer}`` rows from reversal rows (``data.format: prompt``, task: grpo): the prompt finetune renders
+    for the row, verbatim, and the right reversal, which the ``exact_match`` reward compares a completion with."""
+    return [{"prompt": REVERSE_PROMPT.format(instruction=row["instruction"], input=row["input"]),
+             "answer": row["output"]} for row in rows]
 
 
 # ---------------------------------------------------------------------------
@@ -706,6 +714,8 @@ def main() -> None:
     reverse_eval_report(reverse_eval)
     write_jsonl(DATA_DIR / "reverse_pref_train.jsonl", make_reverse_preference(reverse_train[:1000], seed=SEED + 5))
     write_jsonl(DATA_DIR / "reverse_pref_eval.jsonl", make_reverse_preference(reverse_eval, seed=SEED + 6))
+    write_jsonl(DATA_DIR / "reverse_prompts_train.jsonl", make_reverse_prompts(reverse_train[1000:]))
+    write_jsonl(DATA_DIR / "reverse_prompts_eval.jsonl", make_reverse_prompts(reverse_eval))
 
     shift_train, shift_eval = make_shift(1000, 200, seed=SEED + 7)
     write_jsonl(DATA_DIR / "shift_train.jsonl", shift_train)
