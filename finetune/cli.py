@@ -211,7 +211,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
     if launch.in_process(cfg):
         try:
             with publishing():  # rank 0's last checkpoint is complete before the lock goes
-                worker.run_worker(cfg, resume_from, allow_change, inputs=inputs)
+                worker.run_worker(cfg, resume_from, allow_change, allow_plugin, inputs=inputs)
         except BaseException:
             if unstarted is not None:
                 unstarted()

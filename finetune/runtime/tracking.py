@@ -282,7 +282,7 @@ def _number(value: Any, spec: str = ".4f") -> str:
 
 def format_train_line(row: Row, *, max_steps: int | None) -> str:
     """``step 10/200 | loss 2.3141 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120 | mfu 41.3% | mem 61.2/70.0 GB``
-    (+ loss_scale, skipped).
+    (+ loss_scale, skipped; ``reward`` after the loss when the row has one: GRPO).
 
     Fields missing from the row (or None) are left out; ``/max_steps`` is left out when the length is unknown.
     tok/s is the row's ``tokens_per_s`` (input tokens per second per device, see :class:`Throughput`); mem is the
@@ -290,7 +290,7 @@ def format_train_line(row: Row, *, max_steps: int | None) -> str:
     """
     total = f"/{max_steps}" if max_steps is not None else ""
     parts = [f"step {row['step']}{total}"]
-    for key, spec in (("loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".2f")):
+    for key, spec in (("loss", ".4f"), ("reward", ".4f"), ("lr", ".2e"), ("grad_norm", ".2f")):  # reward: GRPO
         if row.get(key) is not None:
             parts.append(f"{key} {format(float(row[key]), spec)}")
     if row.get("tokens_per_s") is not None:

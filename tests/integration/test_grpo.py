@@ -1,0 +1,172 @@
+"""GRPO on a tiny Llama in one process: accumulation invariance, exact resume, the train and eval rows.
+
+The reward is the completion's length in characters (a plugin defined here), so the completions of a group almost
+always differ in reward and the advantages are not zero.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from finetune.runtime.tracking import read_metrics
+from tests.integration.conftest import (
+    cli_exit_code,
+    final_weights,
+    max_rel_diff,
+    run_stopped_after,
+    tiny_recipe,
+    write_named,
+)
+
+pytestmark = pytest.mark.integration
+
+LETTERS = "abcdefghij"
+
+
+def text_length(prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
+    """A reward: the completion's length in characters."""
+    return [float(len(c)) for c in completions]
+
+
+def prompt_file(folder: Path, rows: int = 24, name: str = "prompts") -> Path:
+    """``folder/<name>.jsonl``: ``rows`` prompt rows {"prompt", "answer"}: reverse three letters."""
+    path = folder / f"{name}.jsonl"
+    lines = []
+    for i in range(rows):
+        letters = " ".join(LETTERS[(i + k) % len(LETTERS)] for k in range(3))
+        lines.append(json.dumps({"prompt": f"Reverse: {letters} ->", "answer": " ".join(reversed(letters.split()))}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def grpo_recipe(folder: Path, **sections: Any) -> dict[str, Any]:
+    """A tiny-llama GRPO recipe on :func:`prompt_file`: 4 prompts per step, 2 completions each, 4 new tokens."""
+    data = prompt_file(folder)
+    recipe = tiny_recipe(
+        task="grpo",
+        data={"format": "prompt", "train": str(data), "eval": None, "max_seq_len": 32},
+        grpo={"group_size": 2, "max_new_tokens": 4, "rewards": [
+            {"function": "tests.integration.test_grpo:text_length", "name": "length", "weight": 0.1},
+            {"exact_match": True}]},
+        train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 6},
+        optim={"name": "sgd", "lr": 0.5},
+        scheduler={"name": "constant", "warmup_steps": 0},
+    )
+    for key, value in sections.items():
+        recipe[key] = {**recipe.get(key, {}), **value} if isinstance(value, dict) else value
+    return recipe
+
+
+def new_trainer(cfg: Any) -> Any:
+    """A built Trainer on a fresh run dir, its recipe's reward plugin allowed (as `finetune run` allows it)."""
+    from finetune.artifacts import rundir
+    from finetune.runtime.worker import build_trainer
+
+    run_dir = Path(cfg.output_dir or "")
+    rundir.create(run_dir, overwrite=False).release()
+    return build_trainer(cfg, run_dir, allow_plugin=True)
+
+
+def _train_rows(run: Path) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(run) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("loss,iterations,beta", [("grpo", 1, 0.0), ("token", 2, 0.05), ("dr_grpo", 1, 0.05)])
+def test_accumulation_invariance(tmp_path: Path, loss: str, iterations: int, beta: float) -> None:
+    """8 prompts per step as micro 8 x accum 1, 2 x 4 and 1 x 8 give the same weights with SGD (<= 1e-6): each
+    completion is drawn from its own seed and the loss is normalised over the whole window (the loop's one
+    division by count_targets). token + iterations 2: the second step of each cycle reuses the batch with its old
+    log-probs (a ratio that is not 1); beta > 0: the KL to a frozen copy of the initial weights."""
+    from finetune.config import load_recipe
+    from finetune.runtime.loop import train_step
+
+    weights, losses = {}, {}
+    for micro in (8, 2, 1):
+        recipe = grpo_recipe(tmp_path, name=f"acc{micro}", train={"micro_batch_size": micro, "global_batch_size": 8},
+                             grpo={"loss": loss, "iterations": iterations, "beta": beta})
+        cfg, _ = load_recipe(write_named(tmp_path, f"acc{micro}", recipe))
+        trainer = new_trainer(cfg)
+        # a random tiny model almost never samples EOS: a stop at every 4th token id makes the completions'
+        # lengths differ (1 to 4 tokens), so per-completion means and token counts matter
+        trainer.task.stop_ids = trainer.task.generator.stop_ids = list(range(0, 32000, 4))
+        batches = iter(trainer.task.build_dataloader("train"))
+        trainer.model.train()
+        rows = []
+        for _ in range(3):
+            stats = train_step(trainer, [next(batches) for _ in range(cfg.grad_accum)])
+            rows.append((stats.loss, stats.extra))
+        trainer.tracker.close()
+        weights[micro] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        losses[micro] = rows
+    assert any(extra["frac_zero_std"] < 1 for _, extra in losses[8]), "every group had one reward: no gradient"
+    assert all(0 < extra["truncated"] < 1 for _, extra in losses[8]), "the completions' lengths do not differ"
+    assert max_rel_diff(weights[8], weights[2]) <= 1e-6
+    assert max_rel_diff(weights[8], weights[1]) <= 1e-6
+    for micro in (2, 1):
+        for (a, ea), (b, eb) in zip(losses[8], losses[micro], strict=True):
+            assert b == pytest.approx(a, abs=1e-6)
+            assert eb["reward"] == ea["reward"] and eb["completion_len"] == ea["completion_len"]
+    if beta:
+        assert all("kl" in extra for _, extra in losses[8])
+    if iterations > 1:  # the second use of a batch trains on a ratio that moved
+        assert losses[8][1][0] != 0.0
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_resume_is_exact(tmp_path: Path, iterations: int) -> None:
+    """6 straight steps (checkpoints every 3) equal (a) SIGTERM after step 4 -> checkpoint 5 -> `finetune resume`
+    and (b) `finetune resume --from step-000003` (what a SIGKILL after step 4 leaves: the last periodic
+    checkpoint), bit for bit: weights, losses and reward metrics. With iterations 2 both checkpoints fall inside
+    a generation cycle, so the resumed step trains on the saved generation batch; with 1 the batch is regenerated
+    from the seeds."""
+    recipe = grpo_recipe(tmp_path, grpo={"iterations": iterations},
+                         model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
+                         checkpoint={"every_steps": 3})
+    straight = tmp_path / "straight"
+    assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
+    expected, expected_rows = final_weights(straight), _train_rows(straight)
+    assert [r["step"] for r in expected_rows] == [1, 2, 3, 4, 5, 6]
+    saved = (straight / "checkpoints" / "step-000003" / "grpo_rollouts.json").read_text()
+    assert ('"cycle": -1' in saved) == (iterations == 1)
+
+    run_stopped_after(write_named(tmp_path, "stopped", recipe), 4)
+    stopped = tmp_path / "stopped"
+    assert (stopped / "checkpoints" / "step-000005").is_dir()
+    assert cli_exit_code("resume", str(stopped), "--trust-remote-code") == 0
+
+    shutil.rmtree(straight / "final")
+    assert cli_exit_code("resume", str(straight), "--from", "step-000003", "--trust-remote-code") == 0
+    for run in (stopped, straight):
+        got = final_weights(run)
+        assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
+        rows = _train_rows(run)
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+        for key in ("loss", "grad_norm", "reward", "reward_length", "completion_len", "clip_fraction"):
+            assert [r[key] for r in rows] == [r[key] for r in expected_rows], key
+
+
+def test_train_and_eval_rows(tmp_path: Path) -> None:
+    """The train row carries the reward metrics (and the step line shows the reward); eval reports exact_match as
+    correct / total over the eval prompts, the mean reward, a loss of 0 and no perplexity."""
+    data = prompt_file(tmp_path, rows=5, name="eval")
+    recipe = grpo_recipe(tmp_path, data={"eval": str(data)}, train={"max_steps": 1},
+                         eval={"metrics": ["exact_match"], "batch_size": 2})
+    assert cli_exit_code("run", str(write_named(tmp_path, "rows", recipe))) == 0
+    run = tmp_path / "rows"
+    (row,) = _train_rows(run)
+    for key in ("reward", "reward_std", "reward_length", "reward_length_std", "reward_exact_match", "frac_zero_std",
+                "clip_fraction", "completion_len", "completion_len_max", "truncated"):
+        assert key in row, key
+    assert "kl" not in row  # beta 0: no reference
+    assert 0 < row["completion_len"] <= row["completion_len_max"] <= 4
+    (evaluated,) = [r for r in read_metrics(run) if r["kind"] == "eval"]
+    assert evaluated["eval_exact_match_total"] == 5 and evaluated["eval_samples"] == 5
+    assert evaluated["eval_loss"] == 0.0 and "eval_ppl" not in evaluated
+    assert "eval_reward" in evaluated
+    assert "| reward " in (run / "train.log").read_text()
