@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -456,11 +457,28 @@ def _table(columns: dict[str, list]) -> Any:
     return pa.Table.from_arrays(arrays, names=list(columns))
 
 
+CAUSAL_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "overlong", "n_labels")
+
+
 def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
                  source: str, code_version: str = "") -> dict[str, list]:
     """Alpaca, completion and chat rows: checked, rendered (``train_on_prompt``: the whole text is the answer),
-    tokenized, cut to ``max_len`` (training keeps the start; a generation prompt keeps its end, the cue).
-    ``code_version`` is unused here: it is part of the map cache key (see :mod:`finetune.data.tokenize`)."""
+    tokenized, cut to ``max_len`` (training keeps the start; a generation prompt keeps its end, the cue): the
+    columns of :func:`causal_table` as Python lists (what a stream's reader takes)."""
+    table = causal_table(batch, indices, fmt=fmt, tokenizer=tokenizer, max_len=max_len,
+                         train_on_prompt=train_on_prompt, source=source)
+    return table if isinstance(table, dict) else table.to_pydict()
+
+
+def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
+                 source: str, code_version: str = "") -> Any:
+    """:func:`causal_batch`'s columns as the arrow table ``tokenize_rows``' map writes, typed as the output features
+    type them (int32 ids, int64 labels and prompts: ``datasets`` would otherwise infer int64 and cast). The token
+    columns are built in one pass each (:func:`_token_arrays`), never as a Python list per sample's labels; a batch
+    of no rows is Python lists. ``code_version`` is unused here: it is part of the map cache key (see
+    :mod:`finetune.data.tokenize`)."""
+    import pyarrow as pa  # lazy: heavy (the CLI imports no pyarrow)
+
     what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
     outs: list[Rendered] = []
     # chat: every row's template renders in two batched calls (None: a row is bad, so rendered row by row below)
@@ -470,22 +488,79 @@ def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, ma
         texts = chats[k] if chats is not None else None
         outs.append(rendered(partial(render, row, fmt, tokenizer, train_on_prompt, texts), line_of(source, index),
                              what))
-    columns: dict[str, list] = {name: [] for name in ("input_ids", "labels", "prompt_ids", "reference", "overlong",
-                                                      "n_labels")}
+    if not outs:
+        return {name: [] for name in CAUSAL_COLUMNS}
     special = specials(tokenizer)
     encoded = encodings([out.text for out in outs], tokenizer)
     cues = cue_ids(outs, encoded, tokenizer, max_len, special)  # out.prompt of chat: prompts.chat_text
-    for out, (ids, labels), cue in zip(outs, _samples(outs, encoded, tokenizer, special), cues, strict=True):
-        overlong = len(ids) > max_len
-        if overlong:
-            ids, labels = ids[:max_len], labels[:max_len]
-        columns["input_ids"].append(ids)
-        columns["labels"].append(labels)
-        columns["prompt_ids"].append(cue)
-        columns["reference"].append(out.reference)
-        columns["overlong"].append(overlong)
-        columns["n_labels"].append(_count(labels))
-    return columns
+    ids, labels, overlong, n_labels = _token_arrays(outs, encoded, tokenizer, special, max_len)
+    arrays = [ids, labels, pa.array(cues, type=pa.list_(pa.int64())),
+              pa.array([out.reference for out in outs], type=pa.string()), pa.array(overlong), pa.array(n_labels)]
+    return pa.Table.from_arrays(arrays, names=list(CAUSAL_COLUMNS))
+
+
+def _token_arrays(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any]], tokenizer: Any,
+                  special: SimpleNamespace, max_len: int) -> tuple[Any, Any, Any, Any]:
+    """:func:`_samples` of each sample cut to ``max_len``, as arrow list arrays (int32 ids, int64 labels), with
+    each sample's over-long flag and its count of answer tokens (numpy). The same ids and labels: bos first by the
+    prompts' rule, eos last (and learned) where the format adds it, labels the ids of the tokens each answer span
+    covers (:func:`_runs`). All ids are read into one array once; the labels are that array with IGNORE outside
+    the runs, so no sample's labels are a Python list (they cost as much as the arrow writing)."""
+    import numpy as np
+    import pyarrow as pa
+
+    bos, eos = special.bos_token_id, special.eos_token_id
+    in_order = monotone(tokenizer)
+    pieces: list[Sequence[int]] = []
+    lengths: list[int] = []
+    marks = []  # per sample: (bos first, eos last, the runs of answer tokens or every label)
+    for sample, (ids, enc) in zip(rendered, encoded, strict=True):
+        head = not prompts.starts_with_bos(sample.text, special)
+        tail = bool(sample.add_eos and eos is not None)
+        pieces += [(bos,), ids] if head else [ids]
+        if tail:
+            pieces.append((eos,))
+        lengths.append(head + len(ids) + tail)
+        marks.append((head, tail, _runs(ids, enc, sample.spans, in_order)))
+    ends = np.cumsum(lengths, dtype=np.int64)
+    starts = ends - lengths
+    flat = np.fromiter(itertools.chain.from_iterable(pieces), dtype=np.int64, count=int(ends[-1]) if len(ends) else 0)
+    labels = np.full(len(flat), IGNORE, dtype=np.int64)
+    for (head, tail, runs), begin, end in zip(marks, starts.tolist(), ends.tolist(), strict=True):
+        begin += head
+        if isinstance(runs, list):
+            labels[begin:begin + len(runs)] = runs  # every label, compared token by token
+        else:
+            for first, stop in runs:
+                labels[begin + first:begin + stop] = flat[begin + first:begin + stop]
+        if tail:
+            labels[end - 1] = eos
+    overlong = np.asarray(lengths, dtype=np.int64) > max_len
+    if overlong.any():  # training keeps each over-long sample's start
+        keep = np.ones(len(flat), dtype=bool)
+        for begin, end in zip(starts[overlong].tolist(), ends[overlong].tolist(), strict=True):
+            keep[begin + max_len:end] = False
+        flat, labels = flat[keep], labels[keep]
+        ends = np.cumsum(np.minimum(lengths, max_len), dtype=np.int64)
+    offsets = np.concatenate([[0], ends]).astype(np.int32)
+    answered = np.concatenate([[0], np.cumsum(labels != IGNORE)])
+    n_labels = answered[offsets[1:]] - answered[offsets[:-1]]
+    ids_array = pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(np.int32)))
+    labels_array = pa.ListArray.from_arrays(pa.array(offsets), pa.array(labels))
+    return ids_array, labels_array, overlong, n_labels
+
+
+def _runs(ids: list[int], enc: Any, spans: Sequence[tuple[int, int]], in_order: bool
+          ) -> tuple[tuple[int, int], ...] | list[int]:
+    """The answer tokens of a text (``enc``: its encoding) as :func:`_labels` finds them: with ``in_order``, the
+    (start, stop) run of tokens of each span; else (or for a token without offsets) every token's label."""
+    if not in_order:
+        return answer_labels(ids, enc.offsets, spans)
+    count = len(ids)
+    try:
+        return tuple((_run_start(enc, count, first), _run_stop(enc, count, last)) for first, last in spans)
+    except TypeError:  # a token without offsets (None): compare them all
+        return answer_labels(ids, enc.offsets, spans)
 
 
 def preference_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int, source: str,
@@ -514,11 +589,6 @@ def preference_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len:
         # answer tokens are next-token targets: a label at the first position is never one
         columns["n_labels"].append(0 if same else min(_count(cut[1][1:]), _count(cut[3][1:])))
     return columns
-
-
-def causal_table(batch: Any, indices: list[int], **kwargs: Any) -> Any:
-    """:func:`causal_batch` as an arrow table (:func:`_table`): what ``tokenize_rows``' map writes."""
-    return _table(causal_batch(batch, indices, **kwargs))
 
 
 def preference_table(batch: Any, indices: list[int], **kwargs: Any) -> Any:

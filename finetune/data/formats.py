@@ -68,28 +68,100 @@ def chat_renders(messages: list[dict[str, Any]]) -> list[ChatRender]:
 
 
 def prerender_chats(conversations: list[Any], tokenizer: Any) -> list[dict[ChatRender, str]] | None:
-    """Every render :func:`render_chat` needs for each of ``conversations``, done in two batched calls of the
-    tokenizer's ``apply_chat_template`` (one per ``add_generation_prompt``): the same template function on the same
-    messages, about 35% less time per render than one call each (its per-call set-up is paid once per batch).
-    None when any conversation is not a well-formed message list or the template raises for one: the caller then
-    renders row by row, so a bad row is reported as it always was (which row, and after the checks of the rows
-    before it)."""
+    """Every render :func:`render_chat` needs for each of ``conversations``: through the tokenizer's compiled
+    template directly where that is provably what ``apply_chat_template`` renders (:class:`TemplateRenderer`),
+    else in two batched ``apply_chat_template`` calls (one per ``add_generation_prompt``): the same template
+    function on the same messages either way. None when any conversation is not a well-formed message list or the
+    template raises for one: the caller then renders row by row, so a bad row is reported as it always was (which
+    row, and after the checks of the rows before it)."""
     try:
         wanted = [chat_renders(messages) for messages in conversations]
+        keys = {gen: [(row, n) for row, needed in enumerate(wanted) for n, g in needed if g == gen]
+                for gen in (False, True)}
+        direct = TemplateRenderer.of(tokenizer, conversations)
         out: list[dict[ChatRender, str]] = [{} for _ in conversations]
-        for gen in (False, True):
-            keys = [(row, n) for row, needed in enumerate(wanted) for n, g in needed if g == gen]
-            if not keys:
+        for gen, rows in keys.items():
+            if not rows:
                 continue
-            texts = tokenizer.apply_chat_template([conversations[row][:n] for row, n in keys], tokenize=False,
-                                                  add_generation_prompt=gen)
-            if not isinstance(texts, list) or len(texts) != len(keys) or not all(isinstance(t, str) for t in texts):
+            prefixes = [conversations[row][:n] for row, n in rows]
+            texts = direct.render(prefixes, gen) if direct is not None else None
+            if texts is None or [texts[0]] != tokenizer.apply_chat_template(prefixes[:1], tokenize=False,
+                                                                            add_generation_prompt=gen):
+                texts = tokenizer.apply_chat_template(prefixes, tokenize=False, add_generation_prompt=gen)
+            if not isinstance(texts, list) or len(texts) != len(rows) or not all(isinstance(t, str) for t in texts):
                 return None
-            for (row, n), text in zip(keys, texts, strict=True):
+            for (row, n), text in zip(rows, texts, strict=True):
                 out[row][(n, gen)] = text
         return out
     except Exception:  # any failure: the row-by-row path finds the row and reports it (see the docstring)
         return None
+
+
+# The message keys transformers aliases to one another before rendering (its _alias_reasoning_fields): a
+# conversation holding one is rendered through apply_chat_template.
+REASONING_KEYS = frozenset({"reasoning_content", "thinking", "reasoning"})
+
+
+class TemplateRenderer:
+    """The chat template's compiled jinja function called as ``apply_chat_template(conversations, tokenize=False,
+    add_generation_prompt=gen)`` calls it, without its per-call set-up (argument handling, the special-tokens map,
+    two deep copies of every message: a third of a render's time).
+
+    transformers 5 renders each conversation as ``compiled.render(messages=chat, tools=None, documents=None,
+    add_generation_prompt=gen, **special_tokens_map)``, where ``chat`` is a copy of the messages without the keys
+    whose value is None, with reasoning keys aliased, every value rebuilt from plain JSON types. :meth:`of` takes
+    this path only where that copy is exactly ``{key: value for ... if value is not None}``: the tokenizer does not
+    override ``apply_chat_template``, its ``get_chat_template`` gives one template string, the call's defaults do
+    not sanitize control tokens, and every message is a plain dict of str keys and str (or None) values with no
+    reasoning key. Anything else (content lists, tool calls, a processor, a template dict without a default, an
+    other transformers) is rendered by ``apply_chat_template`` itself. And :func:`prerender_chats` renders the
+    first of each batched call both ways: a difference sends the call to ``apply_chat_template``.
+    tests/unit/test_chat_prerender.py holds the two to identical strings on every shipped tokenizer.
+    """
+
+    def __init__(self, compiled: Any, variables: dict[str, Any]) -> None:
+        self.compiled, self.variables = compiled, variables
+
+    @classmethod
+    def of(cls, tokenizer: Any, conversations: list[Any]) -> TemplateRenderer | None:
+        """The direct renderer for ``conversations`` (see the class docstring), or None: use apply_chat_template."""
+        try:
+            import inspect
+
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+            from transformers.utils import chat_template_utils as chat_utils
+
+            method = getattr(type(tokenizer), "apply_chat_template", None)
+            if method is not PreTrainedTokenizerBase.apply_chat_template:
+                return None
+            defaults = inspect.signature(method).parameters
+            sanitize = defaults.get("sanitize_control_tokens")
+            if sanitize is not None and sanitize.default is not False:
+                return None
+            template = tokenizer.get_chat_template(None, None)
+            if not isinstance(template, str) or not all(map(_plain, conversations)):
+                return None
+            renderer = cls(chat_utils._compile_jinja_template(template),
+                           chat_utils._plain_template_data(dict(tokenizer.special_tokens_map)))
+        except Exception:  # an other transformers (names moved) or an unusual tokenizer: apply_chat_template
+            return None
+        return renderer
+
+    def render(self, conversations: list[list[dict[str, Any]]], gen: bool) -> list[str]:
+        """Each conversation through the template, as ``apply_chat_template(..., add_generation_prompt=gen)``."""
+        render, variables = self.compiled.render, self.variables
+        return [render(messages=[{key: value for key, value in message.items() if value is not None}
+                                 for message in messages],
+                       tools=None, documents=None, add_generation_prompt=gen, **variables)
+                for messages in conversations]
+
+
+def _plain(messages: Any) -> bool:
+    """Whether ``messages`` is a list of dicts of str keys and str or None values, none a reasoning key."""
+    return type(messages) is list and all(
+        type(message) is dict and REASONING_KEYS.isdisjoint(message)
+        and all(type(key) is str and (value is None or type(value) is str) for key, value in message.items())
+        for message in messages)
 
 
 def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str] | None = None) -> Rendered:
