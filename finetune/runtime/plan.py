@@ -619,6 +619,11 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
     visible CUDA devices (none: the run trains on the CPU)."""
     prec = _Precision.of(cfg, sharding)
     items = _state_items(cfg, facts, sharding, prec) + _backend_items(cfg, facts, sharding, prec)
+    if cfg.task == "grpo" and cfg.grpo.beta > 0 and not lora.enabled(cfg.peft):  # finetune.tasks.grpo's reference
+        held = sum(prec.held(p) for p in facts.params)
+        items.append(Item("grpo_reference", "GRPO reference (frozen copy)", held, held, 1, "device",
+                          "grpo.beta > 0 with full fine-tuning: a whole frozen copy of the initial weights on "
+                          "every rank"))
     acts = _activations(cfg, facts, prec, cuda=bool(devices))
     other = acts.without_checkpointing if acts.checkpointing else acts.with_checkpointing
     items.append(Item("activations", "activations (estimate)", acts.used, acts.used, 1, "device",

@@ -235,3 +235,24 @@ def test_micro_batch_carries_advantages_and_counts(llama, tok) -> None:
     assert task.count_targets(batch) == 2 * 4
     loss = task.train_output(llama, batch)
     assert loss.requires_grad and math.isfinite(float(loss.detach()))
+
+
+def test_the_plan_counts_the_frozen_reference(tmp_path) -> None:
+    """finetune plan: full fine-tuning with grpo.beta > 0 holds a whole frozen copy of the weights (one more line,
+    the size of the parameters); LoRA's reference is the base with the adapter disabled (no line)."""
+    from finetune.config import load_recipe
+    from finetune.runtime.plan import build_plan
+    from tests.recipe_files import write_recipe_file
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a b", "answer": "b a"}\n')
+    recipe = {"name": "g", "task": "grpo", "model": {"type": "tiny-llama"},
+              "data": {"format": "prompt", "train": str(data), "max_seq_len": 64},
+              "grpo": {"rewards": [{"exact_match": True}]}, "train": {"max_steps": 1}}
+    path = write_recipe_file(tmp_path / "g.yaml", recipe, output_dir=str(tmp_path / "run"))
+    plans = {overrides: build_plan(load_recipe(path, list(overrides))[0], devices=[])
+             for overrides in ((), ("grpo.beta=0.1",), ("grpo.beta=0.1", "peft.method=lora"))}
+    keys = {overrides: [item.key for item in plan.items] for overrides, plan in plans.items()}
+    assert "grpo_reference" not in keys[()] and "grpo_reference" not in keys[("grpo.beta=0.1", "peft.method=lora")]
+    full = plans[("grpo.beta=0.1",)]
+    assert full.item("grpo_reference").per_rank_bytes == full.item("parameters").whole_bytes
