@@ -83,10 +83,19 @@ def fix_manifest(folder: Path) -> None:
 
 def test_a_payload_in_any_checkpoint_file_never_runs(trained: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     """Every file of a checkpoint (and an extra custom_checkpoint_0.pkl, accelerate's pickle path) in turn holds a
-    payload, with the manifest fixed up to match: resume and eval refuse or ignore it, and nothing runs."""
+    payload, with the manifest fixed up to match: resume and eval refuse or ignore it, and nothing runs. The files
+    eval does not read all hold their payloads at once in one checkpoint, evaluated once: an eval that succeeds
+    exports and verifies the checkpoint in a fresh process (~8 s of CPU each), and one that opened any of them
+    would run its payload or be refused."""
     names = [*sorted(p.name for p in rundir.step_dir(trained, 2).iterdir()), "custom_checkpoint_0.pkl"]
     assert {"model.safetensors", "optimizer.bin", "scheduler.json", "rng_state_0.json", "train_state.json",
             "random_states_0.pkl", rundir.MANIFEST, rundir.RESOLVED} <= set(names)
+    # resume reads every file (accelerate's RNG pickle too, as data only: a payload is a refusal, never ignored),
+    # and accelerate refuses an unregistered custom_checkpoint_0.pkl without opening it; eval reads the manifest, the
+    # recipe, the weights and the recorded probe (the export it evaluates is checked against it)
+    ignored: set[str] = set()
+    read_by_eval = {rundir.MANIFEST, rundir.RESOLVED, "model.safetensors", "probe.json", "probe.safetensors"}
+    eval_data = "data.eval=" + str(DATA / "reverse_eval.jsonl")
     outcomes = {}
     for name in names:
         run = copy_run(trained, tmp_path, f"run-{name}")
@@ -96,8 +105,8 @@ def test_a_payload_in_any_checkpoint_file_never_runs(trained: Path, tmp_path: Pa
         if name != rundir.MANIFEST:
             fix_manifest(ckpt)
         rows_before = (run / rundir.METRICS).read_bytes()
-        for command in (["resume", str(run), "--from", "step-000002"], ["eval", str(ckpt), "data.eval=" +
-                                                                          str(DATA / "reverse_eval.jsonl")]):
+        for command in (["resume", str(run), "--from", "step-000002"],
+                        *([["eval", str(ckpt), eval_data]] if name in read_by_eval else [])):
             code, _, err = main_exit(monkeypatch, capsys, *command)
             assert not marker.exists(), f"payload in {name} ran during {command[0]}"
             assert code in (0, 2), (name, command[0], code, err)
@@ -106,11 +115,15 @@ def test_a_payload_in_any_checkpoint_file_never_runs(trained: Path, tmp_path: Pa
                 if command[0] == "resume":
                     assert (run / rundir.METRICS).read_bytes() == rows_before, "rows dropped before a failed load"
             outcomes[(name, command[0])] = code
-    # resume reads every file (accelerate's RNG pickle too, as data only: a payload is a refusal, never ignored),
-    # and accelerate refuses an unregistered custom_checkpoint_0.pkl without opening it; eval reads the manifest, the
-    # recipe, the weights and the recorded probe (the export it evaluates is checked against it)
-    ignored: set[str] = set()
-    read_by_eval = {rundir.MANIFEST, rundir.RESOLVED, "model.safetensors", "probe.json", "probe.safetensors"}
+    unread = [name for name in names if name not in read_by_eval]
+    ckpt = rundir.step_dir(copy_run(trained, tmp_path, "run-unread-by-eval"), 2)
+    for name in unread:
+        plant(ckpt / name, tmp_path / f"PWNED-eval-{name}")
+    fix_manifest(ckpt)
+    code, _, err = main_exit(monkeypatch, capsys, "eval", str(ckpt), eval_data)
+    assert [name for name in unread if (tmp_path / f"PWNED-eval-{name}").exists()] == [], "a payload ran during eval"
+    assert code in (0, 2), (code, err)
+    outcomes.update({(name, "eval"): code for name in unread})
     assert outcomes == {**{(n, "resume"): 0 if n in ignored else 2 for n in names},
                         **{(n, "eval"): 2 if n in read_by_eval else 0 for n in names}}
 
