@@ -21,6 +21,7 @@ import torch
 
 from finetune.runtime.launch import free_port
 from finetune.runtime.tracking import read_metrics
+from tests.distributed.conftest import made_once, session_folder
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
 from tests.recipe_files import write_recipe_file
@@ -79,13 +80,19 @@ def workdir(tmp_path_factory) -> Path:
     ZeRO-3 builds partitioned at birth), weight decay, clipping (the grad norm is about 2-3), cosine with warmup,
     and a frozen part (the first decoder layer, through the row of tests/plugins/llama_parts.py). Any decision
     taken from a parameter's shape that a backend's partitioning fools (ZeRO-3 once put every matrix in the
-    no-decay group) moves the losses and weights well past the 1e-4 the parity tests allow."""
+    no-decay group) moves the losses and weights well past the 1e-4 the parity tests allow. One folder for the
+    session's xdist workers (tests/distributed/conftest.py): test_elastic.py reads the runs trained here."""
+    root = session_folder(tmp_path_factory, "dist")
+    made_once(root / "recipe.yaml", lambda: _write_workdir(root))
+    return root
+
+
+def _write_workdir(root: Path) -> None:
     import transformers
 
     from finetune.registry import SUPPORTED_MODELS
     from finetune.runtime.modeling import ASSETS
 
-    root = tmp_path_factory.mktemp("dist")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**SUPPORTED_MODELS["llama"].tiny_config)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "pretrained")
@@ -103,13 +110,22 @@ def workdir(tmp_path_factory) -> Path:
         checkpoint={"every_steps": 4, "keep_last": 3},
     )
     write_recipe_file(root / "recipe.yaml", recipe)
-    return root
 
 
 def _run(workdir: Path, name: str, *args: str, **env: str) -> tuple[Path, subprocess.CompletedProcess]:
     run = workdir / name
     done = _finetune("run", str(workdir / "recipe.yaml"), "-o", str(run), "--overwrite", *args, **env)
     return run, done
+
+
+def _run_once(workdir: Path, name: str, *args: str, **env: str) -> Path:
+    """``workdir/name`` trained (with ``args``) once per session, whichever xdist worker asks first; must succeed."""
+
+    def make() -> None:
+        done = _run(workdir, name, *args, **env)[1]
+        assert done.returncode == 0, done.stderr[-3000:]
+
+    return made_once(workdir / name, make)
 
 
 def run_ok(workdir: Path, name: str, *args: str) -> Path:
@@ -122,17 +138,13 @@ def run_ok(workdir: Path, name: str, *args: str) -> Path:
 @pytest.fixture(scope="module")
 def reference(workdir: Path) -> Path:
     """The 1-process run with the same global batch (micro 4 x accum 2)."""
-    run, done = _run(workdir, "single")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run
+    return _run_once(workdir, "single")
 
 
 @pytest.fixture(scope="module")
 def reference_bf16(workdir: Path) -> Path:
     """The 1-process run in bf16 mixed precision (autocast over fp32 weights), for the bf16 runs."""
-    run, done = _run(workdir, "single-bf16", "train.mixed_precision=bf16")
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run
+    return _run_once(workdir, "single-bf16", "train.mixed_precision=bf16")
 
 
 _straight: dict[str, Path] = {}
@@ -143,10 +155,8 @@ def _straight_run(workdir: Path, backend: str) -> Path:
     each rank's peak of live tensor bytes per step measured (tests/distributed/memory_hooks.py)."""
     if backend not in _straight:
         bf16 = ["train.mixed_precision=bf16"] if backend in BF16 else []
-        run, done = _run(workdir, backend, "--accelerate-config", backend, "--num-processes", "2", *bf16,
-                         FINETUNE_HOOKS=MEMORY_HOOKS)
-        assert done.returncode == 0, done.stderr[-3000:]
-        _straight[backend] = run
+        _straight[backend] = _run_once(workdir, backend, "--accelerate-config", backend, "--num-processes", "2", *bf16,
+                                       FINETUNE_HOOKS=MEMORY_HOOKS)
     return _straight[backend]
 
 
@@ -369,9 +379,7 @@ LORA = ["peft.method=lora", "peft.dropout=0"]  # no adapter dropout: rank RNG st
 
 @pytest.fixture(scope="module")
 def lora_reference(workdir: Path) -> Path:
-    run, done = _run(workdir, "lora-single", *LORA)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run
+    return _run_once(workdir, "lora-single", *LORA)
 
 
 _lora: dict[str, Path] = {}
@@ -380,9 +388,8 @@ _lora: dict[str, Path] = {}
 def lora_run(workdir: Path, backend: str) -> Path:
     """The LoRA run on 2 processes under ``backend`` (checkpoints at steps 4 and 8), trained once per session."""
     if backend not in _lora:
-        run, done = _run(workdir, f"lora-{backend}", "--accelerate-config", backend, "--num-processes", "2", *LORA)
-        assert done.returncode == 0, done.stderr[-3000:]
-        _lora[backend] = run
+        _lora[backend] = _run_once(workdir, f"lora-{backend}", "--accelerate-config", backend, "--num-processes", "2",
+                                   *LORA)
     return _lora[backend]
 
 
