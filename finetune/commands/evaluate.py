@@ -52,7 +52,7 @@ def evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool 
     if not cfg.data.eval:
         raise RunDirError(f"{where.recipe}: data.eval is not set; pass data.eval=path/to/eval.jsonl")
     if where.checkpoint is None:
-        return _evaluate(where, cfg, None)
+        return _evaluate(where, cfg, None, trust_remote_code)
     with scratch_folder("finetune-eval-") as scratch:
         return _evaluate(where, cfg, scratch, trust_remote_code)
 
@@ -126,7 +126,8 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
         loaded = load_model(cfg, where)
     model = accelerator.prepare(loaded)
     precision = forward_precision(cfg.train.mixed_precision, accelerator.device)  # every forward: as training ran
-    task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes, images=images)
+    task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes, images=images,
+                      allow_plugin=trust_remote_code)  # e.g. a GRPO reward function named by the run's recipe
 
     def initial() -> Any:  # what dpo scores its reference with: the base with the adapter off, or model.path
         return model if hasattr(model, "disable_adapter") else accelerator.prepare(

@@ -270,17 +270,21 @@ class GRPOTask(TaskData):
 
     def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
                 splits: tuple[str, ...] = ("train", "eval")) -> None:
-        """Bind the prepared model (it generates), the accelerator and the precision; build the reward functions;
-        with full fine-tuning and ``beta`` > 0, keep a frozen copy of the initial weights as the reference (this
-        runs before a resume loads a checkpoint, so the copy is the initial model)."""
+        """Build the reward functions; when the run trains (``splits`` holds train), bind the prepared model (it
+        generates), the accelerator and the precision, and with full fine-tuning and ``beta`` > 0 keep a frozen copy
+        of the initial weights as the reference (this runs before a resume loads a checkpoint, so the copy is the
+        initial model)."""
         grpo = self.cfg.grpo
-        self.model, self.accelerator, self.precision = initial(), accelerator, precision
+        self.accelerator, self.precision = accelerator, precision
         self.rewards = build_rewards(self.cfg, device=accelerator.device, log=log, allow_plugin=self.allow_plugin)
+        if "train" not in splits:  # finetune eval: the loop hands eval_output its model; none is built here
+            return
+        self.model = initial()
         self.generator = PolicyGenerator(self.model, precision, max_new_tokens=grpo.max_new_tokens,
                                          temperature=grpo.temperature, top_p=grpo.top_p, stop_ids=self.stop_ids,
                                          pad_id=self.pad_id, lockstep=self.lockstep)
         unwrapped = accelerator.unwrap_model(self.model)
-        if grpo.beta > 0 and not hasattr(unwrapped, "disable_adapter") and "train" in splits:
+        if grpo.beta > 0 and not hasattr(unwrapped, "disable_adapter"):
             if self.lockstep:
                 raise ConfigError("grpo.beta > 0 with full fine-tuning needs a frozen reference copy, which is not "
                                   "built on a backend that shards parameters yet; use peft (LoRA: the reference "

@@ -151,9 +151,10 @@ def test_resume_is_exact(tmp_path: Path, iterations: int) -> None:
             assert [r[key] for r in rows] == [r[key] for r in expected_rows], key
 
 
-def test_train_and_eval_rows(tmp_path: Path) -> None:
+def test_train_and_eval_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The train row carries the reward metrics (and the step line shows the reward); eval reports exact_match as
-    correct / total over the eval prompts, the mean reward, a loss of 0 and no perplexity."""
+    correct / total over the eval prompts, the mean reward, a loss of 0 and no perplexity; `finetune eval` of the
+    export (its reward plugin allowed by --trust-remote-code) gives the same numbers."""
     data = prompt_file(tmp_path, rows=5, name="eval")
     recipe = grpo_recipe(tmp_path, data={"eval": str(data)}, train={"max_steps": 1},
                          eval={"metrics": ["exact_match"], "batch_size": 2})
@@ -170,3 +171,8 @@ def test_train_and_eval_rows(tmp_path: Path) -> None:
     assert evaluated["eval_loss"] == 0.0 and "eval_ppl" not in evaluated
     assert "eval_reward" in evaluated
     assert "| reward " in (run / "train.log").read_text()
+    capsys.readouterr()  # finetune eval of the export reproduces the run's final eval
+    assert cli_exit_code("eval", str(run), "--trust-remote-code", "--json") == 0
+    again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for key in ("eval_reward", "eval_exact_match_correct", "eval_exact_match_total", "eval_samples"):
+        assert again[key] == evaluated[key], key
