@@ -40,7 +40,7 @@ PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63], [1, 70]]
 
 
 def make_cfg(loss: str = "grpo", group: int = 3, new: int = 5, beta: float = 0.0, iterations: int = 1,
-             micro: int = 2, global_batch: int = 4) -> Any:
+             micro: int = 2, global_batch: int = 4, world: int = 1) -> Any:
     """The recipe fields the GRPO task reads."""
     return SimpleNamespace(
         grpo=SimpleNamespace(group_size=group, max_new_tokens=new, temperature=1.0, top_p=1.0, beta=beta,
@@ -48,7 +48,7 @@ def make_cfg(loss: str = "grpo", group: int = 3, new: int = 5, beta: float = 0.0
         train=SimpleNamespace(seed=3, global_batch_size=global_batch, micro_batch_size=micro),
         eval=SimpleNamespace(metrics=["exact_match"], batch_size=2),
         data=SimpleNamespace(shuffle=False, packing=False, num_workers=None),
-        grad_accum=global_batch // micro,
+        grad_accum=global_batch // (micro * world),
     )
 
 
@@ -256,3 +256,40 @@ def test_the_plan_counts_the_frozen_reference(tmp_path) -> None:
     assert "grpo_reference" not in keys[()] and "grpo_reference" not in keys[("grpo.beta=0.1", "peft.method=lora")]
     full = plans[("grpo.beta=0.1",)]
     assert full.item("grpo_reference").per_rank_bytes == full.item("parameters").whole_bytes
+
+
+def test_a_mid_cycle_generation_batch_resumes_on_another_world_size(llama, tok) -> None:
+    """iterations 2: the generation batch a checkpoint saves inside a cycle is gathered from the ranks in global
+    prompt order; 2 ranks x micro 1 saved, 1 process x micro 2 resumed serves exactly the micro-batches that 1
+    process generates itself (the same completions, advantages and old log-probs)."""
+    from finetune.tasks.grpo import RolloutCache, Rollouts
+
+    def task_of(rank: int, world: int, micro: int) -> GRPOTask:
+        task = bound_task(make_cfg(group=2, new=4, iterations=2, micro=micro, global_batch=4, world=world), llama,
+                          tok, rank, world)
+        share = 4 // world
+        batches = [prompt_batch(PROMPTS[rank * share + i:rank * share + i + micro]) for i in range(0, share, micro)]
+        task.prompt_loader = lambda start: iter(batches * 4)  # type: ignore[method-assign]
+        return task
+
+    ranks = [task_of(rank, 2, 1) for rank in range(2)]
+    for task in ranks:
+        task.rollouts = Rollouts(task, 0)
+        stream = iter(task.rollouts)
+        [next(stream) for _ in range(2)]  # step 1 of cycle 0: the batch stays live for step 2
+    tables = [task.cache_rows(task.rollouts.window) for task in ranks]
+    ranks[0].accelerator.num_processes = 2
+    ranks[0].accelerator.gather = lambda table: torch.cat(tables)
+    state = RolloutCache(ranks[0]).state_dict()
+    assert state["cycle"] == 0 and state["rows"].shape[0] == 4 * 2
+
+    fresh = iter(Rollouts(task_of(0, 1, 2), 0))
+    expected = [next(fresh) for _ in range(2)]
+    resumed_task = task_of(0, 1, 2)
+    resumed_task.generator = None  # it must not generate: the batch comes from the checkpoint
+    RolloutCache(resumed_task).load_state_dict(state)
+    resumed = iter(Rollouts(resumed_task, 4))  # the cursor after step 1 (global batch 4)
+    for want, got in zip(expected, [next(resumed) for _ in range(2)], strict=True):
+        for key in ("input_ids", "labels", "attention_mask", "advantages"):
+            assert torch.equal(want[key], got[key]), key
+        assert torch.allclose(want["old_logps"], got["old_logps"], atol=1e-5)
