@@ -293,3 +293,21 @@ def test_a_mid_cycle_generation_batch_resumes_on_another_world_size(llama, tok) 
         for key in ("input_ids", "labels", "attention_mask", "advantages"):
             assert torch.equal(want[key], got[key]), key
         assert torch.allclose(want["old_logps"], got["old_logps"], atol=1e-5)
+
+
+def test_a_sharded_full_fine_tune_with_beta_is_refused_in_one_line(llama, tok) -> None:
+    """A frozen copy of the initial weights is not built where parameters are sharded (lockstep): one ConfigError
+    naming the ways out, raised before training. Off the sharded backends the copy is taken and frozen."""
+    from finetune.errors import ConfigError
+
+    cfg = make_cfg(beta=0.1)
+    cfg.grpo.rewards = []
+    accelerator = SimpleNamespace(device=torch.device("cpu"), unwrap_model=lambda m: m, num_processes=2)
+    sharded = GRPOTask(cfg, DataBundle(None, None, None), PAD, 0, 2, lockstep=True, tokenizer=tok)
+    with pytest.raises(ConfigError, match=r"grpo\.beta > 0 with full fine-tuning"):
+        sharded.prepare(lambda: llama, accelerator, SimpleNamespace(autocast=nullcontext), print)
+    plain = GRPOTask(cfg, DataBundle(None, None, None), PAD, 0, 1, tokenizer=tok)
+    plain.prepare(lambda: llama, accelerator, SimpleNamespace(autocast=nullcontext), print)
+    assert plain.reference is not llama and not any(p.requires_grad for p in plain.reference.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(plain.reference.state_dict().values(),
+                                                 llama.state_dict().values(), strict=True))
