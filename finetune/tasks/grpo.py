@@ -55,6 +55,7 @@ import torch
 from finetune.data.prompt_rows import PromptCollator
 from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError
+from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.causal_lm import (
     Sampling,
@@ -246,7 +247,7 @@ class GRPOTask(TaskData):
         super().__init__(*args, **kwargs)
         self.tokenizer, self.allow_plugin = tokenizer, allow_plugin
         row = self.row
-        self.output_head = row.output_head if row is not None else "lm_head"
+        self.output_head = row.output_head if row is not None else OUTPUT_HEAD
         self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: list[int] = [] if eos is None else [eos]
