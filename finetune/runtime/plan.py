@@ -594,6 +594,8 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
     """The activation, logits and eval-logits estimates of the module docstring."""
     shape = facts.shape
     mbs, seq = cfg.train.micro_batch_size, cfg.data.max_seq_len
+    if cfg.task == "grpo":  # micro_batch_size counts prompts: each is group_size prompt + completion sequences
+        mbs *= cfg.grpo.group_size
     checkpointing = cfg.train.gradient_checkpointing or prec.qlora
     reason = ("train.gradient_checkpointing: true" if cfg.train.gradient_checkpointing else
               "QLoRA: peft's prepare_model_for_kbit_training turns it on" if prec.qlora else

@@ -239,7 +239,8 @@ def test_micro_batch_carries_advantages_and_counts(llama, tok) -> None:
 
 def test_the_plan_counts_the_frozen_reference(tmp_path) -> None:
     """finetune plan: full fine-tuning with grpo.beta > 0 holds a whole frozen copy of the weights (one more line,
-    the size of the parameters); LoRA's reference is the base with the adapter disabled (no line)."""
+    the size of the parameters); LoRA's reference is the base with the adapter disabled (no line). A micro-batch
+    of prompts trains on group_size sequences per prompt."""
     from finetune.config import load_recipe
     from finetune.runtime.plan import build_plan
     from tests.recipe_files import write_recipe_file
@@ -256,6 +257,8 @@ def test_the_plan_counts_the_frozen_reference(tmp_path) -> None:
     assert "grpo_reference" not in keys[()] and "grpo_reference" not in keys[("grpo.beta=0.1", "peft.method=lora")]
     full = plans[("grpo.beta=0.1",)]
     assert full.item("grpo_reference").per_rank_bytes == full.item("parameters").whole_bytes
+    micro = load_recipe(path)[0].train.micro_batch_size
+    assert full.activations.micro_batch_size == micro * 4  # its prompts x group_size (default 4)
 
 
 def test_a_mid_cycle_generation_batch_resumes_on_another_world_size(llama, tok) -> None:
