@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
-CHUNK = 1 << 24  # bytes read at a time when scanning a whole file
+CHUNK = 1 << 22  # bytes read at a time when scanning a whole file (a few copies of one chunk are the scans' memory)
 
 # format -> (required string fields, optional string fields)
 FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
