@@ -40,9 +40,25 @@ class TrainState:
             setattr(self, key, value)
 
 
+def steps_per_batch(cfg: RecipeConfig) -> int:
+    """Optimizer steps that one global batch of samples trains: ``grpo.iterations`` for task grpo (one generation
+    batch serves that many updates), else 1. Each step counts ``global_batch_size`` samples in ``samples_seen``."""
+    return cfg.grpo.iterations if cfg.task == "grpo" else 1
+
+
+def epoch_samples(cfg: RecipeConfig, rows: int) -> int:
+    """``samples_seen`` of one epoch (one pass over ``rows`` training rows): the rows, times
+    :func:`steps_per_batch` (each row is counted at every step its batch trains). TrainState.train_size holds it,
+    so that ``epoch = samples_seen // train_size`` is the pass over the rows whatever ``grpo.iterations`` is."""
+    return rows * steps_per_batch(cfg)
+
+
 def total_steps(cfg: RecipeConfig, train_size: int) -> int:
-    """``train.max_steps``, or the steps that ``train.epochs`` passes over the training set take."""
+    """``train.max_steps``, or the steps that ``train.epochs`` passes over the training set take; ``train_size`` is
+    :func:`epoch_samples`. With k = :func:`steps_per_batch` that is k x the global batches of the passes (rounded
+    up to a whole batch), so a run ends at the end of a batch's k steps."""
     if cfg.train.max_steps is not None:
         return cfg.train.max_steps
     assert cfg.train.epochs is not None, "the schema requires max_steps or epochs"
-    return max(1, math.ceil(cfg.train.epochs * train_size / cfg.train.global_batch_size))
+    k = steps_per_batch(cfg)
+    return k * max(1, math.ceil(cfg.train.epochs * (train_size // k) / cfg.train.global_batch_size))

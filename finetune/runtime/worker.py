@@ -34,7 +34,7 @@ from finetune.runtime.backends import (
     size_deepspeed_buckets,
 )
 from finetune.runtime.signals import Interrupted
-from finetune.runtime.state import TrainState, total_steps
+from finetune.runtime.state import TrainState, epoch_samples, total_steps
 from finetune.runtime.tracking import build_tracker, truncate_metrics
 
 if TYPE_CHECKING:
@@ -97,7 +97,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
         raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
                           f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
     assert data.train is not None
-    max_steps = total_steps(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
+    epoch = epoch_samples(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
+    max_steps = total_steps(cfg, epoch)
     tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, start_step=start_step,
                             max_steps=max_steps)
     if cfg.scheduler.warmup_steps > max_steps:  # a warning: train.log, and stderr unless a progress bar shows it
@@ -140,7 +141,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     size_deepspeed_buckets(accelerator, model)  # DeepSpeed's 5e8-element reduce bucket, capped at the model
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend)
-    state = TrainState(train_size=data.train_size)
+    state = TrainState(train_size=epoch)
     # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
     # scheduler is not prepared: accelerate would step it once per process.
     objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer),

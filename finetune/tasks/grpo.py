@@ -32,7 +32,9 @@ drawn from its own CPU generator seeded by ``(train.seed, s, p, j)`` (:func:`com
 per new token (:class:`finetune.tasks.causal_lm.Sampling`), so it does not depend on the micro-batch size, the
 batch composition or the number of processes. ``iterations`` k > 1: one generation batch serves k consecutive
 optimizer steps; the loop still counts ``global_batch_size`` samples per step, so ``samples_seen`` advances k
-times per generation batch and the prompt cursor is ``(samples_seen // (k G)) G``. A checkpoint written inside a
+times per generation batch and the prompt cursor is ``(samples_seen // (k G)) G``. An epoch is one pass over the
+prompts whatever k is: ``train.epochs`` gives k x the prompt batches of its passes in optimizer steps, and an
+epoch is k x the rows in ``samples_seen`` (:func:`finetune.runtime.state.epoch_samples`). A checkpoint written inside a
 cycle saves the cycle's generated batch (``grpo_rollouts``, in global prompt order, so any world size reads it);
 one at a cycle's end saves nothing, and a resume regenerates from the seeds.
 

@@ -7,7 +7,9 @@ always differ in reward and the advantages are not zero.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,15 @@ pytestmark = pytest.mark.integration
 LETTERS = "abcdefghij"
 
 
+PROMPT_LOG = "FINETUNE_TEST_GRPO_PROMPT_LOG"  # a file that text_length appends each scored prompt to, when set
+
+
 def text_length(prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
-    """A reward: the completion's length in characters."""
+    """A reward: the completion's length in characters (and, with $FINETUNE_TEST_GRPO_PROMPT_LOG set, the prompts
+    it scores appended to that file, one line per completion: which prompts a run generated from)."""
+    if os.environ.get(PROMPT_LOG):
+        with open(os.environ[PROMPT_LOG], "a", encoding="utf-8") as log:
+            log.writelines(f"{p}\n" for p in prompts)
     return [float(len(c)) for c in completions]
 
 
@@ -119,17 +128,28 @@ def test_accumulation_invariance(tmp_path: Path, loss: str, iterations: int, bet
 
 
 @pytest.mark.parametrize("iterations", [1, 2])
-def test_resume_is_exact(tmp_path: Path, iterations: int) -> None:
-    """6 straight steps (checkpoints every 3) equal (a) SIGTERM after step 4 -> checkpoint 5 -> `finetune resume`
-    and (b) `finetune resume --from step-000003` (what a SIGKILL after step 4 leaves: the last periodic
-    checkpoint), bit for bit: weights, losses and reward metrics. With iterations 2 both checkpoints fall inside
-    a generation cycle, so the resumed step trains on the saved generation batch; with 1 the batch is regenerated
-    from the seeds."""
-    recipe = grpo_recipe(tmp_path, grpo={"iterations": iterations},
+def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iterations: int) -> None:
+    """train.epochs over 12 shuffled prompts, 4 per batch: an epoch is one pass over the prompts whatever
+    grpo.iterations is, so 2 epochs at iterations 1 and 1 epoch at iterations 2 are both 6 steps, and each epoch
+    generates from every prompt exactly once. The 6 straight steps (checkpoints every 3) equal (a) SIGTERM after
+    step 4 -> checkpoint 5 -> `finetune resume` and (b) `finetune resume --from step-000003` (what a SIGKILL after
+    step 4 leaves: the last periodic checkpoint), bit for bit: weights, losses and reward metrics. With iterations
+    2 both checkpoints fall inside a generation cycle, so the resumed step trains on the saved generation batch;
+    with 1 the batch is regenerated from the seeds."""
+    prompts = prompt_file(tmp_path, rows=12, name="twelve")
+    recipe = grpo_recipe(tmp_path, grpo={"iterations": iterations}, data={"train": str(prompts)},
+                         train={"max_steps": None, "epochs": 3 - iterations},
                          model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
                          checkpoint={"every_steps": 3})
     straight = tmp_path / "straight"
+    monkeypatch.setenv(PROMPT_LOG, str(tmp_path / "prompts.log"))
     assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
+    monkeypatch.delenv(PROMPT_LOG)
+    visited = (tmp_path / "prompts.log").read_text().splitlines()  # group_size (2) lines per prompt generated from
+    rows = [json.loads(line)["prompt"] for line in prompts.read_text().splitlines()]
+    epochs = [visited[:24], visited[24:]] if iterations == 1 else [visited]
+    assert [Counter(epoch) for epoch in epochs] == [Counter(rows * 2)] * len(epochs)  # rows 11, 12 repeat 1, 2
+    assert visited[:24] != [row for row in rows for _ in range(2)]  # data.shuffle: the epoch is a permutation
     expected, expected_rows = final_weights(straight), _train_rows(straight)
     assert [r["step"] for r in expected_rows] == [1, 2, 3, 4, 5, 6]
     saved = (straight / "checkpoints" / "step-000003" / "grpo_rollouts.json").read_text()
