@@ -181,13 +181,18 @@ def _assert_really_distributed(run: Path, backend: str, reference: Path) -> None
 def test_parity_with_one_process(workdir: Path, reference: Path, reference_bf16: Path, backend: str) -> None:
     """Per-step losses over 8 steps and exported weights match the 1-process run within 1e-4 (relative); the bf16
     runs (BF16) match the 1-process bf16 run, losses and eval loss within BF16_REL, the exported weights (DeepSpeed's
-    fp32 masters: a bf16 engine exported its bf16 copy before) within BF16_WEIGHTS."""
+    fp32 masters: a bf16 engine exported its bf16 copy before) within BF16_WEIGHTS. Each step counts the 1-process
+    run's input tokens and FLOPs per token: the tokens of both ranks summed in the step's one reduce, and the whole
+    sizes of parameters a backend shards or partitions (ZeRO-3's hold an empty tensor in place)."""
     run = _straight_run(workdir, backend)
     _assert_really_distributed(run, backend, reference)
     bf16 = backend in BF16
     ref, rel = (reference_bf16, BF16_REL) if bf16 else (reference, 1e-4)
     assert _losses(run) == pytest.approx(_losses(ref), rel=rel)
     assert len(_losses(run)) == 8
+    counted = [[(r["tokens"], r["flops_per_token"]) for r in read_metrics(x) if r["kind"] == "train"]
+               for x in (run, ref)]
+    assert counted[0] == counted[1]
     exported = final_weights(run)
     assert {str(t.dtype) for t in exported.values()} == {"torch.float32"}  # the fp32 master weights, not bf16
     assert max_rel_diff(final_weights(ref), exported) <= (BF16_WEIGHTS if bf16 else 1e-4)
@@ -242,7 +247,10 @@ def test_plan_is_within_15_percent_of_the_measured_peak(workdir: Path, backend: 
 PACKED_WEIGHTS = 5e-4  # see test_packed_parity_with_one_process
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", "zero3"])  # the sharded ones; DDP packs as one process does
+# the sharded ones (DDP packs as one process does); zero3 in make test-all (CI time): packing is the same collator,
+# positions and token-count reduce under any backend, checked sharded by fsdp2, and ZeRO-3's FLOPs per token (its
+# partitioned parameter sizes) by test_parity_with_one_process[zero3]
+@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("zero3", marks=pytest.mark.extended)])
 def test_packed_parity_with_one_process(workdir: Path, reference: Path, backend: str) -> None:
     """data.packing on 2 processes takes the steps of the padded 1-process run: per-step losses within 1e-4 and
     exported weights within PACKED_WEIGHTS (only the layout of each micro-batch and the reduction order change).
@@ -394,8 +402,11 @@ def lora_run(workdir: Path, backend: str) -> Path:
 
 
 # ddp: LoRA on 2 DDP processes is matched with one process by tests/distributed/test_load_once.py
-# zero2 in make test-all (CI time): its layout is checked by the full-weight parity and resume runs
-@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b == "zero2" else b
+# zero2 in make test-all (CI time): its layout is checked by the full-weight parity and resume runs; fsdp2 too: LoRA
+# under FSDP2 trains steps 5-8 and saves its adapter, complete and equal to the 1-process one, in
+# test_elastic.py::test_lora_changes_layout[single-fsdp2], and the eval of a reloaded sharded adapter is fsdp1's and
+# zero3's here
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.extended) if b in ("zero2", "fsdp2") else b
                                      for b in CHECKPOINT_BACKENDS if b != "ddp"])
 def test_lora_parity_complete_adapter_and_reload(workdir: Path, lora_reference: Path, backend: str) -> None:
     """LoRA on 2 processes: per-step losses equal the 1-process LoRA run within 1e-4; the saved adapter is complete
