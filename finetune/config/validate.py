@@ -272,6 +272,14 @@ def _launch_lines(cfg: RecipeConfig | _Sections, accelerate_file: accelerate.Acc
         lines.append(f"train.compile: not supported with DeepSpeed (launch.accelerate_config="
                      f"{cfg.launch.accelerate_config}): its engine would have to compile the model itself; set "
                      "train.compile=false, or use ddp or fsdp2")
+    grpo, peft = getattr(cfg, "grpo", None), getattr(cfg, "peft", None)  # None: a section with schema errors
+    fsdp = accelerate_file.settings.get("fsdp_config") or {}
+    if cfg.task == "grpo" and grpo is not None and grpo.beta > 0 and peft is not None and peft.method == "none" \
+            and accelerate_file.distributed_type == "FSDP" and int(fsdp.get("fsdp_version", 1)) == 1:
+        lines.append(f"grpo.beta={grpo.beta:g} with full fine-tuning needs a frozen reference copy, which is not "
+                     f"built under FSDP1 (launch.accelerate_config={cfg.launch.accelerate_config}); use "
+                     "launch.accelerate_config=fsdp2 or zero3, peft (LoRA: the base with the adapter disabled), or "
+                     "grpo.beta=0")
     return lines
 
 

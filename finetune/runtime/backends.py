@@ -23,6 +23,7 @@ mixed-precision policy casts the weights (autocast off; our grad scaler still ru
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import pickle
 import sys
@@ -676,3 +677,76 @@ def full_numel(param: Any) -> int:
     for n in full_shape(param):
         count *= n
     return count
+
+
+def frozen_copy(accelerator: Any, model: Any, backend: Backend) -> tuple[Any, Callable[[], Any]]:
+    """A frozen copy of the prepared ``model``'s current weights, as (the module that scores with it, a factory of
+    the context it scores in): for a reference that only runs forward passes (GRPO's KL term with full
+    fine-tuning). Neither is registered with the accelerator or a checkpoint object, so the copy is never saved.
+
+    - parameters not sharded (one process, DDP, ZeRO-1/2): a deep copy of the unwrapped module, no gradients, eval
+      mode; it scores outside any context and runs no collective.
+    - FSDP2 and ZeRO-3: :class:`FrozenShards`; the policy module itself scores, with this rank's shards of the
+      copy swapped into its parameters inside the context, so the copy is sharded exactly as the policy (each rank
+      holds 1/world of it) and its forward passes are the policy's own, in lockstep on every rank.
+    - FSDP1: refused (recipe validation refuses it first): its flat parameters hold a rank's shards of several
+      tensors at once, with views that FSDP re-points as it gathers; copying into them is not a supported write.
+    """
+    if not backend.shards_parameters:
+        reference = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False).eval()
+        return reference, contextlib.nullcontext
+    if backend.kind == "fsdp" and backend.fsdp_version == 1:
+        raise ConfigError("a frozen copy of the weights (grpo.beta > 0 with full fine-tuning) is not built under "
+                          "FSDP1; use launch.accelerate_config=fsdp2 or zero3, peft (LoRA), or grpo.beta=0")
+    shards = FrozenShards(model, deepspeed=backend.kind == "deepspeed")
+    return model, shards.swapped
+
+
+class FrozenShards:
+    """This rank's shards of every parameter of a prepared FSDP2 module or ZeRO-3 engine, copied when built: a
+    frozen copy of the weights at that moment, sharded as the model is. :meth:`swapped` puts them into the model's
+    parameters and the live shards back afterwards, so a forward pass inside it gathers the copy's weights.
+
+    Both backends gather a parameter from its local shard in each forward (FSDP2: the DTensor's local tensor, a view
+    of the flat data it all-gathers; ZeRO-3: ``ds_tensor``), so every parameter is first released to its shard
+    (FSDP2 ``reshard``; ZeRO-3 ``empty_partition_cache``, which also releases the parameters it keeps gathered
+    between forwards): an unsharded copy left from an earlier forward would otherwise be used as it is."""
+
+    def __init__(self, model: Any, *, deepspeed: bool) -> None:
+        import torch  # lazy: heavy
+
+        self.model, self.deepspeed = model, deepspeed
+        module = model.module if deepspeed else model
+        self.params = list(dict.fromkeys(module.parameters()))
+        with torch.no_grad():
+            self.saved = [shard.detach().clone() for shard in self._shards()]
+
+    def _shards(self) -> list[Any]:
+        """Every parameter's local shard, after releasing any gathered copy (a view: writing it writes the shard)."""
+        if self.deepspeed:
+            self.model.empty_partition_cache()
+            return [p.ds_tensor for p in self.params]
+        from torch.distributed.fsdp import FSDPModule  # lazy: heavy
+        from torch.distributed.tensor import DTensor  # lazy: heavy
+
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        return [p._local_tensor if isinstance(p, DTensor) else p.data for p in self.params]
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """The model's parameters hold the copy's shards inside, the live ones again after (also on an error)."""
+        import torch  # lazy: heavy
+
+        with torch.no_grad():
+            live = self._shards()
+            kept = [shard.clone() for shard in live]
+            for shard, saved in zip(live, self.saved, strict=True):
+                shard.copy_(saved)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for shard, value in zip(self._shards(), kept, strict=True):
+                    shard.copy_(value)

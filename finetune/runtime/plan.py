@@ -622,10 +622,11 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
     prec = _Precision.of(cfg, sharding)
     items = _state_items(cfg, facts, sharding, prec) + _backend_items(cfg, facts, sharding, prec)
     if cfg.task == "grpo" and cfg.grpo.beta > 0 and not lora.enabled(cfg.peft):  # finetune.tasks.grpo's reference
-        held = sum(prec.held(p) for p in facts.params)
-        items.append(Item("grpo_reference", "GRPO reference (frozen copy)", held, held, 1, "device",
-                          "grpo.beta > 0 with full fine-tuning: a whole frozen copy of the initial weights on "
-                          "every rank"))
+        params = next(item for item in items if item.key == "parameters")  # backends.frozen_copy: sharded alike
+        share = sum(_share(p, prec.held(p), sharding.params, sharding) for p in facts.params)  # shards only
+        items.append(Item("grpo_reference", "GRPO reference (frozen copy)", share, params.whole_bytes, params.shards,
+                          params.where, "grpo.beta > 0 with full fine-tuning: a frozen copy of the initial weights, "
+                          "held as the parameters are (whole, or each rank's shards)"))
     acts = _activations(cfg, facts, prec, cuda=bool(devices))
     other = acts.without_checkpointing if acts.checkpointing else acts.with_checkpointing
     items.append(Item("activations", "activations (estimate)", acts.used, acts.used, 1, "device",

@@ -28,6 +28,7 @@ from finetune.runtime import peft as lora
 from finetune.runtime.backends import (
     detect,
     extra_checkpoint_state,
+    frozen_copy,
     make_accelerator,
     model_init,
     settle,
@@ -152,7 +153,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
                "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16),
                                   precision)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
-                      lockstep=backend.shards_parameters, images=images, allow_plugin=allow_plugin)
+                      lockstep=backend.shards_parameters, images=images, allow_plugin=allow_plugin,
+                      frozen_copy=lambda prepared: frozen_copy(accelerator, prepared, backend))
     objects |= task.checkpoint_objects  # e.g. GRPO's generation batch inside a cycle
     tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
                                     f"{cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size} x accum "

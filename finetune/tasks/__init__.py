@@ -17,15 +17,17 @@ from finetune.tasks.vision_lm import VisionCausalLMTask
 
 
 def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: DataBundle, rank: int,
-               world: int, lockstep: bool = False, images: Any = None, allow_plugin: bool = False) -> Task:
+               world: int, lockstep: bool = False, images: Any = None, allow_plugin: bool = False,
+               frozen_copy: Any = None) -> Task:
     """The adapter for the recipe's ``task`` (null / sft: the row's own task), over this rank's data (``lockstep``:
     see TaskData; ``images``: a vision-language row's image processor; ``allow_plugin``: the recipe's code may be
-    imported, e.g. a GRPO reward function)."""
+    imported, e.g. a GRPO reward function; ``frozen_copy``: the backend's frozen copy of the prepared model, for a
+    reference that runs only forward passes: see GRPOTask)."""
     if cfg.task == "dpo":
         return DPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
     if cfg.task == "grpo":
         return GRPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, tokenizer=tokenizer,
-                        allow_plugin=allow_plugin, row=row)
+                        allow_plugin=allow_plugin, frozen_copy=frozen_copy, row=row)
     if cfg.task == "reward":
         return RewardTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
     if row.task == "classification":

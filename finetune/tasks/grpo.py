@@ -38,6 +38,12 @@ epoch is k x the rows in ``samples_seen`` (:func:`finetune.runtime.state.epoch_s
 cycle saves the cycle's generated batch (``grpo_rollouts``, in global prompt order, so any world size reads it);
 one at a cycle's end saves nothing, and a resume regenerates from the seeds.
 
+The reference (``beta`` > 0): with LoRA the model with its adapter disabled; with full fine-tuning a frozen copy of
+the initial weights that the worker's backend makes (:func:`finetune.runtime.backends.frozen_copy`, taken in
+:meth:`GRPOTask.prepare`, before a resume loads a checkpoint, and never saved): a deep copy where parameters are
+whole (one process, DDP, ZeRO-1/2); on FSDP2 / ZeRO-3 each rank's shards of it, swapped into the policy for the
+reference's forward passes (sharded as the policy, in lockstep); FSDP1 is refused when the recipe is validated.
+
 The generator is a seam (:class:`Generator`): the policy generates here (:class:`PolicyGenerator`); an external
 engine (vLLM on a GPU, fed the current weights) would implement ``complete`` with the same seeds.
 """
@@ -243,11 +249,15 @@ class GRPOTask(TaskData):
     perplexity = False
     eval_means = ("reward",)
 
-    def __init__(self, *args: Any, tokenizer: Any, allow_plugin: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, tokenizer: Any, allow_plugin: bool = False,
+                 frozen_copy: Callable[[Any], tuple[Any, Callable[[], Any]]] | None = None, **kwargs: Any) -> None:
         """``allow_plugin``: a ``function`` reward may be imported (what the command line allowed, as for
-        ``model.plugin``: ``finetune run`` always, a stored run's recipe with ``--trust-remote-code``)."""
+        ``model.plugin``: ``finetune run`` always, a stored run's recipe with ``--trust-remote-code``).
+        ``frozen_copy``: the backend's frozen copy of the prepared model's weights, as (the module that scores with
+        it, a factory of the context it scores in) (the worker's ``finetune.runtime.backends.frozen_copy``; sharded
+        like the policy on FSDP2 / ZeRO-3); None: a deep copy, refused where parameters are sharded."""
         super().__init__(*args, **kwargs)
-        self.tokenizer, self.allow_plugin = tokenizer, allow_plugin
+        self.tokenizer, self.allow_plugin, self.frozen_copy = tokenizer, allow_plugin, frozen_copy
         row = self.row
         self.output_head = row.output_head if row is not None else OUTPUT_HEAD
         self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
@@ -257,7 +267,8 @@ class GRPOTask(TaskData):
         self.accelerator: Any = None
         self.precision: Any = None
         self.rewards: Any = None
-        self.reference: Any = None  # a frozen copy of the initial weights (full fine-tuning with beta > 0)
+        self.reference: Any = None  # scores with a frozen copy of the initial weights (full fine-tuning, beta > 0)
+        self.reference_context: Callable[[], Any] = nullcontext  # ... inside this (the copy's shards swapped in)
         self.generator: Generator | None = None
         self.rollouts: Rollouts | None = None
         self.restored: tuple[int, torch.Tensor] | None = None  # (cycle, rows) read from a checkpoint
@@ -288,12 +299,16 @@ class GRPOTask(TaskData):
                                          pad_id=self.pad_id, lockstep=self.lockstep)
         unwrapped = accelerator.unwrap_model(self.model)
         if grpo.beta > 0 and not hasattr(unwrapped, "disable_adapter"):
-            if self.lockstep:
-                raise ConfigError("grpo.beta > 0 with full fine-tuning needs a frozen reference copy, which is not "
-                                  "built on a backend that shards parameters yet; use peft (LoRA: the reference "
-                                  "is the base with the adapter disabled), a DDP backend, or grpo.beta=0")
-            self.reference = copy.deepcopy(unwrapped).requires_grad_(False).eval()
-            log("grpo: reference = a frozen copy of the initial weights (grpo.beta > 0, full fine-tuning)")
+            if self.frozen_copy is not None:
+                self.reference, self.reference_context = self.frozen_copy(self.model)
+            elif self.lockstep:
+                raise ConfigError("grpo.beta > 0 with full fine-tuning needs a frozen reference copy, which needs "
+                                  "the backend's copy where parameters are sharded; use peft (LoRA: the reference "
+                                  "is the base with the adapter disabled) or grpo.beta=0")
+            else:
+                self.reference = copy.deepcopy(unwrapped).requires_grad_(False).eval()
+            log("grpo: reference = a frozen copy of the initial weights (grpo.beta > 0, full fine-tuning)"
+                + (", sharded as the policy" if self.reference is self.model else ""))
 
     def build_dataloader(self, split: str, start_sample: int = 0) -> Any:
         """``train``: :class:`Rollouts` from the data cursor ``start_sample``; ``eval``: this rank's prompts."""
@@ -422,7 +437,7 @@ class GRPOTask(TaskData):
     def reference_model(self) -> tuple[Any, Any]:
         """The reference and the context it scores in: the frozen copy, or (LoRA) the model, adapter disabled."""
         if self.reference is not None:
-            return self.reference, nullcontext()
+            return self.reference, self.reference_context()
         unwrapped = self.accelerator.unwrap_model(self.model)
         return self.model, unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext()
 

@@ -26,13 +26,14 @@ EVAL_PROMPTS = 7  # not divisible by 2 ranks x eval batch 2: sharded ranks pad w
 @pytest.fixture(scope="module")
 def grpo_workdir(tmp_path_factory) -> Path:
     """4 steps of 4 prompts x 2 completions, loss token with 2 iterations per generation batch (the second
-    step of each trains on a moved ratio, so the losses are not ~0), eval every 2 steps."""
+    step of each trains on a moved ratio, so the losses are not ~0), beta 0.05 with full fine-tuning (the KL to a
+    frozen copy of the initial weights: sharded as the policy on FSDP2 / ZeRO-3), eval every 2 steps."""
     root = tmp_path_factory.mktemp("grpo-dist")
     recipe = tiny_recipe(
         task="grpo",
         data={"format": "prompt", "train": str(prompt_file(root)),
               "eval": str(prompt_file(root, rows=EVAL_PROMPTS, name="eval")), "max_seq_len": 32},
-        grpo={"group_size": 2, "max_new_tokens": 4, "loss": "token", "iterations": 2, "rewards": [
+        grpo={"group_size": 2, "max_new_tokens": 4, "loss": "token", "iterations": 2, "beta": 0.05, "rewards": [
             {"function": "tests.integration.test_grpo:text_length", "name": "length", "weight": 0.1},
             {"exact_match": True}]},
         train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 4},
@@ -61,6 +62,9 @@ def test_grpo_parity_with_one_process(grpo_workdir: Path, grpo_single: Path, bac
     assert len(rows[0]) == 4
     for key in ("reward", "reward_length", "completion_len", "completion_len_max", "frac_zero_std", "truncated"):
         assert [r[key] for r in rows[0]] == pytest.approx([r[key] for r in rows[1]], rel=1e-6), key
+    # the reference's log-probs: KL 0 at the first step (policy = reference), then equal to 1 process's (<= 1e-4)
+    assert [r["kl"] for r in rows[0]] == pytest.approx([r["kl"] for r in rows[1]], rel=1e-4, abs=1e-7)
+    assert rows[1][0]["kl"] == pytest.approx(0.0, abs=1e-6) and all(r["kl"] > 1e-6 for r in rows[1][1:])
     assert [r["loss"] for r in rows[0]] == pytest.approx([r["loss"] for r in rows[1]], rel=1e-4, abs=1e-6)
     assert any(abs(r["loss"]) > 1e-4 for r in rows[1]), "the losses are all ~0: nothing compared"
     assert max_rel_diff(final_weights(grpo_single), final_weights(run)) <= 1e-4

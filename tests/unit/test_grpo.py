@@ -238,9 +238,9 @@ def test_micro_batch_carries_advantages_and_counts(llama, tok) -> None:
 
 
 def test_the_plan_counts_the_frozen_reference(tmp_path) -> None:
-    """finetune plan: full fine-tuning with grpo.beta > 0 holds a whole frozen copy of the weights (one more line,
-    the size of the parameters); LoRA's reference is the base with the adapter disabled (no line). A micro-batch
-    of prompts trains on group_size sequences per prompt."""
+    """finetune plan: full fine-tuning with grpo.beta > 0 holds a frozen copy of the weights (one more line, the size
+    of the parameters, sharded as they are on FSDP2 / ZeRO-3); LoRA's reference is the base with the adapter
+    disabled (no line). A micro-batch of prompts trains on group_size sequences per prompt."""
     from finetune.config import load_recipe
     from finetune.runtime.plan import build_plan
     from tests.recipe_files import write_recipe_file
@@ -257,6 +257,12 @@ def test_the_plan_counts_the_frozen_reference(tmp_path) -> None:
     assert "grpo_reference" not in keys[()] and "grpo_reference" not in keys[("grpo.beta=0.1", "peft.method=lora")]
     full = plans[("grpo.beta=0.1",)]
     assert full.item("grpo_reference").per_rank_bytes == full.item("parameters").whole_bytes
+    for backend in ("fsdp2", "zero3"):  # sharded as the parameters (finetune.runtime.backends.frozen_copy)
+        sharded = build_plan(load_recipe(path, ["grpo.beta=0.1", f"launch.accelerate_config={backend}",
+                                                "launch.num_processes=2"])[0], devices=[])
+        reference, params = sharded.item("grpo_reference"), sharded.item("parameters")
+        assert reference.shards == params.shards == 2 and reference.whole_bytes == params.whole_bytes, backend
+        assert 0 <= 2 * reference.per_rank_bytes - params.whole_bytes <= 64, backend  # half, each tensor rounded up
     micro = load_recipe(path)[0].train.micro_batch_size
     assert full.activations.micro_batch_size == micro * 4  # its prompts x group_size (default 4)
 
@@ -298,9 +304,11 @@ def test_a_mid_cycle_generation_batch_resumes_on_another_world_size(llama, tok) 
         assert torch.allclose(want["old_logps"], got["old_logps"], atol=1e-5)
 
 
-def test_a_sharded_full_fine_tune_with_beta_is_refused_in_one_line(llama, tok) -> None:
-    """A frozen copy of the initial weights is not built where parameters are sharded (lockstep): one ConfigError
-    naming the ways out, raised before training. Off the sharded backends the copy is taken and frozen."""
+def test_the_frozen_reference_comes_from_the_backend(llama, tok) -> None:
+    """Full fine-tuning with beta > 0: the reference is what the worker's frozen_copy (finetune.runtime.backends)
+    returns, scored inside its context (FSDP2 / ZeRO-3: the policy with the copy's shards swapped in); a task given
+    none refuses to deep-copy sharded parameters (one ConfigError before training). Off the sharded backends the
+    copy is taken and frozen."""
     from finetune.errors import ConfigError
 
     cfg = make_cfg(beta=0.1)
@@ -309,8 +317,51 @@ def test_a_sharded_full_fine_tune_with_beta_is_refused_in_one_line(llama, tok) -
     sharded = GRPOTask(cfg, DataBundle(None, None, None), PAD, 0, 2, lockstep=True, tokenizer=tok)
     with pytest.raises(ConfigError, match=r"grpo\.beta > 0 with full fine-tuning"):
         sharded.prepare(lambda: llama, accelerator, SimpleNamespace(autocast=nullcontext), print)
+    entered = []
+
+    class Swapped:
+        def __enter__(self) -> None:
+            entered.append(True)
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    given = GRPOTask(cfg, DataBundle(None, None, None), PAD, 0, 2, lockstep=True, tokenizer=tok,
+                     frozen_copy=lambda model: (model, Swapped))
+    given.prepare(lambda: llama, accelerator, SimpleNamespace(autocast=nullcontext), print)
+    reference, context = given.reference_model()
+    assert reference is llama and not entered
+    with context:
+        assert entered
     plain = GRPOTask(cfg, DataBundle(None, None, None), PAD, 0, 1, tokenizer=tok)
     plain.prepare(lambda: llama, accelerator, SimpleNamespace(autocast=nullcontext), print)
     assert plain.reference is not llama and not any(p.requires_grad for p in plain.reference.parameters())
     assert all(torch.equal(a, b) for a, b in zip(plain.reference.state_dict().values(),
                                                  llama.state_dict().values(), strict=True))
+
+
+def test_fsdp1_full_fine_tune_with_beta_is_one_line_at_validation(tmp_path) -> None:
+    """The frozen reference is built on every backend but FSDP1 (flat parameters): there, full fine-tuning with
+    grpo.beta > 0 is one line when the recipe is validated (finetune run --dry-run, before any tokenizing) naming
+    the key, the backend and the ways out; fsdp2, zero3, LoRA and beta 0 validate."""
+    from finetune.config import load_recipe
+    from finetune.errors import ConfigError
+    from tests.recipe_files import write_recipe_file
+
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"prompt": "a b", "answer": "b a"}\n')
+    recipe = {"name": "g", "task": "grpo", "model": {"type": "tiny-llama"},
+              "data": {"format": "prompt", "train": str(data), "max_seq_len": 64},
+              "grpo": {"rewards": [{"exact_match": True}], "beta": 0.1}, "train": {"max_steps": 1},
+              "launch": {"num_processes": 2}}
+    path = write_recipe_file(tmp_path / "g.yaml", recipe, output_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError) as info:
+        load_recipe(path, ["launch.accelerate_config=fsdp1"])
+    assert str(info.value).splitlines() == [
+        "grpo.beta=0.1 with full fine-tuning needs a frozen reference copy, which is not built under FSDP1 "
+        "(launch.accelerate_config=fsdp1); use launch.accelerate_config=fsdp2 or zero3, peft (LoRA: the base with "
+        "the adapter disabled), or grpo.beta=0"]
+    for overrides in (["launch.accelerate_config=fsdp2"], ["launch.accelerate_config=zero3"],
+                      ["launch.accelerate_config=fsdp1", "peft.method=lora"],
+                      ["launch.accelerate_config=fsdp1", "grpo.beta=0"]):
+        load_recipe(path, overrides)
