@@ -506,8 +506,8 @@ def _token_arrays(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int
     prompts' rule, eos last (and learned) where the format adds it, labels the ids of the tokens each answer span
     covers (:func:`_runs`). All ids are read into one array once; the labels are that array with IGNORE outside
     the runs, so no sample's labels are a Python list (they cost as much as the arrow writing)."""
-    import numpy as np
-    import pyarrow as pa
+    import numpy as np  # lazy: heavy (the CLI imports no numpy)
+    import pyarrow as pa  # lazy: heavy (the CLI imports no pyarrow)
 
     bos, eos = special.bos_token_id, special.eos_token_id
     in_order = monotone(tokenizer)

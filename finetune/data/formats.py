@@ -7,6 +7,7 @@ prompt/answer boundary identical to what the model sees at inference time.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,10 +127,8 @@ class TemplateRenderer:
     def of(cls, tokenizer: Any, conversations: list[Any]) -> TemplateRenderer | None:
         """The direct renderer for ``conversations`` (see the class docstring), or None: use apply_chat_template."""
         try:
-            import inspect
-
-            from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-            from transformers.utils import chat_template_utils as chat_utils
+            from transformers.tokenization_utils_base import PreTrainedTokenizerBase  # heavy: transformers
+            from transformers.utils import chat_template_utils as chat_utils  # heavy: transformers
 
             method = getattr(type(tokenizer), "apply_chat_template", None)
             if method is not PreTrainedTokenizerBase.apply_chat_template:
