@@ -215,8 +215,9 @@ def tokenize_rows(
     finally:
         batched.ACTIVE.remove(progress)
     progress.finish()
-    over_mask = np.asarray(column(mapped, "overlong"), dtype=bool)
-    answered = np.asarray(column(mapped, "n_labels")) > 0
+    # read straight from Arrow into numpy: no Python object per row (memory flat in the row count, issue 25)
+    over_mask = np.asarray(mapped.with_format("arrow")["overlong"].to_numpy(), dtype=bool)
+    answered = mapped.with_format("arrow")["n_labels"].to_numpy() > 0
     dropped_mask = over_mask if overlong == "drop" else np.zeros_like(over_mask)
     kept_mask = answered & ~dropped_mask
     over = int(over_mask.sum())
