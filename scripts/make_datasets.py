@@ -9,7 +9,7 @@ Files written (see ``recipes/data/README.md`` for the formats):
 
 * ``reverse_train.jsonl`` / ``reverse_eval.jsonl`` - alpaca-style letter reversal
 * ``reverse_pref_train.jsonl`` / ``reverse_pref_eval.jsonl`` - preference pairs of the same task (task: dpo)
-* ``reverse_prompts_train.jsonl`` / ``reverse_prompts_eval.jsonl`` - prompts of the same task with their answers (task: grpo)
+* ``reverse_prompts_train.jsonl`` / ``reverse_prompts_eval.jsonl`` - prompts with their answers (task: grpo)
 * ``shift_train.jsonl`` / ``shift_eval.jsonl`` - reversal with each letter moved one on (the LoRA quickstart's task)
 * ``topics_train.jsonl`` / ``topics_eval.jsonl`` - 4-way topic classification
 * ``tiny_chat.jsonl`` - chat ``messages`` rows (system / multi-turn variants)
