@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.data import sources, vision
-from finetune.data.rows import ROLES, error_detail, line_of, short_repr
+from finetune.data.rows import check_turns, error_detail, line_of, short_repr
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -425,13 +425,7 @@ def label_error(value: Any, where: str) -> str | None:
 
 
 def _check_messages(value: Any, where: str, name: str = "messages") -> None:
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}}")
-    for i, msg in enumerate(value):
-        if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
-            got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
-            raise DataError(f"{where}: {name}[{i}] needs role in {ROLES} and a string content, "
-                            f"got {short_repr(got)}")
+    check_turns(value, where, name)
     if value[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.data import prompts
 from finetune.data.batched import rendered
-from finetune.data.rows import ROLES, line_of, short_repr
+from finetune.data.rows import check_turns, line_of, short_repr
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -89,13 +89,7 @@ def check_row(row: dict[str, Any], index: int, source: str, require: tuple[str, 
     if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
         raise DataError(f"{where}: field 'prompt' must be a non-empty string, got {short_repr(prompt)}")
     if messages is not None:
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{where}: field 'messages' must be a non-empty list of {{role, content}}")
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
-                got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
-                raise DataError(f"{where}: messages[{i}] needs role in {ROLES} and a string content, got "
-                                f"{short_repr(got)}")
+        check_turns(messages, where)
         if messages[-1]["role"] == "assistant":
             raise DataError(f"{where}: the last message is the assistant's, but a prompt row is a chat without its "
                             "final assistant turn (the policy writes it); end with a user (or system) message")

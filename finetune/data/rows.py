@@ -10,6 +10,8 @@ import functools
 from pathlib import Path
 from typing import Any
 
+from finetune.errors import DataError
+
 ROLES = ("system", "user", "assistant")
 IGNORE = -100  # the label of a token that is not trained on (prompt, padding, image tokens)
 
@@ -48,3 +50,16 @@ def error_detail(exc: BaseException) -> str:
         if text:
             return text.splitlines()[0]
     return type(exc).__name__
+
+
+def check_turns(value: Any, where: str, name: str = "messages") -> None:
+    """``value`` (a row's field ``name``) is a non-empty list of {role, content} messages with a known role and a
+    string content, else one DataError naming ``where``, the field and the first bad message. Which role may come
+    last is the caller's rule (a training chat ends with the answer, a prompt row must not)."""
+    if not isinstance(value, list) or not value:
+        raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}}")
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
+            got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
+            raise DataError(f"{where}: {name}[{i}] needs role in {ROLES} and a string content, "
+                            f"got {short_repr(got)}")
