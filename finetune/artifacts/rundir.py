@@ -69,6 +69,9 @@ LAYOUT_TREES = _TREES | {CHECKPOINTS, FINAL}  # every folder it writes there
 _STEP = re.compile(r"step-(\d{6,})")
 # what a conversion writes in reshard.tmp (finetune.artifacts.portable)
 RESHARD_WRITES = ("converted.json", "universal")
+# safetensors (0.7+) writes a file through a hidden ``.tmp`` + 6 letters or digits in the destination folder (Rust's
+# tempfile crate) and renames it: a write killed mid-save leaves one in any folder of a checkpoint being written
+SAVE_SCRATCH = re.compile(r"(?:.+/)?\.tmp[A-Za-z0-9]{6}")
 _HASH_BLOCK = 1 << 20
 
 
@@ -337,7 +340,8 @@ def _shape(name: str) -> re.Pattern[str]:
 def _owned(folder: Path) -> Callable[[str], bool] | None:
     """Which entries of ``folder`` (relative names, folders included) finetune wrote: its manifest's inventory. A
     write that never finished has no manifest yet; its inventory is what such a write writes: in a crashed
-    ``checkpoints/step-N.tmp``, the names the run's complete checkpoints list (digits free: ranks and shards), in a
+    ``checkpoints/step-N.tmp``, the names the run's complete checkpoints list (digits free: ranks and shards) and
+    safetensors' half-written scratch files in them (:data:`SAVE_SCRATCH`), in a
     run's crashed ``reshard.tmp``, a conversion's files (:data:`RESHARD_WRITES`). None: no inventory (a killed
     tracker's folder, a bare final.tmp): the user decides about all of it."""
     try:
@@ -354,7 +358,9 @@ def _owned(folder: Path) -> Callable[[str], bool] | None:
         with contextlib.suppress(ManifestError):
             names |= set(read_manifest(done)["files"])
     shapes = [_shape(name) for name in _with_folders(names)]
-    return lambda rel: any(shape.fullmatch(rel) for shape in shapes)
+    return lambda rel: any(shape.fullmatch(rel) for shape in shapes) or (
+        SAVE_SCRATCH.fullmatch(rel) is not None and ("/" not in rel or any(
+            shape.fullmatch(rel.rsplit("/", 1)[0]) for shape in shapes)))
 
 
 def _foreign_in_listed(folder: Path, label: str) -> list[str]:

@@ -57,7 +57,10 @@ def crashed_write(run: Path, *user_files: str) -> Path:
     (folder / "optim_0" / "__3_0.distcp").write_bytes(b"half")
     (folder / "model.safetensors").write_bytes(b"half")
     (folder / "rng_state_3.json").write_bytes(b"{")
+    (folder / ".tmpA1b2C3").write_bytes(b"half")  # safetensors' scratch, killed before its rename
+    (folder / "optim_0" / ".tmpZ9y8X7").write_bytes(b"half")
     for name in user_files:
+        (folder / name).parent.mkdir(exist_ok=True)
         (folder / name).write_text("mine")
     return folder
 
@@ -109,6 +112,19 @@ def test_resume_removes_a_crashed_write_s_scratch_but_never_the_user_s_files(tmp
     assert rundir.remove_checkpoint(run / rundir.CHECKPOINTS / "step-000006.tmp") == []
     assert rundir.remove_owned(rundir.reshard_scratch(run), "reshard.tmp") == []
     assert not (run / rundir.CHECKPOINTS / "step-000006.tmp").exists() and not rundir.reshard_scratch(run).exists()
+
+
+def test_a_killed_safetensors_save_leaves_scratch_that_is_finetune_s(tmp_path: Path) -> None:
+    """safetensors writes through a hidden ``.tmp`` + 6 letters in the folder it saves into and renames it; a SIGKILL
+    mid-save leaves that file in ``step-N.tmp`` (CI saw resume refuse on it). It is finetune's (any folder of the
+    write); a name of another shape, or one inside a folder finetune does not write, stays the user's."""
+    run = pure_run(tmp_path)
+    folder = crashed_write(run, ".tmp_mine", ".tmpTooLong1", "notes/.tmpA1b2C3")
+    assert rundir.crashed_writes_foreign(run) == [f"checkpoints/step-000006.tmp/{rel}" for rel in (
+        ".tmpTooLong1", ".tmp_mine", "notes", "notes/.tmpA1b2C3")]
+    rundir.remove_checkpoint(folder)
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")) == [
+        ".tmpTooLong1", ".tmp_mine", "notes", "notes/.tmpA1b2C3"]
 
 
 @pytest.mark.parametrize(("plant", "expected"), [
