@@ -35,8 +35,7 @@ quickstart-vlm: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "distributed and not extended" tests/distributed
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not extended"
 
 # Everything: make test, then the extended 2-process files (VLM on every backend, loading weights once, sharded
 # exports), which CI leaves out to stay under 30 minutes on 2 cores.

@@ -170,11 +170,12 @@ def run_pass(kind: str, data: str, procs: int) -> dict:
             return tokenizer(texts)
 
         raw.map(render_and_tokenize, batched=True, batch_size=1000, remove_columns=raw.column_names)
-    elif kind == "finetune":
-        tokenize_rows(raw, fmt="chat", tokenizer=tokenizer, max_len=4096, overlong="truncate", source=data,
-                      num_proc=procs or None)  # 0: the default
+    cached = None
+    if kind == "finetune":
+        cached = tokenize_rows(raw, fmt="chat", tokenizer=tokenizer, max_len=4096, overlong="truncate", source=data,
+                               num_proc=procs or None).cached  # 0: the default
     seconds = time.perf_counter() - start
-    return {"rows": len(raw), "seconds": seconds, "cpu": _cpu() - cpu, "load_s": load_s, **_peaks(),
+    return {"rows": len(raw), "seconds": seconds, "cpu": _cpu() - cpu, "load_s": load_s, "cached": cached, **_peaks(),
             "phases": sampler.stop(), "load": [round(load_start, 2), round(os.getloadavg()[0], 2)]}
 
 
@@ -220,7 +221,8 @@ def memory_report(counts: list[int], work: Path, cache: Path) -> list[str]:
         tok, workers = cold["phases"].get("tokenize", [0, 0]), cold["phases"].get("workers", [0, 0])
         out.append(f"| {count:,} | {cold['seconds']:.1f} | {count / cold['seconds']:,.0f} | {cold['rss_mib']:,.0f} | "
                    f"{tok[0]:,.0f} / {tok[1]:,.0f} | {cold['workers_mib']:,.0f} / {workers[1]:,.0f} | "
-                   f"{hit['load_s'] + hit['seconds']:.1f} ({hit['load_s']:.1f} + {hit['seconds']:.1f}) | "
+                   f"{hit['load_s'] + hit['seconds']:.1f} ({hit['load_s']:.1f} + {hit['seconds']:.1f}"
+                   f"{'' if hit['cached'] else ', NOT served from the cache'}) | "
                    f"{hit['rss_mib']:,.0f} / {max(p[1] for k, p in hit['phases'].items() if k != 'workers'):,.0f} | "
                    f"{_load(cold)}, {_load(hit)} |")
     (small, _), (big, _) = measured[0], measured[-1]

@@ -45,17 +45,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Whole files in the order that balances two xdist workers best without measured times: files with a test
-    marked ``slow`` first, then integration and 2-process files before unit files, then more tests before fewer
-    (the longest jobs first, the many short unit files fill the end). A file's own tests keep their order; the
+    """Whole files in the order that balances two xdist workers best without measured times: 2-process files first
+    (``make test`` runs them in the same session as the rest; each of their tests launches 2 processes, and
+    test_backends.py alone is the longest file, about 13 minutes of a worker), then files with a test marked
+    ``slow``, then integration files before unit files, then more tests before fewer (the longest jobs first, the
+    many short unit files fill the end). A file's own tests keep their order; the
     order is the same on every worker (xdist requires it)."""
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.nodeid.split("::")[0], []).append(item)
 
-    def weight(name: str) -> tuple[bool, bool, int]:
+    def weight(name: str) -> tuple[bool, bool, bool, int]:
         tests = files[name]
-        return any(t.get_closest_marker("slow") for t in tests), not name.startswith("tests/unit/"), len(tests)
+        return (name.startswith("tests/distributed/"), any(t.get_closest_marker("slow") for t in tests),
+                not name.startswith("tests/unit/"), len(tests))
 
     items[:] = [item for name in sorted(files, key=weight, reverse=True) for item in files[name]]
 

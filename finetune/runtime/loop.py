@@ -236,9 +236,11 @@ def evaluate(t: Trainer) -> dict[str, Any]:
         sums += torch.stack([p.detach().double() for p in parts])
     sums = t.accelerator.reduce(sums, reduction="sum").tolist()  # sync: one all-reduce for the whole eval
     t.model.train(was_training)
-    loss = sums[0] / max(sums[1], 1.0)
-    row: dict[str, Any] = {"step": t.state.step, "eval_loss": loss}
-    if t.task.perplexity:  # a per-pair loss (dpo, reward) has no perplexity
+    row: dict[str, Any] = {"step": t.state.step}
+    if t.task.eval_loss:  # GRPO's eval generates: it has no loss
+        row["eval_loss"] = loss = sums[0] / max(sums[1], 1.0)
+        t.state.best_eval_loss = min(t.state.best_eval_loss, loss)
+    if t.task.eval_loss and t.task.perplexity:  # a per-pair loss (dpo, reward) has no perplexity
         row["eval_ppl"] = math.exp(min(loss, 50.0))
     row["eval_samples"] = int(sums[2])
     for i, name in enumerate(metrics):
@@ -250,5 +252,4 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     for i, name in enumerate(means):
         total, count = sums[3 + 2 * len(metrics) + 2 * i], sums[4 + 2 * len(metrics) + 2 * i]
         row[f"eval_{name}"] = total / count if count else 0.0
-    t.state.best_eval_loss = min(t.state.best_eval_loss, loss)
     return row

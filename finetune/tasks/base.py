@@ -48,6 +48,9 @@ class Task(Protocol):
     eval_means: tuple[str, ...]
     """The names of the :attr:`EvalCounts.means` this task reports, in the order every rank reduces them."""
 
+    eval_loss: bool
+    """Whether the task has an eval loss at all (GRPO's eval generates and scores: no loss, so none is logged)."""
+
     perplexity: bool
     """Whether the eval loss is a per-token negative log-likelihood, so that ``exp(eval_loss)`` is a perplexity."""
 
@@ -92,6 +95,7 @@ class TaskData:
     ``eval_means``: the names of the :attr:`EvalCounts.means` this task reports (none here)."""
 
     eval_means: tuple[str, ...] = ()
+    eval_loss = True  # every task but GRPO reports a loss on the eval set
     perplexity = True  # the eval loss is a per-token (or per-label) NLL: exp(eval_loss) is logged as eval_ppl
 
     def count_samples(self, batch: dict[str, Any]) -> int:

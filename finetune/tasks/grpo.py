@@ -243,9 +243,10 @@ def targets_of(kind: str, mask: torch.Tensor, max_new_tokens: int) -> int:
 class GRPOTask(TaskData):
     """``task: grpo`` over ``data.format: prompt`` rows (see the module docstring). Eval: greedy completions of
     ``grpo.max_new_tokens`` tokens on the eval prompts, ``exact_match`` against each row's ``answer`` (sums and
-    counts) and the mean total ``reward``; the eval loss is 0 (a policy-gradient loss on greedy completions has
-    no meaning) and no perplexity is logged."""
+    counts) and the mean total ``reward``; no eval loss or perplexity is logged (a policy-gradient loss on greedy
+    completions has no meaning)."""
 
+    eval_loss = False
     perplexity = False
     eval_means = ("reward",)
 

@@ -188,7 +188,7 @@ def test_train_and_eval_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert 0 < row["completion_len"] <= row["completion_len_max"] <= 4
     (evaluated,) = [r for r in read_metrics(run) if r["kind"] == "eval"]
     assert evaluated["eval_exact_match_total"] == 5 and evaluated["eval_samples"] == 5
-    assert evaluated["eval_loss"] == 0.0 and "eval_ppl" not in evaluated
+    assert "eval_loss" not in evaluated and "eval_ppl" not in evaluated
     assert "eval_reward" in evaluated
     assert "| reward " in (run / "train.log").read_text()
     capsys.readouterr()  # finetune eval of the export reproduces the run's final eval
