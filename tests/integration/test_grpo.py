@@ -127,17 +127,18 @@ def test_accumulation_invariance(tmp_path: Path, loss: str, iterations: int, bet
         assert losses[8][1][0] != 0.0
 
 
-@pytest.mark.parametrize("iterations", [1, 2])
-def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iterations: int) -> None:
+@pytest.mark.parametrize("iterations,beta", [(1, 0.0), (2, 0.05)])
+def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iterations: int, beta: float) -> None:
     """train.epochs over 12 shuffled prompts, 4 per batch: an epoch is one pass over the prompts whatever
     grpo.iterations is, so 2 epochs at iterations 1 and 1 epoch at iterations 2 are both 6 steps, and each epoch
     generates from every prompt exactly once. The 6 straight steps (checkpoints every 3) equal (a) SIGTERM after
     step 4 -> checkpoint 5 -> `finetune resume` and (b) `finetune resume --from step-000003` (what a SIGKILL after
     step 4 leaves: the last periodic checkpoint), bit for bit: weights, losses and reward metrics. With iterations
     2 both checkpoints fall inside a generation cycle, so the resumed step trains on the saved generation batch;
-    with 1 the batch is regenerated from the seeds."""
+    with 1 the batch is regenerated from the seeds. beta > 0: the resumed run's reference is the initial model
+    again (a frozen copy made before the checkpoint is loaded), so its KL matches too."""
     prompts = prompt_file(tmp_path, rows=12, name="twelve")
-    recipe = grpo_recipe(tmp_path, grpo={"iterations": iterations}, data={"train": str(prompts)},
+    recipe = grpo_recipe(tmp_path, grpo={"iterations": iterations, "beta": beta}, data={"train": str(prompts)},
                          train={"max_steps": None, "epochs": 3 - iterations},
                          model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
                          checkpoint={"every_steps": 3})
@@ -167,7 +168,8 @@ def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iterat
         assert [k for k in expected if not torch.equal(expected[k], got[k])] == []
         rows = _train_rows(run)
         assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
-        for key in ("loss", "grad_norm", "reward", "reward_length", "completion_len", "clip_fraction"):
+        for key in ("loss", "grad_norm", "reward", "reward_length", "completion_len", "clip_fraction",
+                    *(("kl",) if beta else ())):
             assert [r[key] for r in rows] == [r[key] for r in expected_rows], key
 
 

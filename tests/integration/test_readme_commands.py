@@ -50,7 +50,7 @@ SKIPPED_BLOCKS = {
                                                      "test_wheel.py installs the built wheel offline",
     ".venv/bin/python scripts/bench_throughput.py --rounds 3 --out docs/bench-throughput.md":
         "an 11-minute benchmark script, not a finetune command",
-    ".venv/bin/python scripts/bench_tokenize.py --rows 20000 --procs 1,2,all --rounds 3 --memory 10000,100000":
+    ".venv/bin/python scripts/bench_tokenize.py --rows 20000 --procs 1,2,all --rounds 3":
         "a benchmark script of several minutes, not a finetune command",
     "#!/bin/bash": "a SLURM job: needs a cluster of 2 nodes with 8 GPUs each",
 }
