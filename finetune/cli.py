@@ -124,6 +124,8 @@ def run(
     # row is one line here, with no folder left behind that would need --overwrite)
     rundir.check_creatable(run_dir, overwrite=overwrite, protected=protected)
     inputs = prepare.inputs(cfg, row)
+    for line in prepare.report(cfg, inputs.data, hits_only=True):  # a source tokenized now said so as it went
+        typer.echo(line)
     made = unstarted.first_missing(run_dir)
     lock = rundir.create(run_dir, overwrite=overwrite, protected=protected, command=f"finetune run {recipe}")
     try:

@@ -72,13 +72,15 @@ def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
     return load()  # the caches are warm: every process reads them at once
 
 
-def report(cfg: RecipeConfig, data: DataBundle) -> list[str]:
+def report(cfg: RecipeConfig, data: DataBundle, *, hits_only: bool = False) -> list[str]:
     """One line per tokenized source (``finetune preprocess``): its key and name, its samples, and whether they
-    were tokenized now (and cached for later runs) or read from the cache an earlier run filled."""
+    were tokenized now (and cached for later runs) or read from the cache an earlier run filled. ``hits_only``:
+    the lines of sources read from the cache (``finetune run``: a source tokenized now already said so while it
+    was tokenized)."""
     from finetune.data import source_name  # imports numpy: not at CLI start-up
 
     lines = []
-    if data.stream is not None:  # data.streaming: nothing to cache; the first rows were read to check them
+    if data.stream is not None and not hits_only:  # streaming: nothing to cache; the first rows were read to check them
         lines.append(f"data.train: streamed ({', '.join(s.name for s in data.stream.sources)}), tokenized while "
                      "training, nothing cached")
     for key, split, parts, sources in (("data.train", None if data.stream else data.train, data.train_parts,
@@ -88,6 +90,8 @@ def report(cfg: RecipeConfig, data: DataBundle) -> list[str]:
             continue
         for name, source, tokenized in ([(p.key, p.name, p.tokenized) for p in parts]
                                         or [(key, source_name(sources[0]), split)]):
+            if hits_only and not tokenized.cached:
+                continue
             count = len(tokenized.dataset)
             how = "read from the cache" if tokenized.cached else "tokenized now (cached)"
             lines.append(f"{name} {source}: {count} sample{'s' * (count != 1)}, {how}")

@@ -38,6 +38,12 @@ def test_preprocess_fills_the_cache_that_a_run_reads(write_recipe: Callable[...,
     cfg, _ = load_recipe(str(recipe))
     inputs = prepare.inputs(cfg, recipe_row(cfg))
     assert tokenized == [] and inputs.data.train is not None and inputs.data.train.cached
+    # finetune run says so too: one line per source read from the cache (one tokenized now says so as it goes)
+    assert prepare.report(cfg, inputs.data, hits_only=True) == preprocess(recipe)
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"instruction": "Other.", "output": "x"}) + "\n")
+    again = prepare.inputs(cfg, recipe_row(cfg))
+    assert prepare.report(cfg, again.data, hits_only=True) == [
+        f"data.train {tmp_path}/train.jsonl: 4 samples, read from the cache"]
 
 
 def test_a_changed_data_file_is_tokenized_again(write_recipe: Callable[..., Path], tmp_path: Path) -> None:
@@ -45,6 +51,14 @@ def test_a_changed_data_file_is_tokenized_again(write_recipe: Callable[..., Path
     preprocess(recipe)
     (tmp_path / "train.jsonl").write_text(json.dumps({"instruction": "Other.", "output": "x"}) + "\n")
     assert preprocess(recipe) == [f"data.train {tmp_path}/train.jsonl: 1 sample, tokenized now (cached)"]
+
+
+def test_run_says_which_sources_it_read_from_the_cache(write_recipe: Callable[..., Path], tmp_path: Path) -> None:
+    recipe = write_recipe()
+    preprocess(recipe)
+    result = CliRunner().invoke(app, ["run", str(recipe), "-o", str(tmp_path / "run")], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[0] == f"data.train {tmp_path}/train.jsonl: 4 samples, read from the cache"
 
 
 def test_preprocess_is_listed_in_the_help() -> None:
