@@ -164,14 +164,14 @@ def run_pass(kind: str, data: str, procs: int) -> dict:
     load_s = time.perf_counter() - start
     sampler.enter("tokenize")
     start, cpu = time.perf_counter(), _cpu()
+    cached = None  # finetune: whether tokenize_rows was served from the cache
     if kind == "baseline":
         def render_and_tokenize(batch: dict) -> dict:
             texts = [tokenizer.apply_chat_template(messages, tokenize=False) for messages in batch["messages"]]
             return tokenizer(texts)
 
         raw.map(render_and_tokenize, batched=True, batch_size=1000, remove_columns=raw.column_names)
-    cached = None
-    if kind == "finetune":
+    elif kind == "finetune":
         cached = tokenize_rows(raw, fmt="chat", tokenizer=tokenizer, max_len=4096, overlong="truncate", source=data,
                                num_proc=procs or None).cached  # 0: the default
     seconds = time.perf_counter() - start

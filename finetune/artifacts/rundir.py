@@ -71,7 +71,7 @@ _STEP = re.compile(r"step-(\d{6,})")
 RESHARD_WRITES = ("converted.json", "universal")
 # safetensors (0.7+) writes a file through a hidden ``.tmp`` + 6 letters or digits in the destination folder (Rust's
 # tempfile crate) and renames it: a write killed mid-save leaves one in any folder of a checkpoint being written
-SAVE_SCRATCH = re.compile(r"(?:.+/)?\.tmp[A-Za-z0-9]{6}")
+SAVE_SCRATCH = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 _HASH_BLOCK = 1 << 20
 
 
@@ -358,9 +358,15 @@ def _owned(folder: Path) -> Callable[[str], bool] | None:
         with contextlib.suppress(ManifestError):
             names |= set(read_manifest(done)["files"])
     shapes = [_shape(name) for name in _with_folders(names)]
-    return lambda rel: any(shape.fullmatch(rel) for shape in shapes) or (
-        SAVE_SCRATCH.fullmatch(rel) is not None and ("/" not in rel or any(
-            shape.fullmatch(rel.rsplit("/", 1)[0]) for shape in shapes)))
+
+    def listed(rel: str) -> bool:
+        return any(shape.fullmatch(rel) for shape in shapes)
+
+    def written(rel: str) -> bool:
+        parent, _, name = rel.rpartition("/")
+        return listed(rel) or (SAVE_SCRATCH.fullmatch(name) is not None and (not parent or listed(parent)))
+
+    return written
 
 
 def _foreign_in_listed(folder: Path, label: str) -> list[str]:

@@ -216,8 +216,9 @@ def tokenize_rows(
         batched.ACTIVE.remove(progress)
     progress.finish()
     # read straight from Arrow into numpy: no Python object per row (memory flat in the row count, issue 25)
-    over_mask = np.asarray(mapped.with_format("arrow")["overlong"].to_numpy(), dtype=bool)
-    answered = mapped.with_format("arrow")["n_labels"].to_numpy() > 0
+    table = mapped.with_format("arrow")
+    over_mask = np.asarray(table["overlong"].to_numpy(), dtype=bool)
+    answered = table["n_labels"].to_numpy() > 0
     dropped_mask = over_mask if overlong == "drop" else np.zeros_like(over_mask)
     kept_mask = answered & ~dropped_mask
     over = int(over_mask.sum())

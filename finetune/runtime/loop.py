@@ -240,8 +240,8 @@ def evaluate(t: Trainer) -> dict[str, Any]:
     if t.task.eval_loss:  # GRPO's eval generates: it has no loss
         row["eval_loss"] = loss = sums[0] / max(sums[1], 1.0)
         t.state.best_eval_loss = min(t.state.best_eval_loss, loss)
-    if t.task.eval_loss and t.task.perplexity:  # a per-pair loss (dpo, reward) has no perplexity
-        row["eval_ppl"] = math.exp(min(loss, 50.0))
+        if t.task.perplexity:  # a per-pair loss (dpo, reward) has no perplexity
+            row["eval_ppl"] = math.exp(min(loss, 50.0))
     row["eval_samples"] = int(sums[2])
     for i, name in enumerate(metrics):
         correct, total = int(sums[3 + 2 * i]), int(sums[4 + 2 * i])
