@@ -1,7 +1,10 @@
 """Plots of runs' metrics: ``finetune plot RUN [RUN ...]`` and ``<run>/plots.png`` at the end of every run.
 
 One PNG holds a grid of panels against step: train loss, learning rate and gradient norm, then every eval metric
-(``eval_loss``, ``eval_ppl``, ``eval_<metric>``), each in its own panel. Several runs are overlaid, one colour per
+(``eval_loss``, ``eval_ppl``, ``eval_<metric>``), each in its own panel. A run's
+:class:`~finetune.runtime.tracking.Headline` (from its recipe) puts its panels first: a GRPO run's train reward, then
+its eval exact match and mean reward; a GRPO run whose loss value carries no information (``grpo.iterations`` 1 and
+``grpo.beta`` 0: ~0 by construction) has no series in the loss panel. Several runs are overlaid, one colour per
 run, named by folder in one legend. Counts (``eval_samples``, ``eval_correct`` / ``eval_total``,
 ``eval_<metric>_correct`` / ``_total``) are not metrics: the metric's value is plotted, not its counts.
 
@@ -23,11 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from finetune.artifacts import rundir
+from finetune.artifacts.summary import run_headline
 from finetune.errors import FinetuneError, RunDirError
-from finetune.runtime.tracking import read_metrics
+from finetune.runtime.tracking import LOSS_FIRST, Headline, read_metrics
 
-# The train panels, in order: (row key, panel title, y-axis label).
-TRAIN_PANELS = (("loss", "train loss", "loss"), ("lr", "learning rate", "lr"),
+# The train panels, in order: (row key, panel title, y-axis label); a run's Headline may put some first.
+TRAIN_PANELS = (("reward", "train reward", "reward"),  # GRPO: the mean total reward of the step's completions
+                ("loss", "train loss", "loss"), ("lr", "learning rate", "lr"),
                 ("grad_norm", "gradient norm", "grad_norm"),
                 # logged only where known (mfu: a peak FLOPs; memory: CUDA): a panel no run logged is left out
                 ("mfu", "MFU (per device)", "mfu"), ("mem_alloc_gb", "peak memory allocated", "GB"),
@@ -46,11 +51,13 @@ _MARKER_POINTS = 30
 
 @dataclass(frozen=True)
 class RunMetrics:
-    """One run to plot: its legend label (the folder name), its folder, and its metrics.jsonl rows."""
+    """One run to plot: its legend label (the folder name), its folder, its metrics.jsonl rows, and what it leads
+    with (its recipe's :class:`~finetune.runtime.tracking.Headline`)."""
 
     label: str
     path: Path
     rows: list[dict[str, Any]]
+    headline: Headline = LOSS_FIRST
 
 
 @dataclass(frozen=True)
@@ -152,7 +159,7 @@ def load_runs(paths: Sequence[Path]) -> list[RunMetrics]:
             continue
         seen[resolved] = path
         try:
-            runs.append(RunMetrics(label, path, _read_run(path)))
+            runs.append(RunMetrics(label, path, _read_run(path), run_headline(path)))
         except FinetuneError as exc:
             problems.extend(str(exc).splitlines())
     if problems:
@@ -164,7 +171,10 @@ def load_runs(paths: Sequence[Path]) -> list[RunMetrics]:
 
 
 def _series(run: RunMetrics, kind: str, key: str) -> Series | None:
-    """The run's (step, value) points of ``key`` in its ``kind`` rows, sorted by step; None when it has none."""
+    """The run's (step, value) points of ``key`` in its ``kind`` rows, sorted by step; None when it has none, or
+    for the train loss of a run whose headline leaves it out (a GRPO loss that is ~0 by construction)."""
+    if kind == "train" and key == "loss" and not run.headline.loss:
+        return None
     points = sorted((float(row["step"]), value) for row in run.rows
                     if _kind(row) == kind and (value := _number(row.get(key))) is not None)
     if not points:
@@ -185,11 +195,16 @@ def _eval_keys(runs: Iterable[RunMetrics]) -> list[str]:
 
 
 def plan_panels(runs: Sequence[RunMetrics]) -> list[Panel]:
-    """The panels to draw, in order: loss, lr, grad_norm, mfu and peak memory (allocated, reserved), then each eval
+    """The panels to draw, in order: the runs' headline panels (a GRPO run's train reward, eval exact match and eval
+    reward), then (train) reward, loss, lr, grad_norm, mfu and peak memory (allocated, reserved), then each eval
     metric. A panel holds one series per run that logged its key and is left out when no run did (a run without
-    eval rows gets train panels only)."""
+    eval rows gets train panels only; a run with no reward, no reward panel)."""
     wanted = [("train", key, title, ylabel) for key, title, ylabel in TRAIN_PANELS]
     wanted += [("eval", key, "eval " + key.removeprefix("eval_"), key) for key in _eval_keys(runs)]
+    lead = [*dict.fromkeys((kind, key) for run in runs for kind, keys in (("train", run.headline.train),
+                                                                         ("eval", run.headline.eval))
+                           for key in keys)]
+    wanted.sort(key=lambda item: lead.index(item[:2]) if item[:2] in lead else len(lead))  # stable: the rest keep order
     panels = []
     for kind, key, title, ylabel in wanted:
         series = tuple(s for run in runs if (s := _series(run, kind, key)) is not None)

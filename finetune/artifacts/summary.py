@@ -6,6 +6,10 @@ final train loss), the last eval row (every final eval metric with its counts, a
 the recipe (a PEFT run can be merged; a classification or reward model generates no text) and the files present
 (``final/``, ``plots.png``, the logs). A run is finished when its metrics.jsonl ends with an end row: a resume that
 continues it drops that row (:func:`finetune.runtime.tracking.truncate_metrics`).
+
+What it leads with is the run's :class:`finetune.runtime.tracking.Headline`, from its recipe: the final train loss for
+every task but GRPO; for GRPO the final train reward (and the loss only where its value carries information), and the
+final eval's exact match and mean reward first.
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ from finetune import registry
 from finetune.artifacts import rundir
 from finetune.errors import FinetuneError, RunDirError
 from finetune.registry import SupportedModel
-from finetune.runtime.tracking import format_metrics, read_metrics
+from finetune.runtime.tracking import LOSS_FIRST, Headline, format_metrics, read_metrics, recipe_headline
 
 
 @dataclass(frozen=True)
 class Summary:
-    """What a finished run reports: its end row, final train and eval rows, recipe facts and output paths."""
+    """What a finished run reports: its end row, final train and eval rows, recipe facts and output paths, and what
+    it leads with (``headline``)."""
 
     run_dir: Path
     end: dict[str, Any]
@@ -37,6 +42,7 @@ class Summary:
     generates: bool
     final: Path | None
     plot: Path | None
+    headline: Headline = LOSS_FIRST
 
 
 def _recipe(run_dir: Path) -> dict[str, Any]:
@@ -47,6 +53,12 @@ def _recipe(run_dir: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def run_headline(run_dir: Path) -> Headline:
+    """The :class:`Headline` of the run in ``run_dir``, from its resolved recipe (loss first when it cannot be read):
+    what its summary and its plot (:mod:`finetune.artifacts.plot`) lead with."""
+    return recipe_headline(_recipe(run_dir))
 
 
 def _generates(recipe: dict[str, Any], row: SupportedModel | None) -> bool:
@@ -81,7 +93,7 @@ def read_summary(run_dir: Path, row: SupportedModel | None = None) -> Summary | 
     final, plot = run_dir / rundir.FINAL, run_dir / rundir.PLOTS
     return Summary(run_dir, rows[ends[-1]], train, evals, peft.get("method", "none") != "none",
                    _generates(recipe, row), final if (final / rundir.MANIFEST).is_file() else None,
-                   plot if plot.is_file() else None)
+                   plot if plot.is_file() else None, recipe_headline(recipe))
 
 
 def _duration(seconds: Any) -> str:
@@ -98,6 +110,19 @@ def _duration(seconds: Any) -> str:
 
 def _count(value: Any) -> str:
     return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else "?"
+
+
+def _led(row: dict[str, Any], lead: tuple[str, ...]) -> dict[str, Any]:
+    """``row`` with the keys of ``lead`` that it holds first (in ``lead``'s order), then the others as they were."""
+    return {**{key: row[key] for key in lead if key in row}, **row}
+
+
+def _final_train(key: str, train: dict[str, Any] | None) -> str:
+    """``  final train loss: 1.2500 (step 2)``, or ``... none logged`` when the last train row has no number."""
+    value = train.get(key) if train else None
+    if isinstance(value, int | float):
+        return f"  final train {key}: {value:.4f} (step {train['step']})"  # type: ignore[index]
+    return f"  final train {key}: none logged"
 
 
 def _shown(path: Path) -> Path:
@@ -118,12 +143,11 @@ def render(summary: Summary) -> list[str]:
     lines = [f"run {run} finished: {_count(end.get('step'))} steps, {_count(end.get('samples'))} samples, "
              f"{_count(end.get('tokens'))} target tokens; training {_duration(end.get('train_s'))}, wall "
              f"{_duration(end.get('wall_s'))}"]
-    loss = summary.train.get("loss") if summary.train else None
-    lines.append(f"  final train loss: {loss:.4f} (step {summary.train['step']})"  # type: ignore[index]
-                 if isinstance(loss, int | float) else "  final train loss: none logged")
+    lines += [_final_train(key, summary.train) for key in summary.headline.train]
     if summary.eval:
         lines.append(f"  final eval (step {summary.eval.get('step')}):")
-        lines += [f"    {line}" for line in format_metrics(summary.eval, skip=("step", "kind"))]
+        lines += [f"    {line}" for line in format_metrics(_led(summary.eval, summary.headline.eval),
+                                                          skip=("step", "kind"))]
     else:
         lines.append("  final eval: none (no data.eval)")
     lines.append(f"  model:   {final}" if final else

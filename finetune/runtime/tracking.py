@@ -13,6 +13,9 @@ for the CLI.
 
 Tokens per second (and the FLOPs per token, MFU) are computed once per train row, by the loop's
 :class:`Throughput`, and travel in the row as ``tokens_per_s`` etc.; every sink that shows them reads them from there.
+
+What a run's step lines, its end-of-run summary and its plot lead with is its :class:`Headline`, a function of its
+recipe (:func:`headline`): the train loss for every task but GRPO, whose user watches the reward (see there).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import string
 import sys
 import time
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
@@ -56,6 +60,68 @@ KINDS: tuple[str, ...] = ("train", "eval", "info", "end")
 
 _COUNT_SUFFIXES = ("_correct", "_total")
 _NOT_METRICS = ("eval_loss", "eval_ppl", "eval_samples", "eval_correct", "eval_total")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """What a run reports first, in its step lines (:func:`format_train_line`), its summary
+    (:mod:`finetune.artifacts.summary`) and its plot (:mod:`finetune.artifacts.plot`).
+
+    ``train``: the train-row keys a step line starts with, in order, and the ones the summary gives as final values;
+    a key left out of it is not shown there at all (it stays in metrics.jsonl). ``eval``: the eval-row keys the
+    summary's final eval and the plot's panels put first, in order."""
+
+    train: tuple[str, ...] = ("loss",)
+    eval: tuple[str, ...] = ()
+
+    @property
+    def loss(self) -> bool:
+        """Whether the train loss is shown (a step line, the summary, the plot's loss panel)."""
+        return "loss" in self.train
+
+
+LOSS_FIRST = Headline()
+"""Every task but GRPO: the train loss leads; eval metrics in the order they are logged."""
+
+
+def grpo_loss_informative(iterations: Any, beta: Any) -> bool:
+    """Whether a GRPO run's train loss VALUE says anything: with ``grpo.iterations`` > 1 (the ratio moves off 1 on a
+    cycle's later steps and is clipped) or ``grpo.beta`` > 0 (the KL to the reference is in it).
+
+    With one update per generation batch and no KL the old log-probs are the policy's own (detached), so every ratio
+    is exactly 1 and the loss is minus the advantage-weighted mean of 1: for ``grpo.loss: grpo`` the mean advantage,
+    0 up to rounding (advantages are centred in every group), for ``token`` / ``dr_grpo`` a length-weighted mean of
+    the advantages, a by-product of the normalisation. Its gradient is the policy gradient all the same; only its
+    value carries nothing to watch. Values that are not numbers count as the defaults (1, 0)."""
+    def number(value: Any) -> float:
+        return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0.0
+
+    return number(iterations) > 1 or number(beta) > 0
+
+
+def headline(task: Any, iterations: Any = 1, beta: Any = 0.0) -> Headline:
+    """The :class:`Headline` of a run whose recipe has ``task`` (and ``grpo.iterations`` / ``grpo.beta``).
+
+    GRPO: the mean total ``reward`` of the step's completions leads, then the loss only where its value carries
+    information (:func:`grpo_loss_informative`); the eval's ``eval_exact_match`` and ``eval_reward`` come first.
+    Every other task: :data:`LOSS_FIRST` (what every run showed before GRPO)."""
+    if task != "grpo":
+        return LOSS_FIRST
+    return Headline(("reward", "loss") if grpo_loss_informative(iterations, beta) else ("reward",),
+                    ("eval_exact_match", "eval_reward"))
+
+
+def recipe_headline(recipe: Mapping[str, Any]) -> Headline:
+    """:func:`headline` from a recipe as plain data (a run's ``recipe.resolved.yaml``, read back by the summary and
+    the plot); a missing or malformed ``grpo`` section counts as the defaults."""
+    grpo = recipe.get("grpo")
+    grpo = grpo if isinstance(grpo, Mapping) else {}
+    return headline(recipe.get("task"), grpo.get("iterations", 1), grpo.get("beta", 0.0))
+
+
+def cfg_headline(cfg: RecipeConfig) -> Headline:
+    """:func:`headline` of a validated recipe (the run's own trackers)."""
+    return headline(cfg.task, cfg.grpo.iterations, cfg.grpo.beta)
 
 
 class Tracker(Protocol):
@@ -280,17 +346,19 @@ def _number(value: Any, spec: str = ".4f") -> str:
     return str(value)
 
 
-def format_train_line(row: Row, *, max_steps: int | None) -> str:
+def format_train_line(row: Row, *, max_steps: int | None, lead: Sequence[str] = LOSS_FIRST.train) -> str:
     """``step 10/200 | loss 2.3141 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120 | mfu 41.3% | mem 61.2/70.0 GB``
-    (+ loss_scale, skipped; ``reward`` after the loss when the row has one: GRPO).
+    (+ loss_scale, skipped).
 
-    Fields missing from the row (or None) are left out; ``/max_steps`` is left out when the length is unknown.
-    tok/s is the row's ``tokens_per_s`` (input tokens per second per device, see :class:`Throughput`); mem is the
-    device's peak allocated / reserved memory.
+    ``lead``: the metrics after the step, in order (a :class:`Headline`'s ``train``): the loss by default; a GRPO
+    run's ``reward`` and, only where its value carries information, the loss (``step 10/200 | reward 0.4375 | lr
+    ...``). Fields missing from the row (or None) are left out; ``/max_steps`` is left out when the length is
+    unknown. tok/s is the row's ``tokens_per_s`` (input tokens per second per device, see :class:`Throughput`); mem
+    is the device's peak allocated / reserved memory.
     """
     total = f"/{max_steps}" if max_steps is not None else ""
     parts = [f"step {row['step']}{total}"]
-    for key, spec in (("loss", ".4f"), ("reward", ".4f"), ("lr", ".2e"), ("grad_norm", ".2f")):  # reward: GRPO
+    for key, spec in (*((key, ".4f") for key in lead), ("lr", ".2e"), ("grad_norm", ".2f")):
         if row.get(key) is not None:
             parts.append(f"{key} {format(float(row[key]), spec)}")
     if row.get("tokens_per_s") is not None:
@@ -351,18 +419,19 @@ def _timestamp() -> str:
 class TrainLogTracker:
     """Appends human-readable, timestamped lines to ``<run_dir>/train.log``: one per train row, eval row and event.
 
-    ``max_steps`` is the run's length (shown as ``step 10/200``; None when not known).
+    ``max_steps`` is the run's length (shown as ``step 10/200``; None when not known); ``lead``: the metrics a step
+    line starts with (:class:`Headline`).
     """
 
-    def __init__(self, run_dir: Path, max_steps: int | None) -> None:
-        self.max_steps = max_steps
+    def __init__(self, run_dir: Path, max_steps: int | None, lead: Sequence[str] = LOSS_FIRST.train) -> None:
+        self.max_steps, self.lead = max_steps, tuple(lead)
         self._file = _LineFile(Path(run_dir) / rundir.TRAIN_LOG)
 
     def log(self, kind: str, row: Row) -> None:
         """Write the row's line: :func:`format_train_line`, :func:`format_eval_line`, or the message as it is (an
         end row has no line of its own)."""
         if kind == "train":
-            text = format_train_line(row, max_steps=self.max_steps)
+            text = format_train_line(row, max_steps=self.max_steps, lead=self.lead)
         elif kind == "eval":
             text = format_eval_line(row)
         elif kind == "info":
@@ -394,28 +463,31 @@ def _duration(seconds: float | None) -> str:
 
 
 class _RichBar:
-    """The live rich progress bar behind :class:`ProgressTracker` (only built when it will be seen)."""
+    """The live rich progress bar behind :class:`ProgressTracker` (only built when it will be seen); ``lead``: the
+    metrics it shows before the lr (:class:`Headline`)."""
 
-    def __init__(self, max_steps: int | None, start_step: int, stream: TextIO) -> None:
+    def __init__(self, max_steps: int | None, start_step: int, stream: TextIO,
+                 lead: Sequence[str] = LOSS_FIRST.train) -> None:
         from rich.console import Console  # lazy: heavy
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # lazy: heavy
 
+        self.lead = tuple(lead)
+        shown = "".join(f"{key} {{task.fields[{key}]}}  " for key in self.lead)
         self._progress = Progress(
             BarColumn(bar_width=20),
             MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}  lr {task.fields[lr]}  {task.fields[tok_s]} tok/s  "
-                       "eta {task.fields[eta]}"),
+            TextColumn(shown + "lr {task.fields[lr]}  {task.fields[tok_s]} tok/s  eta {task.fields[eta]}"),
             console=Console(file=stream),
         )
         # A resumed run's bar starts at its checkpoint's step: those steps are done, not to come.
         self._task = self._progress.add_task("train", total=max_steps, completed=start_step,
-                                             loss="-", lr="-", tok_s="-", eta="-")
+                                             **dict.fromkeys(self.lead, "-"), lr="-", tok_s="-", eta="-")
         self._progress.start()
 
     def update(self, row: Row, eta_s: float | None) -> None:
-        """Move the bar to the row's step and show its loss, lr and tok/s, and the ETA."""
-        fields = {key: f"{float(row[key]):{spec}}" for key, spec in (("loss", ".4f"), ("lr", ".2e"))
-                  if row.get(key) is not None}
+        """Move the bar to the row's step and show its lead metrics, lr and tok/s, and the ETA."""
+        specs = [*((key, ".4f") for key in self.lead), ("lr", ".2e")]
+        fields = {key: f"{float(row[key]):{spec}}" for key, spec in specs if row.get(key) is not None}
         if row.get("tokens_per_s") is not None:
             fields["tok_s"] = f"{float(row['tokens_per_s']):.0f}"
         self._progress.update(self._task, completed=row["step"], eta=_duration(eta_s), **fields)
@@ -436,18 +508,21 @@ class ProgressTracker:
     and the ETA (:class:`Eta`), with eval and event lines printed above it. Otherwise (a pipe, a file, or
     ``logging.progress: false``) every train row is one line, as in train.log without the timestamp, and so is
     every eval row and event; warnings (info rows with ``"level": "warning"``) go to stderr. ``start_step`` is
-    where a resumed run begins: the bar starts there.
+    where a resumed run begins: the bar starts there. ``lead``: the metrics a step line (and the bar) shows first
+    (:class:`Headline`; GRPO: the reward).
     """
 
     def __init__(self, max_steps: int | None, start_step: int = 0, *, bar: bool = True,
-                 stream: TextIO | None = None, warn_stream: TextIO | None = None) -> None:
-        self.max_steps = max_steps
+                 stream: TextIO | None = None, warn_stream: TextIO | None = None,
+                 lead: Sequence[str] = LOSS_FIRST.train) -> None:
+        self.max_steps, self.lead = max_steps, tuple(lead)
         self.completed = start_step  # the last step shown: start_step until the first train row
         self.eta_s: float | None = None  # seconds left, as last shown: None until the pace is known
         self._eta = Eta(max_steps)
         self._out = sys.stdout if stream is None else stream
         self._err = sys.stderr if warn_stream is None else warn_stream
-        self._bar = _RichBar(max_steps, start_step, self._out) if bar and _is_terminal(self._out) else None
+        self._bar = _RichBar(max_steps, start_step, self._out, self.lead) if bar and _is_terminal(self._out) \
+            else None
 
     @property
     def active(self) -> bool:
@@ -463,7 +538,7 @@ class ProgressTracker:
             if self._bar is not None:
                 self._bar.update(row, self.eta_s)
             else:
-                self._line(format_train_line(row, max_steps=self.max_steps))
+                self._line(format_train_line(row, max_steps=self.max_steps, lead=self.lead))
         elif kind == "eval":
             self._line(format_eval_line(row))
         elif kind == "info" and row.get("console") is not False:
@@ -592,25 +667,29 @@ def build_tracker(cfg: RecipeConfig, run_dir: Path, *, is_main: bool, start_step
 
     ``max_steps`` is the run's length when the caller knows better than the recipe (a recipe that sets
     ``train.epochs`` has no ``train.max_steps``); by default ``cfg.train.max_steps``. ``start_step`` is where a
-    resumed run begins (its checkpoint's step): the progress bar starts there.
+    resumed run begins (its checkpoint's step): the progress bar starts there. Step lines lead with the recipe's
+    :class:`Headline` (:func:`cfg_headline`).
     """
     if not is_main:
         return NullTracker()
     run_dir = Path(run_dir)
     steps = max_steps if max_steps is not None else cfg.train.max_steps
-    trackers: list[Tracker] = [JsonlTracker(run_dir), TrainLogTracker(run_dir, steps)]
+    lead = cfg_headline(cfg).train
+    trackers: list[Tracker] = [JsonlTracker(run_dir), TrainLogTracker(run_dir, steps, lead)]
     if cfg.logging.wandb.enabled:
         trackers.append(WandbTracker(cfg, run_dir))
     if cfg.logging.tensorboard:
         trackers.append(TensorboardTracker(run_dir))
     # Last, so a sink that fails to start does not leave a live bar behind.
-    trackers.append(ProgressTracker(steps, start_step, bar=cfg.logging.progress))
+    trackers.append(ProgressTracker(steps, start_step, bar=cfg.logging.progress, lead=lead))
     return MultiTracker(trackers)
 
 
 __all__ = [
     "KINDS",
+    "LOSS_FIRST",
     "Eta",
+    "Headline",
     "JsonlTracker",
     "MultiTracker",
     "NullTracker",
@@ -621,10 +700,14 @@ __all__ = [
     "TrainLogTracker",
     "WandbTracker",
     "build_tracker",
+    "cfg_headline",
     "format_eval_line",
     "format_metrics",
     "format_train_line",
+    "grpo_loss_informative",
+    "headline",
     "read_metrics",
+    "recipe_headline",
     "truncate_metrics",
     "wandb_run_id",
 ]

@@ -58,9 +58,10 @@ def find_head(model: Any, name: str | None) -> Any:
 
 
 def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                  head: Any, count_hits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  head: Any, count_hits: bool = True, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
-    hits (:func:`finetune.tasks.losses.sequence_logprobs`) instead of ``[tokens x vocab]`` logits.
+    hits (:func:`finetune.tasks.losses.sequence_logprobs`, at ``temperature``: GRPO scores its completions at the
+    temperature they were sampled at) instead of ``[tokens x vocab]`` logits.
 
     The head module's ``forward`` is replaced for the call, so the loss runs inside the model's own forward: every
     wrapper's hooks (DDP, FSDP's unshard and reshard, DeepSpeed ZeRO-3's parameter gathering, autocast, peft) see
@@ -82,7 +83,8 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
         fused = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
         picked["sums"], picked["hits"] = sequence_logprobs(
             flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
-            bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits)
+            bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits,
+            temperature=temperature)
         return picked["sums"]
 
     head.forward = forward

@@ -14,6 +14,12 @@ so ``r_t`` is 1 with the policy gradient's derivative) and the k3 estimator of t
 
     l_t = -min(r_t A, clip(r_t, 1 - epsilon, 1 + epsilon) A) + beta KL_t
 
+Every log-prob here (``logp_t``, ``old_t`` and ``ref_t``) is scored at the temperature T the completions were sampled
+at (``grpo.temperature``): ``log_softmax(logits / T)`` at the completion's token, the distribution the sampler drew
+it from (:func:`completion_logprobs`; TRL scores its per-token log-probs the same way). Scoring the raw logits instead
+would make the ratio, its clip and the KL those of another policy than the one that generated, and the gradient
+differ from the sampler's policy gradient whenever T != 1.
+
 Normalisation (``grpo.loss``), exactly, over the whole accumulation window on all ranks (the loop's one division:
 ``train_output`` returns the sum, ``count_targets`` the denominator's share of the micro-batch):
 
@@ -147,20 +153,23 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tup
     return advantage.reshape(-1), flat.reshape(-1)
 
 
-def token_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None) -> torch.Tensor:
-    """``[S, T]`` fp32: the log-prob of each next-token target (0 where IGNORE), with grad when enabled, from the
-    final hidden states and the output head chunk by chunk: :func:`finetune.tasks.losses.sequence_logprobs` with
-    one "sequence" per position (no ``[tokens x vocab]`` logits)."""
+def token_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """``[S, T]`` fp32: the log-prob of each next-token target at ``temperature`` (``log_softmax(logits /
+    temperature)`` at the target; 0 where IGNORE), with grad when enabled, from the final hidden states and the
+    output head chunk by chunk: :func:`finetune.tasks.losses.sequence_logprobs` with one "sequence" per position (no
+    ``[tokens x vocab]`` logits)."""
     rows, length = targets.shape
     seq = torch.arange(rows * length, device=targets.device)
     head = find_head(model, head_name)
     if head is not None:
-        sums, _ = head_logprobs(model, inputs, targets, seq, rows * length, head, count_hits=False)
+        sums, _ = head_logprobs(model, inputs, targets, seq, rows * length, head, count_hits=False,
+                                temperature=temperature)
     else:
         out = model(**inputs)
         logits = out.logits if hasattr(out, "logits") else out
         sums, _ = sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, rows * length,
-                                    count_hits=False)
+                                    count_hits=False, temperature=temperature)
     return sums.reshape(rows, length)
 
 
@@ -192,15 +201,17 @@ def sequences(prompts: dict[str, Any], completions: torch.Tensor, group_size: in
             "completion_mask": mask}
 
 
-def completion_logprobs(model: Any, batch: dict[str, Any], head_name: str | None,
-                        flags: dict[str, Any]) -> torch.Tensor:
-    """``[N, M]``: the log-prob of each completion token of a :func:`sequences` batch (0 after its stop)."""
+def completion_logprobs(model: Any, batch: dict[str, Any], head_name: str | None, flags: dict[str, Any],
+                        temperature: float = 1.0) -> torch.Tensor:
+    """``[N, M]``: the log-prob of each completion token of a :func:`sequences` batch (0 after its stop) at
+    ``temperature``: the policy's, the old and the reference's log-probs are all scored at ``grpo.temperature``, the
+    one the completions were sampled at (see the module docstring)."""
     targets = next_token_targets(batch["labels"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
               "position_ids": batch["position_ids"], **flags}
     width = batch["completion_mask"].size(1)
     start = batch["input_ids"].size(1) - width - 1  # the position whose target is the first completion token
-    return token_logprobs(model, inputs, targets, head_name)[:, start:start + width]
+    return token_logprobs(model, inputs, targets, head_name, temperature)[:, start:start + width]
 
 
 def policy_loss(logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantage: torch.Tensor,
@@ -341,7 +352,7 @@ class GRPOTask(TaskData):
         """The loss sum of a rollout micro-batch (see :func:`policy_loss`); its metric sums are kept for
         :meth:`step_metrics`."""
         grpo = self.cfg.grpo
-        logp = completion_logprobs(model, batch, self.output_head, self.forward_flags)
+        logp = completion_logprobs(model, batch, self.output_head, self.forward_flags, grpo.temperature)
         old = batch["old_logps"] if "old_logps" in batch else logp.detach()
         loss, stats = policy_loss(logp, old.to(logp.dtype), batch.get("ref_logps"), batch["advantages"],
                                   batch["completion_mask"], grpo.epsilon, grpo.beta, grpo.loss, grpo.max_new_tokens)
@@ -443,12 +454,14 @@ class GRPOTask(TaskData):
         return self.model, unwrapped.disable_adapter() if hasattr(unwrapped, "disable_adapter") else nullcontext()
 
     def score(self, model: Any, batch: dict[str, Any], context: Any) -> torch.Tensor:
-        """Completion-token log-probs under ``model`` in eval mode, no gradient, the recipe's autocast."""
+        """Completion-token log-probs under ``model`` at ``grpo.temperature`` (as the policy's in
+        :meth:`train_output`), in eval mode, no gradient, the recipe's autocast."""
         was_training = model.training
         model.eval()
         try:
             with context, torch.no_grad(), self.precision.autocast():
-                return completion_logprobs(model, batch, self.output_head, self.forward_flags).float()
+                return completion_logprobs(model, batch, self.output_head, self.forward_flags,
+                                           self.cfg.grpo.temperature).float()
         finally:
             model.train(was_training)
 

@@ -87,10 +87,19 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch
     return torch.nn.functional.linear(hidden.to(weight.dtype), weight, bias)
 
 
-def _pick(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax of the chunk at each row's target, 0 where the row has none (``where``, not a multiply: an
-    ignored row with non-finite logits must add 0, not nan)."""
-    return _picked(torch.log_softmax(logits, dim=-1, dtype=torch.float32), target, valid)
+def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The chunk's logits divided by ``temperature``, in fp32 (the distribution a sampler at that temperature draws
+    from is their softmax); at 1 the logits themselves, not even copied, so every result at 1 is what it was."""
+    if temperature == 1.0:
+        return logits
+    scaled = logits.to(torch.float32)
+    return scaled / temperature if scaled is logits else scaled.div_(temperature)  # never divide the input in place
+
+
+def _pick(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log-softmax of the chunk (at ``temperature``) at each row's target, 0 where the row has none (``where``,
+    not a multiply: an ignored row with non-finite logits must add 0, not nan)."""
+    return _picked(torch.log_softmax(_tempered(logits, temperature), dim=-1, dtype=torch.float32), target, valid)
 
 
 def _picked(logp: torch.Tensor, target: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -151,12 +160,16 @@ class _LinearLogProbs(torch.autograd.Function):
     docstring. Outputs the sums (fp32) and the argmax hits (long, not differentiable).
 
     ``grad_enabled`` (``torch.is_grad_enabled()`` at the call: a Function's forward always runs without grad mode, and
-    its ``needs_input_grad`` does not say whether a graph is being recorded) selects the early-gradient path."""
+    its ``needs_input_grad`` does not say whether a graph is being recorded) selects the early-gradient path.
+
+    ``temperature`` T: the log-probs are ``log_softmax(logits / T)``; the gradient with respect to the logits is then
+    ``(onehot - softmax(logits / T)) / T``, so both paths compute ``g`` from the tempered softmax and divide the
+    upstream gradient by T in backward (one ``[S]`` vector, not a ``[rows, V]`` chunk)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int, dtype: torch.dtype,
-                count_hits: bool, grad_enabled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                count_hits: bool, grad_enabled: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         # early: the gradient pieces are computed now, from this softmax, when one scale per row finishes them (not
         # in fp16: its unscaled products would lose the small entries that the loss scale is there to keep)
@@ -175,14 +188,14 @@ class _LinearLogProbs(torch.autograd.Function):
                 end = start + rows
                 h = hidden[start:end].to(dtype) if w is not None else hidden[start:end]
                 logits = _chunk_logits(h, w, b)
-                logp = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+                logp = torch.log_softmax(_tempered(logits, temperature), dim=-1, dtype=torch.float32)
                 out.index_add_(0, seq[start:end], _picked(logp, targets[start:end], valid[start:end]).double())
                 if count_hits:  # an argmax pass over the chunk: eval's token accuracy only
                     hits.index_add_(0, seq[start:end], _hits(logits, targets[start:end], valid[start:end]))
                 if early:  # softmax = exp(log-softmax), in place: logp is not needed any more
                     _accumulate(_logit_grad(logp.exp_(), targets[start:end], valid[start:end]), h, w, dtype,
                                 grad_hidden[start:end] if grad_hidden is not None else None, grad_weight, grad_bias)
-        ctx.rows, ctx.dtype, ctx.sequences, ctx.early = rows, dtype, sequences, early
+        ctx.rows, ctx.dtype, ctx.sequences, ctx.early, ctx.temperature = rows, dtype, sequences, early, temperature
         if early:  # the unscaled gradients: nothing else is needed (not the hidden states, not the weight)
             ctx.save_for_backward(seq, grad_hidden, grad_weight, grad_bias)
             ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
@@ -194,10 +207,12 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor, _grad_hits: Any) -> tuple[torch.Tensor | None, ...]:
-        none = (None,) * 7
+        none = (None,) * 8
+        upstream = grad_out.to(torch.float32)
+        if ctx.temperature != 1.0:  # d(logits / T) / d(logits)
+            upstream = upstream / ctx.temperature
         if ctx.early:
             seq, grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-            upstream = grad_out.to(torch.float32)
             if grad_hidden is not None:  # each row's sequence scale, one rounding to the hidden states' dtype
                 grad_hidden = (grad_hidden * upstream.index_select(0, seq).unsqueeze(1)).to(grad_hidden.dtype)
             if grad_weight is not None:  # one sequence: its scale is the upstream gradient's only entry
@@ -212,12 +227,13 @@ class _LinearLogProbs(torch.autograd.Function):
             b = bias.to(ctx.dtype) if bias is not None else None
             valid = targets != IGNORE
             # d(sum of logp[target]) / d(logits) = (onehot(target) - softmax) * upstream gradient of the sequence
-            scale = torch.where(valid, grad_out.to(torch.float32).index_select(0, seq), 0.0)
+            scale = torch.where(valid, upstream.index_select(0, seq), 0.0)
             grad_hidden, grad_weight, grad_bias = _buffers(hidden, weight, bias, need_hidden, need_weight, need_bias)
             for start in range(0, hidden.size(0), ctx.rows):
                 end = start + ctx.rows
                 h = hidden[start:end].to(ctx.dtype) if w is not None else hidden[start:end]
-                probs = torch.softmax(_chunk_logits(h, w, b), dim=-1, dtype=torch.float32)
+                probs = torch.softmax(_tempered(_chunk_logits(h, w, b), ctx.temperature), dim=-1,
+                                      dtype=torch.float32)
                 _accumulate(_logit_grad(probs, targets[start:end], valid[start:end], scale[start:end]), h, w,
                             ctx.dtype, grad_hidden[start:end] if grad_hidden is not None else None, grad_weight,
                             grad_bias)
@@ -228,19 +244,19 @@ class _LinearLogProbs(torch.autograd.Function):
 
 
 def _module_chunk(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                  count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk through a head module: its per-sequence log-prob sums and hits."""
+                  count_hits: bool, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through a head module: its per-sequence log-prob sums (at ``temperature``) and hits."""
     logits = head(hidden)
     valid = targets != IGNORE
     out = torch.zeros(sequences, dtype=torch.float32, device=hidden.device)
     hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
     if count_hits:
         hits = hits.index_add(0, seq, _hits(logits, targets, valid))
-    return out.index_add(0, seq, _pick(logits, targets, valid)), hits
+    return out.index_add(0, seq, _pick(logits, targets, valid, temperature)), hits
 
 
 def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                     rows: int, count_hits: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     rows: int, count_hits: bool, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_logprobs` through any head module, one checkpointed chunk at a time (``split``, so the
     hidden states' gradient is assembled once, not zero-filled per chunk)."""
     from torch.utils.checkpoint import checkpoint  # lazy: heavy
@@ -249,24 +265,28 @@ def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq
     hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
     for h, t, s in zip(hidden.split(rows), targets.split(rows), seq.split(rows), strict=True):
         if torch.is_grad_enabled() and h.requires_grad:
-            part, hit = checkpoint(_module_chunk, head, h, t, s, sequences, count_hits, use_reentrant=False)
+            part, hit = checkpoint(_module_chunk, head, h, t, s, sequences, count_hits, temperature,
+                                   use_reentrant=False)
         else:
-            part, hit = _module_chunk(head, h, t, s, sequences, count_hits)
+            part, hit = _module_chunk(head, h, t, s, sequences, count_hits, temperature)
         total, hits = total + part, hits + hit
     return total, hits
 
 
 def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int, *,
                       weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, head: Any = None,
-                      chunk_rows: int | None = None, count_hits: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per sequence, the sum of ``log_softmax(logits)[target]`` over its rows whose target is not IGNORE, and the
-    number of those rows whose argmax is the target; logits are never materialised beyond one chunk.
+                      chunk_rows: int | None = None, count_hits: bool = True,
+                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sequence, the sum of ``log_softmax(logits / temperature)[target]`` over its rows whose target is not
+    IGNORE, and the number of those rows whose argmax is the target; logits are never materialised beyond one chunk.
 
     ``hidden`` ``[N, H]``: final hidden states (or ``[N, V]`` logits when neither ``weight`` nor ``head`` is given);
     ``targets`` ``[N]``; ``seq`` ``[N]`` the sequence (``0..sequences-1``) of each row. The logits are
     ``hidden @ weight^T + bias`` (``weight`` ``[V, H]``), or ``head(hidden)`` for any other head module.
     Returns ``([S]`` fp32 with grad, ``[S]`` long; zeros without ``count_hits``, which saves an argmax pass per
-    chunk in training). ``chunk_rows`` defaults to :func:`default_chunk_rows`."""
+    chunk in training). ``chunk_rows`` defaults to :func:`default_chunk_rows`. ``temperature`` (> 0; 1: the model's own
+    distribution): the log-probs of a sampler at that temperature, which is what GRPO scores its completions with
+    (:mod:`finetune.tasks.grpo`); the fp32 log-softmax then runs on ``logits / temperature``."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or seq.shape != targets.shape:
         raise ValueError(f"expected hidden [N, H] with targets and seq [N], got {tuple(hidden.shape)}, "
                          f"{tuple(targets.shape)} and {tuple(seq.shape)}")
@@ -280,11 +300,13 @@ def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Te
     rows = default_chunk_rows(vocab or hidden.size(1), hidden.device) if chunk_rows is None else chunk_rows
     if rows < 1:
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     targets, seq = targets.long(), seq.long()
     if head is not None:
-        return _module_logprobs(head, hidden, targets, seq, sequences, rows, count_hits)
+        return _module_logprobs(head, hidden, targets, seq, sequences, rows, count_hits, temperature)
     return _LinearLogProbs.apply(hidden, weight, bias, targets, seq, sequences, rows,
-                                 compute_dtype(hidden, weight), count_hits, torch.is_grad_enabled())
+                                 compute_dtype(hidden, weight), count_hits, torch.is_grad_enabled(), temperature)
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:

@@ -174,9 +174,10 @@ def test_resume_is_exact(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, iterat
 
 
 def test_train_and_eval_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The train row carries the reward metrics (and the step line shows the reward); eval reports exact_match as
-    correct / total over the eval prompts, the mean reward, a loss of 0 and no perplexity; `finetune eval` of the
-    export (its reward plugin allowed by --trust-remote-code) gives the same numbers."""
+    """The train row carries the reward metrics (the step line and the run's summary lead with the reward, and
+    show no loss: one update per generation batch, no KL); eval reports exact_match as correct / total over the
+    eval prompts, the mean reward, a loss of 0 and no perplexity; `finetune eval` of the export (its reward plugin
+    allowed by --trust-remote-code) gives the same numbers."""
     data = prompt_file(tmp_path, rows=5, name="eval")
     recipe = grpo_recipe(tmp_path, data={"eval": str(data)}, train={"max_steps": 1},
                          eval={"metrics": ["exact_match"], "batch_size": 2})
@@ -192,7 +193,11 @@ def test_train_and_eval_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert evaluated["eval_exact_match_total"] == 5 and evaluated["eval_samples"] == 5
     assert "eval_loss" not in evaluated and "eval_ppl" not in evaluated
     assert "eval_reward" in evaluated
-    assert "| reward " in (run / "train.log").read_text()
+    log = (run / "train.log").read_text().splitlines()
+    (step_line,) = [line for line in log if " step 1/1 | " in line]
+    assert " step 1/1 | reward " in step_line and "loss" not in step_line  # iterations 1, beta 0: a loss of ~0
+    assert [line.split(" ", 2)[2] for line in log if "final train " in line] == \
+        [f"  final train reward: {row['reward']:.4f} (step 1)"]  # the summary leads with the reward
     capsys.readouterr()  # finetune eval of the export reproduces the run's final eval
     assert cli_exit_code("eval", str(run), "--trust-remote-code", "--json") == 0
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -365,3 +365,59 @@ def test_fsdp1_full_fine_tune_with_beta_is_one_line_at_validation(tmp_path) -> N
                       ["launch.accelerate_config=fsdp1", "peft.method=lora"],
                       ["launch.accelerate_config=fsdp1", "grpo.beta=0"]):
         load_recipe(path, overrides)
+
+
+def test_every_logprob_is_scored_at_the_sampling_temperature(llama, tok) -> None:
+    """grpo.temperature 0.7: the old log-probs (iterations 2), the reference's (beta > 0) and the policy's in the
+    loss are each log_softmax(logits / 0.7) at the completion token, computed here by hand from the models' full
+    logits; the loss and its gradient equal the clipped surrogate + k3 KL written out plainly on those log-probs.
+    The policy has moved off the weights that generated (as on a cycle's second step), so the ratio is not 1."""
+    import copy
+
+    temperature, eps, beta = 0.7, 0.2, 0.1
+    cfg = make_cfg(group=3, new=5, beta=beta, iterations=2)
+    cfg.grpo.temperature = temperature
+    task = bound_task(cfg, llama, tok)
+    reference = copy.deepcopy(llama)
+    with torch.no_grad():  # a reference that differs from the sampler, so the KL term is not ~0
+        for p in reference.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.02)
+    task.reference = reference
+    rollout = task.rollout(prompt_batch(PROMPTS[:2]), 0, 0)
+    batch = task.micro_batch(rollout)
+    width = rollout.completions.size(1)
+    start = batch["input_ids"].size(1) - width - 1  # the logits at `start + j` predict completion token j
+    mask = batch["completion_mask"].bool()
+
+    def by_hand(model: Any) -> torch.Tensor:
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       position_ids=batch["position_ids"]).logits[:, start:start + width]
+        picked = torch.log_softmax(logits / temperature, -1).gather(-1, rollout.completions[..., None])[..., 0]
+        return torch.where(mask, picked, 0.0)
+
+    with torch.no_grad():
+        old, ref = by_hand(llama), by_hand(reference)
+    assert mask.sum() > mask.size(0)  # completions of more than one token
+    torch.testing.assert_close(rollout.old, old, rtol=0, atol=1e-6)
+    torch.testing.assert_close(rollout.ref, ref, rtol=0, atol=1e-6)
+
+    policy = copy.deepcopy(llama)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(2)) * 0.05)
+    twin = copy.deepcopy(policy)
+    loss = task.train_output(policy, batch)
+    loss.backward()
+    logp = by_hand(twin)
+    advantage = batch["advantages"][:, None]
+    ratio = torch.exp(logp - old)
+    surrogate = -torch.minimum(ratio * advantage, ratio.clamp(1 - eps, 1 + eps) * advantage)
+    kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token = torch.where(mask, surrogate + beta * kl, 0.0)
+    expected = (per_token.sum(1) / mask.sum(1)).sum()  # grpo: each completion's mean over its tokens, summed
+    expected.backward()
+    assert float(task._sums["clipped"]) > 0  # the clip is exercised
+    torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for (name, got), want in zip(policy.named_parameters(), twin.parameters(), strict=True):
+        scale = want.grad.norm()
+        assert (got.grad - want.grad).norm() <= 1e-5 * scale, name

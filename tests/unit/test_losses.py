@@ -287,6 +287,45 @@ def test_sequence_logprobs_from_hidden_states_match_full_logits(bias: bool, chun
         assert_grad_close(grad, ref)
 
 
+@pytest.mark.parametrize("path", [*GRADIENT_PATHS, "head_module", "logits"])
+def test_sequence_logprobs_at_a_temperature_are_those_of_the_tempered_softmax(path: str) -> None:
+    """temperature 0.7 (GRPO scores completions at the temperature it sampled them at): the sums are of
+    log_softmax(logits / 0.7) at the targets, and the gradients of hidden, weight and bias are those of that
+    expression over full logits, on each gradient path, through a head module (chunks under checkpointing) and from
+    logits directly."""
+    temperature = 0.7
+    sequences, trainable = GRADIENT_PATHS.get(path, (3, True))
+    gen = torch.Generator().manual_seed(7)
+    hidden, weight = torch.randn(N, 16, generator=gen), torch.randn(V, 16, generator=gen)
+    b = torch.randn(V, generator=gen)
+    targets, seq = make_targets("every_third"), torch.arange(N) % sequences
+    upstream = torch.tensor([0.5, -2.0, 1.5])[:sequences]
+
+    def run(chunked: bool) -> tuple[torch.Tensor, ...]:
+        h, w, bb = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable), \
+            b.clone().requires_grad_(trainable)
+        if not chunked:
+            logits = torch.nn.functional.linear(h, w, bb)
+            picked = torch.log_softmax(logits / temperature, -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+            sums = torch.zeros(sequences).index_add(0, seq, torch.where(targets != IGNORE, picked, 0.0))
+        elif path == "head_module":
+            sums, _ = sequence_logprobs(h, targets, seq, sequences, head=lambda x: torch.nn.functional.linear(x, w, bb),
+                                        chunk_rows=5, temperature=temperature)
+        elif path == "logits":
+            sums, _ = sequence_logprobs(torch.nn.functional.linear(h, w, bb), targets, seq, sequences, chunk_rows=5,
+                                        temperature=temperature)
+        else:
+            sums, _ = sequence_logprobs(h, targets, seq, sequences, weight=w, bias=bb, chunk_rows=5,
+                                        temperature=temperature)
+        (sums * upstream).sum().backward()
+        return sums.detach(), h.grad, *(p.grad if p.grad is not None else torch.zeros(()) for p in (w, bb))
+
+    got, want = run(True), run(False)
+    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=0)
+    for grad, ref in zip(got[1:], want[1:], strict=True):
+        assert_grad_close(grad, ref)
+
+
 class Matmuls(TorchDispatchMode):
     """The FLOPs of every matrix product dispatched (``2 m k n`` for mm, addmm, addmm_, bmm, baddbmm; FlopCounterMode
     does not count the in-place ``addmm_``), and of those whose operands have a ``vocab``-sized dimension."""

@@ -15,6 +15,7 @@ import pytest
 
 from finetune.artifacts import plot, rundir
 from tests.cli_helpers import assert_user_error, main_exit
+from tests.recipe_files import write_recipe_file
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TRAIN_KEYS = ["loss", "lr", "grad_norm"]
@@ -85,6 +86,38 @@ def test_two_runs_are_overlaid_in_every_panel_and_counts_are_not_plotted(tmp_pat
     assert not [key for key in planned if key.endswith(("_correct", "_total")) or key == "eval_samples"]
     assert [line for line in out.splitlines() if "panels" in line] == [
         f"wrote cmp.png: {len(planned)} panels ({', '.join(planned)}) for 2 run(s)"]
+
+
+def grpo_run(folder: Path, grpo: dict[str, float | int], steps: int = 6, eval_every: int = 3) -> Path:
+    """A GRPO run dir: its resolved recipe (task grpo, the given grpo keys) and metrics.jsonl rows shaped like a GRPO
+    run's (train: loss ~0, reward; eval: samples, exact match with counts, mean reward, no loss)."""
+    rundir.create(folder, overwrite=False).release()
+    write_recipe_file(folder / rundir.RESOLVED, {"model": {"type": "tiny-llama"}, "task": "grpo", "grpo": grpo})
+    for step in range(1, steps + 1):
+        log_row(folder, "train", {"step": step, "loss": 1e-9 * (-1) ** step, "lr": 2e-4, "grad_norm": 0.5,
+                                  "reward": 0.1 * step, "reward_std": 0.3, "frac_zero_std": 0.25})
+        if step % eval_every == 0:
+            log_row(folder, "eval", {"step": step, "eval_samples": 40, "eval_exact_match": step / 40,
+                                     "eval_exact_match_correct": step, "eval_exact_match_total": 40,
+                                     "eval_correct": step, "eval_total": 40, "eval_reward": step / 40})
+    return folder
+
+
+def test_a_grpo_plot_leads_with_the_reward_and_leaves_out_a_loss_that_carries_nothing(tmp_path) -> None:
+    """GRPO: the train reward panel first, then the eval exact match and the eval reward; the loss panel only where
+    its value carries information (grpo.iterations > 1 or grpo.beta > 0). Overlaid on an SFT run, the loss panel
+    holds the SFT run's loss and not the GRPO run's ~0."""
+    plain = grpo_run(tmp_path / "runs" / "grpo", {"iterations": 1, "beta": 0.0})
+    assert summary(plain) == {"reward": [("grpo", 6)], "eval_exact_match": [("grpo", 2)],
+                              "eval_reward": [("grpo", 2)], "lr": [("grpo", 6)], "grad_norm": [("grpo", 6)]}
+    assert list(summary(plain))[:3] == ["reward", "eval_exact_match", "eval_reward"]
+    kl = grpo_run(tmp_path / "runs" / "kl", {"beta": 0.05})
+    assert list(summary(kl)) == ["reward", "loss", "eval_exact_match", "eval_reward", "lr", "grad_norm"]
+    sft = make_run(tmp_path / "runs" / "sft", train_steps=4, eval_every=2)
+    both = summary(plain, sft)
+    assert both["loss"] == [("sft", 4)] and both["reward"] == [("grpo", 6)]
+    assert both["eval_exact_match"] == [("grpo", 2), ("sft", 2)]
+    assert list(summary(sft)) == [*TRAIN_KEYS, "eval_loss", "eval_ppl", "eval_exact_match"]  # as before GRPO
 
 
 def test_series_hold_the_logged_values_sorted_by_step_and_nonfinite_ones_are_gaps(tmp_path) -> None:

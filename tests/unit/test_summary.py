@@ -76,3 +76,33 @@ def test_only_a_finished_run_has_a_summary_and_a_resume_unfinishes_it(tmp_path: 
     assert read_summary(run) is None
     assert [row["kind"] for row in map(json.loads, (run / rundir.METRICS).read_text().splitlines())] == \
         ["train", "train", "eval"]
+
+
+GRPO_TRAIN = [{"kind": "train", "step": 1, "loss": 2e-9, "reward": 0.25, "reward_std": 0.4},
+              {"kind": "train", "step": 2, "loss": -3e-9, "reward": 0.4375, "reward_std": 0.3}]
+GRPO_EVAL = {"kind": "eval", "step": 2, "eval_samples": 40, "eval_exact_match": 0.75, "eval_exact_match_correct": 30,
+             "eval_exact_match_total": 40, "eval_correct": 30, "eval_total": 40, "eval_reward": 0.8125}
+
+
+@pytest.mark.parametrize("grpo,train", [
+    ({"iterations": 1, "beta": 0.0}, ["  final train reward: 0.4375 (step 2)"]),
+    ({"iterations": 2, "beta": 0.0}, ["  final train reward: 0.4375 (step 2)", "  final train loss: -0.0000 (step 2)"]),
+    ({"beta": 0.05}, ["  final train reward: 0.4375 (step 2)", "  final train loss: -0.0000 (step 2)"]),
+], ids=["one_iteration", "iterations_2", "beta"])
+def test_a_grpo_summary_leads_with_the_reward_and_the_eval_exact_match(tmp_path: Path, grpo: dict[str, Any],
+                                                                       train: list[str]) -> None:
+    """GRPO: the final train reward first, the loss only where its value carries information (grpo.iterations > 1
+    or grpo.beta > 0), and the final eval's exact match and mean reward before its sample count."""
+    recipe = {"model": {"type": "tiny-llama"}, "task": "grpo", "peft": {"method": "none"},
+              "grpo": {"group_size": 8, **grpo}}
+    run = make_run(tmp_path / "runs" / "grpo", recipe, [*GRPO_TRAIN, GRPO_EVAL, END])
+    expected = [
+        "run runs/grpo finished: 2 steps, 16 samples, 1,234 target tokens; training 3.2 s, wall 1 min 15 s",
+        *train,
+        "  final eval (step 2):",
+        "    eval_exact_match 30/40 = 0.7500",
+        "    eval_reward = 0.8125",
+        "    eval_samples = 40",
+        "  model:   runs/grpo/final",
+    ]
+    assert render(read_summary(run))[:len(expected)] == expected  # type: ignore[arg-type]

@@ -27,7 +27,9 @@ from finetune.runtime.tracking import (
     build_tracker,
     format_eval_line,
     format_metrics,
+    headline,
     read_metrics,
+    recipe_headline,
 )
 from finetune.runtime.worker import resumed_step
 
@@ -47,6 +49,17 @@ def make_cfg(max_steps: int = 10, **logging: object) -> RecipeConfig:
         "data": {"format": "alpaca", "train": "x.jsonl"},
         "train": {"max_steps": max_steps, "micro_batch_size": 1, "global_batch_size": 1},
         "logging": {"progress": False, **logging},
+    })
+
+
+def grpo_cfg(**grpo: object) -> RecipeConfig:
+    """A minimal valid GRPO recipe with the given grpo keys (no progress bar)."""
+    return RecipeConfig.model_validate({
+        "name": "g", "task": "grpo", "model": {"type": "tiny-llama"},
+        "data": {"format": "prompt", "train": "x.jsonl"},
+        "train": {"max_steps": 10, "micro_batch_size": 1, "global_batch_size": 1},
+        "grpo": {"rewards": [{"exact_match": True}], **grpo},
+        "logging": {"progress": False},
     })
 
 
@@ -336,6 +349,54 @@ def test_build_tracker_on_main_rank_writes_jsonl_train_log_and_stdout(tmp_path: 
     assert log_lines(tmp_path) == [line, format_eval_line(EVAL_ROW), "done"]
     assert capsys.readouterr().out.splitlines() == [line, format_eval_line(EVAL_ROW), "done"]
     assert sorted(path.name for path in tmp_path.iterdir()) == ["metrics.jsonl", "train.log"]
+
+
+GRPO_ROW = {**TRAIN_ROW, "reward": 0.4375, "reward_std": 0.31, "frac_zero_std": 0.25, "clip_fraction": 0.0}
+
+
+@pytest.mark.parametrize("grpo,loss,line", [
+    ({}, -3e-9, "step 10/10 | reward 0.4375 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120"),
+    ({"loss": "token"}, 0.0123, "step 10/10 | reward 0.4375 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120"),
+    ({"iterations": 2}, 0.0123, "step 10/10 | reward 0.4375 | loss 0.0123 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120"),
+    ({"beta": 0.05}, 0.0123, "step 10/10 | reward 0.4375 | loss 0.0123 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120"),
+], ids=["one_iteration", "token_loss", "iterations_2", "beta"])
+def test_a_grpo_step_line_leads_with_the_reward_and_shows_the_loss_only_where_it_informs(
+        tmp_path: Path, capsys, grpo: dict[str, object], loss: float, line: str) -> None:
+    """GRPO: the reward follows the step; the loss follows it only with grpo.iterations > 1 or grpo.beta > 0 (one
+    update per generation batch and no KL: its value is ~0 or a by-product, never a `loss -0.0000` to watch), in
+    train.log and on the console alike; metrics.jsonl keeps the loss either way."""
+    tracker = build_tracker(grpo_cfg(**grpo), tmp_path, is_main=True)
+    tracker.log("train", {**GRPO_ROW, "loss": loss})
+    tracker.close()
+    assert log_lines(tmp_path) == [line]
+    assert capsys.readouterr().out.splitlines() == [line]
+    assert read_metrics(tmp_path)[0]["loss"] == loss
+
+
+def test_the_grpo_progress_bar_shows_the_reward_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    stdout = FakeTerminal()
+    monkeypatch.setattr("sys.stdout", stdout)
+    cfg = grpo_cfg()
+    cfg.logging.progress = True
+    tracker = build_tracker(cfg, tmp_path, is_main=True)
+    tracker.log("train", {**GRPO_ROW, "loss": -3e-9})
+    tracker.close()
+    out = stdout.getvalue()
+    assert "reward 0.4375" in out and "lr 3.00e-04" in out and "loss" not in out
+
+
+def test_the_headline_is_the_loss_for_every_task_but_grpo() -> None:
+    """The rule the step lines, the summary and the plot share, from a recipe as validated or as plain data (a
+    malformed grpo section counts as its defaults)."""
+    for task in (None, "sft", "dpo", "reward"):
+        assert headline(task).train == ("loss",) and headline(task).eval == ()
+        assert recipe_headline({"task": task, "grpo": {"iterations": 3, "beta": 0.5}}).train == ("loss",)
+    assert headline("grpo", 1, 0.0).train == ("reward",) and not headline("grpo").loss
+    assert headline("grpo", 2, 0.0).train == headline("grpo", 1, 0.01).train == ("reward", "loss")
+    assert headline("grpo").eval == ("eval_exact_match", "eval_reward")
+    assert recipe_headline({"task": "grpo", "grpo": "nonsense"}).train == ("reward",)
+    assert recipe_headline({"task": "grpo", "grpo": {"iterations": "2", "beta": True}}).train == ("reward",)
+    assert recipe_headline({"task": "grpo", "grpo": {"beta": 0.1}}).loss
 
 
 def test_build_tracker_starts_the_bar_at_start_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
