@@ -172,7 +172,8 @@ def run_pass(kind: str, data: str, procs: int) -> dict:
 
         raw.map(render_and_tokenize, batched=True, batch_size=1000, remove_columns=raw.column_names)
     elif kind == "finetune":
-        cached = tokenize_rows(raw, fmt="chat", tokenizer=tokenizer, max_len=4096, overlong="truncate", source=data,
+        cached = tokenize_rows(raw, fmt="chat", tokenizer=tokenizer, max_len=4096, overlong="truncate",
+                               add_bos="auto", source=data,
                                num_proc=procs or None).cached  # 0: the default
     seconds = time.perf_counter() - start
     return {"rows": len(raw), "seconds": seconds, "cpu": _cpu() - cpu, "load_s": load_s, "cached": cached, **_peaks(),

@@ -22,8 +22,8 @@ from typing import Any
 
 from finetune.artifacts import checkpoint, restored, rundir
 from finetune.artifacts.choose import choose, skipped_lines
-from finetune.config import REMOTE_CODE_KEY, RecipeConfig, compose, remote_code_from_flag, validate
-from finetune.config.compose import flatten
+from finetune.config import REMOTE_CODE_KEY, RecipeConfig, remote_code_from_flag, validate
+from finetune.config.compose import compose_stored, flatten
 from finetune.errors import FinetuneError, RunDirError
 from finetune.runtime.state import total_steps
 
@@ -94,8 +94,8 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
     checkpoint.verify(info.path, run_id, info.manifest)  # the manifest chosen by, read once
     stored = info.path / rundir.RESOLVED
     here = f"output_dir={run_dir.resolve()}"
-    cfg = validate(compose(stored, [*overrides, here]), allow_plugin=trust_remote_code)
-    composed = compose(stored, [here])
+    cfg = validate(compose_stored(stored, [*overrides, here]), allow_plugin=trust_remote_code)
+    composed = compose_stored(stored, [here])
     try:  # the stored recipe under today's schema: keys added since then hold their defaults, not "changes"
         before = validate(composed, allow_plugin=trust_remote_code).model_dump(mode="json")
     except FinetuneError:

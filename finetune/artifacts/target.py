@@ -20,8 +20,8 @@ from finetune.artifacts import layout, rundir
 from finetune.artifacts.checkpoint import verify
 from finetune.artifacts.portable import apply_model_state, read_full_state
 from finetune.artifacts.record import labels_of, row_of
-from finetune.config import RecipeConfig, compose, remote_code_from_flag, validate
-from finetune.config.compose import apply_overrides
+from finetune.config import RecipeConfig, remote_code_from_flag, validate
+from finetune.config.compose import apply_overrides, compose_stored
 from finetune.errors import ConfigError, FinetuneError, RunDirError, unreadable
 from finetune.quiet import library_warnings_off
 from finetune.registry import CUSTOM_WEIGHTS, SupportedModel
@@ -93,7 +93,7 @@ def recipe_of(recipe: Path, overrides: list[str], trust_remote_code: bool) -> Re
     """A run's (verified) recipe file, validated for THIS machine: ``trust_remote_code`` from the command line only
     (it also decides whether the recipe's ``model.plugin`` may be imported), plus :func:`portable_overrides` (each
     change it makes is noted on stderr). Its training files need not exist: nothing that opens a run reads them."""
-    composed = compose(recipe, remote_code_from_flag(overrides, trust_remote_code))
+    composed = compose_stored(recipe, remote_code_from_flag(overrides, trust_remote_code))
     machine, notes = portable_overrides(composed.data)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)

@@ -14,7 +14,8 @@ against its manifest before anything in it is read, loading is data only, and th
   training rows (paths relative to the prompts file): each placeholder the template writes becomes the image's
   tokens, and the model's own ``generate`` decodes with the images, as eval's exact_match does.
 
-Prompts are tokenized as training and eval tokenize theirs (a bos token first, the last ``data.max_seq_len`` tokens
+Prompts are tokenized as training and eval tokenize theirs (the special tokens of the run's ``data.add_bos`` first:
+nothing before a chat template's render, the tokenizer's own before raw text; the last ``data.max_seq_len`` tokens
 kept). Every output line is its input object plus ``completion`` (decoded without special tokens, cut at eos) and
 ``finish_reason`` (``eos`` or ``length``), in input order; the file is written to a hidden ``.tmp`` beside ``-o``
 and renamed, never inside a run directory or the model folder, and replaces an existing file only with
@@ -49,9 +50,9 @@ from finetune.artifacts.probe import forward_precision
 from finetune.commands.evaluate import load_model, load_tokenizer, open_target
 from finetune.config import outputs
 from finetune.data import vision
+from finetune.data.bos import Lead
 from finetune.data.formats import render_alpaca
 from finetune.data.prompts import PromptIds, chat_text, text_prompt, vision_prompt, vision_text
-from finetune.data.prompts import encode as encode_text  # generate.encode keeps its name for its callers
 from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.data.vision import VisionCollator
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
@@ -239,23 +240,20 @@ def prompt_text(prompt: Prompt, tokenizer: Any) -> str:
                         f"({error_detail(exc)})") from None
 
 
-def encode(text: str, tokenizer: Any) -> list[int]:
-    """Token ids of a prompt as training and eval make them (:func:`finetune.data.prompts.encode`): no special
-    tokens added by the tokenizer, the bos token first unless the text starts with it."""
-    return encode_text(text, tokenizer)
-
-
-def prompt_ids(prompt: Prompt, tokenizer: Any, images: ImageInputs | None, max_len: int) -> PromptIds:
-    """A prompt's token ids as training makes a row's ``prompt_ids`` (:mod:`finetune.data.prompts`: the same bos
-    and keep-the-end rules); ``images``: a vision-language row's image processor, else None. A prompt without a
+def prompt_ids(prompt: Prompt, tokenizer: Any, images: ImageInputs | None, max_len: int, add_bos: str) -> PromptIds:
+    """A prompt's token ids as training makes a row's ``prompt_ids`` (:mod:`finetune.data.prompts`: the same
+    special tokens, ``add_bos`` being the run's ``data.add_bos``, and keep-the-end rules; a ``messages`` prompt is a
+    chat template's render); ``images``: a vision-language row's image processor, else None. A prompt without a
     token, or whose kept end would cut an image, is one DataError line."""
     text = prompt_text(prompt, tokenizer)
+    lead, templated = Lead.of(tokenizer, add_bos), prompt.messages is not None
     if images is None:
-        out = text_prompt(text, tokenizer, max_len)
+        out = text_prompt(text, tokenizer, max_len, lead, templated)
     else:
-        out = vision_prompt(text, tokenizer, images, _image_grids(prompt, text, images), prompt.where, max_len)
+        out = vision_prompt(text, tokenizer, images, _image_grids(prompt, text, images), prompt.where, max_len, lead,
+                            templated)
     if not out.ids:
-        raise DataError(f"{prompt.where}: the prompt is empty and the tokenizer has no bos token; give some text")
+        raise DataError(f"{prompt.where}: the prompt is empty (no token, and none goes before it); give some text")
     if out.cuts_image:
         raise DataError(f"{prompt.where}: the prompt is {out.length} tokens with its images, over "
                         f"data.max_seq_len={max_len}, and keeping its end would cut an image; shorten the text or "
@@ -324,7 +322,7 @@ def prepare(target: Path, prompts: Path, output: Path, options: Options) -> Job:
     job = Job(where, cfg, row, tokenizer, parsed)
     images = image_inputs(tokenizer, row)  # None unless a vision-language row
     for prompt in parsed:
-        ids = prompt_ids(prompt, tokenizer, images, cfg.data.max_seq_len)
+        ids = prompt_ids(prompt, tokenizer, images, cfg.data.max_seq_len, cfg.data.add_bos)
         job.truncated += ids.truncated
         job.ids.append(ids.ids)
         job.grids.append(ids.grids)

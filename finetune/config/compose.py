@@ -27,7 +27,7 @@ import yaml
 from pydantic import BaseModel
 
 from finetune.config.resources import is_recipe_name, recipe_names, recipes_dir, shipped_recipe
-from finetune.config.schema import RecipeConfig
+from finetune.config.schema import STORED_DEFAULTS, RecipeConfig
 from finetune.errors import ConfigError
 
 PATH_KEYS = ("data.train", "data.eval", "model.path")
@@ -580,4 +580,22 @@ def apply_overrides(composed: Composed, overrides: list[str]) -> Composed:
 def compose(recipe: str | Path, overrides: list[str] | None = None) -> Composed:
     """Compose a recipe file with its ``extends`` chain and the given overrides."""
     composed = _compose_file(Path(recipe), (), _Loaded())
+    return apply_overrides(composed, overrides or [])
+
+
+def compose_stored(recipe: str | Path, overrides: list[str] | None = None) -> Composed:
+    """Compose a recipe finetune wrote (a run's, checkpoint's or export's recipe.resolved.yaml) with the given
+    overrides. A key of :data:`finetune.config.schema.STORED_DEFAULTS` the file lacks was added after the run was
+    trained: it is read with the value the run was trained with, not today's default (an older run resumes,
+    evaluates and generates as it trained)."""
+    composed = _compose_file(Path(recipe), (), _Loaded())
+    present = flatten(composed.data)
+    for key, value in STORED_DEFAULTS.items():
+        *sections, leaf = key.split(".")
+        node = composed.data
+        for part in sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        if key not in present and isinstance(node, dict):
+            node[leaf] = value
+            composed.provenance[key] = "stored recipe written before this key existed"
     return apply_overrides(composed, overrides or [])

@@ -173,6 +173,15 @@ class DataConfig(Section):
         "their samples",
     )
     train_on_prompt: bool = False
+    add_bos: Literal["auto", "always"] = Field(
+        default="auto",
+        description="the special tokens before a sample's or prompt's tokens. auto: as the model is served: a chat "
+        "(chat, chat preference pairs, vision_chat, chat prompts) is exactly apply_chat_template(..., "
+        "tokenize=True) (the template writes its bos or none; nothing is added), raw text (alpaca, completion, "
+        "string pairs, text prompts) gets what the tokenizer's own call puts first (not twice). always: the "
+        "tokenizer's bos token first unless the text starts with it, for every kind (finetune before this key; "
+        "runs trained then keep it)",
+    )
     num_workers: int | None = Field(
         default=None, ge=0, le=64,
         description="DataLoader worker processes per rank that collate batches ahead of the step; null: 2 on CUDA "
@@ -250,6 +259,14 @@ class DataConfig(Section):
         return [s.model_copy(update={"format": s.format or self.format}) for s in sources]
 
 
+# Keys added after runs were trained without them, with the value such a run was trained with when that differs from
+# the default. A recipe finetune wrote (a run's, a checkpoint's or an export's recipe.resolved.yaml) that lacks one
+# is read with this value (finetune.config.compose.compose_stored), so an older run resumes, evaluates and generates
+# as it trained; a recipe a user writes gets the default.
+STORED_DEFAULTS: dict[str, Any] = {"data.add_bos": "always", "train.dropout": True}
+DROPOUT_OFF_TASKS = ("dpo", "reward", "grpo")  # train.dropout null: off for these tasks (see its description)
+
+
 def data_formats() -> tuple[str, ...]:
     """The formats data.format accepts (a source's format accepts the same)."""
     return get_args(DataConfig.model_fields["format"].annotation)
@@ -272,6 +289,14 @@ class TrainConfig(Section):
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     gradient_checkpointing: bool = False
+    dropout: bool | None = Field(
+        default=None,
+        description="the model's dropout while training: true keeps every rate its config (and peft.dropout) sets; "
+        "false sets them all to 0 (dropout modules, attention dropout, LoRA dropout; the exported config keeps "
+        "them). null: false for task dpo, reward and grpo (they compare the policy with a reference, or two "
+        "samples, scored without dropout: as the DPO paper's code and TRL), true otherwise. The resolved recipe "
+        "and finetune plan show the value used",
+    )
     max_nonfinite_steps: int = Field(
         default=3, ge=1,
         description="a step with a non-finite loss or gradient norm is skipped; this many in a row stop the run",
@@ -596,6 +621,13 @@ class RecipeConfig(Section):
         if self.train.global_batch_size % per_step:
             raise ValueError(batch_hint(self.train.global_batch_size, self.train.micro_batch_size,
                                         self.launch.num_processes))
+        return self
+
+    @model_validator(mode="after")
+    def _dropout_by_task(self) -> RecipeConfig:
+        """train.dropout null is the task's: off where a loss compares scores made without dropout."""
+        if self.train.dropout is None:
+            self.train.dropout = self.task not in DROPOUT_OFF_TASKS
         return self
 
     @model_validator(mode="after")

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 from finetune import registry
 from finetune.config import accelerate
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
-from finetune.config.compose import DATA_SUFFIXES, Composed, compose
+from finetune.config.compose import DATA_SUFFIXES, Composed, compose_stored
 from finetune.config.schema import (
     SOURCE_TAGS,
     DataConfig,
@@ -509,4 +509,4 @@ def load_resolved(path: str | Path, allow_plugin: bool = False) -> RecipeConfig:
     ``model.plugin`` is imported only with ``allow_plugin``, which the launching process passes explicitly
     (``finetune.runtime.worker --allow-plugin``), never inferred from the file."""
 
-    return validate(compose(path), allow_plugin=allow_plugin)
+    return validate(compose_stored(path), allow_plugin=allow_plugin)

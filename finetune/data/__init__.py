@@ -177,7 +177,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     if not known:  # a stream's label names are data.labels (the schema requires them)
         labels = (cfg.labels if cfg.streaming else _labels(raws, train_sources, cfg.labels)) if classification \
             else None
-    common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong,
+    common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong, "add_bos": cfg.add_bos,
               "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images,
               "num_proc": cfg.num_proc, "prompt": prompt}
     listed = not isinstance(cfg.train, str)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import itertools
 import json
 import multiprocessing
@@ -34,11 +35,11 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from finetune import hooks
 from finetune.data import prompts, vision
+from finetune.data.bos import Lead
 from finetune.data.formats import Rendered, prerender_chats, render, render_preference
 from finetune.data.loading import check_row
 from finetune.data.rows import IGNORE, error_detail, line_of
@@ -279,25 +280,17 @@ def _labels(ids: list[int], enc: Any, spans: Sequence[tuple[int, int]], in_order
     return labels
 
 
-def specials(tokenizer: Any) -> SimpleNamespace:
-    """The tokenizer's bos and eos, read once per batch: each read of ``tokenizer.bos_token_id`` is a lookup through
-    transformers' ``__getattr__`` (about 10 us; a row read them six times, as much as its checks and labels). The
-    result has the attributes :func:`finetune.data.prompts.starts_with_bos` reads, so that rule stays the one
-    rule."""
-    return SimpleNamespace(bos_token_id=tokenizer.bos_token_id, bos_token=tokenizer.bos_token,
-                           eos_token_id=tokenizer.eos_token_id)
-
-
 def _samples(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any]], tokenizer: Any,
-             special: SimpleNamespace) -> list[tuple[list[int], list[int]]]:
+             lead: Lead) -> list[tuple[list[int], list[int]]]:
     """:func:`samples` of texts already encoded (``encoded``: :func:`encodings` of their texts)."""
     out = []
-    bos, eos = special.bos_token_id, special.eos_token_id
+    eos = lead.eos_token_id
     in_order = monotone(tokenizer)
     for sample, (ids, enc) in zip(rendered, encoded, strict=True):
         labels = _labels(ids, enc, sample.spans, in_order)  # a new list
-        if not prompts.starts_with_bos(sample.text, special):
-            ids, labels = [bos, *ids], [IGNORE, *labels]
+        head = lead.ids(sample.text, sample.templated)
+        if head:
+            ids, labels = [*head, *ids], [IGNORE] * len(head) + labels
         if sample.add_eos and eos is not None:
             ids = [*ids, eos]  # ids may be the encoding's list, shared with the prompt's
             labels.append(eos)
@@ -305,23 +298,15 @@ def _samples(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], An
     return out
 
 
-def samples(rendered: Sequence[Rendered], tokenizer: Any) -> list[tuple[list[int], list[int]]]:
-    """Token ids and labels of each rendered sample: labels by :func:`answer_labels`; the bos token first by the
-    prompts' rule (:func:`finetune.data.prompts.starts_with_bos`), eos last (and learned) where the format adds
-    it."""
-    return _samples(rendered, encodings([r.text for r in rendered], tokenizer), tokenizer, specials(tokenizer))
+def samples(rendered: Sequence[Rendered], tokenizer: Any, add_bos: str) -> list[tuple[list[int], list[int]]]:
+    """Token ids and labels of each rendered sample: labels by :func:`answer_labels`; the special tokens before
+    them by ``data.add_bos`` (:class:`finetune.data.bos.Lead`), eos last (and learned) where the format adds it."""
+    return _samples(rendered, encodings([r.text for r in rendered], tokenizer), tokenizer, Lead.of(tokenizer, add_bos))
 
 
-def _cue(ids: list[int], text: str, special: SimpleNamespace, max_len: int) -> list[int]:
-    """A text prompt's ids (no special tokens added) as :func:`finetune.data.prompts.text_prompt` makes them."""
-    ids = ids if prompts.starts_with_bos(text, special) else [special.bos_token_id, *ids]
-    return prompts.keep_end(ids, max_len).ids
-
-
-def prompt_ids(texts: Sequence[str], tokenizer: Any, max_len: int) -> list[list[int]]:
-    """The text kind's generation prompt of each text (:func:`finetune.data.prompts.text_prompt`), in one call."""
-    special = specials(tokenizer)
-    return [_cue(ids, text, special, max_len) for text, ids in zip(texts, token_ids(texts, tokenizer), strict=True)]
+def _cue(ids: list[int], text: str, templated: bool, lead: Lead, max_len: int) -> list[int]:
+    """A prompt's ids (no special tokens added) as :func:`finetune.data.prompts.text_prompt` makes them."""
+    return prompts.keep_end(lead.encode(text, ids, templated), max_len).ids
 
 
 # The prompt of a causal sample is the start of its text (``text[:p]``, p = len(prompt)): chat's generation prompt,
@@ -387,10 +372,11 @@ def _seam(text: str, prompt_len: int, ids: list[int], enc: Any, cut: dict[int, s
 
 
 def cue_ids(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any]], tokenizer: Any, max_len: int,
-            special: SimpleNamespace) -> list[list[int]]:
-    """:func:`prompt_ids` of each sample's prompt, from the sample's own tokens (``encoded``) where its prompt
-    starts its text and they hold a seam (see :func:`seams`): only the text after the seam is tokenized, once per
-    distinct text. Every other prompt is tokenized whole, as :func:`prompt_ids` does."""
+            lead: Lead) -> list[list[int]]:
+    """The generation prompt (:func:`finetune.data.prompts.text_prompt`) of each sample's prompt, from the sample's
+    own tokens (``encoded``) where its prompt starts its text and they hold a seam (see :func:`seams`): only the text
+    after the seam is tokenized, once per distinct text. Every other prompt is tokenized whole, as that function
+    does."""
     cut = seams(tokenizer)
     heads: list[list[int]] = []
     tails: list[str] = []
@@ -408,7 +394,7 @@ def cue_ids(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any
             tails.append(prompt[stop:])
     distinct = list(dict.fromkeys(tails))
     tail_ids = dict(zip(distinct, token_ids(distinct, tokenizer), strict=True))
-    return [_cue(head + tail_ids[tail], sample.prompt, special, max_len)
+    return [_cue(head + tail_ids[tail], sample.prompt, sample.templated, lead, max_len)
             for sample, head, tail in zip(rendered, heads, tails, strict=True)]
 
 
@@ -461,17 +447,17 @@ CAUSAL_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "overlong", 
 
 
 def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
-                 source: str, code_version: str = "") -> dict[str, list]:
+                 add_bos: str, source: str, code_version: str = "") -> dict[str, list]:
     """Alpaca, completion and chat rows: checked, rendered (``train_on_prompt``: the whole text is the answer),
     tokenized, cut to ``max_len`` (training keeps the start; a generation prompt keeps its end, the cue): the
     columns of :func:`causal_table` as Python lists (what a stream's reader takes)."""
     table = causal_table(batch, indices, fmt=fmt, tokenizer=tokenizer, max_len=max_len,
-                         train_on_prompt=train_on_prompt, source=source)
+                         train_on_prompt=train_on_prompt, add_bos=add_bos, source=source)
     return table if isinstance(table, dict) else table.to_pydict()
 
 
 def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
-                 source: str, code_version: str = "") -> Any:
+                 add_bos: str, source: str, code_version: str = "") -> Any:
     """:func:`causal_batch`'s columns as the arrow table ``tokenize_rows``' map writes, typed as the output features
     type them (int32 ids, int64 labels and prompts: ``datasets`` would otherwise infer int64 and cast). The token
     columns are built in one pass each (:func:`_token_arrays`), never as a Python list per sample's labels; a batch
@@ -490,34 +476,36 @@ def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, ma
                              what))
     if not outs:
         return {name: [] for name in CAUSAL_COLUMNS}
-    special = specials(tokenizer)
+    lead = Lead.of(tokenizer, add_bos)
     encoded = encodings([out.text for out in outs], tokenizer)
-    cues = cue_ids(outs, encoded, tokenizer, max_len, special)  # out.prompt of chat: prompts.chat_text
-    ids, labels, overlong, n_labels = _token_arrays(outs, encoded, tokenizer, special, max_len)
+    cues = cue_ids(outs, encoded, tokenizer, max_len, lead)  # out.prompt of chat: prompts.chat_text
+    ids, labels, overlong, n_labels = _token_arrays(outs, encoded, tokenizer, lead, max_len)
     arrays = [ids, labels, pa.array(cues, type=pa.list_(pa.int64())),
               pa.array([out.reference for out in outs], type=pa.string()), pa.array(overlong), pa.array(n_labels)]
     return pa.Table.from_arrays(arrays, names=list(CAUSAL_COLUMNS))
 
 
 def _token_arrays(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any]], tokenizer: Any,
-                  special: SimpleNamespace, max_len: int) -> tuple[Any, Any, Any, Any]:
+                  lead: Lead, max_len: int) -> tuple[Any, Any, Any, Any]:
     """:func:`_samples` of each sample cut to ``max_len``, as arrow list arrays (int32 ids, int64 labels), with
-    each sample's over-long flag and its count of answer tokens (numpy). The same ids and labels: bos first by the
-    prompts' rule, eos last (and learned) where the format adds it, labels the ids of the tokens each answer span
+    each sample's over-long flag and its count of answer tokens (numpy). The same ids and labels: the special
+    tokens of ``lead`` first, eos last (and learned) where the format adds it, labels the ids of the tokens each
+    answer span
     covers (:func:`_runs`). All ids are read into one array once; the labels are that array with IGNORE outside
     the runs, so no sample's labels are a Python list (they cost as much as the arrow writing)."""
     import numpy as np  # lazy: heavy (the CLI imports no numpy)
     import pyarrow as pa  # lazy: heavy (the CLI imports no pyarrow)
 
-    bos, eos = special.bos_token_id, special.eos_token_id
+    eos = lead.eos_token_id
     in_order = monotone(tokenizer)
     pieces: list[Sequence[int]] = []
     lengths: list[int] = []
-    marks = []  # per sample: (bos first, eos last, the runs of answer tokens or every label)
+    marks = []  # per sample: (special tokens first, eos last, the runs of answer tokens or every label)
     for sample, (ids, enc) in zip(rendered, encoded, strict=True):
-        head = not prompts.starts_with_bos(sample.text, special)
+        first = lead.ids(sample.text, sample.templated)
+        head = len(first)
         tail = bool(sample.add_eos and eos is not None)
-        pieces += [(bos,), ids] if head else [ids]
+        pieces += [first, ids] if head else [ids]
         if tail:
             pieces.append((eos,))
         lengths.append(head + len(ids) + tail)
@@ -563,7 +551,7 @@ def _runs(ids: list[int], enc: Any, spans: Sequence[tuple[int, int]], in_order: 
         return answer_labels(ids, enc.offsets, spans)
 
 
-def preference_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int, source: str,
+def preference_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int, add_bos: str, source: str,
                      code_version: str = "") -> dict[str, list]:
     """Preference pairs as the columns of the data contract: ``chosen_input_ids``, ``chosen_labels``,
     ``rejected_input_ids``, ``rejected_labels`` (labels: the ids of answer tokens, IGNORE on the prompt). Each
@@ -577,7 +565,7 @@ def preference_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len:
                               "the tokenizer's chat template rejects this pair"))
     columns: dict[str, list] = {name: [] for name in ("chosen_input_ids", "chosen_labels", "rejected_input_ids",
                                                       "rejected_labels", "overlong", "n_labels")}
-    encoded = samples(pairs, tokenizer)
+    encoded = samples(pairs, tokenizer, add_bos)
     for (chosen_ids, chosen_labels), (rejected_ids, rejected_labels) in zip(encoded[::2], encoded[1::2],
                                                                             strict=True):
         columns["overlong"].append(len(chosen_ids) > max_len or len(rejected_ids) > max_len)
@@ -597,7 +585,7 @@ def preference_table(batch: Any, indices: list[int], **kwargs: Any) -> Any:
 
 
 def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: ImageInputs, max_len: int,
-                train_on_prompt: bool, source: str) -> dict[str, Any]:
+                train_on_prompt: bool, add_bos: str, source: str) -> dict[str, Any]:
     """A vision_chat row: rendered as a chat row, each image placeholder repeated once per image feature, image
     tokens never trained on, cut (when over-long) only between images; ``images`` (absolute paths) and
     ``image_grids`` record every image of the prompt, ``n_images`` how many the (cut) inputs hold."""
@@ -611,14 +599,14 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     out = rendered(partial(render, {"messages": conversation}, "chat", tokenizer, train_on_prompt), where,
                    "the tokenizer's chat template rejects this conversation")
     vision.check_placeholders(out.text, images.image_token, len(paths), where)
-    out = vision.expand(Rendered(out.text, out.spans, out.prompt, vision.text_of(messages[-1]["content"]),
-                                 out.add_eos), images.image_token, counts)
-    [(ids, labels)] = samples([out], tokenizer)
+    out = vision.expand(dataclasses.replace(out, reference=vision.text_of(messages[-1]["content"])),
+                        images.image_token, counts)
+    [(ids, labels)] = samples([out], tokenizer, add_bos)
     labels = [IGNORE if tid == images.image_token_id else label for tid, label in zip(ids, labels, strict=True)]
     cut, kept = vision.fit(ids, images.image_token_id, counts, max_len)
     # as generate renders it; a prompt whose kept end would leave out an image stays whole (cuts_image)
     prompt = prompts.vision_prompt(prompts.vision_text(messages[:-1], tokenizer), tokenizer, images, grids, where,
-                                   max_len)
+                                   max_len, Lead.of(tokenizer, add_bos), templated=True)
     return {"input_ids": ids[:cut], "labels": labels[:cut], "prompt_ids": prompt.ids, "reference": out.reference,
             "images": [str(path) for path in paths], "image_grids": grids, "n_images": kept,
             "overlong": len(ids) > max_len, "n_labels": _count(labels[:cut])}
@@ -644,10 +632,10 @@ def _each_row(row_fn: Callable[..., dict[str, Any]], batch: Any, indices: list[i
 
 
 def vision_batch(batch: Any, indices: list[int], *, tokenizer: Any, images: ImageInputs, max_len: int,
-                 train_on_prompt: bool, source: str, code_version: str = "") -> dict[str, list]:
+                 train_on_prompt: bool, add_bos: str, source: str, code_version: str = "") -> dict[str, list]:
     """vision_chat rows, one by one (:func:`_vision_row`: the images make each row its own work)."""
     return _each_row(_vision_row, batch, indices, tokenizer=tokenizer, images=images, max_len=max_len,
-                     train_on_prompt=train_on_prompt, source=source)
+                     train_on_prompt=train_on_prompt, add_bos=add_bos, source=source)
 
 
 def classification_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int,

@@ -7,6 +7,7 @@ prompt/answer boundary identical to what the model sees at inference time.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -22,7 +23,8 @@ class Rendered:
     """A rendered sample: ``text`` to tokenize, answer ``spans`` in it, and the prompt/reference for generation.
 
     ``add_eos`` says the tokenizer's eos token must be appended (and trained on) after ``text``; chat templates
-    already end assistant turns with their own end marker.
+    already end assistant turns with their own end marker. ``templated``: ``text`` (and ``prompt``) are a chat
+    template's render, which wrote every special token it wants (:mod:`finetune.data.bos` adds none before them).
     """
 
     text: str
@@ -30,6 +32,7 @@ class Rendered:
     prompt: str
     reference: str
     add_eos: bool
+    templated: bool = False
 
 
 def render_alpaca(row: dict[str, Any]) -> Rendered:
@@ -197,7 +200,7 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
         spans.append((len(before), max(len(before), len(through.rstrip()))))
     last_turn = len(messages) > 1 and messages[-1]["role"] == "assistant"
     prompt = before if last_turn else upto(len(messages) - 1, True)
-    return Rendered(text, tuple(spans), prompt, messages[-1]["content"], add_eos=False)
+    return Rendered(text, tuple(spans), prompt, messages[-1]["content"], add_eos=False, templated=True)
 
 
 def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool,
@@ -213,7 +216,7 @@ def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool,
     else:
         raise ValueError(f"not a causal-LM format: {fmt}")
     if train_on_prompt:
-        out = Rendered(out.text, ((0, len(out.text)),), out.prompt, out.reference, out.add_eos)
+        out = dataclasses.replace(out, spans=((0, len(out.text)),))
     return out
 
 
@@ -226,7 +229,7 @@ def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any) -> Rendered:
                         "cannot locate the final assistant turn of a preference pair")
     # as in render_chat: the turn ends at its end marker, whitespace the template adds after it is not learned
     return Rendered(text, ((len(prompt), max(len(prompt), len(text.rstrip()))),), prompt,
-                    messages[-1]["content"], add_eos=False)
+                    messages[-1]["content"], add_eos=False, templated=True)
 
 
 def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Rendered]:

@@ -3,14 +3,16 @@
 A row is ``{"prompt": text, ...}`` or ``{"messages": [...], ...}``, a chat without its final assistant turn (its
 last message is the user's, or a system message), which the policy writes. Its prompt goes through the one
 rendering path of generation prompts (:mod:`finetune.data.prompts`): a text as it is, a chat through the tokenizer's
-template with the generation prompt; the bos rule of every prompt; and, over ``data.max_seq_len -
+template with the generation prompt; the special tokens of every prompt (``data.add_bos``);
+and, over ``data.max_seq_len -
 grpo.max_new_tokens`` tokens, the end kept (the cue to answer is at the end), counted as truncated like other
 formats' samples (``data.overlong: drop`` drops such a row instead). Every other field of the row (``answer``,
 test cases, ...) is kept, as JSON, for the reward functions.
 
 The tokenized split has the columns ``input_ids`` (the prompt's ids), ``prompt`` (its rendered text, whole),
-``fields`` (a JSON object of the row's other fields) and ``index`` (the row's position in its split as read:
-its source's row number, the rows of a split's earlier sources counted first). :class:`PromptCollator` makes a
+``fields`` (a JSON object of the row's other fields), ``index`` (the row's position in its split as read:
+its source's row number, the rows of a split's earlier sources counted first) and ``templated`` (a ``messages``
+row: its prompt is the chat template's render). :class:`PromptCollator` makes a
 batch of them, left-padded so generation starts at one column.
 """
 
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.data import prompts
 from finetune.data.batched import rendered
+from finetune.data.bos import Lead
 from finetune.data.rows import check_turns, line_of, short_repr
 from finetune.errors import DataError
 
@@ -33,7 +36,7 @@ if TYPE_CHECKING:
 
 FORMAT = "prompt"
 PROMPT_KEYS = ("prompt", "messages")  # what a row's prompt is written as (exactly one of them)
-COLUMNS = ("input_ids", "prompt", "fields", "index")
+COLUMNS = ("input_ids", "prompt", "fields", "index", "templated")
 FORMS = "prompt (text) or messages (a chat without its final assistant turn)"
 WHY = {"answer": "the exact_match reward and metric compare each completion with the row's answer"}
 
@@ -109,6 +112,11 @@ def _messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{key: value for key, value in msg.items() if value is not None} for msg in messages]
 
 
+def templated(row: dict[str, Any]) -> bool:
+    """Whether a prompt row's text is a chat template's render (a ``messages`` row) rather than its own text."""
+    return row.get("prompt") is None
+
+
 def prompt_text(row: dict[str, Any], tokenizer: Any) -> str:
     """The text the policy continues: a text prompt as it is, a chat through the template with its generation
     prompt (:func:`finetune.data.prompts.chat_text`)."""
@@ -117,12 +125,13 @@ def prompt_text(row: dict[str, Any], tokenizer: Any) -> str:
     return prompts.chat_text(_messages(row["messages"]), tokenizer)
 
 
-def prompt_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int, source: str,
+def prompt_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int, add_bos: str, source: str,
                  require: tuple[str, ...] = (), code_version: str = "") -> dict[str, list]:
     """Prompt rows as the tokenized columns (plus ``overlong`` and ``n_labels``, which ``tokenize_rows`` reads and
-    drops): each row checked, rendered, tokenized by the prompts' rules (one tokenizer call per batch, then the bos
-    rule and the end kept, as :func:`finetune.data.prompts.text_prompt` does row by row). ``code_version`` is part
-    of the map's cache key only."""
+    drops): each row checked, rendered, tokenized by the prompts' rules (one tokenizer call per batch, then the
+    special tokens of ``data.add_bos`` (:class:`finetune.data.bos.Lead`; a chat is a template's render) and the end
+    kept, as :func:`finetune.data.prompts.text_prompt` does row by row). ``code_version`` is part of the map's cache
+    key only."""
     names = list(batch)
     rows = [dict(zip(names, values, strict=True)) for values in zip(*(batch[n] for n in names), strict=True)]
     texts = []
@@ -131,14 +140,15 @@ def prompt_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int
         texts.append(rendered(lambda row=row: prompt_text(row, tokenizer), line_of(source, index),
                               "the tokenizer's chat template rejects this conversation"))
     encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    lead = Lead.of(tokenizer, add_bos)
     columns: dict[str, list] = {name: [] for name in (*COLUMNS, "overlong", "n_labels")}
     for index, row, text, ids in zip(indices, rows, texts, encoded, strict=True):
-        ids = list(ids) if prompts.starts_with_bos(text, tokenizer) else [tokenizer.bos_token_id, *ids]
-        kept = prompts.keep_end(ids, max_len)
+        kept = prompts.keep_end(lead.encode(text, ids, templated(row)), max_len)  # a chat: the template's render
         columns["input_ids"].append(kept.ids)
         columns["prompt"].append(text)
         columns["fields"].append(json.dumps(fields_of(row), ensure_ascii=False, default=str))
         columns["index"].append(index)
+        columns["templated"].append(templated(row))
         columns["overlong"].append(kept.truncated)
         columns["n_labels"].append(1)  # a prompt is always usable: its completion is what is learned
     return columns
@@ -149,7 +159,8 @@ def output_features() -> Features:
     from datasets import Features, Sequence, Value  # lazy: heavy
 
     return Features({"input_ids": Sequence(Value("int32")), "prompt": Value("string"), "fields": Value("string"),
-                     "index": Value("int64"), "overlong": Value("bool"), "n_labels": Value("int64")})
+                     "index": Value("int64"), "templated": Value("bool"), "overlong": Value("bool"),
+                     "n_labels": Value("int64")})
 
 
 def shift_index(dataset: Dataset, offset: int) -> Dataset:
@@ -163,8 +174,8 @@ def shift_index(dataset: Dataset, offset: int) -> Dataset:
 class PromptCollator:
     """A batch of tokenized prompt rows: ``prompt_ids`` and ``prompt_mask`` (LongTensor ``[B, L]``, LEFT-padded
     with ``pad_id`` so every prompt ends at the last column, where generation starts), ``prompts`` (the rendered
-    texts), ``rows`` (each row's other fields, parsed) and ``index`` (LongTensor ``[B]``, each row's position in
-    its split)."""
+    texts), ``rows`` (each row's other fields, parsed), ``index`` (LongTensor ``[B]``, each row's position in
+    its split) and ``templated`` (whether each prompt is a chat template's render, for a reward model's tokens)."""
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
@@ -177,7 +188,8 @@ class PromptCollator:
         ids, mask = left_pad([r["input_ids"] for r in rows], self.pad_id)
         return {"prompt_ids": ids, "prompt_mask": mask, "prompts": [r["prompt"] for r in rows],
                 "rows": [json.loads(r["fields"]) for r in rows],
-                "index": torch.tensor([r["index"] for r in rows], dtype=torch.long)}
+                "index": torch.tensor([r["index"] for r in rows], dtype=torch.long),
+                "templated": [bool(r["templated"]) for r in rows]}
 
 
 __all__ = ["COLUMNS", "FORMAT", "PromptCollator", "PromptOptions", "check_columns", "check_row", "output_features",

@@ -10,9 +10,12 @@ functions here, one per prompt kind, so a fine-tuned model gets the prompt it le
 - vision (``vision_chat``): the same for messages whose turns hold image parts (:func:`vision_text`), then each
   image placeholder repeated once per image feature (:func:`vision_prompt`).
 
-Two rules hold for every kind. BOS: the tokenizer adds no special tokens; its bos token goes first unless the text
-already starts with it (a template that writes it) — :func:`starts_with_bos` decides this for whole training
-samples too. Length: a prompt over ``max_len`` tokens keeps its last ``max_len`` (the cue to answer is at the
+Two rules hold for every kind. Special tokens: the tokenizer adds none; what goes before the text's tokens is
+``data.add_bos``'s rule (:class:`finetune.data.bos.Lead`, the rule of whole training samples too): under ``auto`` a
+chat template's render gets nothing (exactly ``apply_chat_template(..., tokenize=True)``), a raw text what the
+tokenizer's own call puts first.
+
+Length: a prompt over ``max_len`` tokens keeps its last ``max_len`` (the cue to answer is at the
 end); a vision prompt whose kept end would leave out image tokens is kept whole instead and marked
 :attr:`PromptIds.cuts_image` (training generates from it whole; generate refuses it in one line), since its
 images cannot be given to the model in part. """
@@ -27,6 +30,7 @@ from finetune.data import vision
 from finetune.data.formats import generation_prompt
 
 if TYPE_CHECKING:
+    from finetune.data.bos import Lead
     from finetune.data.vision import ImageInputs
 
 
@@ -46,16 +50,10 @@ class PromptIds:
         return len(self.ids) < self.length
 
 
-def starts_with_bos(text: str, tokenizer: Any) -> bool:
-    """Whether ``text`` needs no bos token put first: the tokenizer has none, or the text already begins with it."""
-    return tokenizer.bos_token_id is None or text.startswith(tokenizer.bos_token or "\0")
-
-
-def encode(text: str, tokenizer: Any) -> list[int]:
-    """Token ids of a prompt's text: no special tokens added by the tokenizer, the bos token first unless
-    :func:`starts_with_bos`."""
-    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return ids if starts_with_bos(text, tokenizer) else [tokenizer.bos_token_id, *ids]
+def encode(text: str, tokenizer: Any, lead: Lead, templated: bool) -> list[int]:
+    """Token ids of a prompt's text: no special tokens added by the tokenizer, ``lead``'s before them
+    (``templated``: the text is a chat template's render)."""
+    return lead.encode(text, list(tokenizer(text, add_special_tokens=False)["input_ids"]), templated)
 
 
 def keep_end(ids: list[int], max_len: int, image_id: int | None = None, grids: Sequence[Sequence[int]] = ()
@@ -69,9 +67,9 @@ def keep_end(ids: list[int], max_len: int, image_id: int | None = None, grids: S
     return PromptIds(ids[-max_len:], len(ids), [list(g) for g in grids])
 
 
-def text_prompt(text: str, tokenizer: Any, max_len: int) -> PromptIds:
-    """The text kind (and the chat kind, from :func:`chat_text`): encoded, its end kept."""
-    return keep_end(encode(text, tokenizer), max_len)
+def text_prompt(text: str, tokenizer: Any, max_len: int, lead: Lead, templated: bool) -> PromptIds:
+    """The text kind (and the chat kind, from :func:`chat_text`, ``templated``): encoded, its end kept."""
+    return keep_end(encode(text, tokenizer, lead, templated), max_len)
 
 
 def chat_text(messages: list[dict[str, Any]], tokenizer: Any) -> str:
@@ -87,12 +85,12 @@ def vision_text(messages: list[dict[str, Any]], tokenizer: Any) -> str:
 
 
 def vision_prompt(text: str, tokenizer: Any, images: ImageInputs, grids: Sequence[Sequence[int]], where: str,
-                  max_len: int) -> PromptIds:
-    """The vision kind: ``text`` (from :func:`vision_text`, or a raw prompt for a vision model) with its i-th
-    placeholder repeated once per feature of the image of patch grid ``grids[i]``, encoded, its end kept unless
+                  max_len: int, lead: Lead, templated: bool) -> PromptIds:
+    """The vision kind: ``text`` (from :func:`vision_text`, ``templated``, or a raw prompt for a vision model) with
+    its i-th placeholder repeated once per feature of the image of patch grid ``grids[i]``, encoded, its end kept unless
     that would cut an image. One DataError line (naming ``where``) when the text does not hold one placeholder
     per image."""
     vision.check_placeholders(text, images.image_token, len(grids), where)
     if grids:
         text = vision.expand_text(text, images.image_token, [images.tokens(grid) for grid in grids])
-    return keep_end(encode(text, tokenizer), max_len, images.image_token_id, grids)
+    return keep_end(encode(text, tokenizer, lead, templated), max_len, images.image_token_id, grids)

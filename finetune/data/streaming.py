@@ -187,12 +187,12 @@ def row_function(fmt: str, cfg: DataConfig, tokenizer: Any, images: Any, labels:
         if images is None:
             raise DataError("data.format vision_chat needs a vision-language model type (finetune models)")
         return batched.vision_batch, {"tokenizer": tokenizer, "images": images, "max_len": cfg.max_seq_len,
-                                      "train_on_prompt": cfg.train_on_prompt}
+                                      "train_on_prompt": cfg.train_on_prompt, "add_bos": cfg.add_bos}
     if fmt == "preference":
-        return batched.preference_batch, {"tokenizer": tokenizer, "max_len": cfg.max_seq_len}
+        return batched.preference_batch, {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "add_bos": cfg.add_bos}
     assert fmt in CAUSAL_FORMATS, fmt
     return batched.causal_batch, {"fmt": fmt, "tokenizer": tokenizer, "max_len": cfg.max_seq_len,
-                                  "train_on_prompt": cfg.train_on_prompt}
+                                  "train_on_prompt": cfg.train_on_prompt, "add_bos": cfg.add_bos}
 
 
 def tokenize_chunk(rows: list[Row], fn: Callable[..., dict[str, list]], kwargs: dict[str, Any], *, source: str,

@@ -42,7 +42,8 @@ __all__ = ["CODE_VERSION", "IGNORE", "Progress", "Tokenized", "check_labels", "c
            "output_features", "tokenize_rows"]
 MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
 # what decides a tokenized row
-RENDERING = ("formats.py", "rows.py", "prompts.py", "tokenize.py", "vision.py", "batched.py", "prompt_rows.py")
+RENDERING = ("formats.py", "rows.py", "prompts.py", "tokenize.py", "vision.py", "batched.py", "prompt_rows.py",
+             "bos.py")
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
                                        for name in RENDERING)).hexdigest()[:16]
 
@@ -168,12 +169,15 @@ def output_features(fmt: str) -> Features:
 
 
 def tokenize_rows(
-    dataset: Dataset, *, fmt: str, tokenizer: Any, max_len: int, overlong: str, train_on_prompt: bool = False,
+    dataset: Dataset, *, fmt: str, tokenizer: Any, max_len: int, overlong: str, add_bos: str,
+    train_on_prompt: bool = False,
     labels: list[str] | None = None, source: str = "", images: ImageInputs | None = None, num_proc: int | None = None,
     prompt: PromptOptions | None = None, require: tuple[str, ...] = (),
 ) -> Tokenized:
     """Tokenize ``dataset``; apply the over-long policy; drop samples left without any answer token. ``images``:
-    the model's image processor (vision_chat only); ``num_proc``: ``data.num_proc`` (see
+    the model's image processor (vision_chat only); ``add_bos``: ``data.add_bos``, the special tokens before a
+    text's tokens (:class:`finetune.data.bos.Lead`; classification texts take the tokenizer's own); ``num_proc``:
+    ``data.num_proc`` (see
     :func:`finetune.data.batched.processes`); ``prompt``: the task's options of prompt rows (the room left for a
     completion) and ``require``: the fields each prompt row must have (see :mod:`finetune.data.prompt_rows`)."""
     if fmt == prompt_rows.FORMAT:
@@ -182,7 +186,8 @@ def tokenize_rows(
         check_columns(dataset, fmt, source)
     if fmt == prompt_rows.FORMAT:
         room = prompt.new_tokens if prompt is not None else 0
-        fn, kwargs = prompt_rows.prompt_batch, {"tokenizer": tokenizer, "max_len": max_len - room, "require": require}
+        fn, kwargs = prompt_rows.prompt_batch, {"tokenizer": tokenizer, "max_len": max_len - room, "require": require,
+                                                "add_bos": add_bos}
     elif fmt == "classification":
         assert labels is not None, "classification needs label names"
         index = label_index(labels)
@@ -197,12 +202,12 @@ def tokenize_rows(
         if images is None:
             raise DataError(f"{source}: data.format vision_chat needs a vision-language model type (finetune models)")
         fn, kwargs = batched.vision_batch, {"tokenizer": tokenizer, "images": images, "max_len": max_len,
-                                   "train_on_prompt": train_on_prompt}
+                                            "train_on_prompt": train_on_prompt, "add_bos": add_bos}
     elif fmt == "preference":  # the prompt is always masked: train_on_prompt does not apply (validation refuses it)
-        fn, kwargs = batched.preference_table, {"tokenizer": tokenizer, "max_len": max_len}
+        fn, kwargs = batched.preference_table, {"tokenizer": tokenizer, "max_len": max_len, "add_bos": add_bos}
     else:
         fn, kwargs = batched.causal_table, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
-                                   "train_on_prompt": train_on_prompt}
+                                            "train_on_prompt": train_on_prompt, "add_bos": add_bos}
     procs = batched.processes(num_proc, len(dataset))
     fn_kwargs = {**kwargs, "source": source, "code_version": CODE_VERSION}
     progress = Progress(source, len(dataset), shared=procs > 1)

@@ -16,6 +16,7 @@ are left out.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -151,7 +152,7 @@ def expand(rendered: Rendered, token: str, counts: Sequence[int]) -> Rendered:
 
     spans = tuple((shift(a), shift(b)) for a, b in rendered.spans)
     prompt = _grow(rendered.prompt, token, counts)[0] if rendered.prompt else rendered.prompt
-    return Rendered(text, spans, prompt, rendered.reference, rendered.add_eos)
+    return dataclasses.replace(rendered, text=text, spans=spans, prompt=prompt)
 
 
 def expand_text(text: str, token: str, counts: Sequence[int]) -> str:

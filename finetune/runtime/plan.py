@@ -258,6 +258,7 @@ class MemoryPlan:
     fit: DeviceFit
     notes: tuple[str, ...]
     accumulation: Accumulation = "none"  # FSDP with gradient accumulation: what it keeps between micro-steps
+    dropout: bool = True  # train.dropout as resolved: false trains with every dropout at 0 (no dropout masks kept)
 
     @property
     def device_total(self) -> int:
@@ -592,7 +593,8 @@ def unsharded_accumulation_fits(cfg: RecipeConfig, device_bytes: int | None) -> 
 
 def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: bool) -> Activations:
     """The activation, logits and eval-logits estimates of the module docstring."""
-    shape = facts.shape
+    shape = facts.shape if cfg.train.dropout else dataclasses.replace(  # train.dropout false: no masks are kept
+        facts.shape, attention_dropout=0.0, hidden_dropout=0.0)
     mbs, seq = cfg.train.micro_batch_size, cfg.data.max_seq_len
     if cfg.task == "grpo":  # micro_batch_size counts prompts: each is group_size prompt + completion sequences
         mbs *= cfg.grpo.group_size
@@ -600,7 +602,8 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
     reason = ("train.gradient_checkpointing: true" if cfg.train.gradient_checkpointing else
               "QLoRA: peft's prepare_model_for_kbit_training turns it on" if prec.qlora else
               "train.gradient_checkpointing: false")
-    lora_in = facts.adapted_in_features if cfg.peft.method != "none" and cfg.peft.dropout > 0 else 0
+    lora_in = facts.adapted_in_features if cfg.peft.method != "none" and cfg.peft.dropout > 0 and cfg.train.dropout \
+        else 0
     without, with_, recomputed, final = estimate_activations(
         shape, micro_batch_size=mbs, max_seq_len=seq, packing=cfg.data.packing, residual_bytes=prec.residual,
         compute_bytes=prec.compute, lora_in_features=lora_in, cuda=cuda, frozen_base=cfg.peft.method != "none")
@@ -661,7 +664,8 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                       total_params=facts.total_params, trainable_params=facts.trainable_params,
                       model_dtype=cfg.model.dtype, mixed_precision=mixed, compute_dtype=compute_dtype,
                       sharding=sharding, activations=acts, items=tuple(items),
-                      fit=check_fit(device_total, devices), notes=tuple(notes), accumulation=accumulation)
+                      fit=check_fit(device_total, devices), notes=tuple(notes), accumulation=accumulation,
+                      dropout=bool(cfg.train.dropout))
 
 
 # --- the meta-device model and the visible devices (torch) ------------------------------------------------------------
@@ -806,6 +810,8 @@ def render(plan: MemoryPlan) -> str:
         f"{plan.compute_dtype}",
         f"  batch: micro {a.micro_batch_size} x {a.max_seq_len} tokens per rank; gradient checkpointing "
         f"{'on' if a.checkpointing else 'off'} ({a.checkpointing_reason})",
+        "  dropout: " + ("on, as the model's config and peft.dropout set it (train.dropout: true)" if plan.dropout
+                         else "off, every rate at 0 while training, LoRA's peft.dropout too (train.dropout: false)"),
         "",
     ]
     rows = [(i.label, format_bytes(i.per_rank_bytes), i.where, format_bytes(i.whole_bytes),

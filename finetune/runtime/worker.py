@@ -67,7 +67,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
     tokenizer and data this process already read (`finetune run` reads them before it creates the run folder).
     ``allow_plugin``: see :func:`run_worker` (a GRPO reward function is such code)."""
-    from finetune.runtime import loop  # lazy: imports torch
+    from finetune.runtime import dropout, loop  # lazy: imports torch
     from finetune.runtime.meter import step_flops  # lazy: imports numpy
     from finetune.runtime.modeling import (
         build_base,
@@ -131,6 +131,10 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
                                         f"({100 * trainable / total:.3f}%), targets "
                                         f"{', '.join(lora.target_modules(cfg.peft, row))}"})
         lora.register_adapter_checkpointing(accelerator)
+    if not cfg.train.dropout:  # after LoRA: its dropout too
+        modules, rates = dropout.disable(model)
+        tracker.log("info", {"message": f"train.dropout: false: {modules} dropout module(s) and {rates} attention "
+                                        "dropout rate(s) set to 0 for training (the exported config keeps them)"})
     if cfg.train.compile:  # in place, after LoRA, before prepare: see modeling.compile_model
         compile_model(model, row)
     if warning := master_weights_warning(model, backend):  # 16-bit weights updated without an fp32 copy

@@ -393,7 +393,8 @@ class GRPOTask(TaskData):
         if batch.get("filler"):  # lockstep filler: generated for the collectives, never scored
             counts.means["reward"] = (torch.zeros((), device=device), torch.zeros((), device=device))
             return counts
-        total = self.rewards.total(self.rewards.score(list(batch["prompts"]), texts, list(rows)))
+        total = self.rewards.total(self.rewards.score(list(batch["prompts"]), texts, list(rows),
+                                                      batch["templated"]))
         counts.means["reward"] = (torch.tensor(float(sum(total)), device=device),
                                   torch.tensor(float(len(total)), device=device))
         return counts
@@ -434,7 +435,8 @@ class GRPOTask(TaskData):
         texts = self.decode(completions)
         rows = [row for row in prompts["rows"] for _ in range(group)]
         texts_prompts = [p for p in prompts["prompts"] for _ in range(group)]
-        scores = self.rewards.score(texts_prompts, texts, rows)
+        templated = [chat for chat in prompts["templated"] for _ in range(group)]
+        scores = self.rewards.score(texts_prompts, texts, rows, templated)
         rollout = Rollout(prompts, completions, torch.tensor(scores, dtype=torch.float64).reshape(len(names), -1))
         if grpo.iterations > 1 or grpo.beta > 0:
             batch = {k: v.to(device) for k, v in sequences(prompts, completions, group, self.stop_ids,

@@ -14,8 +14,9 @@ reward the advantages are computed from. They run on the host, on every rank for
   with one line naming the function;
 - ``reward_model: FOLDER``: a ``task: reward`` export (its final/ folder, or the run directory holding it), loaded
   from its weights only (safetensors, never the folder's code), in eval mode; it scores ``prompt + completion``
-  tokenized by its own tokenizer as its training did (the bos rule of :mod:`finetune.data.prompts`, eos last), in
-  small right-padded batches without gradients. Its score is the reward.
+  tokenized by its own tokenizer as its training did (the special tokens of its own recipe's ``data.add_bos``,
+  :mod:`finetune.data.bos`, a chat prompt being a template's render; eos last), in small right-padded batches
+  without gradients. Its score is the reward.
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from numbers import Real
 from pathlib import Path
 from typing import Any
 
-from finetune.config.schema import RecipeConfig, RewardSpec
+import yaml
+
+from finetune.config.schema import STORED_DEFAULTS, RecipeConfig, RewardSpec
 from finetune.data import prompts
+from finetune.data.bos import RULES, Lead
 from finetune.errors import ConfigError, FinetuneError
 
 Scorer = Callable[[list[str], list[str], list[dict[str, Any]]], list[float]]
@@ -51,11 +55,16 @@ class RewardFunctions:
         self.weights: tuple[float, ...] = tuple(float(w) for w in weights)
         self._scorers = tuple(scorers)
 
-    def score(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> list[list[float]]:
+    def score(self, prompts: list[str], completions: list[str], rows: list[dict[str, Any]],
+              templated: Sequence[bool] | None = None) -> list[list[float]]:
         """Each function's scores of the ``completions`` (completion i answers ``prompts[i]``, the prompt of
-        ``rows[i]``): one list of ``len(completions)`` floats per function, unweighted."""
+        ``rows[i]``): one list of ``len(completions)`` floats per function, unweighted. ``templated``: whether each
+        prompt is a chat template's render (None: none is), which decides a reward model's tokens."""
         assert len(prompts) == len(completions) == len(rows), "one prompt and row per completion"
-        return [_checked(name, scorer(list(prompts), list(completions), list(rows)), len(completions))
+        kinds = [False] * len(prompts) if templated is None else list(templated)
+        return [_checked(name, scorer(list(prompts), list(completions), list(rows), kinds)
+                         if isinstance(scorer, RewardModel) else scorer(list(prompts), list(completions), list(rows)),
+                         len(completions))
                 for name, scorer in zip(self.names, self._scorers, strict=True)]
 
     def total(self, scores: list[list[float]]) -> list[float]:
@@ -144,8 +153,9 @@ def model_folder(path: str, key: str) -> Path:
 
 
 class RewardModel:
-    """A ``task: reward`` export scoring texts: its own tokenizer, the bos rule of prompts, eos last (as its
-    training's samples end), right-padded batches of :data:`MODEL_BATCH` read at each text's last token."""
+    """A ``task: reward`` export scoring texts: its own tokenizer, the special tokens its training put first (its
+    recipe's ``data.add_bos``, :func:`trained_rule`), eos last (as its training's samples end), right-padded batches
+    of :data:`MODEL_BATCH` read at each text's last token."""
 
     def __init__(self, folder: Path, device: Any, key: str) -> None:
         import torch  # imports torch
@@ -163,22 +173,26 @@ class RewardModel:
                               "has one (its score)")
         self.model.to(device).eval().requires_grad_(False)
         self.device = device
+        self.lead = Lead.of(self.tokenizer, trained_rule(folder, key))
         pad = self.model.config.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.pad_token_id
         self._torch = torch
 
-    def ids(self, text: str) -> list[int]:
-        """``text`` as the reward model's training encoded a sample: bos by the prompts' rule, eos appended."""
-        ids = prompts.encode(text, self.tokenizer)
-        eos = self.tokenizer.eos_token_id
+    def ids(self, text: str, templated: bool) -> list[int]:
+        """``text`` as the reward model's training encoded a sample: the special tokens of its rule first
+        (``templated``: the text is a chat template's render), eos appended."""
+        ids = prompts.encode(text, self.tokenizer, self.lead, templated)
+        eos = self.lead.eos_token_id
         return [*ids, eos] if eos is not None else ids
 
-    def __call__(self, prompts_: list[str], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
-        """One score per completion: the model's output for ``prompt + completion``."""
+    def __call__(self, prompts_: list[str], completions: list[str], rows: list[dict[str, Any]],
+                 templated: Sequence[bool]) -> list[float]:
+        """One score per completion: the model's output for ``prompt + completion`` (``templated``: per prompt)."""
         out: list[float] = []
-        texts = [prompt + completion for prompt, completion in zip(prompts_, completions, strict=True)]
+        texts = [(prompt + completion, chat) for prompt, completion, chat in zip(prompts_, completions, templated,
+                                                                                  strict=True)]
         for start in range(0, len(texts), MODEL_BATCH):
-            encoded = [self.ids(text) for text in texts[start:start + MODEL_BATCH]]
+            encoded = [self.ids(text, chat) for text, chat in texts[start:start + MODEL_BATCH]]
             width = max(map(len, encoded))
             if self.pad_id is None and any(len(ids) != width for ids in encoded):  # no padding: one at a time
                 out += [self._scores([ids])[0] for ids in encoded]
@@ -196,6 +210,26 @@ class RewardModel:
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
                                 use_cache=False).logits
         return logits.float().squeeze(-1).cpu().tolist()
+
+
+def trained_rule(folder: Path, key: str) -> str:
+    """The ``data.add_bos`` a reward model was trained with: its export's recipe.resolved.yaml says (read as data,
+    a recipe that lacks the key being an older finetune's: :data:`finetune.config.schema.STORED_DEFAULTS`); a folder
+    finetune did not write (no recipe) was trained elsewhere: ``auto``, the ecosystem's own tokenization."""
+    recipe = folder / "recipe.resolved.yaml"
+    if not recipe.is_file():
+        return "auto"
+    try:
+        data = yaml.safe_load(recipe.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{key}: cannot read {recipe} ({type(exc).__name__}); give a task: reward run's final/ "
+                          "folder as finetune wrote it") from None
+    section = data.get("data") if isinstance(data, dict) else None
+    rule = section.get("add_bos", STORED_DEFAULTS["data.add_bos"]) if isinstance(section, dict) else \
+        STORED_DEFAULTS["data.add_bos"]
+    if rule not in RULES:
+        raise ConfigError(f"{key}: {recipe} has data.add_bos {rule!r}, not one of {', '.join(RULES)}")
+    return rule
 
 
 def build_rewards(cfg: RecipeConfig, *, device: Any, log: Callable[[str], None] | None = None,

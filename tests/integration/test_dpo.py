@@ -60,17 +60,26 @@ def _rows(run: Path, kind: str) -> list[dict]:
 
 
 def test_dpo_trains_from_log2_and_finetune_eval_reproduces_its_eval(train_recipe, pairs) -> None:
-    """At step 0 the policy IS the reference: every pair costs exactly log 2 and none is won (h = 0, ties lose).
-    Training lowers the loss and wins pairs; `finetune eval` recomputes the reference and the same numbers."""
+    """At step 0 the policy IS the reference: every pair costs exactly log 2 and none is won (h = 0, ties lose),
+    on a model whose config has dropout too: DPO trains with dropout off (train.dropout null), as the DPO paper's
+    code and TRL do. Training lowers the loss and wins pairs; `finetune eval` recomputes the reference and the same
+    numbers. Control: with train.dropout true the first step's policy is not the reference."""
     from finetune.commands.evaluate import evaluate_target
 
-    run = train_recipe(dpo_recipe(pairs, eval={"at_start": True, "every_steps": 8}, train={"max_steps": 8}))
+    dropping = {"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}}
+    run = train_recipe(dpo_recipe(pairs, model=dropping, eval={"at_start": True, "every_steps": 8},
+                                  train={"max_steps": 8}))
+    kept = train_recipe(dpo_recipe(pairs, name="dropout-kept", model=dropping, data={"eval": None},
+                                   eval={"metrics": []}, train={"max_steps": 1, "dropout": True}))
+    assert abs(_rows(kept, "train")[0]["loss"] - math.log(2)) > 1e-3
     evals, train = _rows(run, "eval"), _rows(run, "train")
     first, last = evals[0], evals[-1]
     assert first["step"] == 0 and first["eval_loss"] == pytest.approx(math.log(2), rel=1e-6)
     assert first["eval_preference_accuracy_correct"] == 0 and first["eval_reward_margin"] == 0
     assert first["eval_samples"] == first["eval_preference_accuracy_total"] == EVAL_PAIRS
     assert train[0]["loss"] == pytest.approx(math.log(2), rel=1e-5)  # the first step starts at the reference too
+    assert "train.dropout: false: 0 dropout module(s) and 2 attention dropout rate(s) set to 0" in \
+        (run / "train.log").read_text()
     assert last["eval_loss"] < math.log(2) and last["eval_preference_accuracy_correct"] > 0
     assert last["eval_reward_margin"] > 0
     assert last["eval_logps_chosen"] < 0 and last["eval_logps_rejected"] < 0
@@ -107,7 +116,7 @@ def test_resume_is_bit_identical(tmp_path: Path, pairs) -> None:
     process scores the reference with the initial model before its checkpoint loads, so nothing differs."""
     recipe = dpo_recipe(pairs, model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
                         data={"eval": None}, eval={"metrics": []},
-                        train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 12},
+                        train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 12, "dropout": True},
                         scheduler={"name": "cosine", "warmup_steps": 3}, checkpoint={"every_steps": 2, "keep_last": 3})
     assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
     run_stopped_after(write_named(tmp_path, "resumed", recipe), 5)

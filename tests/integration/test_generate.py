@@ -54,13 +54,16 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def reference_text(row: dict[str, Any], tokenizer: Any) -> str:
-    """The prompt text written out by hand (alpaca's template as training uses it), independent of finetune."""
-    if "prompt" in row:
-        return row["prompt"]
+def reference_ids(row: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The prompt's tokens as the libraries give them, independent of finetune: a chat through
+    apply_chat_template(tokenize=True), a text (alpaca's template written out by hand) through the tokenizer's own
+    call."""
     if "messages" in row:
-        return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
-    return f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
+        return list(tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    text = row["prompt"] if "prompt" in row else \
+        f"### Instruction:\n{row['instruction']}\n\n### Input:\n{row['input']}\n\n### Response:\n"
+    return list(tokenizer(text)["input_ids"])
 
 
 def one_at_a_time(model_dir: Path, rows: list[dict[str, Any]], max_new_tokens: int, temperature: float = 0.0,
@@ -75,8 +78,7 @@ def one_at_a_time(model_dir: Path, rows: list[dict[str, Any]], max_new_tokens: i
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     out = []
     for index, row in enumerate(rows):
-        text = reference_text(row, tokenizer)
-        ids = [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]
+        ids = reference_ids(row, tokenizer)
         generator = torch.Generator().manual_seed(prompt_seed(seed, index))
         new: list[int] = []
         reason = "length"
@@ -171,7 +173,7 @@ def test_sampling_is_reproducible_per_seed(run: Path, prompts_file: Path, tmp_pa
 def test_prompts_are_tokenized_as_training_tokenizes_them(run: Path, tmp_path: Path) -> None:
     """The prompt side of alpaca rows and of chat conversations gives the token ids training's tokenizer gives the
     same rows' prompts (finetune.data.tokenize), so a fine-tuned model sees the prompt it learned from."""
-    from finetune.commands.generate import encode, prompt_text, read_prompts
+    from finetune.commands.generate import prompt_ids, read_prompts
     from finetune.data.loading import load_raw
     from finetune.data.tokenize import tokenize_rows
 
@@ -182,8 +184,8 @@ def test_prompts_are_tokenized_as_training_tokenizes_them(run: Path, tmp_path: P
     for fmt, source, prompts in (("alpaca", DATA / "reverse_eval.jsonl", DATA / "reverse_eval.jsonl"),
                                  ("chat", DATA / "tiny_chat.jsonl", asked)):
         trained = tokenize_rows(load_raw(str(source)), fmt=fmt, tokenizer=tokenizer, max_len=512, overlong="truncate",
-                                source=str(source)).dataset["prompt_ids"]
-        ours = [encode(prompt_text(p, tokenizer), tokenizer) for p in read_prompts(prompts, fmt)]
+                                add_bos="auto", source=str(source)).dataset["prompt_ids"]
+        ours = [prompt_ids(p, tokenizer, None, 512, "auto").ids for p in read_prompts(prompts, fmt)]
         assert ours == [list(ids) for ids in trained], fmt
 
 

@@ -234,3 +234,36 @@ def test_allowed_change_is_logged_and_layout_changes_need_no_flag(tmp_path: Path
     assert "resume: changed train.max_steps: 4 -> 6 (allowed)" in log
     assert "resume: layout train.micro_batch_size: 4 -> 2" in log
     assert _steps_logged(run) == [1, 2, 3, 4, 5, 6]
+
+
+def _as_an_older_finetune_wrote_it(run: Path) -> None:
+    """Drop data.add_bos from every recipe the run holds (finetune wrote none before the key existed), and list the
+    changed files in each checkpoint's manifest as that finetune would have."""
+    import yaml
+
+    from finetune.artifacts import rundir
+    from tests.recipe_files import write_recipe_file
+
+    for recipe in [run / rundir.RESOLVED, *run.glob(f"checkpoints/*/{rundir.RESOLVED}")]:
+        data = yaml.safe_load(recipe.read_text())
+        del data["data"]["add_bos"]
+        write_recipe_file(recipe, data)
+        if recipe.parent != run:
+            rundir.write_manifest(recipe.parent, {k: v for k, v in rundir.read_manifest(recipe.parent).items()
+                                                  if k != "files"})
+
+
+def test_a_run_trained_before_data_add_bos_resumes_with_the_rule_it_trained_with(tmp_path: Path) -> None:
+    """A run finetune wrote before data.add_bos existed put bos before every chat; its recipes lack the key. It
+    resumes with that rule (always), bit for bit as a straight run of it, not with today's default (auto)."""
+    recipe = resume_recipe(data={"format": "chat", "train": str(DATA / "tiny_chat.jsonl"), "add_bos": "always"},
+                           train={"max_steps": 4})
+    assert _cli("run", str(write_named(tmp_path, "straight", recipe))) == 0
+    _sigterm_after(1)
+    assert _cli("run", str(write_named(tmp_path, "older", recipe))) == 143
+    hooks.clear()
+    older = tmp_path / "older"
+    _as_an_older_finetune_wrote_it(older)
+    assert _cli("resume", str(older)) == 0
+    _assert_identical(final_weights(tmp_path / "straight"), final_weights(older))
+    assert "add_bos: always" in (older / "final" / "recipe.resolved.yaml").read_text()

@@ -156,6 +156,20 @@ def test_export_scores_what_the_trained_model_scored(tmp_path: Path, pref_data: 
     assert "eval_preference_accuracy" in capsys.readouterr().out
 
 
+def test_a_reward_model_trains_with_dropout_off(tmp_path: Path, pref_data: dict[str, Path]) -> None:
+    """task reward trains with dropout off (train.dropout null), as TRL's reward trainer does: a model whose config
+    has attention dropout trains exactly as the same model without it (weights and losses bit for bit); with
+    train.dropout true it does not."""
+    common = {"data": {"eval": None}, "eval": {"metrics": []}, "train": {"max_steps": 2}}
+    dropping = {"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}}
+    plain = run(tmp_path, reward_recipe(pref_data, name="plain", **common))
+    off = run(tmp_path, reward_recipe(pref_data, name="off", model=dropping, **common))
+    on = run(tmp_path, reward_recipe(pref_data, name="on", model=dropping,
+                                     **{**common, "train": {"max_steps": 2, "dropout": True}}))
+    assert losses(off) == losses(plain) and max_rel_diff(final_weights(off), final_weights(plain)) == 0
+    assert losses(on)[0] != losses(plain)[0]
+
+
 def test_accumulation_is_pair_weighted(tmp_path: Path, pref_data: dict[str, Path]) -> None:
     """micro 8 x accum 1, 2 x 4 and 1 x 8 give the same weights (<= 1e-5): the loss is a sum over pairs, divided
     once by the window's pairs, and no score depends on the padding of its micro-batch. SGD passes gradients through
@@ -195,7 +209,7 @@ def test_resume_is_bit_identical(tmp_path: Path, pref_data: dict[str, Path]) -> 
 
     recipe = reward_recipe(pref_data, model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
                            data={"eval": None}, eval={"metrics": []},
-                           train={"max_steps": 12}, checkpoint={"every_steps": 2, "keep_last": 3})
+                           train={"max_steps": 12, "dropout": True}, checkpoint={"every_steps": 2, "keep_last": 3})
     straight = run(tmp_path, {**recipe, "name": "straight"})
 
     def stop(trainer: Any) -> None:

@@ -87,7 +87,7 @@ def test_micro_batches_carry_different_token_counts() -> None:
     cfg = RecipeConfig.model_validate(tiny_recipe(data={"format": "completion"}))
     tokenizer = build_tokenizer(cfg.model, get_model("tiny-llama"))
     data = tokenize_rows(load_raw(str(DATA / "tiny_completion.jsonl")), fmt="completion", tokenizer=tokenizer,
-                    max_len=64, overlong="truncate").dataset
+                    max_len=64, overlong="truncate", add_bos="auto").dataset
     sampler = StreamSampler(len(data), global_batch=8, micro_batch=2, rank=0, world=1, seed=7, shuffle=True)
     indices = sampler.step_indices(0)
     counts = [count_next_token_targets(Collator(0)([data[i] for i in indices[j:j + 2]])["labels"])

@@ -55,7 +55,7 @@ def test_labels_mark_every_token_that_overlaps_an_answer_span(tok: Any) -> None:
                 for tid, (s, e) in zip(one["input_ids"], one["offset_mapping"], strict=True)]
     assert batched.answer_labels(one["input_ids"], one["offset_mapping"], spans) == expected
     assert IGNORE in expected and any(label != IGNORE for label in expected)
-    [(ids, labels)] = batched.samples([Rendered(text, spans, "", "", add_eos=True)], tok)
+    [(ids, labels)] = batched.samples([Rendered(text, spans, "", "", add_eos=True)], tok, "auto")  # raw text
     assert ids == [tok.bos_token_id, *one["input_ids"], tok.eos_token_id]
     assert labels == [IGNORE, *expected, tok.eos_token_id]
 
@@ -76,8 +76,10 @@ def test_a_tokenizer_left_truncating_is_called_through_transformers(tok: Any) ->
 def test_num_proc_changes_nothing_in_the_tokenized_split(tmp_path: Path, tok: Any) -> None:
     source = _write(tmp_path / "chat.jsonl", [_chat(i) for i in range(40)])
     raw = load_raw(source)
-    one = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=24, overlong="truncate", source=source, num_proc=1)
-    two = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=24, overlong="truncate", source=source, num_proc=2)
+    one = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=24, overlong="truncate", add_bos="auto",
+                        source=source, num_proc=1)
+    two = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=24, overlong="truncate", add_bos="auto",
+                        source=source, num_proc=2)
     assert one.truncated == two.truncated > 0
     assert one.dataset.to_dict() == two.dataset.to_dict()
     assert one.dataset._fingerprint == two.dataset._fingerprint  # one cache key: either count reuses the other's
@@ -90,9 +92,11 @@ def test_several_processes_report_the_first_bad_row(tmp_path: Path, tok: Any) ->
     source = _write(tmp_path / "bad.jsonl", rows)
     raw = load_raw(source)
     with pytest.raises(DataError) as one:
-        tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=64, overlong="truncate", source=source, num_proc=1)
+        tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=64, overlong="truncate", add_bos="auto", source=source,
+                      num_proc=1)
     with pytest.raises(DataError) as two:
-        tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=64, overlong="truncate", source=source, num_proc=2)
+        tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=64, overlong="truncate", add_bos="auto", source=source,
+                      num_proc=2)
     assert str(one.value).startswith(f"{source}:19: ")
     assert str(two.value) == str(one.value)
 
@@ -104,13 +108,14 @@ def test_a_rewritten_file_with_its_old_mtime_is_never_served_stale(tmp_path: Pat
     source = _write(path, [{"text": "aaaa"}] * 3)
     before = os.stat(path)
     old = tokenize_rows(load_raw(source), fmt="completion", tokenizer=tok, max_len=32, overlong="truncate",
-                        source=source)
+                        add_bos="auto", source=source)
     _write(path, [{"text": "bbbb"}] * 3)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert os.stat(path).st_size == before.st_size and os.stat(path).st_mtime_ns == before.st_mtime_ns
     raw = load_raw(source)
     assert raw[0]["text"] == "bbbb"
-    new = tokenize_rows(raw, fmt="completion", tokenizer=tok, max_len=32, overlong="truncate", source=source)
+    new = tokenize_rows(raw, fmt="completion", tokenizer=tok, max_len=32, overlong="truncate", add_bos="auto",
+                        source=source)
     assert new.dataset[0]["input_ids"] != old.dataset[0]["input_ids"]
     assert new.dataset[0]["input_ids"][1:-1] == tok("bbbb", add_special_tokens=False)["input_ids"]
 
@@ -137,7 +142,7 @@ def test_parquet_and_arrow_rows_load_and_a_bad_row_is_one_line(tmp_path: Path, t
     raw = load_raw(path)
     assert len(raw) == 5 and raw[0]["messages"] == rows[0]["messages"]
     with pytest.raises(DataError, match=rf"^{path} \(row 4\): the last message must be the assistant's"):
-        tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=64, overlong="truncate", source=path)
+        tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=64, overlong="truncate", add_bos="auto", source=path)
 
 
 def test_a_corrupt_arrow_file_is_one_line(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from finetune.artifacts.rundir import write_resolved
 from finetune.config import compose, load_recipe, load_resolved, validate
 from finetune.config.compose import parse_override
 from finetune.errors import ConfigError
+from tests.recipe_files import write_recipe_file
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -496,6 +497,33 @@ def test_resolved_recipe_round_trips(write_recipe, tmp_path, monkeypatch):
     resolved = write_resolved(cfg, tmp_path / "run")
     monkeypatch.chdir(REPO)  # the resolved recipe holds absolute paths: any cwd works
     assert load_resolved(resolved) == cfg
+
+
+def test_a_stored_recipe_without_a_later_key_reads_as_its_run_trained(write_recipe, tmp_path, monkeypatch):
+    """A key added after runs were trained without it (data.add_bos, train.dropout) is the default in a recipe a
+    user writes, and the value the run trained with in a recipe finetune wrote before it existed (bos before every
+    chat; a DPO run's dropout on); a stored value is kept."""
+    import yaml
+
+    from finetune.artifacts.target import recipe_of
+    from finetune.config.compose import compose_stored
+    from finetune.config.schema import STORED_DEFAULTS
+
+    monkeypatch.chdir(tmp_path)
+    assert STORED_DEFAULTS == {"data.add_bos": "always", "train.dropout": True}
+    cfg, _ = load_recipe(write_recipe(), ["task=dpo", "data.format=preference"])
+    assert (cfg.data.add_bos, cfg.train.dropout) == ("auto", False)
+    (tmp_path / "run").mkdir()
+    resolved = write_resolved(cfg, tmp_path / "run")
+    assert load_resolved(resolved).data.add_bos == "auto"  # written now: the key is there
+    data = yaml.safe_load(resolved.read_text())
+    del data["data"]["add_bos"], data["train"]["dropout"]
+    write_recipe_file(resolved, data)
+    assert (load_resolved(resolved).data.add_bos, load_resolved(resolved).train.dropout) == ("always", True)
+    assert recipe_of(resolved, [], False).data.add_bos == "always"  # what eval, export and generate open
+    assert compose_stored(resolved).provenance["data.add_bos"] == "stored recipe written before this key existed"
+    assert validate(compose_stored(resolved, ["data.add_bos=auto"])).data.add_bos == "auto"
+    assert validate(compose(resolved)).data.add_bos == "auto"  # the same file given as a recipe: today's default
 
 
 # --- shipped recipes and presets ---------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ CHAT_TWO_TURNS = {"messages": [
 def _tokenize_list(rows: list[dict], tok: Any, fmt: str = "alpaca", max_len: int = 512, overlong: str = "truncate",
                   train_on_prompt: bool = False) -> Any:
     return tokenize_rows(datasets.Dataset.from_list(rows), fmt=fmt, tokenizer=tok, max_len=max_len, overlong=overlong,
-                    train_on_prompt=train_on_prompt, source="test")
+                         add_bos="auto", train_on_prompt=train_on_prompt, source="test")
 
 
 def trained_runs(tok: Any, ids: list[int], labels: list[int]) -> list[str]:
@@ -123,18 +123,23 @@ def test_answer_right_after_newline_first_token_trained(tok: Any) -> None:
 def test_chat_two_turns_trains_only_assistant_content_and_eos(tok: Any) -> None:
     row = _tokenize_list([CHAT_TWO_TURNS], tok, fmt="chat").dataset[0]
     ids, labels = row["input_ids"], row["labels"]
-    assert tok.decode(ids) == ("<s><|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\nd</s>\n"
+    # the tokens apply_chat_template(tokenize=True) gives, as every server tokenizes the chat (no bos: the template
+    # writes none)
+    assert ids == tok.apply_chat_template(CHAT_TWO_TURNS["messages"], tokenize=True, return_dict=False)
+    assert tok.decode(ids) == ("<|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\nd</s>\n"
                                "<|user|>\nFirst letter of: f b v?\n<|assistant|>\nf</s>\n")
     assert trained_runs(tok, ids, labels) == ["d</s>", "f</s>"]
     masked = masked_text(tok, ids, labels)
-    assert masked == ("<s><|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\n\n"
+    assert masked == ("<|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\n\n"
                       "<|user|>\nFirst letter of: f b v?\n<|assistant|>\n\n")
     special = {tok.convert_tokens_to_ids(t): t for t in ("<|system|>", "<|user|>", "<|assistant|>")}
     assert all(lab == IGNORE for t, lab in zip(ids, labels, strict=True) if t in special)
     # generation: the conversation up to the last assistant turn + the generation prompt; reference = last content
     prompt = tok.decode(row["prompt_ids"])
-    assert prompt == ("<s><|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\nd</s>\n"
+    assert prompt == ("<|system|>\nBe brief.\n<|user|>\nFirst letter of: d r z?\n<|assistant|>\nd</s>\n"
                       "<|user|>\nFirst letter of: f b v?\n<|assistant|>\n")
+    assert row["prompt_ids"] == tok.apply_chat_template(CHAT_TWO_TURNS["messages"][:-1], add_generation_prompt=True,
+                                                        tokenize=True, return_dict=False)
     assert ids[: len(row["prompt_ids"])] == row["prompt_ids"]
     assert row["reference"] == "f"
 
@@ -153,7 +158,8 @@ def test_bundled_chat_file_trains_every_assistant_turn(tok: Any) -> None:
     source = str(DATA / "tiny_chat.jsonl")
     raw = load_raw(source)
     check_rows(raw, "chat", source)
-    result = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=512, overlong="truncate", source=source)
+    result = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=512, overlong="truncate", add_bos="auto",
+                           source=source)
     assert len(result.dataset) == len(raw) and result.truncated == result.dropped == result.no_answer == 0
     for messages, row in zip(raw["messages"], result.dataset, strict=True):
         expected = [m["content"] + "</s>" for m in messages if m["role"] == "assistant"]
@@ -299,7 +305,7 @@ def test_string_labels_sorted(tok: Any) -> None:
     names = label_names(raw, None, source)
     assert names == ["food", "sports", "technology", "weather"]
     out = tokenize_rows(raw.select(range(20)), fmt="classification", tokenizer=tok, max_len=64, overlong="truncate",
-                   labels=names, source=source)
+                        add_bos="auto", labels=names, source=source)
     assert [names[i] for i in out.dataset["label"]] == raw.select(range(20))["label"]
 
 
@@ -426,7 +432,8 @@ def test_tokenize_cache_is_keyed_by_the_code(tmp_path: Path, tok: Any, monkeypat
     path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in ROWS])
 
     def cache_files() -> set[str]:
-        out = tokenize_rows(load_raw(path), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate", source=path)
+        out = tokenize_rows(load_raw(path), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate",
+                            add_bos="auto", source=path)
         return {f["filename"] for f in out.dataset.cache_files}
 
     first = cache_files()

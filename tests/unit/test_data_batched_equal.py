@@ -19,7 +19,7 @@ import pytest
 import transformers
 from tokenizers import AddedToken, normalizers, pre_tokenizers
 
-from finetune.data import batched, prompts
+from finetune.data import batched
 from finetune.data.formats import render, render_preference
 from finetune.data.rows import IGNORE
 
@@ -92,16 +92,32 @@ ROWS = {
 }
 
 
-def _reference(texts: list[tuple[str, tuple[tuple[int, int], ...], bool]], tok: Any) -> list[tuple[list, list]]:
-    """ids and labels of each (text, spans, add_eos), one tokenizer call per text, every token compared."""
+def _first(text: str, tok: Any, templated: bool, rule: str) -> list[int]:
+    """The tokens before a text's own, written plainly: auto: none before a chat template's render, the tokenizer's
+    own call's before raw text (none more when the text starts with bos); always: bos unless the text starts with
+    it."""
+    starts = bool(tok.bos_token) and text.startswith(tok.bos_token)
+    if rule == "always":
+        return [] if starts or tok.bos_token_id is None else [tok.bos_token_id]
+    if templated or starts:
+        return []
+    own, bare = tok(text)["input_ids"], tok(text, add_special_tokens=False)["input_ids"]
+    assert own[len(own) - len(bare):] == bare, "these tokenizers add special tokens before a text only"
+    return own[:len(own) - len(bare)]
+
+
+def _reference(texts: list[tuple[str, tuple[tuple[int, int], ...], bool, bool]], tok: Any, rule: str
+               ) -> list[tuple[list, list]]:
+    """ids and labels of each (text, spans, add_eos, templated), one tokenizer call per text, every token
+    compared."""
     out = []
-    for text, spans, add_eos in texts:
+    for text, spans, add_eos, templated in texts:
         one = tok(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(one["input_ids"])
         labels = [tid if any(s < last and e > first for first, last in spans) else IGNORE
                   for tid, (s, e) in zip(ids, one["offset_mapping"], strict=True)]
-        if not prompts.starts_with_bos(text, tok):
-            ids, labels = [tok.bos_token_id, *ids], [IGNORE, *labels]
+        first = _first(text, tok, templated, rule)
+        ids, labels = [*first, *ids], [IGNORE] * len(first) + labels
         if add_eos and tok.eos_token_id is not None:
             ids, labels = [*ids, tok.eos_token_id], [*labels, tok.eos_token_id]
         out.append((ids, labels))
@@ -114,25 +130,30 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list]:
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
 @pytest.mark.parametrize("fmt", list(ROWS))
-@pytest.mark.parametrize("train_on_prompt", [False, True])
+@pytest.mark.parametrize(("train_on_prompt", "rule"), [(False, "auto"), (True, "auto"), (False, "always")])
 @pytest.mark.parametrize("max_len", [4096, 12])
-def test_causal_batch_equals_a_call_per_text(name: str, fmt: str, train_on_prompt: bool, max_len: int) -> None:
+def test_causal_batch_equals_a_call_per_text(name: str, fmt: str, train_on_prompt: bool, rule: str,
+                                             max_len: int) -> None:
     tok = TOKENIZERS[name]()
     rows = ROWS[fmt]
     got = batched.causal_batch(_columns(rows), list(range(len(rows))), fmt=fmt, tokenizer=tok, max_len=max_len,
-                               train_on_prompt=train_on_prompt, source="rows.jsonl")
+                               train_on_prompt=train_on_prompt, add_bos=rule, source="rows.jsonl")
     outs = [render(copy.deepcopy(row), fmt, tok, train_on_prompt) for row in rows]
-    want = _reference([(o.text, o.spans, o.add_eos) for o in outs], tok)
+    assert all(o.templated == (fmt == "chat") for o in outs)
+    want = _reference([(o.text, o.spans, o.add_eos, o.templated) for o in outs], tok, rule)
     assert got["input_ids"] == [ids[:max_len] for ids, _ in want]
     assert got["labels"] == [labels[:max_len] for _, labels in want]
-    assert got["prompt_ids"] == [prompts.text_prompt(o.prompt, tok, max_len).ids for o in outs]
+    cues = [[*_first(o.prompt, tok, o.templated, rule), *tok(o.prompt, add_special_tokens=False)["input_ids"]]
+            for o in outs]
+    assert got["prompt_ids"] == [cue[-max_len:] for cue in cues]
     assert got["overlong"] == [len(ids) > max_len for ids, _ in want]
     assert got["n_labels"] == [sum(label != IGNORE for label in labels[:max_len]) for _, labels in want]
     assert got["reference"] == [o.reference for o in outs]
 
 
 @pytest.mark.parametrize("name", list(TOKENIZERS))
-def test_preference_batch_equals_a_call_per_text(name: str) -> None:
+@pytest.mark.parametrize("rule", ["auto", "always"])
+def test_preference_batch_equals_a_call_per_text(name: str, rule: str) -> None:
     tok = TOKENIZERS[name]()
     rows = [{"prompt": f"q {odd}", "chosen": odd, "rejected": f"not {odd}"} for odd in ODD]
     rows += [{"chosen": row["messages"][-2:], "rejected": [*row["messages"][-2:-1],
@@ -140,9 +161,9 @@ def test_preference_batch_equals_a_call_per_text(name: str) -> None:
              for row in ROWS["chat"]]
     for form in (rows[:len(ODD)], rows[len(ODD):]):  # a batch holds one form (one column layout)
         got = batched.preference_batch(_columns(form), list(range(len(form))), tokenizer=tok, max_len=4096,
-                                       source="pairs.jsonl")
+                                       add_bos=rule, source="pairs.jsonl")
         pairs = [side for row in form for side in render_preference(copy.deepcopy(row), tok)]
-        want = _reference([(p.text, p.spans, p.add_eos) for p in pairs], tok)
+        want = _reference([(p.text, p.spans, p.add_eos, p.templated) for p in pairs], tok, rule)
         assert got["chosen_input_ids"] == [ids for ids, _ in want[::2]]
         assert got["chosen_labels"] == [labels for _, labels in want[::2]]
         assert got["rejected_input_ids"] == [ids for ids, _ in want[1::2]]
@@ -191,10 +212,11 @@ def test_the_tables_the_map_writes_hold_the_columns_with_the_output_types(fmt: s
 
     tok = TOKENIZERS["tiny-llama"]()
     if fmt == "chat":
-        rows, kwargs = ROWS["chat"], {"fmt": "chat", "max_len": 64, "train_on_prompt": False}
+        rows, kwargs = ROWS["chat"], {"fmt": "chat", "max_len": 64, "train_on_prompt": False, "add_bos": "auto"}
         pair = batched.causal_batch, batched.causal_table
     else:
-        rows, kwargs = [{"prompt": f"q {odd}", "chosen": odd, "rejected": "no"} for odd in ODD], {"max_len": 64}
+        rows = [{"prompt": f"q {odd}", "chosen": odd, "rejected": "no"} for odd in ODD]
+        kwargs = {"max_len": 64, "add_bos": "auto"}
         pair = batched.preference_batch, batched.preference_table
     columns = pair[0](_columns(rows), list(range(len(rows))), tokenizer=tok, source="rows.jsonl", **kwargs)
     table = pair[1](_columns(rows), list(range(len(rows))), tokenizer=tok, source="rows.jsonl", **kwargs)

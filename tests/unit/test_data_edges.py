@@ -80,7 +80,8 @@ def classify(path: str, tok: Any, labels: list[str] | None = None) -> tuple[list
     raw = load_raw(path)
     check_columns(raw, "classification", path)
     names = label_names(raw, labels, path)
-    out = tokenize_rows(raw, fmt="classification", tokenizer=tok, max_len=32, overlong="truncate", labels=names,
+    out = tokenize_rows(raw, fmt="classification", tokenizer=tok, max_len=32, overlong="truncate", add_bos="auto",
+                        labels=names,
                         source=path)
     return names, out
 
@@ -110,7 +111,8 @@ def test_causal_output_types_do_not_follow_same_named_source_columns(tmp_path: P
     """A source column called ``labels``/``reference`` (strings) must not retype the tokenized columns."""
     rows = [{**GOOD["alpaca"], "labels": "x", "reference": "y", "prompt_ids": "z"}] * 2
     path = write(tmp_path, kind, rows)
-    out = tokenize_rows(load_raw(path), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate", source=path)
+    out = tokenize_rows(load_raw(path), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate", add_bos="auto",
+                        source=path)
     assert out.dataset.features["labels"].feature.dtype == "int64"
     batch = Collator(tok.pad_token_id, with_prompts=True)(list(out.dataset))
     assert batch["labels"].dtype == torch.int64 and batch["reference"] == ["hi", "hi"]

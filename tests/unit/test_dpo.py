@@ -51,7 +51,7 @@ def make_cfg(loss: str = "sigmoid", beta: float = 0.1, label_smoothing: float = 
 def dpo_pairs() -> datasets.Dataset:
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     raw = datasets.load_dataset("json", data_files=str(PAIRS), split="train").select(range(11))
-    return tokenize_rows(raw, fmt="preference", tokenizer=tok, max_len=64, overlong="truncate").dataset
+    return tokenize_rows(raw, fmt="preference", tokenizer=tok, max_len=64, overlong="truncate", add_bos="auto").dataset
 
 
 def naive_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -58,7 +58,9 @@ class LengthReward:
     names = ("length", "has_a")
     weights = (1.0, 0.5)
 
-    def score(self, prompts: list[str], completions: list[str], rows: list[dict]) -> list[list[float]]:
+    def score(self, prompts: list[str], completions: list[str], rows: list[dict], templated: list[bool]
+              ) -> list[list[float]]:
+        assert len(templated) == len(prompts)
         return [[float(len(c)) for c in completions], [float("a" in c) for c in completions]]
 
     def total(self, scores: list[list[float]]) -> list[float]:
@@ -83,7 +85,7 @@ def bound_task(cfg: Any, model: Any, tok: Any, rank: int = 0, world: int = 1) ->
 def prompt_batch(rows: list[list[int]]) -> dict[str, Any]:
     ids, mask = left_pad(rows, PAD)
     return {"prompt_ids": ids, "prompt_mask": mask, "prompts": [str(r) for r in rows],
-            "rows": [{"answer": "x"} for _ in rows], "index": torch.arange(len(rows))}
+            "rows": [{"answer": "x"} for _ in rows], "index": torch.arange(len(rows)), "templated": [False] * len(rows)}
 
 
 def test_group_advantages() -> None:

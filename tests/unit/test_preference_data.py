@@ -31,7 +31,7 @@ CONTRACT = ["chosen_input_ids", "chosen_labels", "rejected_input_ids", "rejected
 
 def _tokenize(rows: list[dict], tok: Any, max_len: int = 128, overlong: str = "truncate", source: str = ""):
     return tokenize_rows(datasets.Dataset.from_list(rows), fmt="preference", tokenizer=tok, max_len=max_len,
-                         overlong=overlong, source=source)
+                         overlong=overlong, add_bos="auto", source=source)
 
 
 def _answer_ids(labels: list[int]) -> list[int]:
@@ -143,7 +143,7 @@ def test_a_bad_row_fails_with_file_and_line(tmp_path: Path, tok: Any, bad: dict,
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(DataError) as info:
         tokenize_rows(load_raw(str(path)), fmt="preference", tokenizer=tok, max_len=128, overlong="truncate",
-                      source=str(path))
+                      add_bos="auto", source=str(path))
     text = str(info.value)
     assert text.startswith(f"{path}:{len(rows)}: ") and len(text.splitlines()) == 1, text
     assert message in text, text
@@ -154,7 +154,7 @@ def test_a_file_without_chosen_or_rejected_names_the_missing_field(tmp_path: Pat
     path.write_text(json.dumps({"prompt": "p", "chosen": "a", "other": "b"}) + "\n")
     with pytest.raises(DataError, match=r"pairs.jsonl:1: missing field 'rejected'"):
         tokenize_rows(load_raw(str(path)), fmt="preference", tokenizer=tok, max_len=64, overlong="truncate",
-                      source=str(path))
+                      add_bos="auto", source=str(path))
 
 
 def test_the_collator_makes_one_batch_of_2b_rows_chosen_first() -> None:

@@ -1,9 +1,9 @@
 """Training and ``finetune generate`` render a prompt one way (finetune.data.prompts; issue 24, item 6).
 
 For text (alpaca), chat and vision rows, the ids generate builds from a prompts file equal the ``prompt_ids`` that
-training's tokenization stores for the same rows (what eval's exact_match generates from), with the same bos rule
-and, for a prompt longer than data.max_seq_len, the same kept end. Each case compares the two sides, so a change
-of either side's rule alone fails here. """
+training's tokenization stores for the same rows (what eval's exact_match generates from), with the same special
+tokens first under either data.add_bos rule and, for a prompt longer than data.max_seq_len, the same kept end. Each
+case compares the two sides, so a change of either side's rule alone fails here. """
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from finetune import registry
 from finetune.commands.generate import prompt_ids, read_prompts
 from finetune.config.schema import ModelConfig
 from finetune.data import prompts
+from finetune.data.bos import Lead
 from finetune.data.loading import load_raw
 from finetune.data.tokenize import tokenize_rows
 from finetune.errors import DataError
@@ -37,17 +38,19 @@ def write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def trained(path: Path, fmt: str, tokenizer: Any, max_len: int, images: Any = None) -> list[list[int]]:
+def trained(path: Path, fmt: str, tokenizer: Any, max_len: int, images: Any = None, rule: str = "auto"
+            ) -> list[list[int]]:
     """The prompt_ids training stores (the prompt trained too, so that rows whose prompt fills max_len stay)."""
     data = tokenize_rows(load_raw(str(path)), fmt=fmt, tokenizer=tokenizer, max_len=max_len, overlong="truncate",
-                         train_on_prompt=True, source=str(path), images=images).dataset
+                         add_bos=rule, train_on_prompt=True, source=str(path), images=images).dataset
     assert len(data) == len(load_raw(str(path))), "every row kept"
     return [list(ids) for ids in data["prompt_ids"]]
 
 
-def generated(path: Path, fmt: str, tokenizer: Any, max_len: int, images: Any = None) -> list[list[int]]:
+def generated(path: Path, fmt: str, tokenizer: Any, max_len: int, images: Any = None, rule: str = "auto"
+              ) -> list[list[int]]:
     """The ids generate feeds the model for each line of the prompts file ``path``."""
-    return [prompt_ids(p, tokenizer, images, max_len).ids for p in read_prompts(path, fmt)]
+    return [prompt_ids(p, tokenizer, images, max_len, rule).ids for p in read_prompts(path, fmt)]
 
 
 @pytest.mark.parametrize("max_len", [512, 64])
@@ -62,20 +65,24 @@ def test_alpaca_prompts_are_the_training_prompts(tok: Any, tmp_path: Path, max_l
     assert ours[0][0] == tok.bos_token_id and ours[0].count(tok.bos_token_id) == 1
     if max_len == 64:  # over the limit: both keep the end (the cue to answer), and drop the bos with the start
         assert len(ours[2]) == 64 and ours[2][0] != tok.bos_token_id
-        assert ours[2][-3:] == prompts.encode("### Response:\n", tok)[-3:]
+        assert ours[2][-3:] == tok("### Response:\n", add_special_tokens=False)["input_ids"][-3:]
 
 
+@pytest.mark.parametrize("rule", ["auto", "always"])
 @pytest.mark.parametrize("max_len", [512, 20])
-def test_chat_prompts_are_the_training_prompts(tok: Any, tmp_path: Path, max_len: int) -> None:
+def test_chat_prompts_are_the_training_prompts(tok: Any, tmp_path: Path, max_len: int, rule: str) -> None:
     rows = [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]},
             {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
                           {"role": "assistant", "content": "4"}, {"role": "user", "content": LONG},
                           {"role": "assistant", "content": "ok"}]}]
     data = write(tmp_path / "data.jsonl", rows)
     asked = write(tmp_path / "prompts.jsonl", [{"messages": row["messages"][:-1]} for row in rows])
-    ours, theirs = generated(asked, "chat", tok, max_len), trained(data, "chat", tok, max_len)
+    ours, theirs = generated(asked, "chat", tok, max_len, rule=rule), trained(data, "chat", tok, max_len, rule=rule)
     assert ours == theirs
-    assert ours[0][:1] == [tok.bos_token_id]
+    # auto: the template's render as apply_chat_template tokenizes it (this template writes no bos); always: bos first
+    served = tok.apply_chat_template(rows[0]["messages"][:-1], add_generation_prompt=True, tokenize=True,
+                                     return_dict=False)
+    assert ours[0] == (served if rule == "auto" else [tok.bos_token_id, *served])
     assert (len(ours[1]) == max_len) == (max_len == 20)
 
 
@@ -114,11 +121,13 @@ def test_vision_prompts_are_the_training_prompts(qwen_vl: tuple[Any, Any], tmp_p
     assert len(whole) > 40 and whole.count(images.image_token_id) == 4
     (prompt,) = read_prompts(asked, "vision_chat")
     assert prompts.vision_prompt(prompts.vision_text(prompt.messages, tokenizer), tokenizer, images, [[1, 4, 4]],
-                                 prompt.where, 40).ids == whole
+                                 prompt.where, 40, Lead.of(tokenizer, "auto"), templated=True).ids == whole
     with pytest.raises(DataError, match="keeping its end would cut an image"):
-        prompt_ids(prompt, tokenizer, images, 40)
+        prompt_ids(prompt, tokenizer, images, 40, "auto")
 
 
-def test_a_text_that_starts_with_the_bos_token_gets_no_second_one(tok: Any) -> None:
-    assert prompts.encode("<s>hi", tok) == prompts.encode("hi", tok)
-    assert prompts.encode("hi", tok)[0] == tok.bos_token_id
+@pytest.mark.parametrize("rule", ["auto", "always"])
+def test_a_text_that_starts_with_the_bos_token_gets_no_second_one(tok: Any, rule: str) -> None:
+    lead = Lead.of(tok, rule)
+    assert prompts.encode("<s>hi", tok, lead, False) == prompts.encode("hi", tok, lead, False)
+    assert prompts.encode("hi", tok, lead, False)[0] == tok.bos_token_id  # this tokenizer's own call puts bos first

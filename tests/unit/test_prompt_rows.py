@@ -1,7 +1,8 @@
 """Prompt rows (data.format: prompt, task grpo): a row's prompt goes through the one prompt-rendering path
-(finetune.data.prompts: text as it is, a chat through the template with the generation prompt, the bos rule, the end
-kept over data.max_seq_len - grpo.max_new_tokens, counted as truncated); every other field is kept for the rewards;
-bad rows fail with file:line; PromptCollator left-pads."""
+(finetune.data.prompts: text as it is, a chat through the template with the generation prompt, the special tokens of
+data.add_bos (a chat: exactly apply_chat_template's tokens; a text: the tokenizer's own call's), the end kept over
+data.max_seq_len - grpo.max_new_tokens, counted as truncated); every other field is kept for the rewards; bad rows
+fail with file:line; PromptCollator left-pads."""
 
 from __future__ import annotations
 
@@ -41,20 +42,26 @@ def write(path: Path, rows: list[Any]) -> str:
 def tokenized(path: str, tokenizer: Any, max_len: int = 64, new_tokens: int = 8, overlong: str = "truncate",
               require: tuple[str, ...] = ()) -> Any:
     return tokenize_rows(load_raw(path), fmt="prompt", tokenizer=tokenizer, max_len=max_len, overlong=overlong,
-                         source=path, prompt=PromptOptions(new_tokens), require=require)
+                         add_bos="auto", source=path, prompt=PromptOptions(new_tokens), require=require)
 
 
 def test_text_and_chat_rows_render_through_the_prompts_path(tmp_path: Path, tokenizer: Any) -> None:
     path = write(tmp_path / "p.jsonl", ROWS)
     out = tokenized(path, tokenizer)
     data = out.dataset
-    assert data.column_names == ["input_ids", "prompt", "fields", "index"]
+    assert data.column_names == ["input_ids", "prompt", "fields", "index", "templated"]
     chat_text = prompts.chat_text(CHAT, tokenizer)
     assert chat_text.endswith(tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)[-20:])
     assert data["prompt"] == [ROWS[0]["prompt"], chat_text, ROWS[2]["prompt"]]
-    # the same ids as generate and exact_match make (bos rule, room for max_new_tokens)
-    assert data["input_ids"] == [prompts.text_prompt(text, tokenizer, 64 - 8).ids for text in data["prompt"]]
+    assert data["templated"] == [False, True, False]
+    # as the model is served: a text as the tokenizer's own call tokenizes it (this one puts bos first), a chat as
+    # apply_chat_template(tokenize=True) does (this template writes no bos); all fit in 64 - 8
+    assert data["input_ids"] == [tokenizer(ROWS[0]["prompt"])["input_ids"],
+                                 tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True,
+                                                               return_dict=False),
+                                 tokenizer(ROWS[2]["prompt"])["input_ids"]]
     assert data["input_ids"][0][0] == tokenizer.bos_token_id and data["input_ids"][0].count(tokenizer.bos_token_id) == 1
+    assert tokenizer.bos_token_id not in data["input_ids"][1]
     assert [json.loads(f) for f in data["fields"]] == [{"answer": "4", "level": 1}, {"answer": "6", "level": 2},
                                                       {"answer": "12"}]
     assert data["index"] == [0, 1, 2]
@@ -64,15 +71,15 @@ def test_text_and_chat_rows_render_through_the_prompts_path(tmp_path: Path, toke
 def test_a_template_that_writes_bos_gets_no_second_one(tmp_path: Path, tokenizer: Any) -> None:
     path = write(tmp_path / "p.jsonl", [{"prompt": tokenizer.bos_token + "Hi"}])
     ids = tokenized(path, tokenizer).dataset["input_ids"][0]
-    assert ids.count(tokenizer.bos_token_id) == 1 and ids == prompts.text_prompt(tokenizer.bos_token + "Hi",
-                                                                                  tokenizer, 56).ids
+    assert ids.count(tokenizer.bos_token_id) == 1
+    assert ids == tokenizer(tokenizer.bos_token + "Hi", add_special_tokens=False)["input_ids"]
 
 
 def test_a_long_prompt_keeps_its_end_and_is_counted(tmp_path: Path, tokenizer: Any) -> None:
     path = write(tmp_path / "p.jsonl", ROWS)
-    full = prompts.encode(ROWS[2]["prompt"], tokenizer)
+    full = tokenizer(ROWS[2]["prompt"])["input_ids"]
     room = len(full) - 3  # the third prompt is cut by 3 tokens, the others fit
-    assert all(len(prompts.encode(r["prompt"], tokenizer)) <= room for r in (ROWS[0],))
+    assert all(len(tokenizer(r["prompt"])["input_ids"]) <= room for r in (ROWS[0],))
     out = tokenized(path, tokenizer, max_len=room + 8, new_tokens=8)
     assert out.dataset["input_ids"][2] == full[-room:]
     assert out.dataset["prompt"][2] == ROWS[2]["prompt"]  # the text stays whole for the rewards
@@ -118,7 +125,7 @@ def test_load_splits_numbers_sources_and_requires_answers_where_a_reward_needs_t
     bundle = load_splits(cfg, tokenizer, prompt=PromptOptions(8, ("answer",), ("answer",)))
     assert bundle.train.dataset["index"] == [0, 1, 2]
     assert bundle.eval.dataset["index"] == [0]
-    assert bundle.train.dataset["input_ids"][0] == prompts.text_prompt("2+2=", tokenizer, 56).ids
+    assert bundle.train.dataset["input_ids"][0] == tokenizer("2+2=")["input_ids"]
     no_answer = write(tmp_path / "c.jsonl", [{"prompt": "x"}])
     cfg = DataConfig(format="prompt", train=first, eval=no_answer)
     load_splits(cfg, tokenizer, prompt=PromptOptions(8, ("answer",), ()))  # the eval rows need none here
@@ -141,11 +148,12 @@ def test_the_collator_left_pads_and_parses_the_fields(tmp_path: Path, tokenizer:
     assert batch["prompts"] == [r["prompt"] for r in rows]
     assert batch["rows"] == [{"answer": "4", "level": 1}, {"answer": "6", "level": 2}, {"answer": "12"}]
     assert batch["index"].tolist() == [0, 1, 2]
+    assert batch["templated"] == [False, True, False]
 
 
 def test_the_truncation_note_names_the_prompt_limit(tmp_path: Path, tokenizer: Any) -> None:
     path = write(tmp_path / "p.jsonl", ROWS)
-    room = len(prompts.encode(ROWS[2]["prompt"], tokenizer)) - 3
+    room = len(tokenizer(ROWS[2]["prompt"])["input_ids"]) - 3
     bundle = load_splits(DataConfig(format="prompt", train=path, max_seq_len=room + 8), tokenizer,
                          prompt=PromptOptions(8))
     assert bundle.notes(room + 8) == [f"data: 1 prompts truncated (their end kept), 0 dropped (longer than "

@@ -113,7 +113,7 @@ def test_tokenizing_prints_one_line_of_ours_then_nothing_on_a_cache_hit(tmp_path
                             for i in range(40)))
 
     def tokenize() -> tuple[str, str]:
-        tokenize_rows(load_raw(str(path)), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate",
+        tokenize_rows(load_raw(str(path)), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate", add_bos="auto",
                       source=str(path))
         return capfd.readouterr()
 

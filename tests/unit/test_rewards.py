@@ -15,7 +15,6 @@ import torch
 import transformers
 
 from finetune.config.schema import GRPOConfig
-from finetune.data import prompts
 from finetune.errors import ConfigError
 from finetune.registry import SUPPORTED_MODELS
 from finetune.tasks.rewards import RewardError, RewardFunctions, build_rewards
@@ -145,19 +144,33 @@ def save_reward_model(folder: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def test_a_reward_model_scores_prompt_plus_completion_as_alone(tmp_path: Path) -> None:
+# (the reward run's recipe in its final/ folder, whether the prompts are chat renders, what goes before the text):
+# a folder finetune did not write, or a run of data.add_bos auto, takes a text as the tokenizer's own call does and a
+# chat template's render as it is; a run trained before data.add_bos existed (its recipe lacks it) put bos first
+RULES = [(None, False, "own"), ("name: rm\ndata: {add_bos: auto}\n", True, "none"),
+         ("name: rm\ndata: {format: preference}\n", True, "bos")]
+
+
+@pytest.mark.parametrize(("recipe", "templated", "first"), RULES)
+def test_a_reward_model_scores_prompt_plus_completion_as_alone(tmp_path: Path, recipe: str | None, templated: bool,
+                                                               first: str) -> None:
     model, tokenizer = save_reward_model(tmp_path / "rm" / "final")
-    (tmp_path / "rm" / "recipe.resolved.yaml").write_text("name: rm\n")
+    (tmp_path / "rm" / "recipe.resolved.yaml").write_text("name: rm\n")  # the run's: the final/ folder's is read
+    if recipe is not None:
+        (tmp_path / "rm" / "final" / "recipe.resolved.yaml").write_text(recipe)
     lines: list[str] = []
     rewards = build_rewards(cfg_of({"reward_model": str(tmp_path / "rm")}), device="cpu", log=lines.append,
                             allow_plugin=False)
     assert rewards.names == ("reward_model",) and len(lines) == 1 and "LlamaForSequenceClassification" in lines[0]
     prompts_ = ["Q: 2+2=", "Q: say hello at length ="] * 5  # 10 texts: two batches, padded
     completions = ["4", "hello hello hello hello", "5", "hi", "", "x", "4 ", "hello", "four", "h e l l o"]
-    scores = rewards.score(prompts_, completions, [{}] * 10)[0]
+    scores = rewards.score(prompts_, completions, [{}] * 10, [templated] * 10)[0]
     expected = []
     for prompt, completion in zip(prompts_, completions, strict=True):
-        ids = [*prompts.encode(prompt + completion, tokenizer), tokenizer.eos_token_id]
+        text = prompt + completion
+        ids = {"own": tokenizer(text)["input_ids"], "none": tokenizer(text, add_special_tokens=False)["input_ids"],
+               "bos": [tokenizer.bos_token_id, *tokenizer(text, add_special_tokens=False)["input_ids"]]}[first]
+        ids = [*ids, tokenizer.eos_token_id]
         with torch.no_grad():
             expected.append(float(model(input_ids=torch.tensor([ids])).logits.reshape(())))
     assert all(math.isfinite(s) for s in scores)

@@ -44,7 +44,7 @@ def make_cfg(metrics: list[str] | None = None, max_new_tokens: int = 8, **train:
 @pytest.fixture(scope="module")
 def tokenized(tok: Any) -> Tokenized:
     return tokenize_rows(datasets.Dataset.from_list(ROWS), fmt="alpaca", tokenizer=tok, max_len=128,
-                         overlong="truncate")
+                         overlong="truncate", add_bos="auto")
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +244,8 @@ def test_token_accuracy_counts_shifted_label_tokens(llama: Any, tok: Any, batch:
 
 def test_dataloaders_shard_eval_exactly_and_stream_train(tok: Any) -> None:
     rows = [{"instruction": f"Item {i}.", "output": f"answer {i}"} for i in range(7)]
-    data = tokenize_rows(datasets.Dataset.from_list(rows), fmt="alpaca", tokenizer=tok, max_len=64, overlong="truncate")
+    data = tokenize_rows(datasets.Dataset.from_list(rows), fmt="alpaca", tokenizer=tok, max_len=64,
+                         overlong="truncate", add_bos="auto")
     bundle = DataBundle(train=data, eval=data, labels=None)
     refs: list[str] = []
     for rank in range(3):

@@ -56,7 +56,7 @@ def write(tmp_path: Path, rows: list[dict]) -> str:
 
 def tokenize(tools: tuple, source: str, **kwargs):
     tokenizer, images = tools
-    options = {"max_len": 64, "overlong": "truncate", **kwargs}
+    options = {"max_len": 64, "overlong": "truncate", "add_bos": "auto", **kwargs}
     return tokenize_rows(load_raw(source), fmt="vision_chat", tokenizer=tokenizer, source=source, images=images,
                          **options)
 
@@ -203,7 +203,7 @@ def test_vision_chat_needs_a_vision_model(tmp_path: Path) -> None:
     source = write(tmp_path, [qa(image(tmp_path / "a.png"))])
     with pytest.raises(DataError, match="vision_chat needs a vision-language model type"):
         tokenize_rows(load_raw(source), fmt="vision_chat", tokenizer=tokenizer, source=source, max_len=64,
-                      overlong="truncate")
+                      overlong="truncate", add_bos="auto")
 
 
 @pytest.mark.parametrize("overrides,message", [
