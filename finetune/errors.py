@@ -7,8 +7,9 @@ is reserved for our own invariants.
 
 Exit codes: 0 done; 1 an internal error or a failed verification (e.g. ``finetune merge``'s logit check);
 2 a user mistake (recipe, data, run dir, flags, I/O such as a full disk); 3 training diverged (non-finite loss or
-gradients); 4 an evaluation during a run failed (the run stays resumable, ``final/`` intact); 130 / 143 stopped
-by SIGINT / SIGTERM after saving a checkpoint.
+gradients) or collapsed (a zero gradient at the loss of a model that predicts nothing: the same cause, a learning
+rate far too high, and the same fix); 4 an evaluation during a run failed (the run stays resumable, ``final/``
+intact); 130 / 143 stopped by SIGINT / SIGTERM after saving a checkpoint.
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ class EvalError(FinetuneError):
 
 class NonFiniteError(FinetuneError):
     """Training diverged: the loss or the gradients stayed non-finite; nothing was exported."""
+
+    exit_code = 3
+
+
+class CollapseError(FinetuneError):
+    """Training collapsed: the gradient stayed zero at the loss of a uniform prediction (finite numbers, a dead
+    model; :mod:`finetune.runtime.collapse`); nothing was exported. Exit code 3 like a divergence: the same cause
+    (a learning rate far too high) and the same fix, so a script that retries a diverged run handles it too."""
 
     exit_code = 3
 

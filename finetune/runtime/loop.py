@@ -21,9 +21,9 @@ import torch
 from finetune import hooks
 from finetune.artifacts import checkpoint
 from finetune.config import RecipeConfig
-from finetune.errors import EvalError, FinetuneError, NonFiniteError
+from finetune.errors import CollapseError, EvalError, FinetuneError, NonFiniteError
 from finetune.registry import SupportedModel
-from finetune.runtime import meter
+from finetune.runtime import collapse, meter
 from finetune.runtime.backends import Backend
 from finetune.runtime.precision import Precision
 from finetune.runtime.signals import Interrupted, StopRequest
@@ -92,20 +92,22 @@ def train(t: Trainer) -> TrainState:
     throughput = Throughput(state.tokens_seen, state.elapsed_s,  # from where this process starts (resume: its ckpt)
                             processes=t.accelerator.num_processes, flops=t.flops)
     t.model.train()
-    nonfinite_streak = 0
+    nonfinite_streak, watch = 0, _collapse_watch(t)
     while state.step < t.max_steps:
         stats = train_step(t, [next(batches) for _ in range(cfg.grad_accum)])
         state.advance(micro_steps=cfg.grad_accum, samples=cfg.train.global_batch_size, tokens=stats.tokens)
         state.elapsed_s = time.perf_counter() - started
         throughput.add(stats.inputs, stats.squares)
         nonfinite_streak = nonfinite_streak + 1 if stats.nonfinite else 0
+        collapsed = watch.observe(stats.loss, stats.grad_norm, stats.skipped)
         last = state.step == t.max_steps
-        if _due(state.step, cfg.logging.every_steps) or last or stats.nonfinite:
+        if _due(state.step, cfg.logging.every_steps) or last or stats.nonfinite or collapsed:
             t.tracker.log("train", _train_row(t, stats, throughput))
         if stats.nonfinite:
             _nonfinite(t, stats, nonfinite_streak)  # raises NonFiniteError after max_nonfinite_steps in a row
-        saved = _due(state.step, cfg.checkpoint.every_steps) or (last and bool(cfg.checkpoint.every_steps))
-        if saved or stats.stop:  # before this step's eval: an eval that fails loses nothing
+        if collapsed:
+            _collapsed(t, watch, stats, ending=last or stats.stop)  # raises CollapseError: see there
+        if _save_due(t, last, collapsed) or stats.stop:  # before this step's eval: an eval that fails loses nothing
             path = checkpoint.save(t.accelerator, cfg, state, t.objects, t.tokenizer, t.run_dir, t.backend.name,
                                    t.run_id, t.task.data.labels, t.row)
             t.tracker.log("info", {"message": f"saved checkpoint {path.name}"})
@@ -172,6 +174,36 @@ def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
             f"(loss {stats.loss}, grad_norm {stats.grad_norm}); nothing was exported. Try a lower optim.lr (now "
             f"{t.cfg.optim.lr:g}), train.mixed_precision=bf16, or gradient clipping (train.max_grad_norm); a "
             f"checkpoint continues with `finetune resume {t.run_dir} optim.lr=... --allow-config-change`")
+
+
+def _collapse_watch(t: Trainer) -> collapse.Watch:
+    """A run's collapse watch, with the signature of its task and model (:func:`collapse.signature`)."""
+    row_task = t.row.task if t.row is not None else None
+    return collapse.Watch(collapse.signature(t.cfg.task, row_task, t.accelerator.unwrap_model(t.model)))
+
+
+def _collapsed(t: Trainer, watch: collapse.Watch, stats: StepStats, ending: bool) -> None:
+    """Log a step that looks collapsed; stop the run (CollapseError, nothing exported) after collapse.STEPS in a
+    row, or at once when the run ends at this step (``ending``: the last step, whose weights would be the export, or
+    a stop signal, whose checkpoint would be resumed). No checkpoint is saved during a collapse (:func:`_save_due`),
+    so the newest one, which the line names, predates it."""
+    t.tracker.log("info", {"message": watch.step_line(t.state.step, stats.loss)})
+    if watch.must_stop(ending):
+        newest = checkpoint.latest_resumable(t.run_dir)
+        kept = newest.path.name if newest is not None else None
+        line = watch.stop_line(t.state.step, stats.loss, t.cfg.optim.lr, t.run_dir, kept)
+        t.tracker.log("info", {"message": line, "console": False})  # train.log says why the run ended
+        raise CollapseError(line)
+
+
+def _save_due(t: Trainer, last: bool, collapsed: bool) -> bool:
+    """Whether this step saves a checkpoint: every ``checkpoint.every_steps`` and at the last step, but never a
+    model that looks collapsed: its rotation (``checkpoint.keep_last``) would delete the good checkpoints before it."""
+    every = t.cfg.checkpoint.every_steps
+    due = _due(t.state.step, every) or (last and bool(every))
+    if due and collapsed:
+        t.tracker.log("info", {"message": f"step {t.state.step}: checkpoint not saved: the model looks collapsed"})
+    return due and not collapsed
 
 
 def _train_row(t: Trainer, stats: StepStats, throughput: Throughput) -> dict[str, Any]:

@@ -79,3 +79,40 @@ def lr_factor(step: int, cfg: SchedulerConfig, total_steps: int) -> float:
 def build_scheduler(cfg: SchedulerConfig, optimizer: Any, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """A LambdaLR over :func:`lr_factor`; stepped once per optimizer step by the loop (never per rank)."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, total_steps))
+
+
+# A checkpoint's optimizer state holds its param groups' hyperparameters (lr, initial_lr, betas, eps, weight_decay,
+# momentum, the kernel flags) and the LambdaLR's state its base_lrs: loading them brings back the values the run had
+# when it was saved. A resume with an allowed change of optim.* (`finetune resume RUN optim.lr=1e-4
+# --allow-config-change`, the fix a diverged run's message gives) must train with the recipe's values instead; a
+# resume without one sets them to what they already are (bit-identical resume is unchanged).
+
+
+def group_settings(optimizer: Any) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters as this run's recipe built them: everything but its parameters and the
+    current (scheduled) lr. Read before a checkpoint is loaded."""
+    return [{key: value for key, value in group.items() if key not in ("params", "lr")}
+            for group in optimizer.param_groups]
+
+
+def keep_recipe_settings(optimizer: Any, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                         settings: list[dict[str, Any]]) -> list[str]:
+    """After a checkpoint is loaded: the param groups take the recipe's ``settings`` (:func:`group_settings`) again,
+    the schedule its base lr (``initial_lr``), and each group's current lr is the schedule's at the restored step.
+    Returns one ``name: old -> new`` line per hyperparameter the checkpoint held otherwise. Groups that do not match
+    (another grouping) are left as loaded."""
+    groups = optimizer.param_groups
+    if len(settings) != len(groups):
+        return []
+    changed = []
+    for index, (group, keys) in enumerate(zip(groups, settings, strict=True)):
+        changed += [f"optimizer group {index} {key}: {group.get(key)!r} -> {value!r}" for key, value in keys.items()
+                    if group.get(key) != value and key in ("initial_lr", "betas", "eps", "weight_decay", "momentum")]
+        group.update(keys)
+    scheduler.base_lrs = [group["initial_lr"] for group in groups]
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas,
+                                                                          strict=True)]
+    for group, lr in zip(groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports: the lr of the next step
+    return changed

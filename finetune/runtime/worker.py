@@ -203,6 +203,7 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
     """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer and the
     layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes."""
+    from finetune.runtime.optim import group_settings, keep_recipe_settings  # lazy: imports torch
 
     manifest = rundir.read_manifest(ckpt)
     if checkpoint.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
@@ -217,12 +218,15 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
         raise RunDirError(f"resume refused: {ckpt.name} {trainer.backend.resume_problem(saved_by, saved_world, world)}"
                           f", and {why}: resume it that way, or `finetune export {trainer.run_dir} --from {ckpt.name} "
                           "-o DIR` and start a new run from DIR")
+    settings = group_settings(trainer.optimizer)  # the recipe's: a checkpoint brings back the values it was saved with
     with unreadable(lambda detail: f"{ckpt}: cannot be loaded ({detail}); the run dir is unchanged: resume from "
                     "another checkpoint with --from"):  # model, optimizer, scheduler, TrainState, scaler, RNG
         if not native:  # another layout: whole tensors, each rank keeping its part
             portable.resume_from(trainer.accelerator, trainer.backend, trainer.model, trainer.optimizer, ckpt,
                                  trainer.run_dir)
         checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=native)
+    for line in keep_recipe_settings(trainer.optimizer, trainer.objects["scheduler"], settings):
+        trainer.tracker.log("info", {"message": f"resume: {line} (the recipe's, not the checkpoint's)"})
     if not native:
         trainer.tracker.log("info", {"message": f"resume: {ckpt.name} resharded from {saved_by} on {saved_world} "
                                                 f"process(es) to {trainer.backend.name} on {world}"})

@@ -236,6 +236,30 @@ def test_allowed_change_is_logged_and_layout_changes_need_no_flag(tmp_path: Path
     assert _steps_logged(run) == [1, 2, 3, 4, 5, 6]
 
 
+def test_an_allowed_change_of_the_optimizer_trains_with_the_recipes_values(tmp_path: Path) -> None:
+    """`finetune resume RUN optim.lr=... --allow-config-change` (the fix a diverged or collapsed run's line gives)
+    trains on with the new lr on the recipe's schedule, and a new weight decay: the checkpoint's optimizer and
+    schedule state would otherwise bring back the values it was saved with."""
+    from finetune.config.schema import SchedulerConfig
+    from finetune.runtime.optim import lr_factor
+
+    recipe = resume_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2}, optim={"lr": 1e-3})
+    _sigterm_after(1)
+    assert _cli("run", str(write_named(tmp_path, "r", recipe))) == 143
+    hooks.clear()
+    run = tmp_path / "r"
+    assert _cli("resume", str(run), "optim.lr=1e-4", "optim.weight_decay=0.1", "--allow-config-change") == 0
+    schedule = SchedulerConfig(**recipe["scheduler"])
+    rows = {r["step"]: r["lr"] for r in read_metrics(run) if r["kind"] == "train"}
+    assert [rows[s] for s in (1, 2)] == pytest.approx([1e-3 * lr_factor(s - 1, schedule, 6) for s in (1, 2)])
+    later = (3, 4, 5, 6)
+    assert [rows[s] for s in later] == pytest.approx([1e-4 * lr_factor(s - 1, schedule, 6) for s in later])
+    log = (run / "train.log").read_text()
+    assert "resume: optimizer group 0 initial_lr: 0.001 -> 0.0001 (the recipe's, not the checkpoint's)" in log
+    assert "resume: optimizer group 0 weight_decay: 0.0 -> 0.1" in log
+    assert "group 1 weight_decay" not in log  # biases and norms never decay
+
+
 def _as_an_older_finetune_wrote_it(run: Path) -> None:
     """Drop data.add_bos from every recipe the run holds (finetune wrote none before the key existed), and list the
     changed files in each checkpoint's manifest as that finetune would have."""

@@ -6,13 +6,23 @@ import errno
 
 import pytest
 
-from finetune.errors import Aborted, ConfigError, Interrupted, NonFiniteError, RunDirError, describe, run_main
+from finetune.errors import (
+    Aborted,
+    CollapseError,
+    ConfigError,
+    Interrupted,
+    NonFiniteError,
+    RunDirError,
+    describe,
+    run_main,
+)
 
 
 @pytest.mark.parametrize(("exc", "code", "lines"), [
     (ConfigError("a: bad\nb: worse"), 2, ["error: a: bad", "error: b: worse"]),
     (RunDirError("runs/x is in use by pid 7"), 2, ["error: runs/x is in use by pid 7"]),
     (NonFiniteError("training diverged"), 3, ["error: training diverged"]),
+    (CollapseError("training collapsed"), 3, ["error: training collapsed"]),
     (Interrupted("stopped by signal after step 4", 143), 143, ["stopped by signal after step 4"]),
     (Aborted(), 130, ["aborted (second interrupt): no checkpoint written for the current step"]),
     (OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"), 2,
