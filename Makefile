@@ -37,10 +37,12 @@ test: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not extended"
 
-# Everything: make test, then the extended 2-process files (VLM on every backend, loading weights once, sharded
-# exports), which CI leaves out to stay under 30 minutes on 2 cores.
+# Everything: make test, then the extended files, which CI leaves out to stay under 30 minutes on 2 cores: the
+# 2-process ones (VLM on every backend, loading weights once, sharded exports) and the one-process ones (finetune
+# against TRL, an implementation it shares no code with: tests/integration/test_parity_trl.py).
 test-all: test
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "distributed and extended" tests/distributed
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "extended and not distributed" tests/integration
 
 # The suite against the newest releases pyproject.toml allows (no constraints), in a fresh $(LATEST): what the next
 # `make constraints` would pin. The same torch as `make setup` (TORCH_SPEC), so only the other libraries move.
