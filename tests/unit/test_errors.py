@@ -108,16 +108,16 @@ def test_a_closed_pipe_never_stops_a_command(monkeypatch: pytest.MonkeyPatch) ->
 def test_ctrl_c_that_typer_turns_into_exit_130_still_says_what_stopped(monkeypatch: pytest.MonkeyPatch,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """Typer catches KeyboardInterrupt and exits 130 without a word; run_main still prints the line."""
-    import os
     import signal
     import sys
     import time
 
     monkeypatch.setattr(sys, "argv", ["finetune", "export", "runs/q", "-o", "q"])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "an earlier test left its SIGINT handler"
 
     def typer_like() -> None:
         try:
-            os.kill(os.getpid(), signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)  # to this (the main) thread, not any thread of the process (os.kill)
             time.sleep(5)
         except KeyboardInterrupt:
             sys.exit(130)
