@@ -10,6 +10,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from finetune import registry
 from finetune.config import accelerate
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
-from finetune.config.compose import DATA_SUFFIXES, Composed, compose_stored
+from finetune.config.compose import DATA_SUFFIXES, Composed, _file_kind, compose_stored
 from finetune.config.schema import (
     SOURCE_TAGS,
     DataConfig,
@@ -331,7 +332,9 @@ def _source_lines(data: DataConfig, row: registry.SupportedModel | None, train_f
             path_key = key if isinstance(value, str) else f"{where}.path"
             local = source.path.endswith(DATA_SUFFIXES)
             if local and not Path(source.path).is_file() and (train_files or key != "data.train"):
-                lines.append(f"{path_key}: file not found: {source.path}")
+                odd = Path(source.path).exists() and not Path(source.path).is_dir()  # a named pipe, a device
+                what = f"not a regular file ({_file_kind(os.stat(source.path).st_mode)})" if odd else "file not found"
+                lines.append(f"{path_key}: {what}: {source.path}")
             if local or Path(source.path).exists():
                 if source.subset is not None:
                     lines.append(f"{where}.subset: {source.path} is a local file, which has no subsets (a subset "

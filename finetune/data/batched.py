@@ -19,18 +19,21 @@ raises the first failed shard's error, and a shard stops at its first bad row, s
 of the file (tests/unit/test_batched_tokenize.py holds it to that).
 
 :class:`Progress` reports a pass that really runs (a cache hit runs no row function) as plain lines; with several
-processes its counters live in shared memory that forked workers inherit, so the lines stay one pass's lines.
+processes its counters live in shared memory that forked workers inherit, so the lines stay one pass's lines. The
+workers die with the process that forked them, whatever kills it (:func:`workers_die_with_this_process`).
 """
 
 from __future__ import annotations
 
 import bisect
 import contextlib
+import ctypes
 import dataclasses
 import itertools
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -62,6 +65,59 @@ def processes(num_proc: int | None, rows: int) -> int:
         return max(1, min(num_proc, rows))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, MAX_DEFAULT_PROCESSES, rows // MIN_ROWS_PER_PROCESS))
+
+
+# ------------------------------------------------------------------------------------------------ worker lifetime
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal the kernel sends this process when the thread that forked it ends
+_FORKING: list[int] = []  # inside workers_die_with_this_process: the pid whose forks are tokenizing workers
+_AT_FORK: list[bool] = []  # the fork hook is registered (once per process; os.register_at_fork has no undo)
+
+
+def _die_with_parent(parent: int) -> None:
+    """In a process just forked by ``parent``: be killed (SIGKILL) when ``parent`` dies, whatever kills it; exit
+    now if it died before that was asked (the child of a dead parent is adopted by another process)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _forked() -> None:
+    """Runs first in every forked child (os.register_at_fork); acts only in one forked inside
+    :func:`workers_die_with_this_process` (a pool worker, or the manager process that carries their results)."""
+    if not _FORKING:
+        return
+    parent = _FORKING[-1]
+    _FORKING.clear()  # what this child forks itself is not the parent's worker
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C: the parent stops the pool and says one line
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the pool ends a worker with SIGTERM: not the parent's handler
+
+
+def workers_running() -> bool:
+    """Whether this process is inside :func:`workers_die_with_this_process` (its tokenizing workers may be running)."""
+    return bool(_FORKING) and _FORKING[-1] == os.getpid()
+
+
+@contextlib.contextmanager
+def workers_die_with_this_process() -> Iterator[None]:
+    """While inside, every process forked from this one (``datasets``' pool of ``data.num_proc`` workers, and
+    the manager process it starts beside them) is killed by the kernel when this process dies, SIGKILL included
+    (Linux's PR_SET_PDEATHSIG; elsewhere only the check that the parent is alive when the child starts), ignores
+    Ctrl+C (this process stops the pool and says one line; a worker would print a traceback) and keeps SIGTERM's
+    default action (the pool's terminate ends a worker; this process's own SIGTERM handler is not the worker's).
+    Why: workers that outlived their killed parent went on tokenizing for nobody."""
+    if not _AT_FORK:
+        os.register_at_fork(after_in_child=_forked)
+        _AT_FORK.append(True)
+    _FORKING.append(os.getpid())
+    try:
+        yield
+    finally:
+        if _FORKING:  # a child that left the block (none of datasets' do) cleared it
+            _FORKING.pop()
 
 
 # ------------------------------------------------------------------------------------------------------ progress

@@ -5,7 +5,9 @@ Every row is checked before tokenization so a bad row fails with the file, its 1
 field, instead of a KeyError deep inside ``map``. Whatever is wrong with a file (not UTF-8, not JSON, a
 directory, unreadable, corrupt) becomes one :class:`DataError` line: ``datasets``' own exceptions name no line
 and arrive as several log lines plus a traceback, so the cheap checks run first and the expensive scans that find
-the line run only after ``datasets`` has failed.
+the line run only after ``datasets`` has failed. A file read before and unchanged since is read from the
+``datasets`` cache; when that entry is damaged (unreadable, or fewer rows than were read), the file is read into the
+cache again with a one-line note, never blamed for it (:mod:`finetune.data.cache`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import csv
 import json
 import logging
 import math
+import os
 import re
+import stat
 import sys
 import threading
 from collections.abc import Iterator
@@ -23,7 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.data import sources, vision
+from finetune.config.compose import _file_kind
+from finetune.data import cache, sources, vision
 from finetune.data.rows import check_turns, error_detail, line_of, short_repr
 from finetune.errors import DataError
 
@@ -60,15 +65,25 @@ def _json_kind(value: Any) -> str:
 # ------------------------------------------------------------------------------------------- file-level checks
 
 
+def check_regular(source: str) -> None:
+    """Refuse a path that exists but is neither a folder nor a regular file (a named pipe, a device such as a link
+    to /dev/zero, a socket): reading one blocks or never ends, and "not found" or "unsupported type" would be wrong."""
+    try:
+        mode = os.stat(source).st_mode
+    except (OSError, ValueError):
+        return
+    if not stat.S_ISDIR(mode) and not stat.S_ISREG(mode):
+        raise DataError(f"{source}: not a regular file ({_file_kind(mode)}); name one {'/'.join(BUILDERS)} file")
+
+
 def check_file(source: str) -> None:
     """The path names a readable, non-empty regular file (each failure would otherwise surface inside datasets)."""
     path = Path(source)
     if path.is_dir():
         raise DataError(f"{source}: is a directory, not a data file; name one {'/'.join(BUILDERS)} file")
+    check_regular(source)
     if not path.exists():
         raise DataError(f"{source}: data file not found")
-    if not path.is_file():
-        raise DataError(f"{source}: not a regular file; name one {'/'.join(BUILDERS)} file")
     try:
         with open(source, "rb"):
             pass
@@ -248,6 +263,19 @@ def _scan_json(path: str) -> None:
         _check_kinds(item, line_of(path, index), f"row {index + 1}", seen)
 
 
+def check_header(path: str) -> None:
+    """A csv header names each column once: ``datasets`` (pandas) renames a second ``output`` to ``output.1``, so
+    the rows silently trained on the first column of that name."""
+    with open(path, encoding="utf-8-sig", newline="") as handle:
+        try:
+            header = next(csv.reader(handle), [])
+        except csv.Error:  # left to datasets' own message
+            return
+    twice = next((name for i, name in enumerate(header) if name in header[:i]), None)
+    if twice is not None:
+        raise DataError(f"{path}:1: the header names the column {twice!r} twice; give each column its own name")
+
+
 def _scan_csv(path: str) -> None:
     """Find why a csv file cannot be loaded: no data rows, or a row with more fields than the header (pandas names
     that line, but inside a message about tokenizing, with no file)."""
@@ -359,12 +387,39 @@ def _check_cache_error(exc: BaseException, source: str) -> None:
                     "folder") from None
 
 
+def _read_local(source: str, suffix: str, mode: str | None) -> Dataset:
+    """``datasets.load_dataset`` of one local file (``mode``: its download_mode, None to read the cache)."""
+    import datasets  # lazy: heavy
+
+    with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."), cache.writes(source, "reading"):
+        return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train", download_mode=mode)
+
+
+def _from_cache(source: str, suffix: str) -> Dataset | None:
+    """The rows of ``source`` from the datasets cache, which holds this very file (read before, unchanged since): so
+    a failure to read them, or a count that differs from the one recorded, is the cache's damage, never the file's.
+    None then, after a one-line note: the caller reads the file again into the cache."""
+    try:
+        raw = _read_local(source, suffix, None)
+        problem = cache.missing_rows(raw, "train")
+    except DataError:
+        raise
+    except Exception as exc:
+        problem = error_detail(exc)
+    if problem is None:
+        return raw
+    print(f"note: the datasets cache of {source} was damaged ({problem}); discarded it, reading the file again",
+          file=sys.stderr, flush=True)
+    return None
+
+
 def load_raw(source: str, subset: str | None = None, split: str = "train") -> Dataset:
     """Load one split's raw rows from a local file or a hub dataset name (``subset``: the hub dataset's
     configuration name, ``split``: its split; a local file is the one split ``train``)."""
     import datasets  # lazy: heavy
 
     suffix = Path(source).suffix
+    check_regular(source)
     if suffix in BUILDERS:
         check_file(source)
         if suffix in TEXT_SUFFIXES:
@@ -374,13 +429,19 @@ def load_raw(source: str, subset: str | None = None, split: str = "train") -> Da
             _check_blank_lines(source)  # rows must map to lines one to one for file:line errors
         elif suffix == ".json":
             _check_json_top(source)
+        elif suffix == ".csv":
+            check_header(source)
         read = sources.stamp(source)  # the cache keys a file by its mtime alone: sources reads a changed one again
+        mode = sources.download_mode(source, read)
+        cached = _from_cache(source, suffix) if mode is None else None
+        if cached is not None:
+            return cached
         try:
-            with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."):
-                raw = datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train",
-                                            download_mode=sources.download_mode(source, read))
+            raw = _read_local(source, suffix, "force_redownload")
             sources.remember(source, read)
             return raw
+        except DataError:
+            raise
         except Exception as exc:  # datasets wraps parse errors in several exception types
             _check_cache_error(exc, source)
             # find the offending line (only on failure: a full parse costs seconds per 1M rows)

@@ -47,8 +47,16 @@ import numpy as np
 
 from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource
 from finetune.data import batched
-from finetune.data.loading import BUILDERS, check_file, label_error, quiet_datasets, scan_jsonl
-from finetune.data.rows import error_detail, line_of
+from finetune.data.loading import (
+    BUILDERS,
+    check_file,
+    check_header,
+    check_regular,
+    label_error,
+    quiet_datasets,
+    scan_jsonl,
+)
+from finetune.data.rows import IGNORE, error_detail, line_of
 from finetune.data.tokenize import Tokenized, label_index
 from finetune.errors import DataError
 
@@ -126,8 +134,11 @@ class DatasetRows:
     def __init__(self, source: DataSource, name: str) -> None:
         self.source, self.name = source, name
         self.suffix = Path(source.path).suffix
+        check_regular(source.path)  # a named pipe or a device (a link to /dev/zero) is refused, whatever its name
         if self.suffix in BUILDERS:
             check_file(source.path)
+            if self.suffix == ".csv":
+                check_header(source.path)
         elif Path(source.path).exists():
             raise DataError(f"{source.path}: unsupported data file type; use one of {', '.join(BUILDERS)}")
         self._dataset: Any = None  # the IterableDataset, opened once (load_dataset costs seconds; a pass is an iter)
@@ -291,14 +302,48 @@ class TrainStream:
     steps and this rank's micro-batches. A checkpoint object: :meth:`state_dict` is the whole data cursor."""
 
     def __init__(self, sources: list[SourceStream], weights: list[float], *, seed: int, packing: bool,
-                 max_len: int) -> None:
+                 max_len: int, vocab: int | None = None) -> None:
         self.sources, self.seed, self.packing, self.max_len = sources, seed, packing, max_len
+        self.vocab = vocab  # the tokenizer's size: a restored sample's token ids lie below it
         total = sum(weights)
         self.bounds = list(itertools.accumulate(w / total for w in weights))[:-1]  # source i: u < bounds[i]
         self.choices, self.carry = 0, None
 
     def state_dict(self) -> dict[str, Any]:
         return {"sources": [s.state_dict() for s in self.sources], "choices": self.choices, "carry": self.carry}
+
+    def restored_problems(self, held: Any, counters: dict[str, Any]) -> list[str]:
+        """What is wrong with the cursor a checkpoint holds (``held``; None: none, a checkpoint of a run that did
+        not stream), asked before anything loads (finetune.artifacts.restored.check_objects): its counters must be
+        whole numbers >= 0, each source's pending samples the shape tokenizing makes (token ids below the
+        tokenizer's size, labels a token id or the ignore index), one state per source. A forged cursor (a re-hashed
+        manifest) used to fail at the first resumed step, inside the model, after the metrics rows past the
+        checkpoint were dropped."""
+        if held is None:
+            return ["is missing: this run streams its data, and its cursor is what a resume continues from"]
+        if not isinstance(held, dict) or set(held) != {"sources", "choices", "carry"}:
+            return ["is not a data stream's cursor (sources, choices, carry)"]
+        found = _counts(held, ("choices",), "")
+        if held["carry"] is not None:
+            found += _sample_problems(held["carry"], "the carried sample", self.vocab)
+        sources = held["sources"]
+        if not isinstance(sources, list) or len(sources) != len(self.sources):
+            return [*found, f"holds {len(sources) if isinstance(sources, list) else 'no'} source states for the "
+                            f"{len(self.sources)} sources of data.train"]
+        for i, source in enumerate(sources):
+            where = f"source {i}"
+            if not isinstance(source, dict) or set(source) != {"position", "passes", "rows", "kept", "queue",
+                                                                "buffer", "draws"}:
+                found.append(f"{where} is not a source's cursor")
+                continue
+            found += _counts(source, ("passes", "rows", "kept", "draws"), f"{where}: ")
+            if not isinstance(source["position"], dict):
+                found.append(f"{where}: its position is not a reader's position")
+            for part in ("queue", "buffer"):
+                samples = source[part] if isinstance(source[part], list) else [None]
+                found += [problem for k, sample in enumerate(samples)
+                          for problem in _sample_problems(sample, f"{where}: {part}[{k}]", self.vocab)]
+        return found[:3]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if len(state["sources"]) != len(self.sources):
@@ -418,6 +463,33 @@ def _as_is(item: Any) -> Any:
     return item
 
 
+def _whole(value: Any) -> bool:
+    """Whether ``value`` is a whole number >= 0 (not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _counts(state: dict[str, Any], keys: tuple[str, ...], where: str) -> list[str]:
+    """A line for each of ``keys`` whose value in ``state`` is not a whole number >= 0."""
+    return [f"{where}{key} is {state[key]!r}, not a count" for key in keys if not _whole(state[key])]
+
+
+def _sample_problems(sample: Any, where: str, vocab: int | None) -> list[str]:
+    """What is wrong with a restored sample: a mapping whose token lists (``*input_ids``, ``prompt_ids``) hold ids
+    in [0, ``vocab``) and whose ``labels`` hold such ids or the ignore index, one per input id."""
+    if not isinstance(sample, dict) or not isinstance(sample.get("input_ids"), list) or not sample["input_ids"]:
+        return [f"{where} is not a tokenized sample"]
+    below = vocab if vocab is not None else float("inf")
+    for key, ids in sample.items():
+        tokens = key.endswith("input_ids") or key == "prompt_ids"
+        if tokens and (not isinstance(ids, list) or not all(_whole(t) and t < below for t in ids)):
+            return [f"{where}: {key} holds a value that is not a token id (below {vocab})"]
+    labels = sample.get("labels")
+    if labels is not None and (not isinstance(labels, list) or len(labels) != len(sample["input_ids"])
+                               or not all(t == IGNORE or (_whole(t) and t < below) for t in labels)):
+        return [f"{where}: labels are not one token id (or the ignore index {IGNORE}) per input id"]
+    return []
+
+
 def open_stream(cfg: DataConfig, tokenizer: Any, *, seed: int, names: list[str], images: Any = None,
                 labels: list[str] | None = None) -> TrainStream:
     """The training stream of ``cfg`` (``data.streaming``): no row is read yet, but every local file is checked
@@ -437,7 +509,7 @@ def open_stream(cfg: DataConfig, tokenizer: Any, *, seed: int, names: list[str],
         sources.append(SourceStream(number, name, reader, tokenize, seed=seed,
                                     buffer=cfg.shuffle_buffer if cfg.shuffle else 0, max_len=cfg.max_seq_len))
     return TrainStream(sources, [s.weight for s in cfg.train_sources()], seed=seed, packing=cfg.packing,
-                       max_len=cfg.max_seq_len)
+                       max_len=cfg.max_seq_len, vocab=len(tokenizer))
 
 
 def peek_split(stream: TrainStream) -> Tokenized:

@@ -13,10 +13,16 @@ into strings. With fixed types the tokenized split is the same whatever file typ
 
 ``datasets``' own progress bars and info lines are off while it works (:func:`finetune.data.loading.quiet_datasets`);
 a tokenization pass that really runs (not a cache hit) says so on stderr instead (:class:`Progress`).
+
+The cache files are finetune's to check (:mod:`finetune.data.cache`): ``map`` gets finetune's own key for them, a
+damaged one is discarded before it is read, whether the pass ran is told by the files it returned, and a full
+cache disk is one line naming the cache folder. A Ctrl+C or a SIGTERM during a pass with several processes stops it
+as itself: ``datasets``' pool re-raised it as a TimeoutError while it unwound (an internal error).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import re
@@ -26,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from finetune.data import batched, prompt_rows
+from finetune.data import batched, cache, prompt_rows
 from finetune.data.batched import Progress
 from finetune.data.loading import check_columns, label_error, quiet_datasets, raw_values
 from finetune.data.rows import IGNORE, line_of
@@ -210,16 +216,26 @@ def tokenize_rows(
                                             "train_on_prompt": train_on_prompt, "add_bos": add_bos}
     procs = batched.processes(num_proc, len(dataset))
     fn_kwargs = {**kwargs, "source": source, "code_version": CODE_VERSION}
+    features = output_features(fmt)
+    key = cache.key(dataset, fn, fn_kwargs, features)
+    before = cache.check_entries(dataset, key, features, source)  # a damaged entry is discarded, with a note
     progress = Progress(source, len(dataset), shared=procs > 1)
     batched.ACTIVE.append(progress)
+    workers = batched.workers_die_with_this_process() if procs > 1 else contextlib.nullcontext()
     try:
-        with quiet_datasets():
+        with quiet_datasets(), cache.writes(source, "tokenizing"), workers:
             mapped = dataset.map(fn, with_indices=True, batched=True, batch_size=batched.BATCH_ROWS,
                                  num_proc=procs if procs > 1 else None, fn_kwargs=fn_kwargs,
-                                 remove_columns=dataset.column_names, features=output_features(fmt))
+                                 remove_columns=dataset.column_names, features=features, new_fingerprint=key)
+    except Exception as exc:
+        stop = _stop_behind(exc)
+        if stop is None:
+            raise
+        raise stop from None
     finally:
         batched.ACTIVE.remove(progress)
     progress.finish()
+    cached = not cache.tokenized_now(mapped, before)
     # read straight from Arrow into numpy: no Python object per row (memory flat in the row count, issue 25)
     table = mapped.with_format("arrow")
     over_mask = np.asarray(table["overlong"].to_numpy(), dtype=bool)
@@ -234,4 +250,18 @@ def tokenize_rows(
         raise DataError(f"{source}: no usable samples left after applying data.max_seq_len={max_len}")
     return Tokenized(mapped.remove_columns(["overlong", "n_labels"]),
                      truncated=over if overlong == "truncate" else 0,
-                     dropped=over if overlong == "drop" else 0, no_answer=no_answer, cached=not progress.done)
+                     dropped=over if overlong == "drop" else 0, no_answer=no_answer, cached=cached)
+
+
+def _stop_behind(exc: BaseException) -> BaseException | None:
+    """The stop (Ctrl+C, a stop signal: a BaseException that is no Exception) that ``exc`` was raised while
+    handling, if any: ``datasets``' pool raises TimeoutError from the cleanup of one, which must not turn a stop into
+    an internal error."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if not isinstance(current, Exception):
+            return current
+        current = current.__cause__ or current.__context__
+    return None

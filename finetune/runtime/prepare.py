@@ -9,27 +9,37 @@ rows/s here, so 16 minutes for a million rows) or downloading a model's weights.
   line before anything is launched).
 - On every rank, before the Accelerator (and so the process group) is created: under a user's launcher (no front
   process of ours) this is where the work happens. The first process to take a file lock beside the datasets cache
-  (``finetune-locks/<key>.lock``, keyed by the data, the model and this code) tokenizes; the others wait on that
-  lock, not in a collective, then read the cache. A cache on a disk that every node shares is filled once, a
-  per-node cache once per node.
+  (``finetune-locks/<key>.lock``, keyed by the data, the model and this code; :mod:`finetune.runtime.cachelock`)
+  tokenizes; the others wait on that lock, not in a collective, then read the cache. A cache on a disk that every
+  node shares is filled once, a per-node cache once per node. The lock is the process's own (its tokenizing workers
+  never hold it, and they die with it), so a killed process leaves nothing that blocks the next one.
 - ``finetune preprocess``: only this, ahead of any run (:func:`report` says per source whether it was tokenized
   now or read from the cache), so a later ``finetune run`` finds the caches filled.
+
+A SIGTERM while this runs stops it with one line and exit code 143, as Ctrl+C does with 130 (no training loop is
+there yet to stop at a step boundary); nothing half-written is published, since ``datasets`` moves a cache file into
+place only once it is complete.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
+import signal
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from finetune.config import RecipeConfig
+from finetune.errors import Interrupted
 from finetune.registry import SupportedModel
+from finetune.runtime import cachelock
 
 if TYPE_CHECKING:  # the data package imports numpy: not at CLI start-up
     from finetune.data import DataBundle
@@ -64,12 +74,67 @@ def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
         return Inputs(tokenizer, images, data, row)
 
     lock, done = _lock_files(cfg)
-    with _exclusive(lock):  # waits while another process fills the caches; its failure leaves `done` unwritten
-        if not done.exists():
-            result = load()
-            done.touch()
-            return result
-    return load()  # the caches are warm: every process reads them at once
+    what = ", ".join(dict.fromkeys(s.path for s in (*cfg.data.train_sources(), *cfg.data.eval_sources())))
+    with _stops_on_sigterm():
+        # waits while another process fills the caches; its failure leaves `done` unwritten
+        with cachelock.held(lock, what):
+            if not cachelock.is_done(done):
+                result = load()
+                cachelock.mark_done(done)
+                return result
+        return load()  # the caches are warm: every process reads them at once
+
+
+STOPPED = ("terminated (SIGTERM) while the data was read and tokenized; nothing half-written was published (the next "
+           "run or `finetune preprocess` of this data goes on from the complete cache entries)")
+
+
+class _Terminated(BaseException):
+    """A SIGTERM while the inputs are read. Not an Exception: no ``except Exception`` on its way up (``datasets``,
+    the data loaders) may take it for a bad file; :func:`_stops_on_sigterm` turns it into its one line."""
+
+
+def _end_now() -> None:
+    """Say :data:`STOPPED` and end this process at once, skipping the unwinding. Only while tokenizing workers run:
+    a SIGTERM sent to the whole process group (``timeout``, Slurm's scancel, systemd) kills an idle worker while it
+    holds the lock of the pool's task queue, and the pool's teardown then waits for that lock for ever. The workers
+    and the pool's manager die with this process (:func:`finetune.data.batched.workers_die_with_this_process`), the
+    kernel drops the cache lock, and a cache file is published only complete."""
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    with contextlib.suppress(Exception):
+        print(STOPPED, file=sys.stderr, flush=True)
+    os._exit(128 + signal.SIGTERM)
+
+
+@contextlib.contextmanager
+def _stops_on_sigterm() -> Iterator[None]:
+    """Inside, a SIGTERM stops the work with one line and exit code 143 (:data:`STOPPED`) instead of killing the
+    process silently; a second one while it unwinds is ignored. Only where nobody else handles SIGTERM (the main
+    thread, the default action): a launcher's or the training loop's own handler is left alone."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+    signalled: list[int] = []
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        if signalled:
+            return
+        signalled.append(signum)
+        from finetune.data import batched  # lazy: imports numpy (already imported: the data is being read)
+
+        if batched.workers_running():  # see _end_now
+            _end_now()
+        raise _Terminated()
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    except _Terminated:
+        raise Interrupted(STOPPED, 128 + signal.SIGTERM) from None
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def report(cfg: RecipeConfig, data: DataBundle, *, hits_only: bool = False) -> list[str]:
@@ -151,23 +216,3 @@ def _lock_files(cfg: RecipeConfig) -> tuple[Path, Path]:
     folder = Path(datasets_config.HF_DATASETS_CACHE) / "finetune-locks"
     name = hashlib.sha256(key.encode()).hexdigest()[:24]
     return folder / f"{name}.lock", folder / f"{name}.done"
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (waiting for it). Where none can be taken (an unwritable cache, a
-    file system without locks), go on unlocked: the processes then tokenize side by side, which is correct, only
-    slower."""
-
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError:
-        yield
-        return
-    try:
-        with contextlib.suppress(OSError):
-            fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing drops the lock (so does the process dying)

@@ -2,6 +2,8 @@
 
 FINETUNE_SLOW_CHECKPOINT=N: after the files of checkpoint step N are written (still under .tmp), create
 ``<tmp>/../slow-write-started`` and sleep, so the test can SIGKILL the process in the middle of a checkpoint write.
+FINETUNE_SLOW_TOKENIZE=PATH: when a tokenization pass starts (in the worker that ticks first, with data.num_proc > 1),
+write that process's pid to PATH and sleep, so the test can stop the command in the middle of tokenizing.
 """
 
 from __future__ import annotations
@@ -21,3 +23,13 @@ def _slow_checkpoint(path: Path) -> None:
 
 
 hooks.register("checkpoint_written", _slow_checkpoint)
+
+
+def _slow_tokenize(source: str) -> None:
+    mark = os.environ.get("FINETUNE_SLOW_TOKENIZE")
+    if mark:
+        Path(mark).write_text(str(os.getpid()))
+        time.sleep(120)
+
+
+hooks.register("tokenizing", _slow_tokenize)

@@ -169,6 +169,16 @@ def data_case(fmt: str, name: str, content: str | bytes, model: str = "tiny-llam
     return build
 
 
+def special_data(make: Callable[[Path], object], **data: object) -> Callable[[Env], list[str]]:
+    """A run whose data.train is ``d.jsonl`` as ``make`` leaves it (a named pipe, a link to a device)."""
+    def build(env: Env) -> list[str]:
+        make(env.root / "d.jsonl")
+        return ["run", env.recipe("r", data={"format": "alpaca", "train": str(env.root / "d.jsonl"), "eval": None,
+                                             **data})]
+
+    return build
+
+
 def ckpt(run: Path, step: int = 2) -> Path:
     return rundir.step_dir(run, step)
 
@@ -393,6 +403,13 @@ CASES = [
     Case("data-empty", data_case("alpaca", "d.jsonl", ""), needle="the file is empty", creates="r"),
     Case("data-directory", lambda e: ["run", e.recipe("r", data={"format": "alpaca", "eval": None, "train": str(
         e.write("d.jsonl/x", "x").parent)})], needle="d.jsonl", creates="r"),
+    *[Case(f"data-{kind}{'-streamed' * streamed}", special_data(make, streaming=streamed), needle=needle)
+      for kind, make, needle in (("fifo", os.mkfifo, "data.train: not a regular file (a named pipe): "),
+                                 ("link-to-dev-zero", lambda path: path.symlink_to("/dev/zero"),
+                                  "data.train: not a regular file (a character device): "))
+      for streamed in (False, True)],
+    Case("data-csv-column-twice", data_case("alpaca", "d.csv", "instruction,output,output\nSay.,a,b\n"),
+         needle="d.csv:1: the header names the column 'output' twice"),
     Case("data-csv-text-labels-train", data_case("classification", "t.csv", CSV_TEXT_LABELS, "bert"), code=0,
          creates="r"),
     Case("data-one-label", data_case("classification", "t.jsonl", ONE_LABEL, "bert"),

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from finetune.runtime.tracking import read_metrics
+from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, cli_exit_code, final_weights, run_stopped_after, tiny_recipe, write_named
 
 pytestmark = pytest.mark.integration
@@ -36,7 +37,35 @@ def _streamed(tmp_path: Path) -> dict[str, Any]:
             "packing": True, "max_seq_len": 128}
 
 
-def test_a_stream_resumes_bit_for_bit(tmp_path: Path) -> None:
+def _a_forged_cursor_is_refused(run: Path, cursor: dict[str, Any], monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A cursor forged in the checkpoint (its manifest re-hashed): a token id past the vocabulary in a buffered
+    sample, a negative count. Resume refuses each in one line naming data_stream.json before anything loads, and
+    leaves metrics.jsonl as it was; the checkpoint is then put back as finetune wrote it."""
+    import copy
+
+    from finetune.artifacts import rundir
+    from finetune.artifacts.checkpoint import write_state
+
+    folder = run / "checkpoints" / "step-000002"
+    manifest = {k: v for k, v in rundir.read_manifest(folder).items() if k != "files"}
+    metrics = (run / "metrics.jsonl").read_bytes()
+    far = copy.deepcopy(cursor)
+    source = next(s for s in far["sources"] if s["buffer"])
+    source["buffer"][0]["input_ids"][0] = 10**6
+    negative = {**copy.deepcopy(cursor), "choices": -1}
+    for forged, said in ((far, "input_ids holds a value that is not a token id"), (negative, "choices is -1")):
+        write_state(folder, "data_stream", forged)
+        rundir.write_manifest(folder, manifest)
+        code, out, err = main_exit(monkeypatch, capsys, "resume", str(run))
+        lines = assert_user_error(code, out, err, "data_stream.json", said)
+        assert len(lines) == 1 and (run / "metrics.jsonl").read_bytes() == metrics
+    write_state(folder, "data_stream", cursor)
+    rundir.write_manifest(folder, manifest)
+
+
+def test_a_stream_resumes_bit_for_bit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
     """4 straight steps == 1 step, SIGTERM (checkpoint at step 2), `finetune resume`, 2 more: the same losses and
     the same final weights; the checkpoint holds the stream's cursor. The stopped and resumed run tokenizes in a
     DataLoader worker (data.num_workers: 1), the straight run in its own process. Attention dropout makes the RNG
@@ -54,6 +83,7 @@ def test_a_stream_resumes_bit_for_bit(tmp_path: Path) -> None:
     cursor = read_state(resumed / "checkpoints" / "step-000002", "data_stream")
     # 16 packed rows of one or more samples drawn from the shuffle buffers, and the sample left over is carried
     assert sum(source["draws"] for source in cursor["sources"]) > 16 and cursor["carry"] is not None
+    _a_forged_cursor_is_refused(resumed, cursor, monkeypatch, capsys)
     assert cli_exit_code("resume", str(resumed)) == 0
 
     def losses(run: Path) -> list[tuple[int, float]]:

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +155,46 @@ def test_a_corrupt_arrow_file_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=rf"^{path}: cannot be read as arrow \(") as error:
         load_raw(str(path))
     assert "\n" not in str(error.value)
+
+
+# forks a worker inside workers_die_with_this_process; the worker reports whether it ignores Ctrl+C, then sleeps
+FORKING_PARENT = """
+import os, signal, sys, time
+from finetune.data import batched
+with batched.workers_die_with_this_process():
+    if os.fork() == 0:
+        print(os.getpid(), signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+        time.sleep(120)
+        os._exit(0)
+    time.sleep(120)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_tokenizing_worker_dies_with_the_process_that_forked_it(tmp_path: Path) -> None:
+    """A worker whose parent is SIGKILLed goes at once (it went on tokenizing for nobody); it leaves Ctrl+C to
+    its parent, which stops the pool and says one line."""
+    parent = subprocess.Popen([sys.executable, "-c", FORKING_PARENT], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert parent.stdout is not None
+    worker, ignores_ctrl_c = parent.stdout.readline().split()
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while _running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = _running(worker)
+    if alive:
+        os.kill(int(worker), signal.SIGKILL)
+    assert not alive and ignores_ctrl_c == "True"
+
+
+def _running(pid: str) -> bool:
+    """Whether process ``pid`` runs (a zombie has ended)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_the_default_process_count_follows_the_data(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -301,6 +301,37 @@ def test_unreadable_file(tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPa
     one_line(excinfo, path, "Permission denied")
 
 
+def _fifo(tmp_path: Path) -> str:
+    os.mkfifo(tmp_path / "train.jsonl")
+    return str(tmp_path / "train.jsonl")
+
+
+def _zero_link(tmp_path: Path) -> str:
+    (tmp_path / "train.jsonl").symlink_to("/dev/zero")
+    return str(tmp_path / "train.jsonl")
+
+
+@pytest.mark.parametrize(("make", "kind"), [(_fifo, "a named pipe"), (_zero_link, "a character device"),
+                                            (lambda tmp_path: "/dev/zero", "a character device")],
+                         ids=["fifo", "link-to-dev-zero", "dev-zero"])
+def test_a_pipe_or_a_device_is_not_a_regular_file(tmp_path: Path, make: Any, kind: str) -> None:
+    """Reading one would block or never end; the line says what it is, not "not found" or "unsupported type"."""
+    path = make(tmp_path)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(path)
+    one_line(excinfo, f"{path}: not a regular file ({kind}); name one ")
+
+
+@pytest.mark.parametrize("header", ["instruction,output,output", "output,instruction,output"])
+def test_a_csv_header_that_names_a_column_twice_is_refused(tmp_path: Path, header: str) -> None:
+    """datasets renamed the second column to 'output.1' and trained on the first without a word."""
+    path = tmp_path / "train.csv"
+    path.write_text(f"{header}\nSay hi.,hi,bye\n")
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}:1: the header names the column 'output' twice; give each column its own name")
+
+
 def test_corrupt_parquet(tmp_path: Path) -> None:
     path = tmp_path / "train.parquet"
     path.write_bytes(b"PAR1 this is not a parquet file")

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +158,41 @@ def test_a_bad_row_is_the_cached_paths_line(tmp_path: Path, tok: Any) -> None:
             for _ in range(100):
                 stream.sample()
         assert str(streamed.value) == str(cached.value) and str(cached.value).startswith(where)
+
+
+def _fifo(tmp_path: Path) -> str:
+    os.mkfifo(tmp_path / "train.jsonl")
+    return str(tmp_path / "train.jsonl")
+
+
+def _zero_link(name: str) -> Callable[[Path], str]:
+    def make(tmp_path: Path) -> str:
+        (tmp_path / name).symlink_to("/dev/zero")
+        return str(tmp_path / name)
+
+    return make
+
+
+def _twice_named_column(tmp_path: Path) -> str:
+    (tmp_path / "train.csv").write_text("instruction,output,output\nSay hi.,hi,bye\n")
+    return str(tmp_path / "train.csv")
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (_fifo, "{}: not a regular file (a named pipe); name one "),
+    (_zero_link("train.jsonl"), "{}: not a regular file (a character device); name one "),
+    (_zero_link("train.parquet"), "{}: not a regular file (a character device); name one "),
+    (lambda tmp_path: "/dev/zero", "{}: not a regular file (a character device); name one "),
+    (_twice_named_column, "{}:1: the header names the column 'output' twice; give each column its own name"),
+], ids=["fifo", "link-to-dev-zero", "parquet-link-to-dev-zero", "dev-zero", "csv-column-twice"])
+def test_a_stream_refuses_what_the_cached_path_refuses(tmp_path: Path, tok: Any, make: Callable[[Path], str],
+                                                      expected: str) -> None:
+    """A named pipe or a device (a link to /dev/zero) is not a regular file, whichever reader streams it (JSON lines
+    from a byte offset, or datasets' streaming); a csv header that names a column twice is refused as when cached."""
+    path = make(tmp_path)
+    with pytest.raises(DataError) as error:
+        _stream(DataConfig(format="alpaca", train=path, streaming=True), tok)
+    assert str(error.value).startswith(expected.format(path)), str(error.value)
 
 
 @pytest.mark.parametrize(("train", "needles"), [
