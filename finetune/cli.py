@@ -29,6 +29,7 @@ from finetune.artifacts.resume import begin
 from finetune.artifacts.summary import read_summary
 from finetune.artifacts.summary import render as summary_lines
 from finetune.commands.evaluate import evaluate_target
+from finetune.commands.export import Exported
 from finetune.commands.export import export as export_checkpoint
 from finetune.commands.merge import merge as merge_adapter
 from finetune.config import Composed, compose, load_recipe, outputs, resources, to_yaml
@@ -66,11 +67,12 @@ def _recipe_with_flags(recipe: str, overrides: list[str] | None, **flags: Any) -
     return load_recipe(resources.resolve_recipe(recipe), [*(overrides or []), *extra])
 
 
-def _protected(cfg: RecipeConfig, composed: Composed) -> list[Path | str]:
-    """What a run dir must not contain (so --overwrite can never reach it): the recipe files, data, model folder."""
-    data = [source.path for source in (*cfg.data.train_sources(), *cfg.data.eval_sources())]
-    local = [p for p in (*data, cfg.model.path) if p and Path(p).exists()]
-    return [*composed.files, *local]
+def _protected(cfg: RecipeConfig, composed: Composed) -> list[outputs.Input]:
+    """What a run dir may not be, hold or lie inside (so --overwrite can never reach it), each with the key that
+    names it: everything the run reads (:func:`finetune.config.outputs.recipe_inputs`: the recipe files, model,
+    data, reward models, plugins, accelerate config, caches). :func:`finetune.artifacts.rundir.check_location`
+    refuses the run dir in one line, before anything is created, tokenized or deleted."""
+    return outputs.recipe_inputs(cfg, composed.files)
 
 
 def _is_rank0() -> bool:
@@ -330,11 +332,14 @@ def export(
 ) -> None:
     """Export any checkpoint (any backend, full or LoRA) as a Hugging Face folder, verified in a fresh process."""
 
-    done = export_checkpoint(run_dir, from_, outputs.given(output), overwrite, trust_remote_code)
-    check = (f"verified in a fresh process: logits match the recorded probe, max |delta| {done.delta:.2e} <= "
-             f"{done.tolerance:g}" if done.recorded
-             else "loaded back in a fresh process; no recorded probe, not verified by logits")
-    typer.echo(f"exported {done.checkpoint.name} (step {done.step}) of {run_dir} -> {done.out} ({done.kind}; {check})")
+    def report(done: Exported) -> None:  # said once published, whatever Ctrl+C comes meanwhile (commands/export.py)
+        check = (f"verified in a fresh process: logits match the recorded probe, max |delta| {done.delta:.2e} <= "
+                 f"{done.tolerance:g}" if done.recorded
+                 else "loaded back in a fresh process; no recorded probe, not verified by logits")
+        typer.echo(f"exported {done.checkpoint.name} (step {done.step}) of {run_dir} -> {done.out} ({done.kind}; "
+                   f"{check})")
+
+    export_checkpoint(run_dir, from_, outputs.given(output), overwrite, trust_remote_code, report=report)
 
 
 @app.command("eval")

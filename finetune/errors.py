@@ -215,6 +215,12 @@ def ctrl_c(exc: KeyboardInterrupt | None = None) -> KeyboardInterrupt:
     return exc
 
 
+def is_ctrl_c(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ctrl+C raised by finetune's own SIGINT handlers (:func:`ctrl_c`), not a
+    KeyboardInterrupt that some code raised itself (a plugin's is its failure, not the user's stop)."""
+    return any(exc is seen for seen in _CTRL_C)
+
+
 def _on_sigint(signum: int, frame: FrameType | None) -> None:
     raise ctrl_c()
 

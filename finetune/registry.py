@@ -5,19 +5,25 @@ cheap to import from the CLI. Users add rows for their own families from their o
 (``model.plugin: mypkg.models`` in a recipe) by calling :func:`register`. Such a row may also name any
 ``torch.nn.Module`` factory (``factory="pkg.module:function"``) instead of Hugging Face classes: a custom model,
 resolved by :func:`resolve_factory` only when a model is built or a recipe is validated.
+
+Importing a user's module and calling what it names runs the user's code inside finetune's process:
+:func:`user_code` keeps that code from ending the process (``sys.exit``) or taking over its stdout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import functools
 import importlib
 import re
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, FinetuneError, is_ctrl_c
 
 # reward: a causal LM row built by for_task(row, "reward"); vision_causal_lm: a causal LM that also reads images
 Task = Literal["causal_lm", "vision_causal_lm", "classification", "reward"]
@@ -324,22 +330,67 @@ def _vision_problem(row: SupportedModel) -> str | None:
 
 def resolve_factory(row: SupportedModel) -> Callable[..., Any]:
     """The function a factory row names (``package.module:function``), imported now; one ConfigError line naming
-    model.plugin and the row when it cannot be imported or is not callable."""
+    model.plugin and the row when it cannot be imported or is not callable. What it returns runs the factory under
+    :func:`user_code`."""
     module_name, _, attribute = (row.factory or "").partition(":")
     where = f"model.plugin: SupportedModel {row.name!r} factory {row.factory!r}"
     module = _import(module_name, where, "fix the module")
-    function = getattr(module, attribute, None)
+    with user_code(where, ConfigError, "fix the module"):  # a module-level __getattr__ is its code too
+        function = getattr(module, attribute, None)
     if not callable(function):
         found = "is not callable" if function is not None else "does not exist"
         raise ConfigError(f"{where}: {module_name}.{attribute} {found}; name a function "
                           "(config: dict, dtype) -> torch.nn.Module")
-    return function
+
+    @functools.wraps(function)
+    def build(*args: Any, **kwargs: Any) -> Any:
+        with user_code(where, ConfigError, "fix the factory"):
+            return function(*args, **kwargs)
+
+    return build
+
+
+@contextlib.contextmanager
+def user_code(what: str, error: type[FinetuneError], fix: str) -> Iterator[None]:
+    """Run a user's code (a plugin module's import, a factory, a reward function) as a guest of finetune's process:
+
+    - what it prints goes to stderr, since stdout is finetune's (``finetune eval --json`` prints one JSON object);
+    - an exit it asks for is its failure, not finetune's own exit: ``sys.exit(...)`` (of any code, 0 included), a
+      KeyboardInterrupt it raises itself, or any other BaseException becomes one ``error`` line that starts with
+      ``what`` and ends with ``fix`` (a run that exited 0 here would end with no model and no message);
+    - a real Ctrl+C that arrives while it runs (raised by finetune's own SIGINT handler) stays a Ctrl+C.
+
+    Its ordinary exceptions pass unchanged: each caller words them. ``os._exit`` ends the process without raising
+    anything, so no guard can catch it."""
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    except Exception:
+        raise
+    except SystemExit as exc:
+        raise error(f"{what}: called sys.exit({_shown(exc.code)}), which would end finetune's process (without its "
+                    f"model or a message); {fix}") from None
+    except KeyboardInterrupt as exc:
+        if is_ctrl_c(exc):
+            raise
+        raise error(f"{what}: raised KeyboardInterrupt itself (no Ctrl+C was pressed), which would stop finetune "
+                    f"as a Ctrl+C does; {fix}") from None
+    except BaseException as exc:  # GeneratorExit or a class of its own that no `except Exception` catches
+        raise error(f"{what}: raised {type(exc).__name__}, which is not an Exception; {fix}") from None
+
+
+def _shown(code: object) -> str:
+    """An exit code as a message shows it: short, on one line."""
+    text = repr(code)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _import(module: str, where: str, fix: str) -> Any:
-    """Import a user's module; whatever it raises is one ConfigError line starting with ``where``."""
+    """Import a user's module; whatever it raises (an exit it asks for included, :func:`user_code`) is one
+    ConfigError line starting with ``where``."""
     try:
-        return importlib.import_module(module)
+        with user_code(f"{where}: importing {module!r}", ConfigError, fix):
+            return importlib.import_module(module)
     except ConfigError:
         raise
     except ImportError as exc:

@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -485,6 +486,22 @@ def report(info: dict[str, Any], results: list[Result], notes: list[str]) -> str
     return "\n".join(lines) + "\n"
 
 
+def out_problem(out: Path) -> str | None:
+    """Why ``--out`` cannot be the check's folder (one line naming it and the fix), or None: it must be a folder or
+    not exist yet, and not a symbolic link (the check writes its runs, logs and report there, never through a
+    link)."""
+    try:
+        mode = os.lstat(out).st_mode
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"--out {out}: cannot be used ({exc.strerror}); give a folder for the check's runs and report"
+    if stat.S_ISDIR(mode):
+        return None
+    what = "a symbolic link" if stat.S_ISLNK(mode) else "a file" if stat.S_ISREG(mode) else "not a folder"
+    return f"--out {out} is {what}; give a folder for the check's runs and report (a new one, or an earlier check's)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="the matrix shrunk to tiny models on the CPU")
@@ -492,6 +509,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak, when the table does not know it (or to override it)")
     args = parser.parse_args(argv)
+    if problem := out_problem(args.out):  # before any work: a file there is never the report's folder
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     import torch
 
     gpus = torch.cuda.device_count()

@@ -7,8 +7,9 @@ back with ``weights_only=True``, or the backend's sharded format). Everything of
 safetensors: ``train_state.json``, the scheduler, the grad scaler, every rank's RNG state and (FSDP1) the whole
 optimizer state. Nothing is registered with accelerate's pickle-based ``custom_checkpoint_*.pkl`` path.
 
-``manifest.json`` is written last: the run id, fingerprints of recipe, data and tokenizer, the batch layout and
-library versions, and the size and sha256 of every file. :func:`verify` checks all of it before anything is loaded.
+``manifest.json`` is written last: the run id, fingerprints of recipe, data, tokenizer and the files that define
+the objective (:mod:`finetune.artifacts.objective`), the batch layout and library versions, and the size and sha256
+of every file. :func:`verify` checks all of it before anything is loaded.
 Exports (``final/``) carry the same kind of manifest; they are written by :mod:`finetune.artifacts.writer`.
 """
 
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import __version__, hooks, registry
-from finetune.artifacts import restored, rundir
+from finetune.artifacts import objective, restored, rundir
 from finetune.artifacts.record import record
 from finetune.artifacts.restored import rng_name
 from finetune.config import RecipeConfig, to_yaml
@@ -85,6 +86,7 @@ def manifest(cfg: RecipeConfig, state: TrainState, world_size: int, tokenizer_sh
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "recipe_sha256": hashlib.sha256(to_yaml(cfg).encode()).hexdigest(),
         "data": {"train": data_fingerprint(cfg.data.train), "eval": data_fingerprint(cfg.data.eval)},
+        "objective": objective.fingerprints(cfg),  # reward models, reward functions' files, the reference
         "tokenizer_sha256": tokenizer_sha256,
         "world_size": world_size,  # (also in "layout"; kept for readers of older manifests)
         "backend": backend,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import secrets
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -126,7 +127,7 @@ def _read_run(path: Path) -> list[dict[str, Any]]:
     if not (path / rundir.MARKER).is_file():
         raise RunDirError(f"{path}: not a finetune run directory (no {rundir.MARKER}); give a folder made by "
                           "`finetune run`")
-    if not (path / rundir.METRICS).is_file():
+    if not os.path.lexists(path / rundir.METRICS):  # anything else there (a link, a FIFO) read_metrics refuses
         raise RunDirError(f"{path}: no metrics yet (no {rundir.METRICS}); plot it once it has logged a step "
                           "(see logging.every_steps)")
     try:

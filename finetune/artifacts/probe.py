@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune.artifacts import restored
 from finetune.artifacts.checkpoint import read_state
 from finetune.errors import FinetuneError, RunDirError
 
@@ -94,9 +95,8 @@ class Probe:
 
 def read(ckpt: Path) -> Probe | None:
     """The probe a checkpoint recorded, or None when it has none (written before probes existed). A probe that
-    cannot be read is a damaged checkpoint (RunDirError); call this only after the checkpoint was verified."""
-    import torch  # lazy: heavy
-
+    cannot be read, or is not one finetune records (:func:`finetune.artifacts.restored.probe_problems`), is a
+    damaged checkpoint (RunDirError); call this only after the checkpoint was verified."""
     if not (ckpt / f"{NAME}.json").is_file():
         return None
     try:
@@ -106,9 +106,9 @@ def read(ckpt: Path) -> Probe | None:
         detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:160]
         raise RunDirError(f"{ckpt / (NAME + '.json')}: the recorded probe cannot be read ({type(exc).__name__}: "
                           f"{detail}); the checkpoint is damaged: use another one (--from)") from None
-    if not all(isinstance(v, torch.Tensor) for v in values):
-        raise RunDirError(f"{ckpt / (NAME + '.json')}: the recorded probe holds no tensors; the checkpoint is "
-                          "damaged: use another one (--from)")
+    if found := restored.probe_problems(*values):  # shapes, dtypes, token ids, finite logits
+        raise RunDirError(f"{ckpt / (NAME + '.json')}: the recorded probe is not one finetune records "
+                          f"({'; '.join(found)}); the checkpoint is damaged: use another one (--from)")
     return Probe(*values)
 
 

@@ -135,6 +135,43 @@ def scaler_problems(restored: Any, built: dict[str, Any] | None = None) -> list[
     return found
 
 
+# --- the logit probe ----------------------------------------------------------------------------------------------
+
+
+def probe_problems(input_ids: Any, attention_mask: Any, logits: Any) -> list[str]:
+    """What is wrong with a recorded logit probe (finetune.artifacts.probe: what an export must reproduce): the
+    inputs are ``[rows, length]`` integer token ids and a 0/1 mask of that shape, the logits finite floats, either
+    ``[rows, length, vocabulary]`` (a language model: every id below the vocabulary they span) or ``[rows, labels]``
+    (a classifier's or reward model's scores). Empty when it is one that finetune records. A forged one otherwise
+    reached the export's fresh process (an index error there, blamed on the export) or its comparison (a mismatch to
+    "report"), exit 1 instead of a damaged checkpoint's one line."""
+    import torch  # lazy: heavy
+
+    if not all(isinstance(t, torch.Tensor) for t in (input_ids, attention_mask, logits)):
+        return ["it holds no tensors"]
+    whole = (torch.int64, torch.int32)
+    if input_ids.dtype not in whole or input_ids.dim() != 2 or not input_ids.numel():
+        return [f"its input_ids are {input_ids.dtype} of shape {tuple(input_ids.shape)}, not [rows, length] token ids"]
+    rows, length = input_ids.shape
+    if attention_mask.dtype not in (*whole, torch.bool) or tuple(attention_mask.shape) != (rows, length):
+        return [f"its attention_mask is {attention_mask.dtype} of shape {tuple(attention_mask.shape)}, not "
+                f"{rows} x {length} ones and zeros"]
+    per_token = logits.dim() == 3 and tuple(logits.shape[:2]) == (rows, length)
+    if not logits.is_floating_point() or not (per_token or (logits.dim() == 2 and logits.size(0) == rows)):
+        return [f"its logits are {logits.dtype} of shape {tuple(logits.shape)}, not {rows} x {length} x vocabulary "
+                f"(or {rows} x labels)"]
+    found = []
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        found.append("its attention_mask holds values other than 0 and 1")
+    vocabulary = logits.size(-1) if per_token else None
+    if not bool((input_ids >= 0).all()) or (vocabulary and not bool((input_ids < vocabulary).all())):
+        found.append(f"its input_ids hold token ids outside [0, {vocabulary or 'the vocabulary'})"
+                     + (" (the vocabulary of its logits)" if vocabulary else ""))
+    if not bool(torch.isfinite(logits).all()):
+        found.append("its logits are not all finite numbers")
+    return found
+
+
 # --- RNG states ---------------------------------------------------------------------------------------------------
 
 OURS = re.compile(r"rng_state_(\d+)\.json")  # finetune's, one per rank (JSON + safetensors)
@@ -307,5 +344,30 @@ def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dic
                 continue
             found += judge(restored, (built or {})[name])
         found += rng_problems(ckpt, manifest, state["micro_step"], read)
+    if found:
+        raise _disagrees(ckpt, found)
+
+
+def check_objects(ckpt: Path, objects: dict[str, Any], read: Callable[[Path, str], Any]) -> None:
+    """Refuse, in one line naming the checkpoint and each file, what a checkpoint holds for the run's objects that
+    judge it themselves, before anything loads: an object with ``restored_problems(held, counters)`` (GRPO's
+    generation batch) gets its ``<name>.json`` read back with ``read`` (``held``; None when the checkpoint holds none)
+    and the checked ``train_state.json`` counters, and returns what is wrong. A judge may raise a ConfigError of its
+    own (a recipe changed under --allow-config-change that the object cannot follow)."""
+    judges = {name: judge for name, obj in objects.items()
+              if (judge := getattr(obj, "restored_problems", None)) is not None}
+    if not judges:
+        return
+    counters = checked_train_state(ckpt)
+    found: list[str] = []
+    for name, judge in judges.items():
+        held = None
+        if (ckpt / f"{name}.json").is_file():
+            try:
+                held = read(ckpt, name)
+            except Exception as exc:  # any failure to read it back is a refusal, in one line
+                found.append(f"{name}.json cannot be loaded as data ({type(exc).__name__})")
+                continue
+        found += [f"{name}.json: {problem}" for problem in judge(held, counters)]
     if found:
         raise _disagrees(ckpt, found)

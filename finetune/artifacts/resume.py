@@ -2,11 +2,14 @@
 
 The checkpoint must belong to this run (its manifest's run id) and pass verification (the sha256 of every file)
 before anything is loaded or any log is touched. A resume continues the same run, so any difference between the
-checkpoint's recipe and the present one, or between the data files then and now, is refused (listing every
-difference) unless the user passes ``--allow-config-change``; then the differences are written to train.log. Keys
-that change how the work is laid out but not the math (process count, accelerate config, micro-batch size, progress
-bar, and the kernels: attention implementation, torch.compile, fused AdamW) are always allowed: the data cursor and
-the token-weighted loss do not depend on them. ``trust_remote_code`` comes only from this command line
+checkpoint's recipe and the present one, between the data files then and now, or between the files that define the
+objective then and now (a reward model's weights, a reward function's source file, the reference model:
+:mod:`finetune.artifacts.objective`) is refused (listing every difference) unless the user passes
+``--allow-config-change``; then the differences are written to train.log. A checkpoint written before the objective
+was fingerprinted resumes without that check, with a note that says so. Keys that change how the work is laid out
+but not the math (process count, accelerate config, micro-batch size, progress bar, and the kernels: attention
+implementation, torch.compile, fused AdamW) are always allowed: the data cursor and the token-weighted loss do not
+depend on them. ``trust_remote_code`` comes only from this command line
 (``--trust-remote-code``), never from the run's files; it also decides whether the recipe's ``model.plugin`` may be
 imported, here and in the launched workers (``--allow-plugin``). The tokenizer is compared in the worker, which loads it
 anyway.
@@ -20,9 +23,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import checkpoint, restored, rundir
+from finetune.artifacts import checkpoint, objective, restored, rundir
 from finetune.artifacts.choose import choose, skipped_lines
-from finetune.config import REMOTE_CODE_KEY, RecipeConfig, remote_code_from_flag, validate
+from finetune.config import REMOTE_CODE_KEY, RecipeConfig, outputs, remote_code_from_flag, validate
 from finetune.config.compose import compose_stored, flatten
 from finetune.errors import FinetuneError, RunDirError
 from finetune.runtime.state import total_steps
@@ -42,6 +45,7 @@ class ResumePlan:
     changes: list[str] = field(default_factory=list)
     layout_changes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # one line per newer checkpoint passed over, and why
+    notes: list[str] = field(default_factory=list)  # what was not checked, and why (said and logged, never refused)
     finished: str | None = None  # the line for a finished run: nothing to resume (see finished_line)
 
 
@@ -95,6 +99,9 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
     stored = info.path / rundir.RESOLVED
     here = f"output_dir={run_dir.resolve()}"
     cfg = validate(compose_stored(stored, [*overrides, here]), allow_plugin=trust_remote_code)
+    # the run dir is what a resume writes: it may not be, hold or lie inside what the recipe (overrides too) reads
+    outputs.check_not_input(run_dir, outputs.recipe_inputs(cfg), "finetune resume",
+                            "point that input elsewhere (a run directory cannot move)")
     composed = compose_stored(stored, [here])
     try:  # the stored recipe under today's schema: keys added since then hold their defaults, not "changes"
         before = validate(composed, allow_plugin=trust_remote_code).model_dump(mode="json")
@@ -102,10 +109,26 @@ def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None
         before = composed.data
     changes, layout = recipe_changes(before, cfg.model_dump(mode="json"))
     changes += data_changes(cfg, info.manifest or {})
+    objective_lines, notes = objective_changes(cfg, info.manifest or {}, info.path.name)
+    changes += objective_lines
     if changes and not allow_change:
         raise RunDirError("\n".join([f"resume refused: the run changed since {info.path.name}:", *changes,
                                      "pass --allow-config-change to continue anyway (the changes are logged)"]))
-    return ResumePlan(cfg, info, changes, layout, skipped_lines(chosen))
+    return ResumePlan(cfg, info, changes, layout, skipped_lines(chosen), notes=notes)
+
+
+def objective_changes(cfg: RecipeConfig, manifest: dict[str, Any], name: str) -> tuple[list[str], list[str]]:
+    """(one line per file that defines the objective and changed since checkpoint ``name``, notes): a manifest
+    without ``objective`` (an older finetune's checkpoint) has nothing to compare with, which the note says when the
+    recipe has such files."""
+    stored = manifest.get("objective")
+    if isinstance(stored, dict):
+        return objective.changes(cfg, stored, name), []
+    keys = sorted(key for part in objective.PARTS for key, _ in part.keys(cfg))
+    if not keys:
+        return [], []
+    return [], [f"{name} was written before checkpoints fingerprinted the objective: {', '.join(keys)} not checked "
+                "for changes since then"]
 
 
 def finished_line(run_dir: Path, resume: ResumePlan) -> str | None:
@@ -148,10 +171,11 @@ def begin(run_dir: Path, overrides: list[str], from_name: str | None, allow_chan
             if lock is not None:
                 lock.release()
             return resume, None
-        for note in resume.skipped:
+        for note in [*resume.skipped, *resume.notes]:
             warn(note)
         if is_main:
-            notes = [*resume.skipped, f"resume from {resume.checkpoint.path.name} (step {resume.checkpoint.step})",
+            notes = [*resume.skipped, *resume.notes,
+                     f"resume from {resume.checkpoint.path.name} (step {resume.checkpoint.step})",
                      *(f"resume: changed {c} (allowed)" for c in resume.changes),
                      *(f"resume: layout {c}" for c in resume.layout_changes)]
             with rundir.open_append(run_dir / rundir.TRAIN_LOG) as log:

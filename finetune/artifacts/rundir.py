@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import __version__
-from finetune.config import to_yaml
+from finetune.config import outputs, to_yaml
 from finetune.errors import RunDirError
 
 if TYPE_CHECKING:
@@ -595,19 +595,26 @@ def _is_at_or_above(folder: Path, other: Path) -> bool:
     return folder == other or folder in other.parents
 
 
-def check_location(run_dir: Path, protected: Iterable[Path | str] = ()) -> None:
+# How a run dir that overlaps an input is refused, by how it stands to it (finetune.config.outputs.overlap)
+_OVERLAP = {"is": "it is {}", "contains": "{} is in it", "lies inside": "it lies inside {}"}
+
+
+def check_location(run_dir: Path, protected: Iterable[outputs.Input | Path | str] = ()) -> None:
     """Refuse run dirs that would mix a run into, or let ``--overwrite`` reach, what is not the run's: ``/``, the
-    home folder, the current folder (or a folder above them), a folder that holds the recipe, the data, the model
-    or finetune itself, and a path that is a file."""
+    home folder, the current folder (or a folder above them), a folder that holds finetune itself, a path that is,
+    holds or lies inside anything in ``protected`` (what the run reads: ``(what, where)`` as
+    :func:`finetune.config.outputs.recipe_inputs` lists it, or a bare path), and a path that is a file."""
     target = run_dir.resolve()
     places: list[tuple[Path, str]] = [(Path.cwd().resolve(), "the current folder")]
     with contextlib.suppress(RuntimeError, KeyError):  # no home folder known: nothing to protect there
         places.append((Path.home().resolve(), "your home folder"))
     places.append((Path(__file__).resolve().parents[1], "the finetune package"))
-    places += [(Path(p).resolve(), str(p)) for p in protected if p]
     why = "it is the root folder" if target.parent == target else next(
         (f"{what} is in it" if where != target else f"it is {what}" for where, what in places
          if _is_at_or_above(target, where)), None)
+    found = None if why else outputs.overlap(run_dir, [p if isinstance(p, tuple) else ("", p) for p in protected])
+    if found is not None:
+        why = _OVERLAP[found.how].format(found.input)
     if why is None and run_dir.is_symlink():
         why = "it is a symbolic link; finetune never writes through one"
     elif why is None and target.exists() and not target.is_dir():
@@ -725,7 +732,8 @@ def _visible(run_dir: Path) -> list[str]:
     return sorted(p.name for p in run_dir.iterdir() if p.name != LOCK)
 
 
-def check_creatable(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = ()) -> None:
+def check_creatable(run_dir: Path, *, overwrite: bool, protected: Iterable[outputs.Input | Path | str] = ()
+                    ) -> None:
     """Raise what :func:`create` would refuse, writing nothing: `finetune run` asks before its data check (so a
     refused run costs no tokenizing), and ``--dry-run`` reports it."""
     check_location(run_dir, protected)
@@ -742,8 +750,8 @@ def check_creatable(run_dir: Path, *, overwrite: bool, protected: Iterable[Path 
                               f"wrote is deleted), or -o DIR for a new one{resume}")
 
 
-def create(run_dir: Path, *, overwrite: bool, protected: Iterable[Path | str] = (), command: str = "finetune run"
-           ) -> RunLock:
+def create(run_dir: Path, *, overwrite: bool, protected: Iterable[outputs.Input | Path | str] = (),
+           command: str = "finetune run") -> RunLock:
     """Make ``run_dir`` a new, empty run and lock it (the caller releases the lock when the run ends).
 
     Allowed: a folder that does not exist or is empty; with ``overwrite``, a finetune run that holds nothing but

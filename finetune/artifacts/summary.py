@@ -14,6 +14,7 @@ final eval's exact match and mean reward first.
 
 from __future__ import annotations
 
+import math
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,19 +87,37 @@ def read_summary(run_dir: Path, row: SupportedModel | None = None) -> Summary | 
     if not ends or any(row.get("kind") == "train" for row in rows[ends[-1]:]):
         return None
     before = rows[:ends[-1]]
-    train = next((row for row in reversed(before) if row.get("kind") == "train"), None)
-    evals = next((row for row in reversed(before) if row.get("kind") == "eval"), None)
+    train = next((_numbers(row) for row in reversed(before) if row.get("kind") == "train"), None)
+    evals = next((_numbers(row) for row in reversed(before) if row.get("kind") == "eval"), None)
     recipe = _recipe(run_dir)
     peft = recipe.get("peft") if isinstance(recipe.get("peft"), dict) else {}
     final, plot = run_dir / rundir.FINAL, run_dir / rundir.PLOTS
-    return Summary(run_dir, rows[ends[-1]], train, evals, peft.get("method", "none") != "none",
-                   _generates(recipe, row), final if (final / rundir.MANIFEST).is_file() else None,
+    return Summary(run_dir, _numbers(rows[ends[-1]]), train, evals, peft.get("method", "none") != "none",
+                   _generates(recipe, row), final if _own(final) and (final / rundir.MANIFEST).is_file() else None,
                    plot if plot.is_file() else None, recipe_headline(recipe))
 
 
+def _own(folder: Path) -> bool:
+    """Whether ``folder`` is a real folder of the run, not a link to another run's (which is not this run's model)."""
+    return folder.is_dir() and not folder.is_symlink()
+
+
+def _numbers(row: dict[str, Any]) -> dict[str, Any]:
+    """``row``'s values that are numbers (ints and floats, not bools), and its ``kind``: what a summary shows of a
+    metrics row. Whatever else a damaged or forged row holds (a string with a line break, a list, an object) is
+    left out, so a summary is always its own lines with numbers in them."""
+    return {key: value for key, value in row.items()
+            if key == "kind" or (isinstance(value, int | float) and not isinstance(value, bool))}
+
+
+def _real(value: Any) -> bool:
+    """Whether ``value`` is a finite, non-negative number: a count or a duration that can be shown."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 <= value < math.inf
+
+
 def _duration(seconds: Any) -> str:
-    """``26.8 s``, ``4 min 05 s``, ``2 h 03 min``."""
-    if not isinstance(seconds, int | float):
+    """``26.8 s``, ``4 min 05 s``, ``2 h 03 min``; ``?`` for what is not a finite, non-negative number of seconds."""
+    if not _real(seconds):
         return "?"
     if seconds < 60:
         return f"{seconds:.1f} s"
@@ -109,7 +128,8 @@ def _duration(seconds: Any) -> str:
 
 
 def _count(value: Any) -> str:
-    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else "?"
+    """``1,234``; ``?`` for what is not a non-negative whole number."""
+    return f"{value:,}" if isinstance(value, int) and _real(value) else "?"
 
 
 def _led(row: dict[str, Any], lead: tuple[str, ...]) -> dict[str, Any]:
@@ -121,7 +141,7 @@ def _final_train(key: str, train: dict[str, Any] | None) -> str:
     """``  final train loss: 1.2500 (step 2)``, or ``... none logged`` when the last train row has no number."""
     value = train.get(key) if train else None
     if isinstance(value, int | float):
-        return f"  final train {key}: {value:.4f} (step {train['step']})"  # type: ignore[index]
+        return f"  final train {key}: {value:.4f} (step {_count(train.get('step'))})"  # type: ignore[union-attr]
     return f"  final train {key}: none logged"
 
 
@@ -145,7 +165,7 @@ def render(summary: Summary) -> list[str]:
              f"{_duration(end.get('wall_s'))}"]
     lines += [_final_train(key, summary.train) for key in summary.headline.train]
     if summary.eval:
-        lines.append(f"  final eval (step {summary.eval.get('step')}):")
+        lines.append(f"  final eval (step {_count(summary.eval.get('step'))}):")
         lines += [f"    {line}" for line in format_metrics(_led(summary.eval, summary.headline.eval),
                                                           skip=("step", "kind"))]
     else:

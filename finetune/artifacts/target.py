@@ -10,6 +10,8 @@ them falls back to its recipe (the row; ``data.labels``), and says so in one lin
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,11 +45,39 @@ class Target:
     labels: list[str] | None = None  # the classification label names (None: not a classification row)
 
 
+def owning_run(folder: Path) -> Path | None:
+    """The run directory ``folder`` lies in (or is) as its path is written: the nearest folder at or above it that
+    holds a run marker, with no link below it resolved (a link is what :func:`check_own` refuses); None outside
+    every run."""
+    path = folder.absolute()
+    return next((p for p in (path, *path.parents) if os.path.lexists(p / rundir.MARKER)), None)
+
+
+def check_own(run: Path, folder: Path) -> None:
+    """Refuse, in one line, ``folder`` inside ``run`` unless every name from the run down to it is a real folder:
+    a symbolic link there (``final/``, ``checkpoints/``, ``step-N``) points at what this run did not write, and a
+    command would report another run's model as this run's."""
+    here = run
+    for part in folder.absolute().relative_to(run).parts:
+        here = here / part
+        mode = os.lstat(here).st_mode
+        if not stat.S_ISDIR(mode):
+            what = "a symbolic link" if stat.S_ISLNK(mode) else "not a folder"
+            raise RunDirError(f"{here}: {what}, not a folder of the run {run}; finetune reads a run's model and "
+                              "checkpoints only from what that run wrote there: move it away (nothing was read)")
+
+
 def locate(target: Path) -> Target:
-    """Classify ``target`` (a run, a checkpoint, a full export or an adapter export)."""
+    """Classify ``target`` (a run, a checkpoint, a full export or an adapter export). Inside a run, only the
+    run's own folders are read: a link in the place of ``final/`` or of a checkpoint is refused (:func:`check_own`)."""
     if not target.is_dir():
         raise RunDirError(f"{target}: not a directory (give a run dir, a checkpoint dir or an exported model dir)")
-    if (target / rundir.FINAL).is_dir() and (target / rundir.RESOLVED).is_file():
+    run = owning_run(target)
+    if run is not None:
+        check_own(run, target)
+    if (target / rundir.RESOLVED).is_file() and os.path.lexists(target / rundir.FINAL):
+        if run is not None:
+            check_own(run, target / rundir.FINAL)
         target = target / rundir.FINAL
     if (target / rundir.RESOLVED).is_file():
         recipe = target / rundir.RESOLVED
@@ -72,7 +102,16 @@ def open_target(target: Path, overrides: list[str], trust_remote_code: bool, man
     manifest until its hashes match. ``manifest``: the folder's manifest when the caller has read it already
     (:mod:`finetune.artifacts.choose`); it is verified all the same. ``run_id``: it must belong to that run."""
     where = locate(target)
-    where.manifest = verify(where.recipe.parent, run_id, manifest)
+    folder = where.recipe.parent
+    run = owning_run(folder)
+    if run is not None and run_id is None:  # a folder of a run is that run's: its manifest says so
+        data = rundir.read_manifest(folder) if manifest is None else manifest
+        run_id, manifest = rundir.run_id(run), data
+        if data.get("run_id") != run_id:
+            raise RunDirError(f"{folder}: its manifest is of another run (run id {data.get('run_id')}) than the run "
+                              f"{run} it lies in ({run_id}): it was copied there; finetune reads a run's model and "
+                              "checkpoints only from what that run wrote: move it away")
+    where.manifest = verify(folder, run_id, manifest)
     cfg = recipe_of(where.recipe, overrides, trust_remote_code)
     return described(where, cfg), cfg
 

@@ -46,7 +46,14 @@ __all__ = ["Target", "evaluate_target", "load_model", "load_tokenizer", "open_ta
 
 def evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool = False) -> dict[str, Any]:
     """Metrics of ``target`` on its recipe's eval set (one process). A checkpoint is evaluated through its export
-    (:func:`reload_checkpoint`) in a scratch folder outside the run dir, removed afterwards."""
+    (:func:`reload_checkpoint`) in a scratch folder outside the run dir, removed afterwards. stdout is the
+    caller's alone (``finetune eval --json`` prints one JSON object there): whatever prints while the target is
+    evaluated (a reward function, a plugin, a library) goes to stderr."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return _evaluate_target(target, overrides, trust_remote_code)
+
+
+def _evaluate_target(target: Path, overrides: list[str], trust_remote_code: bool) -> dict[str, Any]:
     forbid_unpickling()
     where, cfg = open_target(target, overrides, trust_remote_code)
     if not cfg.data.eval:

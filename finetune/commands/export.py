@@ -26,10 +26,15 @@ partitions; full or LoRA), the export runs in this ONE process on the CPU, witho
 from __future__ import annotations
 
 import contextlib
+import json
+import secrets
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import FrameType
 
 from finetune.artifacts import checkpoint, layout, rundir
 from finetune.artifacts.choose import choose, skipped_lines
@@ -94,9 +99,12 @@ def check_output(out: Path, run_dir: Path, overwrite: bool) -> None:
 
 
 def export(target: Path, name: str | None, out: Path, overwrite: bool = False, trust_remote_code: bool = False,
-           log: Callable[[str], None] = _stderr) -> Exported:
+           log: Callable[[str], None] = _stderr, report: Callable[[Exported], None] | None = None) -> Exported:
     """Export checkpoint ``name`` (None: the newest resumable one) of run ``target`` to ``out``; see the module
-    docstring. Progress goes to ``log`` (stderr)."""
+    docstring. Progress goes to ``log`` (stderr). ``report`` is called with the result once it is published (the
+    CLI prints its ``exported`` line there): from the moment ``out`` holds this export until its report is done, a
+    Ctrl+C no longer stops the command (:func:`_published_is_done`), so what is published, what is said and the exit
+    code agree."""
     checkpoint.forbid_unpickling()
     run_dir, name = locate(target, name)
     run_id = rundir.run_id(run_dir)
@@ -117,16 +125,65 @@ def export(target: Path, name: str | None, out: Path, overwrite: bool = False, t
                              f"{out}: this checkpoint was not read correctly, please report it")
 
     source = {"checkpoint": str(info.path.resolve()), "layout": asdict(layout.of(where.manifest))}
-    with _pruned_is_said(info.path, run_dir):
-        written = write_checkpoint(cfg, where, out, trust_remote_code=trust_remote_code, log=log, mismatch=mismatch,
-                                   manifest={**export_manifest(run_id, info.step), "source": source,
-                                             "layout": where.manifest.get("layout")},
-                                   recheck_out=True)
-    if not written.expected.recorded:
-        log(f"note: {info.path.name} recorded no probe logits (written before finetune recorded them): the "
-            "export was loaded back in a fresh process but not verified against the training run's logits")
-    return Exported(out, info.path, info.step, written.kind, written.delta, written.tolerance,
-                    written.expected.recorded)
+    export_id = secrets.token_hex(8)
+    with _published_is_done(out, export_id, log):
+        with _pruned_is_said(info.path, run_dir):
+            written = write_checkpoint(cfg, where, out, trust_remote_code=trust_remote_code, log=log,
+                                       mismatch=mismatch, manifest={**export_manifest(run_id, info.step),
+                                                                    EXPORT_ID: export_id, "source": source,
+                                                                    "layout": where.manifest.get("layout")},
+                                       recheck_out=True)
+        if not written.expected.recorded:
+            log(f"note: {info.path.name} recorded no probe logits (written before finetune recorded them): the "
+                "export was loaded back in a fresh process but not verified against the training run's logits")
+        done = Exported(out, info.path, info.step, written.kind, written.delta, written.tolerance,
+                        written.expected.recorded)
+        if report is not None:
+            report(done)
+    return done
+
+
+EXPORT_ID = "export_id"  # the manifest key that tells this export from an earlier one at the same -o
+
+
+def _holds(out: Path, export_id: str) -> bool:
+    """Whether ``out`` holds the export ``export_id`` (it is published: the rename that publishes it is done)."""
+    try:
+        manifest = json.loads((out / rundir.MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return isinstance(manifest, dict) and manifest.get(EXPORT_ID) == export_id
+
+
+@contextlib.contextmanager
+def _published_is_done(out: Path, export_id: str, log: Callable[[str], None]) -> Iterator[None]:
+    """Around an export's write, publication and report: a Ctrl+C that comes once ``out`` holds this export (which
+    the SIGINT handler asks the folder, so the answer is the published state itself, whatever line the export was
+    at) is noted instead of raised: the export is complete, so the command reports it and exits 0. Before that, a
+    Ctrl+C stops the command as it would have (nothing published, exit 130). It used to stop the command at any
+    moment: a Ctrl+C after the folder was published exited 130 and said nothing was published. Off the main
+    thread, where no handler can be set (or under a handler Python did not set), nothing changes."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:  # None: not Python's to set
+        yield
+        return
+    late: list[int] = []
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if _holds(out, export_id):
+            late.append(signum)
+        elif callable(previous):
+            previous(signum, frame)  # the command's own handler: it raises the Ctrl+C
+        elif previous != signal.SIG_IGN:
+            signal.default_int_handler(signum, frame)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if late:
+        log(f"note: Ctrl+C came after {out} was published; the export is complete")
 
 
 @contextlib.contextmanager

@@ -510,6 +510,8 @@ def start(target: Path, prompts: Path, output: Path, options: Options, num_proce
           accelerate_config: str | None, log: Callable[[str], Any] = print) -> list[str] | None:
     """``finetune generate``: generate in this process (returns None), or check everything here and return the
     ``accelerate launch`` command line that runs :func:`main` on every rank (the caller execs it)."""
+    flag = outputs.accelerate_file(accelerate_config) if accelerate_config else []  # read by this command line
+    outputs.check_not_input(output, [("the accelerate config (--accelerate-config)", path) for path in flag])
     config = launcher_config(num_processes, accelerate_config)
     if config is None:
         generate(target, prompts, output, options, log)

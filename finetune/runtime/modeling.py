@@ -28,7 +28,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from finetune.config.schema import ModelConfig
 from finetune.data.vision import ImageInputs
 from finetune.errors import ConfigError, FinetuneError
-from finetune.registry import CUSTOM_WEIGHTS, SupportedModel, model_type_problem, resolve_factory
+from finetune.registry import CUSTOM_WEIGHTS, SupportedModel, model_type_problem, resolve_factory, user_code
 from finetune.runtime.backends import full_numel
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"  # finetune/assets
@@ -66,7 +66,8 @@ def resolve_model_path(path: str) -> str:
     module_name, _, sub = path.removeprefix("pkg://").partition("/")
     if importlib.util.find_spec(module_name) is None:
         raise ConfigError(f"model.path: package {module_name!r} is not installed")
-    with loading("package", module_name):
+    with loading("package", module_name), user_code(f"model.path: package {module_name!r}", ConfigError,
+                                                    "fix the package"):  # its import and get_model_path run its code
         module = importlib.import_module(module_name)
         root = Path(module.get_model_path()) if hasattr(module, "get_model_path") and not sub else \
             Path(module.__file__).parent  # type: ignore[arg-type]

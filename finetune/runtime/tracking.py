@@ -20,9 +20,11 @@ recipe (:func:`headline`): the train loss for every task but GRPO, whose user wa
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
+import stat
 import string
 import sys
 import time
@@ -213,24 +215,60 @@ class JsonlTracker:
         self._file.close()
 
 
+def _metrics_text(path: Path) -> str:
+    """The text of metrics.jsonl at ``path``, read only from a regular file: never through a symbolic link, never
+    from a FIFO or a device (a link to /dev/zero would never end, a FIFO would block), each refused in one line
+    that says what is there instead; a missing file is "not found"."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise RunDirError(f"{path} not found: {path.parent} is not a run directory, or no metrics were logged "
+                          "yet") from None
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise RunDirError(f"{path}: not a regular file (a symbolic link); finetune reads only the {rundir.METRICS} "
+                          "it wrote there: move it away") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        what = "a folder" if stat.S_ISDIR(mode) else "a FIFO, socket or device"
+        raise RunDirError(f"{path}: not a regular file ({what}); finetune reads only the {rundir.METRICS} it wrote "
+                          "there: move it away")
+    with os.fdopen(fd, "rb") as handle:
+        data = handle.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise RunDirError(f"{path}: not UTF-8 text, so not the {rundir.METRICS} finetune writes") from None
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Read ``<run_dir>/metrics.jsonl`` back as a list of rows (each with its ``kind``), in the order logged.
 
-    A truncated last line (a run killed mid-write) is skipped; a bad line anywhere else is an error.
+    A truncated last line (a run killed mid-write) is skipped; a bad line anywhere else is an error, one line naming
+    the file and the line: not JSON, not a JSON object, a number beyond what Python reads, or nested too deep
+    (a RecursionError in the parser). Only a regular file is read (see :func:`_metrics_text`).
     """
     path = Path(run_dir) / rundir.METRICS
-    if not path.is_file():
-        raise RunDirError(f"{path} not found: {run_dir} is not a run directory, or no metrics were logged yet")
-    lines = [(number, line) for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
-             if line.strip()]
+    lines = [(number, line) for number, line in enumerate(_metrics_text(path).splitlines(), 1) if line.strip()]
     rows: list[dict[str, Any]] = []
     for index, (number, line) in enumerate(lines):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
+            why = None if isinstance(row, dict) else f"a JSON {type(row).__name__}"
         except json.JSONDecodeError as exc:
-            if index == len(lines) - 1:
-                break
-            raise RunDirError(f"{path}:{number}: not a JSON object ({exc.msg})") from exc
+            why = exc.msg
+        except RecursionError:  # a row nested thousands deep: the parser runs out of stack
+            why = "nested too deep"
+        except ValueError:  # an integer of more digits than Python converts (sys.get_int_max_str_digits)
+            why = "a number with too many digits"
+        if why is None:
+            rows.append(row)
+        elif index == len(lines) - 1:
+            break
+        else:
+            raise RunDirError(f"{path}:{number}: not a JSON object ({why})")
     return rows
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import registry
-from finetune.artifacts import checkpoint, portable, rundir
+from finetune.artifacts import checkpoint, portable, restored, rundir
 from finetune.artifacts.checkpoint import publishing
 from finetune.artifacts.plot import write_run_plot
 from finetune.artifacts.portable import PARAM_NAMES, ParamNames
@@ -202,7 +202,12 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
 
 def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
     """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer and the
-    layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes."""
+    layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes.
+
+    Rows are dropped last, once the resume is sure to proceed: what the checkpoint holds was judged before anything
+    loaded (finetune.artifacts.restored: the counters, scheduler, scaler and RNG states, and each object's own judge,
+    e.g. GRPO's generation batch against the recipe and the restored step), and everything has loaded. A resume that
+    fails leaves metrics.jsonl as it was."""
     from finetune.runtime.optim import group_settings, keep_recipe_settings  # lazy: imports torch
 
     manifest = rundir.read_manifest(ckpt)
@@ -219,6 +224,7 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
                           f", and {why}: resume it that way, or `finetune export {trainer.run_dir} --from {ckpt.name} "
                           "-o DIR` and start a new run from DIR")
     settings = group_settings(trainer.optimizer)  # the recipe's: a checkpoint brings back the values it was saved with
+    restored.check_objects(ckpt, trainer.objects, checkpoint.read_state)  # before anything loads
     with unreadable(lambda detail: f"{ckpt}: cannot be loaded ({detail}); the run dir is unchanged: resume from "
                     "another checkpoint with --from"):  # model, optimizer, scheduler, TrainState, scaler, RNG
         if not native:  # another layout: whole tensors, each rank keeping its part
@@ -231,6 +237,7 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
         trainer.tracker.log("info", {"message": f"resume: {ckpt.name} resharded from {saved_by} on {saved_world} "
                                                 f"process(es) to {trainer.backend.name} on {world}"})
     state = trainer.state
+    # last: nothing that can refuse this resume comes after it
     dropped = truncate_metrics(trainer.run_dir, state.step) if trainer.accelerator.is_main_process else 0
     trainer.tracker.log("info", {"message": f"resumed from {ckpt.name}: step {state.step}, epoch {state.epoch}, "
                                             f"{state.samples_seen} samples seen; dropped {dropped} metrics rows "

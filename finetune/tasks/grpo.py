@@ -68,7 +68,7 @@ import torch
 
 from finetune.data.prompt_rows import PromptCollator
 from finetune.data.rows import IGNORE
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, FinetuneError, RunDirError
 from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.causal_lm import (
@@ -530,6 +530,31 @@ def generation_metrics(summed: torch.Tensor, names: list[str], max_new_tokens: i
     return out
 
 
+def cycle_at(start_sample: int, per_step: int, k: int) -> tuple[int, int]:
+    """The generation cycle and the step within it (``offset``) of the data cursor ``start_sample`` (``per_step``
+    samples per optimizer step, ``k`` = ``grpo.iterations`` steps per cycle); a ConfigError when the cursor is not a
+    whole number of steps (a resume with another global batch)."""
+    if start_sample % per_step:
+        raise ConfigError(f"task grpo: the data cursor ({start_sample} samples) is not a whole number of steps "
+                          f"of train.global_batch_size={per_step}; resume with the global batch it ran with")
+    return divmod(start_sample // per_step, k)
+
+
+def restored_cycle_problem(saved: int | None, cycle: int, offset: int, k: int) -> str | None:
+    """Why a run resuming at step ``offset`` of generation cycle ``cycle`` cannot go on with the generation batch a
+    checkpoint held (``saved``: the cycle it was generated for; None: it held none); None when it can. Inside a cycle
+    the later steps train on the batch of that cycle, so the checkpoint must hold exactly that one; at a cycle's
+    start the next step generates anew, whatever was saved."""
+    if not offset:
+        return None
+    if saved is None:
+        return (f"resuming inside a generation cycle (step {cycle * k + offset}, grpo.iterations={k}) needs the "
+                "checkpoint's saved generation batch, which it does not hold")
+    if saved != cycle:
+        return f"the checkpoint's generation batch is of cycle {saved}, the run resumes inside cycle {cycle}"
+    return None
+
+
 class Rollouts:
     """The train dataloader of :class:`GRPOTask`: for each optimizer step, this rank's micro-batches of the
     window, generated at the first step of each cycle of ``grpo.iterations`` steps and served again for the
@@ -538,11 +563,7 @@ class Rollouts:
     def __init__(self, task: GRPOTask, start_sample: int) -> None:
         cfg = task.cfg
         self.task, self.per_step, self.k = task, cfg.train.global_batch_size, cfg.grpo.iterations
-        if start_sample % self.per_step:
-            raise ConfigError(f"task grpo: the data cursor ({start_sample} samples) is not a whole number of steps "
-                              f"of train.global_batch_size={self.per_step}; resume with the global batch it ran with")
-        step = start_sample // self.per_step
-        self.cycle, self.offset = divmod(step, self.k)
+        self.cycle, self.offset = cycle_at(start_sample, self.per_step, self.k)
         self.prompts = iter(task.prompt_loader(self.cycle * self.per_step))
         self.window: list[Rollout] | None = None  # the current cycle's rollouts, while a later step uses them
         self.served: torch.Tensor | None = None
@@ -568,19 +589,15 @@ class Rollouts:
         accum, micro, world = cfg.grad_accum, cfg.train.micro_batch_size, task.world
         rows_per_micro = micro * cfg.grpo.group_size
         restored = None
+        saved = None if task.restored is None else task.restored[0]
+        if problem := restored_cycle_problem(saved, self.cycle, self.offset, self.k):
+            raise ConfigError(f"task grpo: {problem}")
         if task.restored is not None:
             cycle, table = task.restored
             task.restored = None
             if cycle == self.cycle:
                 share = table.size(0) // world
                 restored = table[task.rank * share:(task.rank + 1) * share]
-            elif self.offset:
-                raise ConfigError(f"task grpo: the checkpoint's generation batch is of cycle {cycle}, the run resumes "
-                                  f"inside cycle {self.cycle}")
-        elif self.offset:
-            raise ConfigError(f"task grpo: resuming inside a generation cycle (step {self.cycle * self.k + self.offset}"
-                              f", grpo.iterations={self.k}) needs the checkpoint's saved generation batch, which it "
-                              "does not hold")
         step = self.cycle * self.k
         window = []
         for i in range(accum):
@@ -596,9 +613,17 @@ class RolloutCache:
     """The checkpoint object ``grpo_rollouts``: the generation batch of the current cycle when a later step still
     uses it (``iterations`` > 1, a checkpoint inside a cycle), gathered from every rank in global prompt order (so
     a resume on any world size or micro-batch size takes its share); otherwise nothing. ``state_dict`` is a
-    collective exactly when a batch is live, which is the same on every rank."""
+    collective exactly when a batch is live, which is the same on every rank.
+
+    What a checkpoint holds is checked before it is used, since whoever can write the folder can re-hash its
+    manifest: :meth:`restored_problems` (which resume asks before anything loads, finetune.artifacts.restored.
+    check_objects) refuses a table that is not one this recipe writes (rows, columns, dtype, token ids, numbers) or
+    a batch that is not of the cycle the resumed step is inside, and :meth:`load_state_dict` refuses the former too;
+    each is one line naming ``grpo_rollouts.json``. A forged batch used to fail inside the model at the first resumed
+    step (an internal error), after the resume had dropped the metrics rows logged past the checkpoint."""
 
     optional_in_checkpoint = True
+    file = f"{CACHE_NAME}.json"
 
     def __init__(self, task: GRPOTask) -> None:
         self.task = task
@@ -613,6 +638,87 @@ class RolloutCache:
             table = acc.gather(table.to(acc.device)).cpu()
         return {"cycle": rollouts.cycle, "rows": table}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        cycle = int(state.get("cycle", -1))
-        self.task.restored = None if cycle < 0 else (cycle, torch.as_tensor(state["rows"], dtype=torch.float64))
+    def load_state_dict(self, state: Any) -> None:
+        """Hand a read-back batch to the task once :meth:`problems` finds nothing wrong with it (else one line)."""
+        found = self.problems(state)
+        if found:
+            raise RunDirError(f"{self.file}: {'; '.join(found)}; it was altered or is corrupted: resume from another "
+                              "checkpoint (finetune ls lists them)")
+        self.task.restored = None if state["cycle"] < 0 else (state["cycle"], state["rows"])
+
+    def restored_problems(self, held: Any, counters: dict[str, Any]) -> list[str]:
+        """What is wrong with what a checkpoint holds for this object (``held``; None: no file, no batch) given its
+        checked ``train_state.json`` ``counters``: :meth:`problems`, then whether it is the batch the resumed step
+        needs (:func:`restored_cycle_problem`, the rule :class:`Rollouts` applies when training starts). A data
+        cursor that is not a whole number of this recipe's steps is a ConfigError (:func:`cycle_at`)."""
+        if held is not None and (found := self.problems(held)):
+            return found
+        cfg = self.task.cfg
+        cycle, offset = cycle_at(counters["samples_seen"], cfg.train.global_batch_size, cfg.grpo.iterations)
+        saved = held["cycle"] if held is not None and held["cycle"] >= 0 else None
+        problem = restored_cycle_problem(saved, cycle, offset, cfg.grpo.iterations)
+        return [problem] if problem else []
+
+    def problems(self, state: Any) -> list[str]:
+        """What is wrong with a read-back state (empty: nothing). It is ``{"cycle": -1}`` (no batch), or
+        ``{"cycle": c >= 0, "rows": table}`` with the table :meth:`GRPOTask.cache_rows` makes, gathered: float64,
+        ``train.global_batch_size x grpo.group_size`` rows (every completion of the step's global batch), and as
+        columns ``grpo.max_new_tokens`` completion ids (whole numbers in [0, the model's vocabulary)), one reward per
+        function (their weighted total finite), then ``max_new_tokens`` old log-probs (``iterations`` > 1) and
+        reference log-probs (``beta`` > 0); every number finite."""
+        if not isinstance(state, dict) or "cycle" not in state:
+            return ["is not the state of a generation batch (no cycle)"]
+        cycle = state["cycle"]
+        if not isinstance(cycle, int) or isinstance(cycle, bool) or cycle < -1:
+            return [f"its cycle is {cycle!r}, not a cycle number (or -1: no batch)"]
+        keys = {"cycle"} if cycle < 0 else {"cycle", "rows"}
+        if set(state) != keys:
+            return [f"holds {', '.join(sorted(map(str, state)))}, not {', '.join(sorted(keys))}"]
+        return [] if cycle < 0 else self._table_problems(state["rows"])
+
+    def _table_problems(self, rows: Any) -> list[str]:
+        """:meth:`problems` of a batch's table: its shape and dtype first (nothing else can be read without them),
+        then its token ids, its numbers and its rewards' weighted totals."""
+        cfg, names = self.task.cfg, list(self.task.rewards.names)
+        grpo, width = cfg.grpo, cfg.grpo.max_new_tokens
+        columns = width * (1 + (grpo.iterations > 1) + (grpo.beta > 0)) + len(names)
+        shape = (cfg.train.global_batch_size * grpo.group_size, columns)
+        if not isinstance(rows, torch.Tensor) or rows.dtype != torch.float64 or tuple(rows.shape) != shape:
+            what = (f"a {rows.dtype} tensor of shape {tuple(rows.shape)}" if isinstance(rows, torch.Tensor)
+                    else f"a {type(rows).__name__}")
+            return [f"its rows are {what}, not the float64 table of shape {shape} that this recipe writes "
+                    f"(train.global_batch_size x grpo.group_size rows; grpo.max_new_tokens={width} completion ids, "
+                    f"{len(names)} reward(s) and the log-probs grpo.iterations and grpo.beta keep)"]
+        found = []
+        if not bool(torch.isfinite(rows).all()):
+            found.append("it holds numbers that are not finite")
+        ids, vocab = rows[:, :width], self.vocabulary()
+        wrong = ids[~((ids >= 0) & (ids < vocab) & (ids == ids.floor()))]  # NaN fails every comparison
+        if wrong.numel():
+            found.append(f"it holds completion token id {float(wrong[0])!r}, not a whole number in [0, {vocab}) "
+                         "(the model's vocabulary)")
+        if not found:
+            try:
+                totals = self.task.rewards.total(rows[:, width:width + len(names)].T.tolist())
+            except FinetuneError:
+                totals = [math.nan]
+            if not all(math.isfinite(t) for t in totals):
+                found.append("the weighted total of its rewards is not a finite number")
+        return found
+
+    def vocabulary(self) -> int:
+        """How many token ids the model takes: the smaller of its input and output embedding sizes (a completion id
+        beyond them fails inside the model), else its config's ``vocab_size``, else the tokenizer's length."""
+        model = self.task.accelerator.unwrap_model(self.task.model)
+        sizes = []
+        layers = (("get_input_embeddings", "num_embeddings"), ("get_output_embeddings", "out_features"))
+        for getter, attribute in layers:
+            try:
+                size = getattr(getattr(model, getter)(), attribute, None)
+            except (AttributeError, NotImplementedError):  # a custom model without one
+                continue
+            if isinstance(size, int) and size > 0:
+                sizes.append(size)
+        if sizes:
+            return min(sizes)
+        return int(getattr(getattr(model, "config", None), "vocab_size", 0) or len(self.task.tokenizer))

@@ -2,7 +2,8 @@
 
 Each function scores every completion of a batch: ``score(prompts, completions, rows)`` returns one list of floats
 per function (unweighted, one float per completion), and :meth:`RewardFunctions.total` their weighted sum, the
-reward the advantages are computed from. They run on the host, on every rank for that rank's completions. The kinds:
+reward the advantages are computed from (a total that is not a finite number, such as 1e308 + 1e308, stops the
+run with one line naming the rewards). They run on the host, on every rank for that rank's completions. The kinds:
 
 - ``exact_match: true``: 1.0 when ``completion.strip() == str(row["answer"]).strip()``, else 0.0 (every row has an
   ``answer``: :mod:`finetune.data.prompt_rows` checks it when the data is read);
@@ -11,7 +12,9 @@ reward the advantages are computed from. They run on the host, on every rank for
   where the command line allows code named by the recipe (``finetune run``; resume or eval of a stored run with
   ``--trust-remote-code``), as ``model.plugin`` is. What it returns is checked on every call: one finite number
   (int, float, numpy or 0-d tensor values alike; true/false count as 1.0 / 0.0) per completion, else the run stops
-  with one line naming the function;
+  with one line naming the function. It runs as a guest (:func:`finetune.registry.user_code`): an exit it asks for
+  (``sys.exit``, even 0) is such a line too, and what it prints goes to stderr. It gets its own copy of the rows,
+  so a function that changes them cannot change what the next one (or the trainer) reads;
 - ``reward_model: FOLDER``: a ``task: reward`` export (its final/ folder, or the run directory holding it), loaded
   from its weights only (safetensors, never the folder's code), in eval mode; it scores ``prompt + completion``
   tokenized by its own tokenizer as its training did (the special tokens of its own recipe's ``data.add_bos``,
@@ -21,6 +24,7 @@ reward the advantages are computed from. They run on the host, on every rank for
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import re
@@ -35,6 +39,7 @@ from finetune.config.schema import STORED_DEFAULTS, RecipeConfig, RewardSpec
 from finetune.data import prompts
 from finetune.data.bos import RULES, Lead
 from finetune.errors import ConfigError, FinetuneError
+from finetune.registry import user_code
 
 Scorer = Callable[[list[str], list[str], list[dict[str, Any]]], list[float]]
 MODEL_BATCH = 8  # sequences a reward model scores per forward pass
@@ -68,10 +73,24 @@ class RewardFunctions:
                 for name, scorer in zip(self.names, self._scorers, strict=True)]
 
     def total(self, scores: list[list[float]]) -> list[float]:
-        """The reward of each completion: the functions' ``scores`` (from :meth:`score`) weighted and summed."""
+        """The reward of each completion: the functions' ``scores`` (from :meth:`score`) weighted and summed; a sum
+        that is not a finite number (finite scores whose weighted sum overflows) is a RewardError naming them."""
         count = len(scores[0]) if scores else 0
-        return [math.fsum(weight * column[i] for weight, column in zip(self.weights, scores, strict=True))
-                for i in range(count)]
+        totals = []
+        for i in range(count):
+            terms = [weight * column[i] for weight, column in zip(self.weights, scores, strict=True)]
+            try:
+                total = math.fsum(terms)
+            except (OverflowError, ValueError):  # fsum: "intermediate overflow", or inf + -inf
+                total = math.nan
+            if not math.isfinite(total):
+                shown = " + ".join(f"{name} {column[i]:g} x {weight:g}"
+                                   for name, weight, column in zip(self.names, self.weights, scores, strict=True))
+                raise RewardError(f"rewards {', '.join(self.names)}: the total of completion {i} is not a finite "
+                                  f"number ({shown}); scale these rewards or their weights down so that their "
+                                  "weighted sum stays finite")
+            totals.append(total)
+        return totals
 
 
 def _checked(name: str, values: Any, count: int) -> list[float]:
@@ -117,20 +136,25 @@ def plugin(target: str, allow_plugin: bool, key: str) -> Scorer:
                           "pass --trust-remote-code to import it")
     module_name, _, name = target.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        with user_code(f"{key}: importing {module_name!r}", ConfigError, "fix the module"):
+            module = importlib.import_module(module_name)
+            function = getattr(module, name, None)
+    except ConfigError:
+        raise
     except Exception as exc:  # ImportError, or whatever the module raises while it runs
         raise ConfigError(f"{key}: cannot import {module_name!r} ({type(exc).__name__}: {exc})") from None
-    function = getattr(module, name, None)
     if not callable(function):
         raise ConfigError(f"{key}: module {module_name!r} has no function {name!r}")
 
     def score(prompts: list[str], completions: list[str], rows: list[dict[str, Any]]) -> list[float]:
-        try:
-            return function(prompts, completions, rows)
-        except Exception as exc:
-            detail = (str(exc).strip().splitlines() or [""])[0][:200]
-            raise RewardError(f"reward {target}: raised {type(exc).__name__}" + (f": {detail}" if detail else "")) \
-                from None
+        with user_code(f"reward {target}", RewardError, "a reward function returns its scores, or raises an "
+                                                        "exception to stop the run"):
+            try:
+                return function(prompts, completions, copy.deepcopy(rows))  # its own rows: see the module's doc
+            except Exception as exc:
+                detail = (str(exc).strip().splitlines() or [""])[0][:200]
+                raise RewardError(f"reward {target}: raised {type(exc).__name__}" +
+                                  (f": {detail}" if detail else "")) from None
 
     return score
 

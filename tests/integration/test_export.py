@@ -246,6 +246,34 @@ def test_a_checkpoint_without_a_probe_exports_with_a_note(runs, tmp_path, monkey
     assert all(torch.equal(final[k], v) for k, v in load_file(str(out / "model.safetensors")).items())
 
 
+def test_ctrl_c_at_the_last_moment_agrees_with_what_was_published(runs, tmp_path, monkeypatch, capsys) -> None:
+    """A Ctrl+C just before the export is published (its folder renamed into place) stops it: exit 130, nothing at
+    -o, no "exported" line. One just after (renamed, its scratch not yet cleared, nothing said yet): the export is
+    complete, so the command says "exported" and exits 0; it used to exit 130 and say that nothing was published,
+    with the export in place."""
+    import signal
+
+    publish = rundir.publish
+
+    def interrupted_around_publish(before: bool) -> Any:
+        def publish_with_ctrl_c(tmp: Path, out: Path, old: Path) -> None:
+            if before:
+                signal.raise_signal(signal.SIGINT)  # to the main thread, as a Ctrl+C
+            publish(tmp, out, old)
+            if not before:
+                signal.raise_signal(signal.SIGINT)
+        return publish_with_ctrl_c
+
+    for before, code, published in ((True, 130, False), (False, 0, True)):
+        out = tmp_path / f"{'before' if before else 'after'}-publishing"
+        monkeypatch.setattr(rundir, "publish", interrupted_around_publish(before))
+        got, stdout, stderr = main_exit(monkeypatch, capsys, "export", str(runs["full"]), "-o", str(out))
+        assert got == code and "Traceback" not in stderr, (before, got, stdout, stderr)
+        assert ("exported step-000004" in stdout) == published and ("interrupted" in stderr) != published, stderr
+        assert (out / rundir.MANIFEST).is_file() == published and out.exists() == published
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # nothing left behind by the export
+
+
 # --- mistakes -------------------------------------------------------------------------------------------------------
 
 

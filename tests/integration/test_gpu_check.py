@@ -59,6 +59,23 @@ def test_no_gpu_without_dry_run_is_one_line(tmp_path: Path, capsys: pytest.Captu
     assert err.startswith("error: no CUDA GPU found") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("kind", ["file", "link-to-a-folder"])
+def test_an_out_that_is_not_a_folder_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 kind: str) -> None:
+    """--out an existing file (or a link, which the check never writes through) is one line, exit 2, before any
+    work (a file raised FileExistsError from mkdir: a traceback); --dry-run, so the check would run anywhere."""
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("mine\n")
+    else:
+        (tmp_path / "folder").mkdir()
+        out.symlink_to(tmp_path / "folder")
+    assert gc.main(["--dry-run", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {out} is a ") and err.count("\n") == 1, err
+    assert sorted(p.name for p in tmp_path.rglob("*")) == sorted(["out", *(["folder"] if kind != "file" else [])])
+
+
 def test_counter_counts_input_tokens_and_sample_squares() -> None:
     counter = gc._Counter()
     counter.add({"input_ids": torch.zeros(1, 7, dtype=torch.long),

@@ -1,4 +1,6 @@
-"""GRPO on a tiny Llama in one process: accumulation invariance, exact resume, the train and eval rows.
+"""GRPO on a tiny Llama in one process: accumulation invariance, exact resume, the train and eval rows, and a
+reward function that exits mid-run and is then edited (a failed run that keeps its checkpoint; a resume that refuses
+the changed objective until allowed).
 
 The reward is the completion's length in characters (a plugin defined here), so the completions of a group almost
 always differ in reward and the advantages are not zero.
@@ -9,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,7 @@ import pytest
 import torch
 
 from finetune.runtime.tracking import read_metrics
+from tests.cli_helpers import main_exit
 from tests.integration.conftest import (
     cli_exit_code,
     final_weights,
@@ -203,3 +207,138 @@ def test_train_and_eval_rows(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     again = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for key in ("eval_reward", "eval_exact_match_correct", "eval_exact_match_total", "eval_samples"):
         assert again[key] == evaluated[key], key
+
+
+EXITING_REWARD = """
+import os, sys
+
+def length(prompts, completions, rows):
+    if os.path.exists(os.path.join(os.path.dirname(__file__), "EXIT")):
+        sys.exit(0)
+    return [float(len(c)) for c in completions]
+"""
+
+
+def test_a_reward_that_exits_fails_the_run_and_an_edited_one_is_a_changed_objective(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The reward function calls sys.exit(0) at step 3 (after checkpoint step-000002): the run fails with exit 2 and
+    one line naming the function, and keeps its folder, log and checkpoint (exit 0 used to end it with no model and
+    no message). The function's file is then fixed: resuming is refused in one line naming the reward and its
+    file, until --allow-config-change, which resumes and finishes."""
+    from finetune import hooks
+
+    module = "grpo_exit_probe_reward"
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    source = plugins / f"{module}.py"
+    source.write_text(EXITING_REWARD)
+    monkeypatch.syspath_prepend(str(plugins))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    recipe = grpo_recipe(tmp_path, train={"max_steps": 3}, checkpoint={"every_steps": 2},
+                         grpo={"rewards": [{"function": f"{module}:length", "name": "length"}]})
+    run = tmp_path / "exits"
+
+    def exit_after_step_2(trainer: Any) -> None:
+        if trainer.state.step == 2:
+            (plugins / "EXIT").touch()
+
+    hooks.register("after_step", exit_after_step_2)
+    code, _, err = main_exit(monkeypatch, capsys, "run", str(write_named(tmp_path, "exits", recipe)))
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: reward {module}:length: called sys.exit(0), which would end finetune's process "
+                      "(without its model or a message); a reward function returns its scores, or raises an "
+                      "exception to stop the run"], err
+    assert (run / "train.log").is_file() and (run / "checkpoints" / "step-000002").is_dir()
+    assert not (run / "final").exists()
+
+    hooks.clear()
+    (plugins / "EXIT").unlink()
+    source.write_text(EXITING_REWARD.replace("sys.exit(0)", "return [0.0] * len(completions)"))
+    sys.modules.pop(module, None)  # the fixed file is what a new process would import
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(run), "--trust-remote-code")
+    assert code == 2, err
+    assert f"grpo.rewards[0].function: the source file of {module}:length ({source}) changed since step-000002 " \
+           "(sha256 " in err
+    assert "--allow-config-change" in err
+    code, _, err = main_exit(monkeypatch, capsys, "resume", str(run), "--trust-remote-code", "--allow-config-change")
+    assert code == 0, err
+    assert [r["step"] for r in _train_rows(run)] == [1, 2, 3] and (run / "final").is_dir()
+
+
+@pytest.fixture(scope="module")
+def mid_cycle_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 4-step GRPO run at grpo.iterations 2 whose step-000003 falls inside a generation cycle, so it holds
+    the cycle's generation batch (grpo_rollouts); each test forges a copy of it."""
+    folder = tmp_path_factory.mktemp("mid-cycle")
+    recipe = grpo_recipe(folder, grpo={"iterations": 2}, train={"max_steps": 4}, checkpoint={"every_steps": 3})
+    assert cli_exit_code("run", str(write_named(folder, "run", recipe))) == 0
+    return folder / "run"
+
+
+def _with_table(change: Any) -> Any:
+    """A forgery of the saved generation batch: its table (float64, global batch x group rows; 4 completion ids, 2
+    rewards) replaced by ``change(table)``."""
+    def forge(ckpt: Path) -> None:
+        from safetensors.torch import load_file, save_file
+
+        table = load_file(str(ckpt / "grpo_rollouts.safetensors"))["t0"]
+        save_file({"t0": change(table).contiguous()}, str(ckpt / "grpo_rollouts.safetensors"))
+    return forge
+
+
+def _with_state(state: dict[str, Any]) -> Any:
+    """A forgery of the saved generation batch's JSON: ``state`` instead (the tensor file removed when it names
+    none)."""
+    def forge(ckpt: Path) -> None:
+        (ckpt / "grpo_rollouts.json").write_text(json.dumps({"__dict__": state}))
+        if "rows" not in state:
+            (ckpt / "grpo_rollouts.safetensors").unlink()
+    return forge
+
+
+def _column(index: int, value: float) -> Any:
+    return _with_table(lambda table: table.index_fill(1, torch.tensor([index]), value))
+
+
+FORGED_BATCH = {
+    "token-beyond-the-vocabulary": _column(0, 1e6),
+    "negative-token": _column(0, -3.0),
+    "fractional-token": _column(0, 0.5),
+    "nan-reward": _column(4, float("nan")),
+    "infinite-reward": _column(5, float("inf")),
+    "too-few-rows": _with_table(lambda table: table[:3]),
+    "too-few-columns": _with_table(lambda table: table[:, :-1]),
+    "float32": _with_table(lambda table: table.float()),
+    "another-cycle": lambda ckpt: _with_state({**json.loads((ckpt / "grpo_rollouts.json").read_text())["__dict__"],
+                                               "cycle": 7})(ckpt),
+    "no-batch-inside-a-cycle": _with_state({"cycle": -1}),
+    "rows-not-a-table": _with_state({"cycle": 1, "rows": [[1.0, 2.0]]}),
+}
+
+
+@pytest.mark.parametrize("forgery", sorted(FORGED_BATCH))
+def test_a_forged_generation_batch_is_refused_before_any_row_is_dropped(
+        mid_cycle_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], forgery: str) -> None:
+    """The generation batch a mid-cycle checkpoint holds is checked when it is loaded, against this recipe (rows,
+    columns, dtype, token ids within the model's vocabulary, finite numbers) and against the resumed step (the
+    cycle it is of): a forgery, the manifest re-hashed as whoever can write the folder can, is one line naming the
+    checkpoint and grpo_rollouts.json (exit 2), and metrics.jsonl keeps every row. A forged batch used to reach the
+    model at the first resumed step: an internal error, or a silent resume, after the rows past the checkpoint were
+    dropped."""
+    from finetune.artifacts import rundir
+
+    run = tmp_path / "run"
+    shutil.copytree(mid_cycle_run, run, ignore=shutil.ignore_patterns(rundir.LOCK))
+    ckpt = rundir.step_dir(run, 3)
+    FORGED_BATCH[forgery](ckpt)
+    head = {key: value for key, value in rundir.read_manifest(ckpt).items() if key != "files"}
+    rundir.write_manifest(ckpt, head)
+    rows = (run / rundir.METRICS).read_bytes()
+    capsys.readouterr()
+    code = cli_exit_code("resume", str(run), "--from", ckpt.name, "--trust-remote-code")
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == 2 and "Traceback" not in err and len(errors) == 1, err
+    assert str(ckpt) in errors[0] and "grpo_rollouts.json" in errors[0], errors
+    assert (run / rundir.METRICS).read_bytes() == rows

@@ -5,7 +5,8 @@ command that reads a recipe stored in a run (eval of a run, a checkpoint or an e
 resume) and every process such a command starts (the export check's ``finetune.artifacts.reload``, the ranks of a
 launched resume or generate) imports it only with the permission given on this command line, passed on explicitly.
 Without it the command is refused in one line (exit 2) that names the module, the run's recipe file and the fix, before
-the module is imported and before anything is written.
+the module is imported and before anything is written. With it, a plugin that calls ``sys.exit`` as it is imported
+(even ``sys.exit(0)``) fails the command in one line naming it; it never ends finetune as if finetune had finished.
 
 The plugin planted here writes a marker file when it is imported; it lies in a folder on ``sys.path`` and
 PYTHONPATH, as an installed module would. The run is a 2-step LoRA tiny-llama run (a checkpoint after each step),
@@ -215,3 +216,26 @@ def test_a_recipe_named_on_the_command_line_imports_its_plugin(fresh: tuple[Plan
     sys.modules.pop(PLUGIN, None)
     cfg: Any = validate(compose(resolved))  # `finetune run runs/x/recipe.resolved.yaml`: the user named it
     assert cfg.model.plugin == PLUGIN and planted.marker.is_file()
+
+
+@pytest.mark.parametrize("command", [*COMMANDS, "run"])
+def test_a_plugin_that_exits_on_import_is_one_line(fresh: tuple[Planted, Path], command: str,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The module the run's recipe names, found first on the path, calls sys.exit(0): every command that imports
+    it exits 2 with one line naming it (and ``finetune run`` leaves no run folder), writing nothing."""
+    planted, root = fresh
+    shadow = root / "shadow"
+    shadow.mkdir()
+    (shadow / f"{PLUGIN}.py").write_text("import sys\n\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(shadow))
+    if command == "run":
+        recipe = root / "again.yaml"
+        shutil.copy(planted.run / "recipe.resolved.yaml", recipe)
+        args = ["run", str(recipe), "-o", str(root / "again")]
+    else:
+        args = [*COMMANDS[command](planted.run, root, planted.prompts), "--trust-remote-code"]
+    before = tree(root)
+    lines = assert_user_error(*main_exit(monkeypatch, capsys, *args), PLUGIN, "called sys.exit(0)")
+    assert len(lines) == 1, lines
+    assert tree(root) == before

@@ -253,6 +253,65 @@ def test_from_refuses_a_checkpoint_of_another_run(trained: Path, tmp_path: Path,
     assert (mine / rundir.METRICS).read_bytes() == rows
 
 
+def _link_final(run: Path, other: Path) -> Path:
+    shutil.rmtree(run / rundir.FINAL)
+    (run / rundir.FINAL).symlink_to(other / rundir.FINAL)
+    return run / rundir.FINAL
+
+
+def _link_checkpoint(run: Path, other: Path) -> Path:
+    shutil.rmtree(rundir.step_dir(run, 2))
+    rundir.step_dir(run, 2).symlink_to(rundir.step_dir(other, 2))
+    return rundir.step_dir(run, 2)
+
+
+def _prompts(tmp_path: Path) -> str:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Reverse: a b"}) + "\n")
+    return str(prompts)
+
+
+EVAL_DATA = f"data.eval={DATA / 'reverse_eval.jsonl'}"
+# (what is linked, the command with RUN and TMP to fill in): each opens a run's final/ or a checkpoint of it
+LINKED_COMMANDS = {
+    "eval-run": (_link_final, lambda run, tmp: ["eval", str(run), EVAL_DATA]),
+    "eval-final": (_link_final, lambda run, tmp: ["eval", str(run / rundir.FINAL), EVAL_DATA]),
+    "generate-run": (_link_final, lambda run, tmp: ["generate", str(run), _prompts(tmp), "-o", str(tmp / "o.jsonl")]),
+    "merge-run": (_link_final, lambda run, tmp: ["merge", str(run), "-o", str(tmp / "merged")]),
+    "eval-checkpoint": (_link_checkpoint, lambda run, tmp: ["eval", str(rundir.step_dir(run, 2)), EVAL_DATA]),
+    "export-from": (_link_checkpoint, lambda run, tmp: ["export", str(run), "--from", "step-000002", "-o",
+                                                        str(tmp / "exported")]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LINKED_COMMANDS))
+def test_a_linked_final_or_checkpoint_is_never_read_as_the_run_s_own(case: str, trained: Path, tmp_path: Path,
+                                                                     monkeypatch, capsys) -> None:
+    """A symbolic link in the place of a run's final/ or checkpoints/step-N (to another run's) is refused in one line
+    naming it, by every command that opens it, before anything is read: eval of the run used to report the other
+    run's model as this run's. `finetune ls` shows neither as the run's (no model line; not a checkpoint). (resume
+    refuses both through the run's layout check, tests/integration/test_write_targets.py.)"""
+    link, command = LINKED_COMMANDS[case]
+    run, other = copy_run(trained, tmp_path, "run"), copy_run(trained, tmp_path, "other")
+    linked = link(run, other)
+    code, out, err = main_exit(monkeypatch, capsys, *command(run, tmp_path))
+    assert code == 2 and f"{linked}: a symbolic link" in one_error_line(err), (code, out, err)
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(("o.jsonl", "merged", "exported"))]
+    code, out, _ = main_exit(monkeypatch, capsys, "ls", str(run))
+    shown = f"model:   {run / rundir.FINAL}" if link is _link_final else f"{linked.name:<18} not a checkpoint (ignored)"
+    assert code == 0 and (shown in out) == (link is _link_checkpoint), out
+
+
+def test_a_final_copied_from_another_run_is_not_evaluated_as_the_run_s(trained: Path, tmp_path: Path, monkeypatch,
+                                                                       capsys) -> None:
+    """A real final/ folder whose manifest names another run's id (copied in from that run) is refused as well."""
+    run = copy_run(trained, tmp_path)
+    manifest = json.loads((run / rundir.FINAL / rundir.MANIFEST).read_text())
+    (run / rundir.FINAL / rundir.MANIFEST).write_text(json.dumps({**manifest, "run_id": "0" * 32}))
+    code, _, err = main_exit(monkeypatch, capsys, "eval", str(run), EVAL_DATA)
+    assert code == 2 and "another run (run id 00000000" in one_error_line(err)
+
+
 EVIL_MODELING = """
 from pathlib import Path
 Path({marker!r}).write_text("remote code ran")

@@ -16,7 +16,7 @@ import pytest
 
 from finetune.artifacts import rundir
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import DATA, trained_run
+from tests.integration.conftest import DATA, REPO, recipe_file, trained_run
 
 pytestmark = pytest.mark.integration
 
@@ -231,3 +231,98 @@ def test_a_killed_plots_scratch_is_removed_by_the_next_plot(target_run: Path, tm
     code, _, err = main_exit(monkeypatch, capsys, *_plot(target_run, tmp_path / "plot.png"))
     assert code == 0, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png"]
+
+
+# --- no output may be an input ------------------------------------------------------------------------------------
+
+
+def fake_reward_run(folder: Path) -> Path:
+    """What `--overwrite` would delete whole: a finetune run holding only its marker and a final/ export (a reward
+    model's config and weights, listed by its manifest). A reward model is read only once training starts, so a
+    refusal before that never looks inside."""
+    (folder / rundir.FINAL).mkdir(parents=True)
+    (folder / rundir.MARKER).write_text('{"run_id": "0123abcd"}\n')
+    (folder / rundir.FINAL / "config.json").write_text('{"model_type": "llama"}\n')
+    (folder / rundir.FINAL / "model.safetensors").write_bytes(b"weights")
+    rundir.write_manifest(folder / rundir.FINAL, {})
+    return folder
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` and its bytes, but a run's lock (taken, with its holder written in it, by the
+    command that reads the run before it refuses)."""
+    return {str(p): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != rundir.LOCK}
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--dry-run"])
+@pytest.mark.parametrize("given", ["run", "final"])
+def test_a_grpo_run_never_replaces_its_reward_run(tmp_path: Path, given: str, flag: str,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`finetune run GRPO -o R --overwrite`, where R is the reward run the recipe scores with (named as its run dir
+    or its final/): one line naming grpo.rewards[0].reward_model, exit 2, before anything is tokenized or deleted
+    (it used to delete R, final/ included, then fail for want of the reward model). --dry-run says the same."""
+    reward = fake_reward_run(tmp_path / "reward")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "say {i}", "answer": "{i}"}}\n' for i in range(4)))
+    named = reward if given == "run" else reward / rundir.FINAL
+    recipe = recipe_file(tmp_path, "grpo", task="grpo", data={"format": "prompt", "train": str(prompts), "eval": None},
+                         grpo={"group_size": 2, "max_new_tokens": 2, "rewards": [{"reward_model": str(named)}]},
+                         train={"max_steps": 1, "micro_batch_size": 2, "global_batch_size": 2},
+                         scheduler={"warmup_steps": 0})
+    before = snapshot(reward)
+    code, out, err = main_exit(monkeypatch, capsys, "run", str(recipe), "-o", str(reward), flag)
+    assert_user_error(code, out, err, "grpo.rewards[0].reward_model", str(named))
+    assert snapshot(reward) == before
+
+
+def _run(run: Path, out: Path) -> list[str]:
+    """`finetune run` of a fresh recipe (beside the folder that holds ``out``) into ``out``."""
+    return ["run", str(recipe_file(out.parent.parent, "again", **SHORT)), "-o", str(out)]
+
+
+def _resume(run: Path, out: Path) -> list[str]:
+    """`finetune resume` of a copy of the run at ``out``: the run directory is what a resume writes."""
+    shutil.copytree(run, out, ignore=shutil.ignore_patterns(rundir.LOCK))
+    return ["resume", str(out), "train.max_steps=4", "--allow-config-change"]
+
+
+def _resume_reading_itself(run: Path, out: Path) -> list[str]:
+    """`finetune resume` of a copy of the run at ``out`` whose override names a data file inside that run."""
+    shutil.copytree(run, out, ignore=shutil.ignore_patterns(rundir.LOCK))
+    return ["resume", str(out), f"data.eval={out / rundir.METRICS}", "--allow-config-change"]
+
+
+def _generate_with_config(run: Path, out: Path) -> list[str]:
+    """`finetune generate -o` onto the file its own --accelerate-config names."""
+    shutil.copy(REPO / "accelerate_configs" / "cpu.yaml", out)
+    return [*_generate(run, out), "--accelerate-config", str(out), "--overwrite"]
+
+
+# Every command that writes an output, with an output where one of its inputs is: (command line, output, the input).
+INPUT_CASES: dict[str, tuple[Callable[[Path, Path], list[str]], str, str]] = {
+    "run": (_run, "hf/run", "$HF_HOME"),
+    "resume": (_resume, "hf/run", "$HF_HOME"),
+    "resume data.eval=": (_resume_reading_itself, "run", "data.eval"),
+    "export": (_export, "hf/exported", "$HF_HOME"),
+    "merge": (_merge, "hf/merged", "$HF_HOME"),
+    "generate": (_generate, "hf/out.jsonl", "$HF_HOME"),
+    "generate --accelerate-config": (_generate_with_config, "accelerate.yaml", "--accelerate-config"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(INPUT_CASES))
+def test_no_command_writes_where_it_reads(target_run: Path, tmp_path: Path, case: str,
+                                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's output inside the Hugging Face cache (which every recipe reads: hub models, tokenized data),
+    a resume whose override names a file inside its own run, and generate's -o onto its own --accelerate-config:
+    one line naming the input, exit 2, nothing written."""
+    build, name, key = INPUT_CASES[case]
+    (tmp_path / "hf").mkdir()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    out = tmp_path / name
+    argv = build(target_run, out)
+    before = snapshot(tmp_path)
+    code, stdout, err = main_exit(monkeypatch, capsys, *argv)
+    assert_user_error(code, stdout, err, key, str(out))
+    assert snapshot(tmp_path) == before

@@ -19,6 +19,7 @@ import torch
 from finetune.data import DataBundle
 from finetune.data.batching import left_pad
 from finetune.data.rows import IGNORE
+from finetune.errors import ConfigError, RunDirError
 from finetune.tasks.causal_lm import next_token_targets
 from finetune.tasks.grpo import (
     GRPOTask,
@@ -423,3 +424,45 @@ def test_every_logprob_is_scored_at_the_sampling_temperature(llama, tok) -> None
     for (name, got), want in zip(policy.named_parameters(), twin.parameters(), strict=True):
         scale = want.grad.norm()
         assert (got.grad - want.grad).norm() <= 1e-5 * scale, name
+
+
+def _saved_batch(cycle: int, last_id: float = 511.0) -> dict[str, Any]:
+    """A generation batch as a mid-cycle checkpoint of :func:`make_cfg` (group 2, 4 new tokens, iterations 2, global
+    batch 4) holds it: 8 rows of 4 completion ids (the last one ``last_id``), 2 rewards and 4 old log-probs."""
+    ids = torch.tensor([[5.0, 6.0, 7.0, last_id]]).repeat(8, 1)
+    return {"cycle": cycle, "rows": torch.cat([ids, torch.ones(8, 2), torch.full((8, 4), -1.5)], 1).double()}
+
+
+@pytest.mark.parametrize("held,samples,outcome", [
+    (_saved_batch(1), 12, []),  # step 3 is inside cycle 1: its batch
+    (_saved_batch(1), 8, []),  # step 2 ends cycle 0: the next step generates anew, whatever was saved
+    ({"cycle": -1}, 8, []),
+    (None, 8, []),  # no file at a cycle's end (nothing to save)
+    (None, 12, ["needs the checkpoint's saved generation batch"]),
+    ({"cycle": -1}, 12, ["needs the checkpoint's saved generation batch"]),
+    (_saved_batch(0), 12, ["is of cycle 0, the run resumes inside cycle 1"]),
+    (_saved_batch(1, last_id=512.0), 12, ["completion token id 512.0, not a whole number in [0, 512)"]),
+    ({"cycle": True}, 12, ["its cycle is True"]),
+    ({"cycle": 1}, 12, ["holds cycle, not cycle, rows"]),
+    (_saved_batch(1), 10, ConfigError),  # a cursor between steps: another global batch than the run's
+], ids=["inside-its-cycle", "at-a-cycle-end", "none-saved-at-a-cycle-end", "no-file-at-a-cycle-end",
+        "no-file-inside-a-cycle", "none-saved-inside-a-cycle", "another-cycle", "token-at-the-vocabulary",
+        "cycle-a-bool", "no-rows", "cursor-between-steps"])
+def test_the_saved_generation_batch_is_judged_against_the_recipe_and_the_resumed_step(
+        llama, tok, held: dict[str, Any] | None, samples: int, outcome: Any) -> None:
+    """What a checkpoint holds for grpo_rollouts is judged before a resume loads anything: the table this recipe
+    writes, with token ids below the model's vocabulary (512 here, from its embeddings), and the batch of the cycle
+    the resumed step is inside (none needed at a cycle's end); a cursor that is no whole step is the recipe's
+    mistake (a changed global batch), and load_state_dict refuses what the judge refuses."""
+    from finetune.tasks.grpo import RolloutCache
+
+    cache = RolloutCache(bound_task(make_cfg(group=2, new=4, iterations=2, global_batch=4), llama, tok))
+    if outcome is ConfigError:
+        with pytest.raises(ConfigError, match="not a whole number of steps"):
+            cache.restored_problems(held, {"samples_seen": samples})
+        return
+    found = cache.restored_problems(held, {"samples_seen": samples})
+    assert len(found) == len(outcome) and all(want in got for want, got in zip(outcome, found, strict=True)), found
+    if held is not None and cache.problems(held):
+        with pytest.raises(RunDirError, match=r"grpo_rollouts\.json"):
+            cache.load_state_dict(held)

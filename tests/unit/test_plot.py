@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 import subprocess
 import sys
@@ -218,6 +219,27 @@ def _empty_metrics(tmp: Path) -> list[str]:
     return ["fresh"]
 
 
+def _deep_row(tmp: Path) -> list[str]:
+    make_run(tmp / "ok", train_steps=3, eval_every=None)
+    rows = (tmp / "ok" / rundir.METRICS).read_text()
+    (tmp / "ok" / rundir.METRICS).write_text(rows + '{"kind": "end", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+                                             + rows)
+    return ["ok"]
+
+
+def _fifo_metrics(tmp: Path) -> list[str]:
+    rundir.create(tmp / "fifo", overwrite=False).release()
+    os.mkfifo(tmp / "fifo" / rundir.METRICS)
+    return ["fifo"]
+
+
+def _linked_metrics(tmp: Path) -> list[str]:
+    make_run(tmp / "other", train_steps=3, eval_every=None)
+    rundir.create(tmp / "linked", overwrite=False).release()
+    (tmp / "linked" / rundir.METRICS).symlink_to(tmp / "other" / rundir.METRICS)
+    return ["linked"]
+
+
 def _existing_output(tmp: Path) -> list[str]:
     make_run(tmp / "ok", train_steps=3, eval_every=None)
     (tmp / "plot.png").write_bytes(b"keep me")
@@ -244,12 +266,15 @@ def _twice(tmp: Path) -> list[str]:
     (_not_a_run, ["notes: not a finetune run directory", rundir.MARKER]),
     (_no_metrics, ["fresh: no metrics yet", rundir.METRICS]),
     (_empty_metrics, ["fresh: no metrics yet"]),
+    (_deep_row, ["ok/metrics.jsonl:4: not a JSON object (nested too deep)"]),
+    (_fifo_metrics, ["fifo/metrics.jsonl: not a regular file (a FIFO"]),
+    (_linked_metrics, ["linked/metrics.jsonl: not a regular file (a symbolic link)"]),
     (_existing_output, ["plot.png already exists", "--overwrite"]),
     (_bad_suffix, ["plot.jpg", ".png"]),
     (_inside_a_run, ["ok/mine.png lies inside the run", rundir.PLOTS]),
     (_twice, ["ok: given twice"]),
-], ids=["no-such-dir", "not-a-run", "no-metrics", "empty-metrics", "existing-output", "bad-suffix", "inside-run",
-        "twice"])
+], ids=["no-such-dir", "not-a-run", "no-metrics", "empty-metrics", "row-nested-100000-deep", "fifo-metrics",
+        "linked-metrics", "existing-output", "bad-suffix", "inside-run", "twice"])
 def test_mistakes_are_one_line_exit_2_and_write_nothing(tmp_path, monkeypatch, capsys, setup, needles) -> None:
     args = setup(tmp_path)
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}

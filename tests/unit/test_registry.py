@@ -1,8 +1,12 @@
-"""The SupportedModel table: every row is well-formed data and builds a working model of its family."""
+"""The SupportedModel table: every row is well-formed data and builds a working model of its family; a user's plugin
+module and factory run as guests (an exit they ask for is one line naming them, a real Ctrl+C stays one)."""
 
 from __future__ import annotations
 
 import re
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +135,57 @@ def test_register_rejects_a_malformed_vision_row(fields: dict, message: str) -> 
     with pytest.raises(ConfigError, match=re.escape(message)):
         registry.register(bad)
     assert "my-vlm" not in SUPPORTED_MODELS
+
+
+@pytest.fixture
+def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[str], str]]:
+    """``write(source)``: a module ``user_plugin_under_test`` holding ``source``, importable (and not yet imported)
+    for this test only; returns its name."""
+    name = "user_plugin_under_test"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+
+    def write(source: str) -> str:
+        (tmp_path / f"{name}.py").write_text(source)
+        return name
+
+    yield write
+    sys.modules.pop(name, None)
+
+
+def _factory_row(module: str) -> registry.SupportedModel:
+    return registry.SupportedModel(**{**_CUSTOM, "factory": f"{module}:build"})
+
+
+@pytest.mark.parametrize(("source", "call", "where"), [
+    ("import sys\nsys.exit(0)\n", registry.load_plugin, "model.plugin: importing '{module}'"),
+    ("raise SystemExit('done')\n", lambda module: registry.resolve_factory(_factory_row(module)),
+     "model.plugin: SupportedModel 'custom' factory '{module}:build': importing '{module}'"),
+    ("import sys\n\ndef build(config, dtype):\n    sys.exit(0)\n",
+     lambda module: registry.resolve_factory(_factory_row(module))({}, None),
+     "model.plugin: SupportedModel 'custom' factory '{module}:build'"),
+])
+def test_an_exit_a_plugin_asks_for_is_one_line_naming_it(user_module: Callable[[str], str], source: str,
+                                                         call: Callable[[str], object], where: str) -> None:
+    """sys.exit in a model.plugin module or its factory, even exit 0, is a ConfigError (exit 2), not the end of
+    finetune's process."""
+    module = user_module(source)
+    with pytest.raises(ConfigError) as info:
+        call(module)
+    message = str(info.value)
+    assert message.startswith(where.format(module=module) + ": called sys.exit(") and "\n" not in message
+
+
+def test_a_keyboard_interrupt_is_a_ctrl_c_only_when_one_was_pressed(user_module: Callable[[str], str]) -> None:
+    """A KeyboardInterrupt the plugin raises itself is its failure; a Ctrl+C pressed while the plugin runs (here the
+    second SIGINT during training, which finetune's handler turns into an abort) stops finetune as a Ctrl+C."""
+    from finetune.errors import Aborted
+    from finetune.runtime.signals import StopRequest
+
+    module = user_module("raise KeyboardInterrupt\n")
+    with pytest.raises(ConfigError, match=rf"^model.plugin: importing '{module}': raised KeyboardInterrupt itself"):
+        registry.load_plugin(module)
+    sys.modules.pop(module, None)
+    user_module("import os, signal\n\nfor _ in range(2):\n    os.kill(os.getpid(), signal.SIGINT)\n")
+    with StopRequest().installed(), pytest.raises(Aborted):
+        registry.load_plugin(module)

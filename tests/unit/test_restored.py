@@ -66,3 +66,37 @@ def test_an_empty_scaler_state_for_an_fp16_run_is_named() -> None:
 def test_a_forged_scheduler_is_named(change: dict, needle: str) -> None:
     found = restored.scheduler_problems({**_scheduler_state(3), **change}, 3, _scheduler_state(0))
     assert any(needle in line for line in found), found
+
+
+def _probe(**change: object) -> dict:
+    """A logit probe as a checkpoint records it (2 x 3 token ids, their mask, 2 x 3 x 8 fp32 logits), changed."""
+    return {"input_ids": torch.tensor([[1, 5, 7], [1, 2, 0]]), "attention_mask": torch.tensor([[1, 1, 1], [1, 1, 0]]),
+            "logits": torch.randn(2, 3, 8), **change}
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"input_ids": torch.tensor([[1, 5, 8], [1, 2, 0]])}, "token ids outside [0, 8)"),
+    ({"input_ids": torch.tensor([[1, -5, 7], [1, 2, 0]])}, "token ids outside [0, 8)"),
+    ({"input_ids": torch.tensor([[1.0, 5.0, 7.0], [1.0, 2.0, 0.0]])}, "not [rows, length] token ids"),
+    ({"attention_mask": torch.tensor([[1, 1, 1]])}, "not 2 x 3 ones and zeros"),
+    ({"attention_mask": torch.tensor([[1, 1, 2], [1, 1, 0]])}, "values other than 0 and 1"),
+    ({"logits": torch.randn(2, 4, 8)}, "not 2 x 3 x vocabulary (or 2 x labels)"),
+    ({"logits": torch.full((2, 3, 8), float("nan"))}, "not all finite"),
+    ({"logits": [[1.0]]}, "holds no tensors"),
+], ids=["id-at-the-vocabulary", "negative-id", "float-ids", "mask-shape", "mask-values",
+        "logits-shape", "nan-logits", "not-a-tensor"])
+def test_a_recorded_probe_is_checked_before_an_export_trusts_it(tmp_path, change: dict, needle: str) -> None:
+    """The probe an export must reproduce (probe.json + .safetensors) is read back as what finetune records, or
+    refused in one line naming probe.json as a damaged checkpoint (exit 2): a forged one reached the export's fresh
+    process (an IndexError blamed on the export, exit 1) or its comparison (a mismatch "to report")."""
+    from finetune.artifacts import probe
+    from finetune.artifacts.checkpoint import write_state
+    from finetune.errors import RunDirError
+
+    for recorded in (_probe(), _probe(logits=torch.randn(2, 3))):  # a language model's; a classifier's scores
+        write_state(tmp_path, probe.NAME, recorded)
+        assert probe.read(tmp_path).tokens == 5
+    write_state(tmp_path, probe.NAME, _probe(**change))
+    with pytest.raises(RunDirError, match=r"probe\.json: the recorded probe is not one finetune records") as info:
+        probe.read(tmp_path)
+    assert needle in str(info.value) and "\n" not in str(info.value)

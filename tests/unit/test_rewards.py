@@ -1,6 +1,7 @@
-"""The reward functions of task grpo: each built-in's semantics, the weighted total, the plugin import gate (a stored
-run's function is imported only with --trust-remote-code), one line naming the function for a bad plugin result,
-and the reward_model reward scoring as the reward model scores a text alone."""
+"""The reward functions of task grpo: each built-in's semantics, the weighted total (one line naming the rewards when
+it is not finite), the plugin import gate (a stored run's function is imported only with --trust-remote-code), one
+line naming the function for a bad plugin result or an exit it asks for, a plugin as a guest (its own copy of the
+rows, its prints on stderr), and the reward_model reward scoring as the reward model scores a text alone."""
 
 from __future__ import annotations
 
@@ -47,7 +48,30 @@ def as_tensor(prompts, completions, rows):
 
 def boom(prompts, completions, rows):
     raise KeyError("level")
+
+def exits(prompts, completions, rows):
+    import sys
+    sys.exit(0)
+
+def exits_with_text(prompts, completions, rows):
+    raise SystemExit("no more")
+
+def interrupts(prompts, completions, rows):
+    raise KeyboardInterrupt
+
+def takes_answers(prompts, completions, rows):
+    for row in rows:
+        row.pop("answer")
+    return [0.0] * len(completions)
+
+def huge(prompts, completions, rows):
+    return [1e308] * len(completions)
+
+def chatty(prompts, completions, rows):
+    print("scoring", len(completions))
+    return [0.0] * len(completions)
 '''
+EXITS_ON_IMPORT = "import sys\nsys.exit(3)\n"
 
 
 def cfg_of(*rewards: dict[str, Any]) -> Any:
@@ -62,6 +86,7 @@ def plugin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "scores.py").write_text(PLUGIN)
+    (package / "exiting.py").write_text(EXITS_ON_IMPORT)
     monkeypatch.syspath_prepend(str(tmp_path))
     for name in [m for m in sys.modules if m.startswith("grpo_reward_plugin")]:
         monkeypatch.delitem(sys.modules, name)
@@ -110,6 +135,56 @@ def test_a_bad_plugin_result_stops_with_one_line_naming_it(plugin_dir: Path, fun
     with pytest.raises(RewardError) as info:
         rewards.score(["p", "p"], ["a", "b"], [{}, {}])
     assert str(info.value) == needle
+
+
+@pytest.mark.parametrize(("function", "detail"), [
+    ("exits", "called sys.exit(0)"),  # exit 0 would have ended the run as if done, with no model
+    ("exits_with_text", "called sys.exit('no more')"),
+    ("interrupts", "raised KeyboardInterrupt itself (no Ctrl+C was pressed)"),
+])
+def test_an_exit_a_plugin_asks_for_is_a_failure_naming_it(plugin_dir: Path, function: str, detail: str) -> None:
+    rewards = build_rewards(cfg_of({"function": f"grpo_reward_plugin.scores:{function}"}), device="cpu",
+                            allow_plugin=True)
+    with pytest.raises(RewardError) as info:
+        rewards.score(["p", "p"], ["a", "b"], [{}, {}])
+    message = str(info.value)
+    assert message.startswith(f"reward grpo_reward_plugin.scores:{function}: {detail}") and "\n" not in message
+
+
+def test_a_module_that_exits_on_import_is_one_line(plugin_dir: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^grpo.rewards\[0\].function: importing 'grpo_reward_plugin.exiting': "
+                                          r"called sys.exit\(3\)[^\n]*$"):
+        build_rewards(cfg_of({"function": "grpo_reward_plugin.exiting:f"}), device="cpu", allow_plugin=True)
+
+
+def test_a_plugin_that_changes_its_rows_changes_nothing_else(plugin_dir: Path) -> None:
+    """Each function gets its own copy of the rows: exact_match, after it, still reads every answer, and so does
+    the trainer afterwards."""
+    rewards = build_rewards(cfg_of({"function": "grpo_reward_plugin.scores:takes_answers"}, {"exact_match": True}),
+                            device="cpu", allow_plugin=True)
+    rows = [{"answer": "4"}, {"answer": "5"}]
+    assert rewards.score(["p", "p"], ["4", "6"], rows) == [[0.0, 0.0], [1.0, 0.0]]
+    assert rows == [{"answer": "4"}, {"answer": "5"}]
+
+
+def test_a_total_that_overflows_is_one_line_naming_the_rewards(plugin_dir: Path) -> None:
+    rewards = build_rewards(cfg_of({"function": "grpo_reward_plugin.scores:huge", "name": "a"},
+                                   {"function": "grpo_reward_plugin.scores:huge", "name": "b"}), device="cpu",
+                            allow_plugin=True)
+    scores = rewards.score(["p"], ["x"], [{}])  # each score is finite: only their sum is not
+    with pytest.raises(RewardError, match=r"^rewards a, b: the total of completion 0 is not a finite number "
+                                          r"\(a 1e\+308 x 1 \+ b 1e\+308 x 1\); [^\n]*$"):
+        rewards.total(scores)
+
+
+def test_what_a_plugin_prints_goes_to_stderr(plugin_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """stdout is finetune's (``finetune eval --json`` prints one JSON object there)."""
+    rewards = build_rewards(cfg_of({"function": "grpo_reward_plugin.scores:chatty"}), device="cpu",
+                            allow_plugin=True)
+    capsys.readouterr()
+    rewards.score(["p", "p"], ["a", "b"], [{}, {}])
+    out, err = capsys.readouterr()
+    assert out == "" and err == "scoring 2\n"
 
 
 def test_a_plugin_may_return_any_real_numbers(plugin_dir: Path) -> None:

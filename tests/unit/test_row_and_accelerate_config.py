@@ -64,8 +64,9 @@ def test_the_worker_carries_the_row_it_resolved() -> None:
 
 
 def test_the_accelerate_config_file_is_read_in_one_function() -> None:
-    """Only finetune.config.accelerate finds and parses an accelerate config; only backends.accelerate_config and
-    validation (which sits below backends) call it; nothing else that names an accelerate config reads a file."""
+    """Only finetune.config.accelerate finds and parses an accelerate config; only backends.accelerate_config,
+    validation (which sits below backends) and the list of a recipe's inputs (finetune.config.outputs, which only
+    locates the file) call it; nothing else that names an accelerate config reads a file."""
     readers = {"safe_load", "load", "read_text", "read_bytes", "open"}
     finders = {"shipped_accelerate_config", "accelerate_config_path", "read_accelerate_config"}
     parsing, finding, callers = [], [], []
@@ -85,7 +86,8 @@ def test_the_accelerate_config_file_is_read_in_one_function() -> None:
                 callers.append(here)
     assert parsing == [], f"an accelerate config is read outside finetune.config.accelerate: {parsing}"
     assert finding == [], f"an accelerate config is found outside finetune.config.accelerate: {finding}"
-    assert sorted(callers) == ["backends.py:accelerate_config", "validate.py:_semantic_lines"]
+    assert sorted(callers) == ["backends.py:accelerate_config", "outputs.py:accelerate_file",
+                               "validate.py:_semantic_lines"]
 
 
 def _is_reader_call(call: ast.Call) -> bool:

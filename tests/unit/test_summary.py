@@ -5,6 +5,7 @@ unfinished."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,40 @@ def test_a_grpo_summary_leads_with_the_reward_and_the_eval_exact_match(tmp_path:
         "  model:   runs/grpo/final",
     ]
     assert render(read_summary(run))[:len(expected)] == expected  # type: ignore[arg-type]
+
+
+FORGED_END = {  # an end row, and the first line of the summary it gives
+    "nan": ({"kind": "end", "step": math.nan, "samples": math.nan, "tokens": 2, "train_s": math.nan, "wall_s": 1.0},
+            "? steps, ? samples, 2 target tokens; training ?, wall 1.0 s"),
+    "1e400": ({"kind": "end", "step": math.inf, "samples": -math.inf, "tokens": math.inf, "train_s": math.inf,
+               "wall_s": -1.0}, "? steps, ? samples, ? target tokens; training ?, wall ?"),
+    "text": ({"kind": "end", "step": "2\nerror: a line of the row's", "samples": [16], "tokens": {"n": 1},
+              "train_s": "3 s", "wall_s": None}, "? steps, ? samples, ? target tokens; training ?, wall ?"),
+}
+
+
+@pytest.mark.parametrize("forged", sorted(FORGED_END))
+def test_a_forged_end_row_shows_question_marks_in_the_summary_s_own_lines(tmp_path: Path, forged: str) -> None:
+    """An end row whose values are not counts and durations (NaN, what 1e400 reads as, negative, text with a line
+    break, lists, objects) becomes "?" in the summary, and what is not a number in the train and eval rows is left
+    out: the summary is its own lines, never a traceback (NaN and infinity raised ValueError / OverflowError
+    there) and never a line a metrics row made up."""
+    recipe = {"model": {"type": "tiny-llama"}, "peft": {"method": "none"}}
+    train = {"kind": "train", "step": 2, "loss": 1.25, "note": "x\nerror: made up"}
+    evals = {"kind": "eval", "step": "2\nerror: made up", "eval_loss": 1.5, "eval_x": "1\nerror: made up"}
+    end, first = FORGED_END[forged]
+    run = make_run(tmp_path / "runs" / "forged", recipe, [train, evals, end], final=False)
+    lines = render(read_summary(run))  # type: ignore[arg-type]
+    assert lines[:4] == [f"run runs/forged finished: {first}", "  final train loss: 1.2500 (step 2)",
+                         "  final eval (step ?):", "    eval_loss = 1.5000"]
+    assert not any("made up" in line or "\n" in line for line in lines), lines
+
+
+def test_a_row_nested_100000_deep_leaves_the_run_without_a_summary(tmp_path: Path) -> None:
+    """A metrics row nested 100,000 deep (json's parser raises RecursionError) is a bad row, so the run has no
+    summary (finetune ls lists its checkpoints all the same), instead of an internal error."""
+    recipe = {"model": {"type": "tiny-llama"}, "peft": {"method": "none"}}
+    run = make_run(tmp_path / "deep", recipe, [*TRAIN, END], final=False)
+    rows = (run / rundir.METRICS).read_text()
+    (run / rundir.METRICS).write_text(rows + '{"kind": "end", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n" + rows)
+    assert read_summary(run) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import io
 import json
+import os
 import re
 from pathlib import Path
 
@@ -151,6 +152,49 @@ def test_read_metrics_skips_truncated_last_line_and_rejects_missing(tmp_path: Pa
     assert read_metrics(tmp_path) == [{"kind": "train", "step": 1}]
     with pytest.raises(RunDirError, match=r"metrics\.jsonl"):
         read_metrics(tmp_path / "nope")
+
+
+ROW = '{"kind": "train", "step": 1}'
+
+
+@pytest.mark.parametrize("bad,why", [
+    ('{"kind": "end", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deep"),
+    ('{"kind": "end", "samples": ' + "9" * 5000 + "}", "a number with too many digits"),
+    ("[1, 2]", "a JSON list"),
+    ('"end"', "a JSON str"),
+], ids=["nested-100000-deep", "5000-digits", "a-list", "a-string"])
+def test_a_bad_row_is_one_line_naming_it_and_a_torn_last_one_is_skipped(tmp_path: Path, bad: str, why: str) -> None:
+    """Rows no tracker writes (a row nested 100,000 deep, which makes the JSON parser raise RecursionError; a number
+    Python will not convert; JSON that is not an object) are a RunDirError naming the file and the line, not an
+    internal error; as the last line they are skipped like a row torn by a kill."""
+    (tmp_path / rundir.METRICS).write_text(f"{ROW}\n{bad}\n{ROW}\n", encoding="utf-8")
+    with pytest.raises(RunDirError, match=re.escape(f"metrics.jsonl:2: not a JSON object ({why})")):
+        read_metrics(tmp_path)
+    (tmp_path / rundir.METRICS).write_text(f"{ROW}\n{bad}\n", encoding="utf-8")
+    assert read_metrics(tmp_path) == [json.loads(ROW)]
+
+
+def _plant(path: Path, kind: str) -> None:
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "link-to-dev-zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "link-to-a-file":
+        (path.parent / "elsewhere.jsonl").write_text(ROW + "\n")
+        path.symlink_to(path.parent / "elsewhere.jsonl")
+    else:
+        path.mkdir()
+
+
+@pytest.mark.parametrize("kind,what", [("fifo", "a FIFO, socket or device"), ("link-to-dev-zero", "a symbolic link"),
+                                       ("link-to-a-file", "a symbolic link"), ("folder", "a folder")])
+def test_metrics_that_are_not_a_regular_file_are_said_to_be_so(tmp_path: Path, kind: str, what: str) -> None:
+    """A FIFO, a link (to /dev/zero, which never ends, or to any file) or a folder as metrics.jsonl is refused in
+    one line that says what it is, without blocking or reading through the link; only a missing file is "not
+    found"."""
+    _plant(tmp_path / rundir.METRICS, kind)
+    with pytest.raises(RunDirError, match=re.escape(f"metrics.jsonl: not a regular file ({what})")):
+        read_metrics(tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------ train.log
