@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -33,6 +34,20 @@ def share_the_cores() -> None:
 
 
 share_the_cores()
+
+
+def answer_ctrl_c() -> None:
+    """Let Ctrl+C reach the tests that send one, however the suite was started. A shell without job control starts a
+    background command (``make test &``, nohup, some CI runners) with SIGINT ignored, every process below inherits
+    that, and Python then installs no KeyboardInterrupt handler: the tests of finetune's Ctrl+C handling (a stop
+    line and exit 130; a Ctrl+C after an export is published) would see nothing arrive. Seen here: the suite run in
+    the background failed exactly those tests (SIGINT was SIG_IGN in the worker) and passed in the foreground. The
+    processes the tests start then get SIGINT's default too (an ignored signal stays ignored across exec)."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+answer_ctrl_c()
 
 
 def pytest_configure(config: pytest.Config) -> None:
