@@ -8,7 +8,8 @@ STAMP   := $(VENV)/.installed
 CONSTRAINTS := constraints.txt
 LATEST  ?= .venv-latest
 
-.PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all test-latest constraints lint clean gpu-check gpu-check-dry
+.PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all test-latest constraints lint clean gpu-check gpu-check-dry \
+        device-bundle
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -64,12 +65,20 @@ constraints: $(STAMP)
 
 # The GPU check (scripts/gpu_check.py): a short matrix of real runs on this machine's GPUs, one report in runs/gpu-check/.
 # On a GPU machine install the CUDA torch you want BEFORE the first setup (or TORCH_SPEC=torch make gpu-check), and
-# flash-attn to have it checked. gpu-check-dry runs the same matrix shrunk to the CPU (what the test suite runs).
+# flash-attn to have it checked. gpu-check-dry runs the one-GPU budget check (what a lent machine runs) shrunk to a tiny
+# model on the CPU, as the test suite does.
 gpu-check: $(STAMP)
 	$(BIN)/python scripts/gpu_check.py --out runs/gpu-check
 
 gpu-check-dry: $(STAMP)
-	$(BIN)/python scripts/gpu_check.py --dry-run --out runs/gpu-check
+	$(BIN)/python scripts/gpu_check.py --budget --dry-run --out runs/gpu-check
+
+# The wheels a lent GPU machine without network needs beside its image (scripts/device_image.txt), for its Python 3.12
+# on manylinux x86-64, into .whl/ (git ignores it): finetune's runtime closure less the image's packages, torch and
+# what is optional there (wandb, deepspeed, flash-attn, bitsandbytes), pinned by constraints.txt. Fails when the
+# wheels and the working tree together pass 40 MiB; a re-run downloads only what changed.
+device-bundle: $(STAMP)
+	$(BIN)/python scripts/device_bundle.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts

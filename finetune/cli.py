@@ -122,8 +122,9 @@ def run(
     if not _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory
         _start(cfg, resolved, None, allow_plugin=True)  # the recipe was named on this command line
         return
-    # The run folder is created only once the run can start: it would not be refused, and the data reads (a bad
-    # row is one line here, with no folder left behind that would need --overwrite)
+    # The run folder is created only once the run can start: its backend is installed, it would not be refused, and
+    # the data reads (a bad row is one line here, with no folder left behind that would need --overwrite)
+    launch.check_backend_installed(cfg)
     rundir.check_creatable(run_dir, overwrite=overwrite, protected=protected)
     inputs = prepare.inputs(cfg, row)
     for line in prepare.report(cfg, inputs.data, hits_only=True):  # a source tokenized now said so as it went
@@ -225,6 +226,7 @@ def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resum
                 lock.release()
         return
     launch.check_one_machine(cfg)
+    launch.check_backend_installed(cfg)  # `finetune resume` (`run` checked before creating the run folder)
     if inputs is None:
         prepare.inputs(cfg, registry.recipe_row(cfg))  # resume: the front process's one look-up
     worker_args = ["--resume", str(resume_from)] if resume_from else []

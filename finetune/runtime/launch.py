@@ -6,6 +6,7 @@ Pure functions (no torch): the CLI prints the plan for ``--dry-run`` and execute
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import os
 import signal
 import socket
@@ -94,6 +95,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def check_backend_installed(cfg: RecipeConfig) -> None:
+    """Refuse, in finetune's own front process and before a run folder exists, a launch whose accelerate config runs
+    DeepSpeed where the ``deepspeed`` package is not installed: it is optional on machines whose image lacks it (too
+    large, or not buildable offline), and ``accelerate launch`` would otherwise stop with an ImportError traceback.
+    One process trains in this process whatever the config says (:func:`in_process`), so it needs no DeepSpeed."""
+    if cfg.launch.num_processes == 1:
+        return
+    config = backends.accelerate_config(cfg.launch.accelerate_config)
+    if config.backend.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+        raise ConfigError(f"launch.accelerate_config: {cfg.launch.accelerate_config} runs DeepSpeed "
+                          f"({config.backend.name}), but deepspeed is not installed: pip install deepspeed, or use "
+                          "launch.accelerate_config=ddp, fsdp1 or fsdp2")
 
 
 def check_one_machine(cfg: RecipeConfig) -> None:

@@ -21,6 +21,7 @@ recipe (:func:`headline`): the train loss for every task but GRPO, whose user wa
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import secrets
@@ -615,6 +616,10 @@ def wandb_run_id(run_dir: Path) -> str:
     return run_id
 
 
+NO_WANDB = ("logging.wandb.enabled is true but wandb is not installed: pip install wandb, or set "
+            "logging.wandb.enabled: false")  # wandb is optional: finetune runs without it where an image lacks it
+
+
 class WandbTracker:
     """Weights & Biases sink: train rows as ``train/<key>``, eval rows as ``eval/<key>``, x axis = ``step``.
 
@@ -624,6 +629,10 @@ class WandbTracker:
     """
 
     def __init__(self, cfg: RecipeConfig, run_dir: Path) -> None:
+        # Checked first: without wandb (optional; absent where an image lacks it) nothing is created, so a run that
+        # trained nothing leaves no folder behind (finetune.artifacts.unstarted keeps a tracker folder it did not list)
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(NO_WANDB)
         run_dir = Path(run_dir)
         wandb_dir = run_dir / rundir.WANDB
         wandb_dir.mkdir(parents=True, exist_ok=True)
@@ -637,10 +646,9 @@ class WandbTracker:
             "WANDB_SILENT": "true",
         })
         try:
-            import wandb  # lazy: heavy
+            import wandb  # lazy: heavy; after the environment above, which it reads
         except ImportError as exc:
-            raise ConfigError("logging.wandb.enabled is true but wandb is not installed: pip install wandb, "
-                              "or set logging.wandb.enabled: false") from exc
+            raise ConfigError(NO_WANDB) from exc
         settings = cfg.logging.wandb
         self.run_id = wandb_run_id(run_dir)
         self._run = wandb.init(
@@ -726,6 +734,7 @@ def build_tracker(cfg: RecipeConfig, run_dir: Path, *, is_main: bool, start_step
 __all__ = [
     "KINDS",
     "LOSS_FIRST",
+    "NO_WANDB",
     "Eta",
     "Headline",
     "JsonlTracker",

@@ -8,14 +8,16 @@ import io
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from finetune.artifacts import rundir
 from finetune.config.schema import RecipeConfig
-from finetune.errors import RunDirError
+from finetune.errors import ConfigError, RunDirError
 from finetune.runtime.tracking import (
+    NO_WANDB,
     Eta,
     JsonlTracker,
     MultiTracker,
@@ -466,6 +468,19 @@ def test_resumed_step_reads_the_checkpoint_manifest(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------- wandb, tensorboard
+
+
+def test_wandb_missing_is_one_line_and_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """wandb is optional (a GPU image may lack it): a recipe that enables it gets one line, and no wandb folder or
+    WANDB_* variable is left, so the run that trained nothing is removed whole (finetune.artifacts.unstarted)."""
+    monkeypatch.setitem(sys.modules, "wandb", None)  # an import of wandb fails
+    for key in [key for key in os.environ if key.startswith("WANDB_")]:
+        monkeypatch.delenv(key)
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        WandbTracker(make_cfg(wandb={"enabled": True}), run_dir)
+    assert str(info.value) == NO_WANDB and "\n" not in NO_WANDB and "pip install wandb" in NO_WANDB
+    assert not run_dir.exists() and not [key for key in os.environ if key.startswith("WANDB_")]
 
 
 def test_wandb_offline_logs_and_reuses_run_id(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
