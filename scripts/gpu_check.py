@@ -15,7 +15,7 @@ Rows (each a subprocess group with its own time limit: a hang or a slow compile 
 - ``bundle``: the wheels installed offline (or nothing to install); ``model``: the model folder and the data;
 - ``fp32 reference``: the plain path (fp32, sdpa, padded batches) for the first steps: the losses of the others;
 - ``bf16 run``: fp32 master weights from the bf16 folder, bf16 autocast, sdpa, packing (flash-attn varlen kwargs),
-  the chunked loss, gradient checkpointing, ``train.compile`` (per block), checkpoints, the final export and eval.
+  the chunked loss, gradient checkpointing, checkpoints, the final export and eval.
   Loss parity against the reference; input tokens/s per GPU and MFU from its step lines (after warm-up, leaving out
   the step after each checkpoint save); peak ``mem_alloc_gb`` of the step lines against ``finetune plan --json``;
 - ``resume`` from the middle checkpoint (its losses repeat the straight run's), ``export --from`` that checkpoint
@@ -23,6 +23,7 @@ Rows (each a subprocess group with its own time limit: a hang or a slow compile 
 - ``lora``: bf16 weights (``model.dtype: bfloat16``) with a LoRA adapter, exported (and verified) at the end;
 - ``flash-attn``: the bf16 run with ``flash_attention_2``, when flash-attn is importable;
 - ``grpo``: a few GRPO steps on the reverse-letters prompts (exact_match reward); completion tokens/s;
+- ``compile``: the bf16 run's first steps with ``train.compile`` (per block), last: a slow compile costs only it;
 - ``fsdp2 xN`` and ``zero3 xN``: the bf16 run on every GPU, without ``--budget`` and with 2 or more GPUs.
 
 ``--budget`` sizes the check for a lease: one GPU (the multi-GPU rows are skipped), run folders in a temporary
@@ -35,8 +36,9 @@ MFU; the bundle row installs ``.whl/`` (if there is one) into a temporary folder
 checks it, without using it. ``tests/integration/test_gpu_check.py`` runs ``--budget --dry-run``, so the script
 and the CLI calls it makes cannot rot.
 
-NOTHING HERE HAS RUN ON A GPU YET: the GPU path is written against the CUDA APIs and the lent machine's image, but
-unverified.
+What has run on a GPU: ``--budget`` on one H200 (torch 2.11, transformers 5.17, no flash-attn), every row passing;
+docs/gpu-check/ keeps each report with its date and device. The flash-attn row and the multi-GPU rows have never
+run.
 
 Exit status: 0 when every row passed (or was skipped), 1 when any failed (the report says which), 2 for a usage
 error.
