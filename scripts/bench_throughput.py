@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_throughput.py [--out bench-throughput.md] [--quick]
         [--variants raw_padded,raw_packed,trainer_padded,trainer_packed,finetune_padded,finetune_packed]
-        [--samples 384] [--steps-warmup 3] [--workdir DIR]
+        [--samples 384] [--steps-warmup 3] [--vocab 8192] [--workdir DIR]
 
 ``--quick`` (2 layers, hidden 64, intermediate 176, vocab 1024, 32 samples of median 48 / max 128 tokens, 4 steps,
 1 warm-up step; about 15 s) is for developing the script: its numbers mean nothing. The full run is meant for a
@@ -27,8 +27,15 @@ Setup (once, before any variant; none of it is timed):
   variant trains on exactly these ``input_ids``/``labels``, in file order, 8 samples per step (micro-batch 8,
   global batch 8, no accumulation), one epoch = 48 steps.
 * Training: fp32, AdamW (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0), constant lr, no warmup, no
-  gradient clipping, no eval, no checkpoints, no logging sinks. AdamW is torch's: fused on CUDA, torch's default
-  kernel on the CPU, in every variant (``optimizer`` column).
+  gradient clipping, no eval, no checkpoints, no logging sinks. AdamW is torch's, with the kernel finetune's
+  default picks (``optim.fused: null``: fused wherever torch has the kernel, the CPU included, as the Trainer's
+  default ``adamw_torch_fused``), the same in every variant (``optimizer`` column).
+
+Shapes covered: one small model (4 layers, hidden 256), the vocabulary 8192 by default (a small one: the output
+head and loss are then cheap next to the layers) and any other with ``--vocab`` (32000 for a Llama-2-sized head,
+where finetune's chunked loss matters more). Samples are short (median 96 tokens), so per-step overheads weigh more
+than at real sizes. Nothing here measures a large model or a GPU: scripts/gpu_check.py and scripts/profile_step.py
+do.
 
 Variants, run one after another in this one process (so they share torch's thread settings):
 
@@ -40,7 +47,7 @@ Variants, run one after another in this one process (so they share torch's threa
    not trained to predict the first token of sample B).
 3. ``trainer_padded``: ``transformers.Trainer`` with ``DataCollatorForSeq2Seq`` (right padding, labels -100),
    ``train_sampling_strategy="sequential"`` (the given order), ``max_grad_norm=0`` (transformers 5 clips only when
-   it is > 0; it still computes the norm), ``optim`` adamw_torch_fused on CUDA / adamw_torch on CPU,
+   it is > 0; it still computes the norm), ``optim`` adamw_torch_fused where the kernel exists, else adamw_torch,
    ``report_to=[]``, no saving, no eval, no logging steps.
 4. ``trainer_packed``: the same Trainer with ``DataCollatorWithFlattening`` (padding-free: one row, restarting
    position ids, first label of each sample -100).
@@ -113,6 +120,8 @@ IGNORE = -100
 VARIANTS = ("raw_padded", "raw_packed", "trainer_padded", "trainer_packed", "finetune_padded", "finetune_packed")
 LOSS_TOLERANCE = 1e-3
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # finetune from this checkout, also where it is not installed (a lent GPU machine)
+    sys.path.append(str(REPO))
 TOKENIZER_ASSETS = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
 
 Sample = dict[str, list[int]]
@@ -516,7 +525,9 @@ def run_raw(bench: Bench, packed: bool) -> Trace:
     model = load_model(bench)
     model.train()
     meter.attach(model)
-    fused = bench.device.type == "cuda"
+    from finetune.runtime.optim import fused_adamw_available
+
+    fused = fused_adamw_available(bench.device.type)
     optimizer = torch.optim.AdamW(model.parameters(), lr=bench.work.lr, betas=(0.9, 0.999), eps=1e-8,
                                   weight_decay=0.0, **({"fused": True} if fused else {}))
     pad_id = bench.tokenizer.pad_token_id
@@ -536,6 +547,8 @@ def run_trainer(bench: Bench, packed: bool) -> Trace:
     """``transformers.Trainer`` on the samples in order; step times from a callback."""
     import transformers
 
+    from finetune.runtime.optim import fused_adamw_available
+
     clock, meter = StepClock(bench.device), FeedMeter()
 
     class Clock(transformers.TrainerCallback):
@@ -554,7 +567,8 @@ def run_trainer(bench: Bench, packed: bool) -> Trace:
         output_dir=str(bench.workdir / "trainer"), per_device_train_batch_size=bench.work.micro_batch,
         gradient_accumulation_steps=1, max_steps=bench.work.steps, learning_rate=bench.work.lr, weight_decay=0.0,
         adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, lr_scheduler_type="constant", warmup_steps=0,
-        max_grad_norm=0.0, optim="adamw_torch_fused" if cuda else "adamw_torch", seed=bench.work.seed,
+        max_grad_norm=0.0, optim="adamw_torch_fused" if fused_adamw_available(bench.device.type) else "adamw_torch",
+        seed=bench.work.seed,
         train_sampling_strategy="sequential", report_to=[], save_strategy="no", eval_strategy="no",
         logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0, use_cpu=not cuda,
     )
@@ -892,6 +906,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
         changes["samples"] = args.samples
     if args.steps_warmup is not None:
         changes["warmup_steps"] = args.steps_warmup
+    if args.vocab is not None:
+        changes["vocab"] = args.vocab
     work = Workload(**{**work.__dict__, **changes})
     if work.samples % work.micro_batch or not work.samples:
         raise SystemExit(f"error: --samples must be a positive multiple of the micro-batch {work.micro_batch}")
@@ -919,6 +935,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"comma-separated subset of {','.join(VARIANTS)}")
     parser.add_argument("--samples", type=int, default=None, help="samples (a multiple of 8); default 384")
     parser.add_argument("--steps-warmup", type=int, default=None, help="steps excluded from timing; default 3")
+    parser.add_argument("--vocab", type=int, default=None, help="the model's vocabulary; default 8192")
     parser.add_argument("--workdir", type=Path, default=None, help="a new folder to keep (default: a temp folder)")
     parser.add_argument("--rounds", type=int, default=2,
                         help="run every variant this many times, the order reversed every other round; each "

@@ -333,8 +333,9 @@ class OptimConfig(Section):
     momentum: float = Field(default=0.0, ge=0, description="sgd only")
     fused: bool | None = Field(
         default=None,
-        description="adamw only: torch's fused AdamW kernel. null: fused on CUDA, plain elsewhere; true: require it "
-        "(an error where the device has none); false: never",
+        description="adamw only: torch's fused AdamW kernel. null: fused where torch has it for the device (CUDA, and "
+        "the CPU since torch 2.4; as the transformers Trainer's default adamw_torch_fused), plain elsewhere; true: "
+        "require it (an error where the device has none); false: never",
     )
 
     @field_validator("fused")

@@ -25,10 +25,15 @@ def fused_adamw_available(device_type: str) -> bool:
 
 
 def use_fused(choice: bool | None, device_type: str) -> bool:
-    """``optim.fused`` on ``device_type``: null means fused on CUDA only (on CPU the plain AdamW stays, so CPU runs
-    and their golden losses are unchanged), true requires the kernel, false never uses it."""
+    """``optim.fused`` on ``device_type``: null means fused wherever this torch has the kernel, true requires it,
+    false never uses it.
+
+    Why fused by default on the CPU too: the plain AdamW step is a loop over the parameters; the fused kernel took
+    5.7 ms against 23 ms for a 7.4M-parameter model on the project's 2-core CPU, about 6% of that model's packed
+    step, and a hand-written loop or the transformers Trainer (whose default is ``adamw_torch_fused``) uses it. Its
+    parameters differ from the plain step's by about 1e-10 (another order of the same operations)."""
     if choice is None:
-        return device_type == "cuda" and fused_adamw_available(device_type)
+        return fused_adamw_available(device_type)
     if choice and not fused_adamw_available(device_type):
         raise ConfigError(f"optim.fused=true: torch {torch.__version__} has no fused AdamW kernel for device "
                           f"{device_type!r}; set optim.fused to null (fused where available) or false")
