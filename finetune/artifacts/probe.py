@@ -122,7 +122,8 @@ def forward_precision(mixed_precision: str, device: Any) -> Any:
     """The :class:`finetune.runtime.precision.Precision` whose ``autocast()`` every forward outside the training process
     runs under (eval, export and its fresh-process check, merge, generate): ``train.mixed_precision`` of the
     model's recipe on ``device`` (a torch device or its type), so that every forward runs in the precision the
-    model was trained in (DESIGN.md). Without it, fp32 weights with a half-only kernel (flash-attn) cannot run."""
+    model was trained in (docs/architecture.md, "Semantics"). Without it, fp32 weights with a half-only kernel
+    (flash-attn) cannot run."""
     import torch  # lazy: heavy
 
     from finetune.runtime.precision import Precision  # lazy: imports torch

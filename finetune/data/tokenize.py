@@ -236,7 +236,7 @@ def tokenize_rows(
         batched.ACTIVE.remove(progress)
     progress.finish()
     cached = not cache.tokenized_now(mapped, before)
-    # read straight from Arrow into numpy: no Python object per row (memory flat in the row count, issue 25)
+    # read straight from Arrow into numpy: no Python object per row (memory flat in the row count)
     table = mapped.with_format("arrow")
     over_mask = np.asarray(table["overlong"].to_numpy(), dtype=bool)
     answered = table["n_labels"].to_numpy() > 0

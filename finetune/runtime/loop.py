@@ -1,10 +1,10 @@
 """THE shared training loop: no model-specific code, every task and backend goes through here.
 
-Semantics (DESIGN.md): a *step* is one optimizer update, a *micro-step* one forward/backward. The training loss
-of a step is the sum of per-target losses over its whole accumulation window and all ranks, divided by the number
-of targets in that window (label tokens for causal LM, samples for classification: the task counts them); that
-division happens in one place (:func:`train_step`), and the logged loss is that number. Eval accuracy is
-``sum(correct) / sum(total)`` over all ranks and all eval samples. Host syncs are marked ``# sync``.
+Semantics (docs/architecture.md, "Semantics"): a *step* is one optimizer update, a *micro-step* one forward/backward.
+The training loss of a step is the sum of per-target losses over its whole accumulation window and all ranks,
+divided by the number of targets in that window (label tokens for causal LM, samples for classification: the task
+counts them); that division happens in one place (:func:`train_step`), and the logged loss is that number. Eval
+accuracy is ``sum(correct) / sum(total)`` over all ranks and all eval samples. Host syncs are marked ``# sync``.
 """
 
 from __future__ import annotations

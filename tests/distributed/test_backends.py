@@ -257,7 +257,7 @@ def test_packed_parity_with_one_process(workdir: Path, reference: Path, backend:
 
     Why the weights get 5e-4: a few elements of this tiny model have gradients that are rounding noise (e.g.
     ``layers.1.mlp.down_proj[13, 62]`` on a near-dead intermediate unit), which AdamW divides by a near-zero second
-    moment, so any change of summation order moves them: the loss that finishes its gradients in forward (issue 21)
+    moment, so any change of summation order moves them: the loss that finishes its gradients in forward
     moved that element by 2.4e-4 in the one-process run alone, and fsdp2 packed reached 1.86e-4 against the padded
     run (5 of 139,584 weights beyond 1e-5 relative, every other one within 7.5e-7)."""
     run, done = _run(workdir, f"{backend}-packed", "data.packing=true", "--accelerate-config", backend,

@@ -169,7 +169,7 @@ def test_resume_on_a_terminal_starts_the_bar_at_the_checkpoint_and_counts_only_i
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Every quickstart command prints finetune's own lines only (issue 23 item 2)
+# Every quickstart command prints finetune's own lines only
 
 MARK = "@@ finetune "
 

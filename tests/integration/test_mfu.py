@@ -1,4 +1,4 @@
-"""MFU, tokens/s and memory in every train row (issue 21 item 6), on real CPU runs in this process.
+"""MFU, tokens/s and memory in every train row, on real CPU runs in this process.
 
 A run with ``train.peak_tflops`` logs, for every step, ``mfu`` = the step's FLOPs / (its seconds x the peak), where the
 step's FLOPs are :func:`finetune.runtime.flops.train_flops` on the sample lengths the step really trained: recorded here

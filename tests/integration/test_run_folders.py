@@ -1,4 +1,4 @@
-"""Run folders behave as a user expects (issue 23 items 4 and 5), through the real entry point in this process.
+"""Run folders behave as a user expects, through the real entry point in this process.
 
 - A run that fails its data check, or fails before its first step, leaves no run folder behind (only what that
   invocation created is removed: a folder that existed stays, empty, as it was).

@@ -184,7 +184,7 @@ FORGED_STATE = {
 @pytest.mark.parametrize("field", sorted(FORGED_STATE))
 def test_forged_restored_state_is_refused_in_one_line(field: str, trained: Path, tmp_path: Path, monkeypatch,
                                                       capsys) -> None:
-    """Restored state is checked, not trusted (issue 22 item 5): the RNG states of every rank (ours and
+    """Restored state is checked, not trusted: the RNG states of every rank (ours and
     accelerate's), the scheduler and the scaler must agree with the manifest and with themselves."""
     run = copy_run(trained, tmp_path)
     ckpt = rundir.step_dir(run, 2)
@@ -208,7 +208,7 @@ def test_an_unchanged_checkpoint_passes_the_restored_state_check(trained: Path) 
 def test_resume_removes_a_crashed_checkpoint_write_but_never_a_user_s_file(trained: Path, tmp_path: Path,
                                                                           monkeypatch, capsys) -> None:
     """A save killed mid-write leaves ``checkpoints/step-000006.tmp`` without a manifest; a user put a note in it.
-    Resume refuses in one line and deletes nothing (issue 22 item 2: only files finetune wrote are removed); with
+    Resume refuses in one line and deletes nothing (only files finetune wrote are removed); with
     the note moved away it resumes, and the crashed write is gone (its files are the ones a checkpoint writes)."""
     run = copy_run(trained, tmp_path)
     crashed = run / rundir.CHECKPOINTS / "step-000006.tmp"
@@ -530,7 +530,7 @@ def test_a_full_disk_during_export_is_one_line_and_leaves_nothing(disk_kind: str
                                                                   monkeypatch, capsys) -> None:
     """`finetune export -o` onto a full disk (a 100 kB tmpfs): safetensors re-raises ENOSPC as its own error; still
     one line, exit 2, and no hidden scratch is left on the disk: neither this export's nor the one a killed export
-    left beside the same output (issue 22 item 7: the next command on that output removes it)."""
+    left beside the same output (the next command on that output removes it)."""
     disk = tmp_path / "disk"
     with _full_disk(disk, disk_kind, "100k", monkeypatch):
         killed = disk / ".exported.0123abcd.tmp"  # a killed export's scratch (no process holds its flock)

@@ -1,4 +1,4 @@
-"""Every forward runs in the training precision (issue 20): a CPU emulation of flash-attn under bf16 autocast.
+"""Every forward runs in the training precision: a CPU emulation of flash-attn under bf16 autocast.
 
 flash-attn refuses float32 inputs, so a model with fp32 weights (``model.dtype: float32``) and ``attn_implementation:
 flash_attention_2`` runs only inside ``train.mixed_precision: bf16`` autocast. Any forward outside it (the logit

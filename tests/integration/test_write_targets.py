@@ -1,4 +1,4 @@
-"""Writes never follow a link or land in what finetune did not make (issue 22 item 1).
+"""Writes never follow a link or land in what finetune did not make.
 
 For every name finetune writes in a run directory (enumerated from finetune.artifacts.rundir's layout, not a hand list)
 and for every output path of every command, a symlink to a user file or folder, a hard link to a user file, a folder and

@@ -1,5 +1,5 @@
 """finetune/data imports downward only: its modules form no circle, and none hides an import of another of our
-modules inside a function unless that module imports torch, transformers or datasets at its top (issue 24)."""
+modules inside a function unless that module imports torch, transformers or datasets at its top."""
 
 from __future__ import annotations
 

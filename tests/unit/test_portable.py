@@ -187,7 +187,7 @@ def test_apply_model_state_adapter_only(llama: Any) -> None:
 
 
 def test_the_reshard_scratch_is_finetune_s(tmp_path: Path) -> None:
-    """``reshard.tmp`` is part of a run's layout, under the inventory rule of every folder finetune owns (issue 22):
+    """``reshard.tmp`` is part of a run's layout, under the inventory rule of every folder finetune owns:
     one left by a killed resume holds no manifest, so its inventory is what a conversion writes there; --overwrite
     lists anything else (a user's file) and deletes nothing; the resume that made it removes it itself."""
     run = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""Training and ``finetune generate`` render a prompt one way (finetune.data.prompts; issue 24, item 6).
+"""Training and ``finetune generate`` render a prompt one way (finetune.data.prompts).
 
 For text (alpaca), chat and vision rows, the ids generate builds from a prompts file equal the ``prompt_ids`` that
 training's tokenization stores for the same rows (what eval's exact_match generates from), with the same special

@@ -1,4 +1,4 @@
-"""One home each for two look-ups every command needs (issue 24, item 4).
+"""One home each for two look-ups every command needs.
 
 - The model row: ``registry.recipe_row`` is the one resolver of a recipe's row (model.type as its task builds it);
   no module reads the table with a task rule of its own, and the worker carries the row it resolved.
@@ -20,7 +20,7 @@ from tests.cli_helpers import assert_user_error, main_exit
 PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
 
 # Callers of the table that are not a recipe's row: the row a checkpoint's manifest recorded at training time
-# (finetune.artifacts.record, issue 24 item 3) is read back by its stored name and task.
+# (finetune.artifacts.record) is read back by its stored name and task.
 TABLE_READERS = {"registry.py", "record.py"}
 
 

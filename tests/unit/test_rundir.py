@@ -136,13 +136,13 @@ def test_a_killed_safetensors_save_leaves_scratch_that_is_finetune_s(tmp_path: P
     (lambda run: (run / rundir.FINAL / "my_notes.md").write_text("mine"), "final/my_notes.md"),
     (lambda run: (run / rundir.FINAL / rundir.MANIFEST).unlink(), "final/ (no readable manifest.json"),
     (lambda run: (run / rundir.CHECKPOINTS / "step-000009").symlink_to(Path.home()), "checkpoints/step-000009"),
-    # inside the folders finetune or its trackers write (issue 22 item 2): the same inventory rule
+    # inside the folders finetune or its trackers write: the same inventory rule
     (lambda run: (run / rundir.WANDB / "my-notes.md").write_text("mine"), "wandb/my-notes.md"),
     (lambda run: (run / rundir.WANDB / "run-1" / "mine.md").write_text("mine"), "wandb/run-1/mine.md"),
     (lambda run: (run / rundir.TENSORBOARD).mkdir(), "tensorboard/ (no readable manifest.json"),
     (lambda run: (run / rundir.CHECKPOINTS / "step-000004.tmp" / "mine.md").write_text("x"),
      "checkpoints/step-000004.tmp/mine.md"),
-    # a write that never finished (no manifest yet): its inventory is what such a write writes (issue 22 item 2)
+    # a write that never finished (no manifest yet): its inventory is what such a write writes
     (lambda run: crashed_write(run, "mine.md"), "checkpoints/step-000006.tmp/mine.md"),
     (lambda run: crashed_reshard(run, "mine.md"), "reshard.tmp/mine.md"),
     (lambda run: (run / rundir.FINAL_TMP).mkdir(), "final.tmp/ (no readable"),

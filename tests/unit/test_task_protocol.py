@@ -1,4 +1,4 @@
-"""The Task protocol declares everything the loop and the builders ask of a task (issue 24, item 5).
+"""The Task protocol declares everything the loop and the builders ask of a task.
 
 Every task class of finetune/tasks has every member the protocol declares, methods with the protocol's parameters;
 and the modules that drive a task (the worker, the loop, evaluation) name no concrete task class: they import none

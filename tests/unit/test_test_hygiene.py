@@ -1,15 +1,17 @@
 """The test suite's own rules, checked by reading its source (no test runs another): one recipe writer, one autouse
-reset of shared process state, and no two fixtures with one name.
+reset of shared process state, no two fixtures with one name, and no issue numbers in code or tests.
 
 Why: a second recipe writer drifts (one sorted its keys, one did not); a copied autouse reset is forgotten in the
 next module that needs it; two fixtures with one name make ``def test_x(run)`` mean different things in different
-folders, and a conftest fixture silently shadowed by a module's. Each check parses every ``.py`` under tests/ with
-``ast``; nothing is imported or run. """
+folders, and a conftest fixture silently shadowed by a module's; an issue number says nothing to a reader of the
+code (the test or comment should say what is proved). Each check parses every ``.py`` under tests/ with ``ast`` (the
+issue check reads the package, tests and scripts as text); nothing is imported or run. """
 
 from __future__ import annotations
 
 import ast
 import functools
+import re
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +19,8 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parents[1]
+REPO = TESTS.parent
+ISSUE = re.compile(r"\bissues? #?[0-9]+", re.IGNORECASE)
 WRITER = "recipe_files.py"  # tests/recipe_files.py: the one module that dumps YAML
 SHARED_RESET = "conftest.py"  # tests/conftest.py: the one autouse reset (_fresh_process)
 # What the shared reset owns: a module's own autouse fixture must not touch it again.
@@ -103,6 +107,17 @@ def autouse_copies(root: Path) -> list[str]:
     return found
 
 
+def issue_citations(root: Path) -> list[str]:
+    """``path:line`` of every issue number cited in the ``.py`` files under ``root``."""
+    return [f"{path.relative_to(root)}:{number}" for path in sorted(root.rglob("*.py"))
+            for number, line in enumerate(path.read_text().splitlines(), 1) if ISSUE.search(line)]
+
+
+def test_code_and_tests_cite_no_issue_numbers() -> None:
+    cited = [hit for folder in ("finetune", "tests", "scripts") for hit in issue_citations(REPO / folder)]
+    assert not cited, f"say what the code or test is about, not which issue asked for it: {cited}"
+
+
 def test_no_two_fixtures_share_a_name() -> None:
     clashes = fixture_name_clashes(TESTS)
     assert not clashes, f"rename so each fixture name means one thing: {clashes}"
@@ -130,6 +145,7 @@ def test_the_shared_reset_is_autouse_in_the_top_conftest() -> None:
     (autouse_copies, "@pytest.fixture(autouse=True)\ndef _x(monkeypatch):\n    monkeypatch.chdir('/')\n",
      {"a.py:2 _x", "b.py:2 _x"}),
     (autouse_copies, "@pytest.fixture(autouse=True)\ndef _x():\n    hooks.clear()\n", {"a.py:2 _x", "b.py:2 _x"}),
+    (issue_citations, "x = 1\n# asked for by " + "Issue " + "12\n", {"a.py:2", "b.py:2"}),
 ])
 def test_each_check_flags_a_violation(tmp_path: Path, check: Callable[[Path], object], source: str,
                                       flagged: set[str]) -> None:
