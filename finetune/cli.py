@@ -32,9 +32,9 @@ from finetune.commands.evaluate import evaluate_target
 from finetune.commands.export import Exported
 from finetune.commands.export import export as export_checkpoint
 from finetune.commands.merge import merge as merge_adapter
-from finetune.config import Composed, compose, load_recipe, outputs, resources, to_yaml
+from finetune.config import Composed, load_recipe, outputs, resources, to_yaml
 from finetune.config.schema import RecipeConfig, recipe_file_schema
-from finetune.errors import ConfigError, FinetuneError, RunDirError, run_main
+from finetune.errors import FinetuneError, RunDirError, run_main
 from finetune.registry import SupportedModel
 from finetune.runtime import backends, launch, prepare, worker
 from finetune.runtime.peft import describe_on_meta
@@ -59,12 +59,13 @@ TrustRemoteCode = Annotated[bool, typer.Option(
     "recipe names (never taken from a run's files)")]
 
 
-def _recipe_with_flags(recipe: str, overrides: list[str] | None, **flags: Any) -> tuple[RecipeConfig, Any]:
+def _recipe_with_flags(recipe: str, overrides: list[str] | None, *, weights: bool = True,
+                       **flags: Any) -> tuple[RecipeConfig, Any]:
     """Compose + validate; CLI flags are applied as the overrides they stand for (after the positional ones)."""
     mapping = {"output_dir": "output_dir", "accelerate_config": "launch.accelerate_config",
                "num_processes": "launch.num_processes"}
     extra = [f"{mapping[k]}={v}" for k, v in flags.items() if v is not None]
-    return load_recipe(resources.resolve_recipe(recipe), [*(overrides or []), *extra])
+    return load_recipe(resources.resolve_recipe(recipe), [*(overrides or []), *extra], weights=weights)
 
 
 def _protected(cfg: RecipeConfig, composed: Composed) -> list[outputs.Input]:
@@ -169,23 +170,10 @@ def plan(
     typer.echo(to_json(memory) if as_json else render(memory))
 
 
-WEIGHTLESS = "holds no weights"  # the one validation problem (config/validate.py) that a memory plan does not have
-
-
 def _plan_recipe(recipe: str, overrides: list[str] | None, **flags: Any) -> RecipeConfig:
     """The recipe to plan: validated as for a run, except that a model folder may hold only config.json (the plan
     builds the model on the meta device from its config; weights are what a run needs, not a plan)."""
-    try:
-        return _recipe_with_flags(recipe, overrides, **flags)[0]
-    except ConfigError as exc:
-        lines = str(exc).splitlines()
-        if not lines or not all(line.startswith("model.path:") and WEIGHTLESS in line for line in lines):
-            raise
-    extra = [f"{key}={value}" for key, value in (("launch.accelerate_config", flags.get("accelerate_config")),
-                                                  ("launch.num_processes", flags.get("num_processes")))
-             if value is not None]
-    composed = compose(resources.resolve_recipe(recipe), [*(overrides or []), *extra])
-    return RecipeConfig.model_validate(composed.data)  # every other check passed: it was the only problem
+    return _recipe_with_flags(recipe, overrides, weights=False, **flags)[0]
 
 
 def _effective_settings(cfg: RecipeConfig, row: SupportedModel) -> str:

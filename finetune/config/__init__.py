@@ -12,10 +12,11 @@ from finetune.config.validate import load_resolved, validate
 from finetune.errors import ConfigError
 
 
-def load_recipe(recipe: str | Path, overrides: list[str] | None = None) -> tuple[RecipeConfig, Composed]:
-    """Compose and validate a recipe file with overrides."""
+def load_recipe(recipe: str | Path, overrides: list[str] | None = None, *,
+                weights: bool = True) -> tuple[RecipeConfig, Composed]:
+    """Compose and validate a recipe file with overrides (``weights``: see :func:`validate`)."""
     composed = compose(recipe, overrides)
-    return validate(composed), composed
+    return validate(composed, weights=weights), composed
 
 
 REMOTE_CODE_KEY = "model.trust_remote_code"

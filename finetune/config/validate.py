@@ -168,9 +168,10 @@ def _sections(data: dict[str, Any]) -> _Sections:
                      task if task in ("sft", "dpo", "reward", "grpo") else None)
 
 
-def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> list[str]:
+def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, weights: bool = True) -> list[str]:
     """Checks across sections and against the SupportedModel table and the file system (``train_files``: whether
-    data.train's local files must exist, see :func:`validate`)."""
+    data.train's local files must exist; ``weights``: whether a model folder must hold weights; see
+    :func:`validate`)."""
     lines: list[str] = []
     row = None
     if cfg.model is not None:
@@ -221,7 +222,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> 
             if cfg.model.path is None and not row.debug_build:
                 lines.append(f"model.path: required for model type {row.name} (a hub id, a local folder or "
                              "pkg://module)")
-            lines += _model_folder_lines(cfg.model.path, row)
+            lines += _model_folder_lines(cfg.model.path, row, weights)
     if cfg.model is not None and cfg.model.path and cfg.model.path.startswith("pkg://"):
         module = cfg.model.path.removeprefix("pkg://").split("/", 1)[0]
         if importlib.util.find_spec(module) is None:
@@ -431,9 +432,10 @@ GRPO_METRICS = frozenset({"exact_match"})
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
 
 
-def _model_folder_lines(path: str | None, row: registry.SupportedModel) -> list[str]:
+def _model_folder_lines(path: str | None, row: registry.SupportedModel, weights: bool = True) -> list[str]:
     """Problems of a local model folder, found before anything launches: missing, not a folder, no or a broken
-    config.json, weights of another model family, no weights. Hub ids and pkg:// paths are checked on load."""
+    config.json, weights of another model family, no weights (unless ``weights`` is false: a memory plan builds the
+    model from config.json alone). Hub ids and pkg:// paths are checked on load."""
     if not path or "://" in path:
         return []
     folder = Path(path).expanduser()
@@ -454,7 +456,7 @@ def _model_folder_lines(path: str | None, row: registry.SupportedModel) -> list[
     problem = registry.model_type_problem(row, data["model_type"], path)
     if problem:
         return [problem]
-    if not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
+    if weights and not any(any(folder.glob(pattern)) for pattern in WEIGHT_FILES):
         return [f"model.path: {path} holds no weights (model.safetensors or pytorch_model.bin)"]
     return []
 
@@ -476,7 +478,8 @@ def plugin_refusal(composed: Composed) -> str | None:
             "--trust-remote-code to import it")
 
 
-def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool = True) -> RecipeConfig:
+def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool = True,
+             weights: bool = True) -> RecipeConfig:
     """Turn a composed recipe into a RecipeConfig, or raise one ConfigError listing every problem.
 
     ``allow_plugin``: whether the recipe's ``model.plugin`` module may be imported (which runs its code). True for
@@ -484,16 +487,18 @@ def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool
     an export (eval, export, merge, generate, resume, and the processes they start) it is the command line's
     ``--trust-remote-code``, and without it a recipe naming a plugin is refused in one line
     (:func:`plugin_refusal`) before anything is imported. ``train_files=False``: data.train's files need not exist
-    (a recipe read to open what a run left behind: eval, export, merge, generate read no training data)."""
+    (a recipe read to open what a run left behind: eval, export, merge, generate read no training data).
+    ``weights=False``: a local model folder may hold config.json alone (``finetune plan`` builds the model on the
+    meta device from its config; weights are what a run needs, not a plan)."""
     refusal = None if allow_plugin else plugin_refusal(composed)
     if refusal:
         raise ConfigError(refusal)
     try:
         cfg = RecipeConfig.model_validate(composed.data)
     except ValidationError as exc:  # report the other problems of the valid sections in the same error
-        lines = _pydantic_lines(exc, composed) + _semantic_lines(_sections(composed.data))
+        lines = _pydantic_lines(exc, composed) + _semantic_lines(_sections(composed.data), weights=weights)
         raise ConfigError("\n".join(dict.fromkeys(lines))) from None
-    lines = _semantic_lines(cfg, train_files)
+    lines = _semantic_lines(cfg, train_files, weights)
     if lines:
         raise ConfigError("\n".join(lines))
     out = Path(cfg.output_dir or Path("runs") / cfg.name)
