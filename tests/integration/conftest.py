@@ -100,9 +100,9 @@ def new_trainer(cfg: Any) -> Any:
     return build_trainer(cfg, run_dir)
 
 
-def run_stopped_after(recipe: Path, step: int) -> None:
-    """``finetune run recipe`` in this process, stopped by a SIGTERM right after optimizer step ``step`` (the run
-    saves a checkpoint at the next step boundary and exits 143, as the test asserts)."""
+def sigterm_after(step: int) -> None:
+    """Send SIGTERM to this process right after optimizer step ``step`` of the run it trains (the loop then saves a
+    checkpoint at the next step boundary and stops with 143): the one stop that the resume tests resume from."""
     import signal
 
     from finetune import hooks
@@ -111,8 +111,16 @@ def run_stopped_after(recipe: Path, step: int) -> None:
         if trainer.state.step == step:
             os.kill(os.getpid(), signal.SIGTERM)
 
-    hooks.clear()
     hooks.register("after_step", stop)
+
+
+def run_stopped_after(recipe: Path, step: int) -> None:
+    """``finetune run recipe`` in this process, stopped by :func:`sigterm_after` ``step`` (it exits 143, as this
+    asserts); the hooks are cleared before and after."""
+    from finetune import hooks
+
+    hooks.clear()
+    sigterm_after(step)
     try:
         assert cli_exit_code("run", str(recipe)) == 143
     finally:

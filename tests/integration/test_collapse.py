@@ -5,21 +5,17 @@ checkpoint from before the collapse (none is saved during it, so keep_last canno
 from __future__ import annotations
 
 import math
-import os
-import signal
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from finetune import hooks
 from finetune.artifacts import rundir
 from finetune.artifacts.summary import read_summary
 from finetune.registry import get_model
 from finetune.runtime import collapse
 from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import main_exit
-from tests.integration.conftest import recipe_file
+from tests.integration.conftest import recipe_file, sigterm_after
 from tests.integration.test_safety import one_error_line
 
 pytestmark = pytest.mark.integration
@@ -68,11 +64,7 @@ def test_a_collapsing_run_stops_with_exit_3_and_keeps_the_checkpoint_before_it(t
     _stopped_unfinished(run, line, first)
 
     # ... and so does a SIGTERM that arrives during it: no collapsed checkpoint is saved for a resume
-    def stop(trainer: Any) -> None:
-        if trainer.state.step == first - 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    hooks.register("after_step", stop)
+    sigterm_after(first - 1)
     code, line, run = _run(tmp_path, "signal", 30, monkeypatch, capsys)
     assert code == 3 and line.startswith(f"error: training collapsed: for 1 step up to step {first} "), line
     _stopped_unfinished(run, line, first)

@@ -5,8 +5,6 @@ of weight 1 trains exactly as the plain path does."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -14,10 +12,16 @@ from typing import Any
 import pytest
 import torch
 
-from finetune import hooks
 from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, write_named
+from tests.integration.conftest import (
+    DATA,
+    cli_exit_code,
+    final_weights,
+    run_stopped_after,
+    tiny_recipe,
+    write_named,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -92,13 +96,7 @@ def test_a_mixture_resumes_exactly(tmp_path: Path) -> None:
     )
     assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
 
-    def stop(trainer: Any) -> None:
-        if trainer.state.step == 5:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    hooks.register("after_step", stop)
-    assert cli_exit_code("run", str(write_named(tmp_path, "resumed", recipe))) == 143
-    hooks.clear()
+    run_stopped_after(write_named(tmp_path, "resumed", recipe), 5)
     resumed = tmp_path / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
     assert cli_exit_code("resume", str(resumed)) == 0

@@ -19,9 +19,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune import hooks
 from finetune.runtime.tracking import read_metrics
-from tests.integration.conftest import DATA, cli_exit_code, final_weights, tiny_recipe, with_sections, write_named
+from tests.integration.conftest import (
+    DATA,
+    cli_exit_code,
+    final_weights,
+    run_stopped_after,
+    tiny_recipe,
+    with_sections,
+    write_named,
+)
 
 pytestmark = pytest.mark.integration
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
@@ -50,16 +57,6 @@ def _cli(*args: str) -> int:
     return cli_exit_code(*args)
 
 
-def _sigterm_after(step: int) -> None:
-    """Send SIGTERM to this process after optimizer step ``step`` (the loop stops after the next step)."""
-
-    def fire(trainer) -> None:
-        if trainer.state.step == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    hooks.register("after_step", fire)
-
-
 def _assert_identical(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
@@ -84,9 +81,7 @@ def test_straight_equals_sigterm_and_resume(tmp_path: Path, case: str) -> None:
     recipe = resume_recipe(**sections)
     assert _cli("run", str(write_named(tmp_path, "straight", recipe))) == 0
 
-    _sigterm_after(5)
-    assert _cli("run", str(write_named(tmp_path, "resumed", recipe))) == 143
-    hooks.clear()
+    run_stopped_after(write_named(tmp_path, "resumed", recipe), 5)
     resumed = tmp_path / "resumed"
     assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
     assert _cli("resume", str(resumed)) == 0
@@ -224,9 +219,7 @@ def test_refusals(tmp_path: Path) -> None:
 
 def test_allowed_change_is_logged_and_layout_changes_need_no_flag(tmp_path: Path) -> None:
     recipe = resume_recipe(train={"max_steps": 4}, checkpoint={"every_steps": 2})
-    _sigterm_after(1)
-    assert _cli("run", str(write_named(tmp_path, "r", recipe))) == 143
-    hooks.clear()
+    run_stopped_after(write_named(tmp_path, "r", recipe), 1)
     run = tmp_path / "r"
     # micro batch 2 x accum 4 instead of 4 x 2: same global batch, same math, no flag needed
     assert _cli("resume", str(run), "train.micro_batch_size=2", "train.max_steps=6", "--allow-config-change") == 0
@@ -244,9 +237,7 @@ def test_an_allowed_change_of_the_optimizer_trains_with_the_recipes_values(tmp_p
     from finetune.runtime.optim import lr_factor
 
     recipe = resume_recipe(train={"max_steps": 6}, checkpoint={"every_steps": 2}, optim={"lr": 1e-3})
-    _sigterm_after(1)
-    assert _cli("run", str(write_named(tmp_path, "r", recipe))) == 143
-    hooks.clear()
+    run_stopped_after(write_named(tmp_path, "r", recipe), 1)
     run = tmp_path / "r"
     assert _cli("resume", str(run), "optim.lr=1e-4", "optim.weight_decay=0.1", "--allow-config-change") == 0
     schedule = SchedulerConfig(**recipe["scheduler"])
@@ -283,9 +274,7 @@ def test_a_run_trained_before_data_add_bos_resumes_with_the_rule_it_trained_with
     recipe = resume_recipe(data={"format": "chat", "train": str(DATA / "tiny_chat.jsonl"), "add_bos": "always"},
                            train={"max_steps": 4})
     assert _cli("run", str(write_named(tmp_path, "straight", recipe))) == 0
-    _sigterm_after(1)
-    assert _cli("run", str(write_named(tmp_path, "older", recipe))) == 143
-    hooks.clear()
+    run_stopped_after(write_named(tmp_path, "older", recipe), 1)
     older = tmp_path / "older"
     _as_an_older_finetune_wrote_it(older)
     assert _cli("resume", str(older)) == 0
