@@ -36,11 +36,7 @@ TASK_METRICS: Mapping[Task, frozenset[str]] = {
     "vision_causal_lm": frozenset({"token_accuracy", "exact_match"}),
     "classification": frozenset({"accuracy"}),
 }
-# metrics of the preference objectives (recipe key ``task``), which run on rows with the "preference" capability
-PREFERENCE_METRICS: Mapping[str, frozenset[str]] = {
-    "dpo": frozenset({"preference_accuracy"}),
-    "reward": frozenset({"preference_accuracy"}),
-}
+# the metrics of the recipe's ``task`` values (dpo, reward, grpo) are their records' (finetune.objectives)
 TASK_FORMATS: Mapping[Task, frozenset[str]] = {
     "causal_lm": frozenset({"alpaca", "chat", "completion"}),
     "vision_causal_lm": frozenset({"vision_chat"}),

@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from finetune import objectives
+
 # One path component that cannot climb out of runs/ or name a hidden or special folder ("", ".", "..", "a/b").
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
 Beta = Annotated[float, Field(ge=0, lt=1)]
@@ -264,7 +266,6 @@ class DataConfig(Section):
 # is read with this value (finetune.config.compose.compose_stored), so an older run resumes, evaluates and generates
 # as it trained; a recipe a user writes gets the default.
 STORED_DEFAULTS: dict[str, Any] = {"data.add_bos": "always", "train.dropout": True}
-DROPOUT_OFF_TASKS = ("dpo", "reward", "grpo")  # train.dropout null: off for these tasks (see its description)
 
 
 def data_formats() -> tuple[str, ...]:
@@ -628,7 +629,7 @@ class RecipeConfig(Section):
     def _dropout_by_task(self) -> RecipeConfig:
         """train.dropout null is the task's: off where a loss compares scores made without dropout."""
         if self.train.dropout is None:
-            self.train.dropout = self.task not in DROPOUT_OFF_TASKS
+            self.train.dropout = objectives.dropout_default(self.task)
         return self
 
     @model_validator(mode="after")
@@ -639,12 +640,10 @@ class RecipeConfig(Section):
             raise ValueError("data.streaming: true needs train.max_steps (a stream has no epoch length for "
                              f"train.epochs={self.train.epochs:g} to count); set train.max_steps and train.epochs: "
                              "null")
-        if self.data.streaming and self.task == "dpo":
-            raise ValueError("data.streaming: true cannot run task dpo (its reference log-probs are scored over the "
-                             "whole train split before training); set data.streaming: false")
-        if self.data.streaming and self.task == "grpo":
-            raise ValueError("data.streaming: true cannot run task grpo (prompt rows are tokenized ahead, like the "
-                             "eval split); set data.streaming: false")
+        record = objectives.objective(self.task)
+        if self.data.streaming and record is not None and record.no_streaming:
+            raise ValueError(f"data.streaming: true cannot run task {self.task} ({record.no_streaming}); set "
+                             "data.streaming: false")
         return self
 
     @model_validator(mode="after")

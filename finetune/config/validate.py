@@ -18,7 +18,7 @@ from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
 
-from finetune import registry
+from finetune import objectives, registry
 from finetune.config import accelerate
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
 from finetune.config.compose import DATA_SUFFIXES, Composed, _file_kind, compose_stored
@@ -165,7 +165,7 @@ def _sections(data: dict[str, Any]) -> _Sections:
     task = data.get("task")
     return _Sections(one(ModelConfig, "model", True), one(DataConfig, "data", True), one(TrainConfig, "train", True),
                      one(EvalConfig, "eval", False), one(LaunchConfig, "launch", False),
-                     task if task in ("sft", "dpo", "reward", "grpo") else None)
+                     task if task in objectives.OBJECTIVES else None)
 
 
 def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, weights: bool = True) -> list[str]:
@@ -181,14 +181,14 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             row = registry.recipe_row(cfg, as_trained=False)  # the task is checked against the type's own row
         except ConfigError as exc:
             lines.append(str(exc))
-    preference = cfg.task in registry.PREFERENCE_METRICS  # task: dpo / reward
-    # the metrics of pairs: the task's, or dpo's when only data.format says pairs (that line then names the task)
-    scored = cfg.task if preference else "dpo" if cfg.data is not None and cfg.data.format == "preference" else None
+    preference = cfg.task in objectives.OWNED_FORMATS["preference"].tasks  # task: dpo / reward
+    # the task whose metrics apply: the recipe's, or one its data format names (that line then names the task)
+    scored = objectives.metrics_task(cfg.task, cfg.data.format if cfg.data is not None else None)
     if row is not None and cfg.model is not None:
         if cfg.eval is not None:
-            allowed = registry.PREFERENCE_METRICS[scored] if scored else GRPO_METRICS if cfg.task == "grpo" \
-                else registry.TASK_METRICS[row.task]
-            what = f"task {scored}" if scored else "task grpo" if cfg.task == "grpo" else row.task
+            allowed = objectives.OBJECTIVES[scored].metrics if scored else registry.TASK_METRICS[row.task]
+            assert allowed is not None  # metrics_task names only a task whose record lists them
+            what = f"task {scored}" if scored else row.task
             lines += [f"eval.metrics: {metric!r} is not a {what} metric; use one of {sorted(allowed)}"
                       for metric in cfg.eval.metrics if metric not in allowed]
             if "exact_match" in cfg.eval.metrics and "exact_match" in allowed and "generation" not in row.capabilities:
@@ -241,8 +241,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
         lines.append("data.pack_to_multiple_of: pads packed rows, but data.packing is false; set data.packing=true "
                      "or remove data.pack_to_multiple_of")
     if cfg.data is not None:
-        lines += _preference_lines(cfg.task, cfg.data)
-        lines += _prompt_lines(cfg.task, cfg.data)
+        lines += objectives.data_lines(cfg.task, cfg.data.format, cfg.data.packing, cfg.data.train_on_prompt)
         lines += _source_lines(cfg.data, row, train_files)
         if cfg.eval is not None and (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) \
                 and not cfg.data.eval:
@@ -364,24 +363,6 @@ def _freeze_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) -
     return lines
 
 
-def _prompt_lines(task: str | None, data: DataConfig) -> list[str]:
-    """task grpo and data.format: prompt go together; prompt rows are generated from, so neither packed nor
-    trained on (the completions are what the policy learns from)."""
-    prompts = data.format == "prompt"
-    if task == "grpo" and not prompts:
-        return [f"task: grpo generates from prompt rows; set data.format=prompt (got {data.format})"]
-    if not prompts:
-        return []
-    lines = [] if task == "grpo" else [
-        f"data.format: prompt rows train task: grpo; set task (now {task or 'null'})"]
-    if data.packing:
-        lines.append("data.packing: prompt rows are not packed (task grpo trains on generated completions); set "
-                     "data.packing=false")
-    if data.train_on_prompt:
-        lines.append("data.train_on_prompt: task grpo learns from its completions only; set it to false")
-    return lines
-
-
 def _reward_lines(cfg: RecipeConfig | _Sections) -> list[str]:
     """Each function reward's package can be found (without importing it: that runs its code, which happens only
     where the command line allows it, see finetune.tasks.rewards), and each reward_model names a folder that holds
@@ -409,26 +390,6 @@ def _reward_lines(cfg: RecipeConfig | _Sections) -> list[str]:
     return lines
 
 
-def _preference_lines(task: str | None, data: DataConfig) -> list[str]:
-    """task dpo / reward and data.format: preference go together; pairs are neither packed nor trained on prompts."""
-    pairs = data.format == "preference"
-    if task in registry.PREFERENCE_METRICS and not pairs:
-        return [f"task: {task} trains on preference pairs; set data.format=preference (got {data.format})"]
-    if not pairs:
-        return []
-    lines = [] if task in registry.PREFERENCE_METRICS else [
-        f"data.format: preference pairs train task: dpo or task: reward; set task (now {task or 'null'})"]
-    if data.packing:
-        lines.append("data.packing: preference pairs are not packed (each pair is one padded chosen/rejected batch); "
-                     "set data.packing=false")
-    if data.train_on_prompt:
-        lines.append("data.train_on_prompt: preference pairs learn from their answers only; set it to false")
-    return lines
-
-
-# task grpo's eval.metrics: exact_match of greedy completions against each eval row's answer (the mean reward of
-# those completions is always reported, like the loss)
-GRPO_METRICS = frozenset({"exact_match"})
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")
 
 

@@ -20,7 +20,7 @@ RANKS = {
     "finetune.tasks": 4,
     "finetune.data": 3,
     "finetune.config": 2,
-    "finetune.registry": 1,
+    "finetune.registry": 1, "finetune.objectives": 1,
     "finetune.errors": 0, "finetune.hooks": 0, "finetune.quiet": 0, "finetune.version": 0, "finetune": 0,
 }
 # Third-party modules heavy enough to import only when a function needs them (the CLI imports none of them).
