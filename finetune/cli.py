@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -20,24 +19,21 @@ import yaml
 from typer.exceptions import TyperException
 
 from finetune import registry
-from finetune.artifacts import layout, rundir, unstarted
-from finetune.artifacts.checkpoint import publishing
+from finetune.artifacts import layout, rundir
 from finetune.artifacts.choose import inventory
 from finetune.artifacts.plot import plot_runs
 from finetune.artifacts.portable import resume_targets
-from finetune.artifacts.resume import begin
 from finetune.artifacts.summary import read_summary
 from finetune.artifacts.summary import render as summary_lines
+from finetune.commands import train
 from finetune.commands.evaluate import evaluate_target
 from finetune.commands.export import Exported
 from finetune.commands.export import export as export_checkpoint
 from finetune.commands.merge import merge as merge_adapter
-from finetune.config import Composed, load_recipe, outputs, resources, to_yaml
-from finetune.config.schema import RecipeConfig, recipe_file_schema
+from finetune.config import load_recipe, outputs, resources, to_yaml
+from finetune.config.schema import recipe_file_schema
 from finetune.errors import FinetuneError, RunDirError, run_main
-from finetune.registry import SupportedModel
-from finetune.runtime import backends, launch, prepare, worker
-from finetune.runtime.peft import describe_on_meta
+from finetune.runtime import launch, prepare
 from finetune.runtime.plan import build_plan, render, to_json
 from finetune.runtime.tracking import format_metrics
 from finetune.version import report
@@ -59,27 +55,6 @@ TrustRemoteCode = Annotated[bool, typer.Option(
     "recipe names (never taken from a run's files)")]
 
 
-def _recipe_with_flags(recipe: str, overrides: list[str] | None, *, weights: bool = True,
-                       **flags: Any) -> tuple[RecipeConfig, Any]:
-    """Compose + validate; CLI flags are applied as the overrides they stand for (after the positional ones)."""
-    mapping = {"output_dir": "output_dir", "accelerate_config": "launch.accelerate_config",
-               "num_processes": "launch.num_processes"}
-    extra = [f"{mapping[k]}={v}" for k, v in flags.items() if v is not None]
-    return load_recipe(resources.resolve_recipe(recipe), [*(overrides or []), *extra], weights=weights)
-
-
-def _protected(cfg: RecipeConfig, composed: Composed) -> list[outputs.Input]:
-    """What a run dir may not be, hold or lie inside (so --overwrite can never reach it), each with the key that
-    names it: everything the run reads (:func:`finetune.config.outputs.recipe_inputs`: the recipe files, model,
-    data, reward models, plugins, accelerate config, caches). :func:`finetune.artifacts.rundir.check_location`
-    refuses the run dir in one line, before anything is created, tokenized or deleted."""
-    return outputs.recipe_inputs(cfg, composed.files)
-
-
-def _is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
 @app.command()
 def run(
     recipe: Annotated[str, typer.Argument(help=RECIPE_HELP)],
@@ -91,55 +66,8 @@ def run(
     num_processes: Annotated[int | None, typer.Option(help="processes (data-parallel ranks)")] = None,
 ) -> None:
     """Train a recipe: compose, validate, read the data, create <output_dir> with recipe.resolved.yaml, then train."""
-    if output_dir is not None:
-        outputs.given(output_dir)  # `-o ''` (an unset variable) is a mistake, not the recipe's default
-    flags = _launcher_flags({"output_dir": output_dir, "accelerate_config": accelerate_config,
-                             "num_processes": num_processes})
-    cfg, composed = _recipe_with_flags(recipe, overrides, **flags)
-    row = registry.recipe_row(cfg)  # resolved once here; everything below is handed it
-    if not launch.under_launcher():  # before the run dir exists: one machine creates it
-        launch.check_one_machine(cfg)
-    run_dir = Path(cfg.output_dir or "")
-    resolved = run_dir / rundir.RESOLVED
-    protected = _protected(cfg, composed)
-    if dry_run:
-        rundir.check_location(run_dir, protected)
-        typer.echo(to_yaml(cfg), nl=False)
-        typer.echo(f"# run dir: {run_dir}")
-        try:  # what the real run would refuse (an existing run without --overwrite, a foreign folder, a live run)
-            rundir.check_creatable(run_dir, overwrite=overwrite, protected=protected)
-        except RunDirError as exc:
-            typer.echo(f"# the real run would be refused: {exc}")
-            typer.echo(f"warning: the real run would be refused: {exc}", err=True)
-        typer.echo(f"# global batch {cfg.train.global_batch_size} = micro {cfg.train.micro_batch_size} x accum "
-                   f"{cfg.grad_accum} x {cfg.launch.num_processes} process(es)")
-        plan = "in this process" if launch.in_process(cfg) else " ".join(launch.launch_argv(cfg, resolved))
-        typer.echo(f"# would run: {plan}")
-        typer.echo(_effective_settings(cfg, row))
-        typer.echo(_peft_summary(cfg, row))
-        # the memory plan builds the model on the meta device: the one dry-run step that loads torch
-        typer.echo("\n".join(f"## {line}".rstrip() for line in render(build_plan(cfg, row=row)).splitlines()))
-        return
-    if not _is_rank0():  # under a launcher the other ranks train from the validated recipe in memory
-        _start(cfg, resolved, None, allow_plugin=True)  # the recipe was named on this command line
-        return
-    # The run folder is created only once the run can start: its backend is installed, it would not be refused, and
-    # the data reads (a bad row is one line here, with no folder left behind that would need --overwrite)
-    launch.check_backend_installed(cfg)
-    rundir.check_creatable(run_dir, overwrite=overwrite, protected=protected)
-    inputs = prepare.inputs(cfg, row)
-    for line in prepare.report(cfg, inputs.data, hits_only=True):  # a source tokenized now said so as it went
-        typer.echo(line)
-    made = unstarted.first_missing(run_dir)
-    lock = rundir.create(run_dir, overwrite=overwrite, protected=protected, command=f"finetune run {recipe}")
-    try:
-        rundir.write_resolved(cfg, run_dir)
-    except BaseException:
-        unstarted.discard(run_dir, made)
-        lock.release()
-        raise
-    # what fails in this process before the first step (the model, a LoRA target) takes the new folder with it
-    _start(cfg, resolved, lock, allow_plugin=True, inputs=inputs, unstarted=lambda: unstarted.discard(run_dir, made))
+    train.run(recipe, overrides, output_dir=output_dir, overwrite=overwrite, dry_run=dry_run,
+              accelerate_config=accelerate_config, num_processes=num_processes)
 
 
 @app.command()
@@ -149,7 +77,7 @@ def preprocess(
 ) -> None:
     """Read and tokenize every data split of a recipe into the cache `finetune run` reads (and download a hub
     model), once, before any launch; run it on each machine whose disk holds its own cache."""
-    cfg, _ = _recipe_with_flags(recipe, overrides)
+    cfg, _ = train.recipe_with_flags(recipe, overrides)
     inputs = prepare.inputs(cfg, registry.recipe_row(cfg))
     for line in prepare.report(cfg, inputs.data):
         typer.echo(line)
@@ -165,74 +93,9 @@ def plan(
 ) -> None:
     """Print the per-rank memory plan (parameters, gradients, optimizer states, activations) before launching.
     model.path may be a folder or hub name with only config.json: no weights or tokenizer are read."""
-    cfg = _plan_recipe(recipe, overrides, accelerate_config=accelerate_config, num_processes=num_processes)
+    cfg = train.plan_recipe(recipe, overrides, accelerate_config=accelerate_config, num_processes=num_processes)
     memory = build_plan(cfg)
     typer.echo(to_json(memory) if as_json else render(memory))
-
-
-def _plan_recipe(recipe: str, overrides: list[str] | None, **flags: Any) -> RecipeConfig:
-    """The recipe to plan: validated as for a run, except that a model folder may hold only config.json (the plan
-    builds the model on the meta device from its config; weights are what a run needs, not a plan)."""
-    return _recipe_with_flags(recipe, overrides, weights=False, **flags)[0]
-
-
-def _effective_settings(cfg: RecipeConfig, row: SupportedModel) -> str:
-    """The backend settings the worker will use, as commented YAML."""
-    accelerate = backends.accelerate_config(cfg.launch.accelerate_config)
-    settings = backends.effective_settings(cfg, row, accelerate.settings)
-    text = yaml.safe_dump(settings, sort_keys=False, default_flow_style=False)
-    return "\n".join(f"# {line}" for line in [f"effective settings ({accelerate.path}):", *text.splitlines()])
-
-
-def _peft_summary(cfg: RecipeConfig, row: SupportedModel) -> str:
-    """Resolved LoRA targets and trainable/total parameters (model built on the meta device); empty without LoRA."""
-    if cfg.peft.method == "none":
-        return ""
-    text = yaml.safe_dump({"peft": describe_on_meta(cfg, row)}, sort_keys=False)
-    return "\n".join(f"# {line}" for line in text.splitlines())
-
-
-def _start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resume_from: Path | None = None,
-           allow_change: bool = False, *, allow_plugin: bool, inputs: Any = None,
-           unstarted: Callable[[], object] | None = None) -> None:
-    """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
-    running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
-    launcher across exec until every rank has exited. Before a launch, this process fills the caches the ranks
-    read (finetune.runtime.prepare): no rank then tokenizes or downloads alone inside the process group. ``inputs``:
-    what ``prepare.inputs`` already gave this process (the data check of `finetune run`); ``unstarted``: called, with
-    the lock still held, when training in this process fails (it removes a new run that trained nothing)."""
-    if launch.in_process(cfg):
-        try:
-            with publishing():  # rank 0's last checkpoint is complete before the lock goes
-                worker.run_worker(cfg, resume_from, allow_change, allow_plugin, inputs=inputs)
-        except BaseException:
-            if unstarted is not None:
-                unstarted()
-            raise
-        finally:
-            if lock is not None:
-                lock.release()
-        return
-    launch.check_one_machine(cfg)
-    launch.check_backend_installed(cfg)  # `finetune resume` (`run` checked before creating the run folder)
-    if inputs is None:
-        prepare.inputs(cfg, registry.recipe_row(cfg))  # resume: the front process's one look-up
-    worker_args = ["--resume", str(resume_from)] if resume_from else []
-    worker_args += ["--allow-config-change"] if allow_change else []
-    worker_args += ["--allow-plugin"] if allow_plugin else []  # the workers read the resolved file: say so, explicitly
-    argv = launch.launch_argv(cfg, resolved, worker_args)
-    if lock is not None:
-        lock.inherit()
-    sys.stdout.flush()
-    os.execvpe(argv[0], argv, launch.child_env())
-
-
-def _launcher_flags(flags: dict[str, Any]) -> dict[str, Any]:
-    """Under a launcher, what it started wins over the recipe (recorded in the resolved recipe)."""
-    if not launch.under_launcher():
-        return flags
-    return {**flags, "num_processes": int(os.environ.get("WORLD_SIZE", "1")),
-            "accelerate_config": backends.launcher_config_name(backends.detect())}
 
 
 @app.command()
@@ -248,16 +111,9 @@ def resume(
 ) -> None:
     """Continue a run exactly from its newest complete checkpoint (or --from), with its stored recipe. A finished
     run (its newest checkpoint at the last step, final/ exported from it) is left as it is: one line, exit 0."""
-
-    flags = _launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
-    extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
-    plan, lock = begin(run_dir, [*(overrides or []), *extra], from_, allow_config_change, trust_remote_code,
-                       is_main=_is_rank0(), warn=lambda note: typer.echo(f"warning: {note}", err=True))
-    if plan.finished:  # a finished run: one line, exit 0, nothing written
-        typer.echo(plan.finished)
-        return
-    _start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change,
-           allow_plugin=trust_remote_code)
+    train.resume(run_dir, overrides, from_=from_, allow_config_change=allow_config_change,
+                 accelerate_config=accelerate_config, num_processes=num_processes,
+                 trust_remote_code=trust_remote_code)
 
 
 @app.command("ls")
@@ -430,7 +286,7 @@ def config(
     if not provenance:
         typer.echo(to_yaml(cfg), nl=False)
         if cfg.peft.method != "none":
-            typer.echo(_peft_summary(cfg, registry.recipe_row(cfg)))
+            typer.echo(train.peft_summary(cfg, registry.recipe_row(cfg)))
         return
     typer.echo("\n".join(_render_provenance(cfg.model_dump(mode="json"), composed.provenance)))
 
