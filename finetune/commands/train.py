@@ -37,7 +37,7 @@ def run(recipe: str, overrides: list[str] | None, *, output_dir: str | None = No
     if output_dir is not None:
         outputs.given(output_dir)  # `-o ''` (an unset variable) is a mistake, not the recipe's default
     flags = launcher_flags({"output_dir": output_dir, "accelerate_config": accelerate_config,
-                             "num_processes": num_processes})
+                            "num_processes": num_processes})
     cfg, composed = recipe_with_flags(recipe, overrides, **flags)
     row = registry.recipe_row(cfg)  # resolved once here; everything below is handed it
     if not launch.under_launcher():  # before the run dir exists: one machine creates it
@@ -89,7 +89,6 @@ def resume(run_dir: Path, overrides: list[str] | None, *, from_: str | None = No
            accelerate_config: str | None = None, num_processes: int | None = None,
            trust_remote_code: bool = False) -> None:
     """``finetune resume``: see the command's help."""
-
     flags = launcher_flags({"accelerate_config": accelerate_config, "num_processes": num_processes})
     extra = [f"launch.{k}={v}" for k, v in flags.items() if v is not None]
     plan, lock = begin(run_dir, [*(overrides or []), *extra], from_, allow_config_change, trust_remote_code,
@@ -102,7 +101,7 @@ def resume(run_dir: Path, overrides: list[str] | None, *, from_: str | None = No
 
 
 def recipe_with_flags(recipe: str, overrides: list[str] | None, *, weights: bool = True,
-                       **flags: Any) -> tuple[RecipeConfig, Any]:
+                      **flags: Any) -> tuple[RecipeConfig, Any]:
     """Compose + validate; CLI flags are applied as the overrides they stand for (after the positional ones)."""
     mapping = {"output_dir": "output_dir", "accelerate_config": "launch.accelerate_config",
                "num_processes": "launch.num_processes"}
