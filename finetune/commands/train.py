@@ -97,7 +97,7 @@ def resume(run_dir: Path, overrides: list[str] | None, *, from_: str | None = No
         typer.echo(plan.finished)
         return
     start(plan.cfg, run_dir / rundir.RESUMING, lock, plan.checkpoint.path, allow_config_change,
-           allow_plugin=trust_remote_code)
+          allow_plugin=trust_remote_code)
 
 
 def recipe_with_flags(recipe: str, overrides: list[str] | None, *, weights: bool = True,
@@ -144,8 +144,8 @@ def peft_summary(cfg: RecipeConfig, row: SupportedModel) -> str:
 
 
 def start(cfg: RecipeConfig, resolved: Path, lock: rundir.RunLock | None, resume_from: Path | None = None,
-           allow_change: bool = False, *, allow_plugin: bool, inputs: Any = None,
-           unstarted: Callable[[], object] | None = None) -> None:
+          allow_change: bool = False, *, allow_plugin: bool, inputs: Any = None,
+          unstarted: Callable[[], object] | None = None) -> None:
     """Train in this process (every rank, under a launcher), or replace this process with `accelerate launch`
     running the worker on every rank. The run's lock is held until training ends: released here, or kept by the
     launcher across exec until every rank has exited. Before a launch, this process fills the caches the ranks
