@@ -1,4 +1,4 @@
-"""``finetune eval``: run :func:`finetune.runtime.loop.evaluate` alone on a run, a checkpoint or an exported model.
+"""``finetune eval``: :func:`finetune.runtime.loop.evaluate_model` alone on a run, a checkpoint or an exported model.
 
 Before anything is loaded the target is verified against its manifest (sha256 of every file); loading is data only
 (safetensors, no pickles), and the model folder's own code runs only with ``--trust-remote-code`` on this command
@@ -37,8 +37,6 @@ from finetune.artifacts.writer import export_manifest, write_checkpoint
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, RunDirError, _io_cause
 from finetune.runtime.backends import Backend, make_accelerator
-from finetune.runtime.state import TrainState
-from finetune.runtime.tracking import NullTracker
 
 __all__ = ["Target", "evaluate_target", "load_model", "load_tokenizer", "open_target", "portable_overrides",
            "reload_checkpoint", "scratch_folder"]
@@ -113,7 +111,7 @@ def reload_checkpoint(cfg: RecipeConfig, where: Target, scratch: Path, log: Call
 
 def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
               trust_remote_code: bool = False) -> dict[str, Any]:
-    """Evaluate ``where`` (``scratch``: a checkpoint target's export folder) with the loop's own evaluate()."""
+    """Evaluate ``where`` (``scratch``: a checkpoint target's export folder) with the loop's own evaluation."""
     from finetune.data import PromptOptions, load_splits  # lazy: imports numpy
     from finetune.runtime import loop  # lazy: imports torch
     from finetune.runtime.modeling import build_base, image_inputs  # lazy: imports torch
@@ -141,11 +139,7 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
             build_base(cfg.model, row, cfg.train.seed, data.labels))
 
     task.prepare(initial, accelerator, precision, lambda message: print(message, file=sys.stderr), splits=("eval",))
-    state = TrainState()
-    state.step = where.step or 0
-    trainer = loop.Trainer(cfg, accelerator, model, None, None, precision, task, tokenizer, NullTracker(), state,
-                           Path(cfg.output_dir or "."), state.step)
-    metrics = loop.evaluate(trainer)
+    metrics = loop.evaluate_model(model, task, precision, accelerator, cfg.eval.metrics, where.step or 0)
     if where.checkpoint is None:
         metrics.pop("step")  # an export has no step of its own
     metrics["target"] = str(export or where.checkpoint)

@@ -246,33 +246,44 @@ def checked_evaluate(t: Trainer) -> dict[str, Any]:
                         f"then {then}") from exc
 
 
-@torch.no_grad()
 def evaluate(t: Trainer) -> dict[str, Any]:
-    """Loss, perplexity and metrics over the whole eval set, summed over ranks (nothing dropped or repeated)."""
-    metrics = list(t.cfg.eval.metrics)
-    means = list(t.task.eval_means)  # named means (sum, count), after the metrics' counts
-    device = t.accelerator.device
+    """:func:`evaluate_model` of the run's model at its step; the best eval loss is kept in the train state."""
+    row = evaluate_model(t.model, t.task, t.precision, t.accelerator, t.cfg.eval.metrics, t.state.step)
+    if "eval_loss" in row:
+        t.state.best_eval_loss = min(t.state.best_eval_loss, row["eval_loss"])
+    return row
+
+
+@torch.no_grad()
+def evaluate_model(model: Any, task: Any, precision: Any, accelerator: Any, metrics: list[str],
+                   step: int) -> dict[str, Any]:
+    """Loss, perplexity and metrics over the whole eval set, summed over ranks (nothing dropped or repeated): what a
+    run logs at ``step`` and what ``finetune eval`` reports, from the same code. Needs no optimizer, schedule or run
+    folder: the model, the task that reads the eval split, the precision every forward runs in, and the
+    accelerator that reduces over the ranks."""
+    metrics = list(metrics)
+    means = list(task.eval_means)  # named means (sum, count), after the metrics' counts
+    device = accelerator.device
     sums = torch.zeros(3 + 2 * len(metrics) + 2 * len(means), dtype=torch.float64, device=device)
-    was_training = t.model.training
-    t.model.eval()
-    for batch in t.task.build_dataloader("eval"):
-        with t.precision.autocast():
-            counts = t.task.eval_output(t.model, _to_device(batch, device))
+    was_training = model.training
+    model.eval()
+    for batch in task.build_dataloader("eval"):
+        with precision.autocast():
+            counts = task.eval_output(model, _to_device(batch, device))
         if batch.get("filler"):
             continue  # ran only so that sharded ranks stay in lockstep; counts nothing
-        parts = [counts.loss_sum, counts.num_tokens, torch.tensor(t.task.count_samples(batch), device=device)]
+        parts = [counts.loss_sum, counts.num_tokens, torch.tensor(task.count_samples(batch), device=device)]
         for name in metrics:
             parts += [counts.correct[name], counts.total[name]]
         for name in means:
             parts += list(counts.means[name])
         sums += torch.stack([p.detach().double() for p in parts])
-    sums = t.accelerator.reduce(sums, reduction="sum").tolist()  # sync: one all-reduce for the whole eval
-    t.model.train(was_training)
-    row: dict[str, Any] = {"step": t.state.step}
-    if t.task.eval_loss:  # GRPO's eval generates: it has no loss
+    sums = accelerator.reduce(sums, reduction="sum").tolist()  # sync: one all-reduce for the whole eval
+    model.train(was_training)
+    row: dict[str, Any] = {"step": step}
+    if task.eval_loss:  # GRPO's eval generates: it has no loss
         row["eval_loss"] = loss = sums[0] / max(sums[1], 1.0)
-        t.state.best_eval_loss = min(t.state.best_eval_loss, loss)
-        if t.task.perplexity:  # a per-pair loss (dpo, reward) has no perplexity
+        if task.perplexity:  # a per-pair loss (dpo, reward) has no perplexity
             row["eval_ppl"] = math.exp(min(loss, 50.0))
     row["eval_samples"] = int(sums[2])
     for i, name in enumerate(metrics):
