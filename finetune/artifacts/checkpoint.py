@@ -441,17 +441,17 @@ def keep_kernel_choice(optimizer: Any, choice: list[dict[str, Any]]) -> None:
 
 
 def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any], *,
-         model_and_optimizer: bool = True) -> None:
+         model_and_optimizer: bool = True, manifest: dict[str, Any] | None = None) -> None:
     """Load a verified checkpoint into the built objects on this rank. Model and optimizer come through accelerate
     (safetensors, ``weights_only`` loads, or the backend's sharded format); the rest from our JSON/safetensors.
 
     ``model_and_optimizer=False``: everything but the model and the optimizer (a portable resume has loaded those
     already, finetune.artifacts.portable); objects marked ``holds_optimizer_state`` are then skipped too. An object
     marked ``optional_in_checkpoint`` that a checkpoint does not hold (one written before it existed) is left as
-    built."""
+    built. ``manifest``: the checkpoint's manifest when the caller has read it already (else read here)."""
 
     restored.check(ckpt, read_state, {name: objects[name].state_dict() for name in ("scheduler", "scaler")
-                                      if name in objects})  # before anything loads
+                                      if name in objects}, manifest)  # before anything loads
     optimizers = _torch_optimizers([*getattr(accelerator, "_optimizers", []), *objects.values()])
     kernels = [[{k: group[k] for k in KERNEL_KEYS if k in group} for group in opt.param_groups] for opt in optimizers]
     if model_and_optimizer:

@@ -128,15 +128,17 @@ def resume_targets(manifest: dict[str, Any]) -> str:
 # --- reading any checkpoint into a FullState ------------------------------------------------------------------------
 
 
-def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None = None) -> FullState:
+def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None = None,
+                    manifest: dict[str, Any] | None = None) -> FullState:
     """The model (and with ``optimizer`` the optimizer) of checkpoint ``ckpt`` as whole CPU tensors, in this one
     process, without a process group, whatever backend and world size wrote it.
 
     ``scratch``: a ``.tmp`` folder the caller owns, needed to read a DeepSpeed checkpoint's optimizer (DeepSpeed's
     universal-checkpoint converter writes there; the caller removes it). When it already holds a complete
-    conversion of ``ckpt`` (another rank made it), that is read instead of converting again."""
+    conversion of ``ckpt`` (another rank made it), that is read instead of converting again. ``manifest``: the
+    checkpoint's manifest when the caller has read it already (else read here)."""
 
-    manifest = rundir.read_manifest(ckpt)
+    manifest = rundir.read_manifest(ckpt) if manifest is None else manifest
     name, world = _saved_layout(manifest)
     try:
         backend = backend_named(name)
@@ -604,20 +606,21 @@ def _set_module_weights(engine: Any, unwrapped: Any, params: dict[str, Any], ful
 # --- the resume path ----------------------------------------------------------------------------------------------
 
 
-def resume_from(accelerator: Any, backend: Backend, model: Any, optimizer: Any, ckpt: Path, run_dir: Path) -> None:
+def resume_from(accelerator: Any, backend: Backend, model: Any, optimizer: Any, ckpt: Path, run_dir: Path,
+                manifest: dict[str, Any] | None = None) -> None:
     """Load checkpoint ``ckpt`` (written on another layout) into this build's model and optimizer on every rank:
     rank 0 converts what needs converting into the run's scratch folder first while the others wait; every rank
-    then reads the whole state and keeps its part; rank 0 removes the scratch."""
+    then reads the whole state and keeps its part; rank 0 removes the scratch. ``manifest``: as read by the caller."""
     scratch = rundir.reshard_scratch(run_dir)
     main = accelerator.is_main_process
     try:
         if main:
             if scratch.exists():
                 rundir.remove_scratch(scratch)  # left by a crash: never trusted
-            state = read_full_state(ckpt, scratch=scratch)
+            state = read_full_state(ckpt, scratch=scratch, manifest=manifest)
         accelerator.wait_for_everyone()
         if not main:
-            state = read_full_state(ckpt, scratch=scratch)
+            state = read_full_state(ckpt, scratch=scratch, manifest=manifest)
         accelerator.wait_for_everyone()
     finally:
         if main and scratch.exists():

@@ -322,11 +322,13 @@ def checked_train_state(ckpt: Path, manifest: dict[str, Any] | None = None) -> d
     return state
 
 
-def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dict[str, Any] | None = None) -> None:
+def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dict[str, Any] | None = None,
+          manifest: dict[str, Any] | None = None) -> None:
     """Refuse, in one line, a checkpoint whose restored state disagrees (see :func:`problems`, and with ``read``
     (finetune.artifacts.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
-    build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint)."""
-    manifest = rundir.read_manifest(ckpt)
+    build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint). ``manifest``: the
+    checkpoint's manifest when the caller has read it already (else read here)."""
+    manifest = rundir.read_manifest(ckpt) if manifest is None else manifest
     state = checked_train_state(ckpt, manifest)  # its counters first: a refusal there stops the other checks
     found: list[str] = []
     if read is not None:

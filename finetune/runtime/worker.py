@@ -200,17 +200,19 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
     return build
 
 
-def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> None:
+def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool,
+                 manifest: dict[str, Any] | None = None) -> None:
     """Load everything a checkpoint holds into the built trainer (all ranks), after checking the tokenizer and the
     layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes.
 
     Rows are dropped last, once the resume is sure to proceed: what the checkpoint holds was judged before anything
     loaded (finetune.artifacts.restored: the counters, scheduler, scaler and RNG states, and each object's own judge,
     e.g. GRPO's generation batch against the recipe and the restored step), and everything has loaded. A resume that
-    fails leaves metrics.jsonl as it was."""
+    fails leaves metrics.jsonl as it was. ``manifest``: the checkpoint's, read once by the caller (else here) and
+    handed to every check and loader below."""
     from finetune.runtime.optim import group_settings, keep_recipe_settings  # lazy: imports torch
 
-    manifest = rundir.read_manifest(ckpt)
+    manifest = rundir.read_manifest(ckpt) if manifest is None else manifest
     if checkpoint.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
         if not allow_config_change:
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
@@ -229,8 +231,9 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
                     "another checkpoint with --from"):  # model, optimizer, scheduler, TrainState, scaler, RNG
         if not native:  # another layout: whole tensors, each rank keeping its part
             portable.resume_from(trainer.accelerator, trainer.backend, trainer.model, trainer.optimizer, ckpt,
-                                 trainer.run_dir)
-        checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=native)
+                                 trainer.run_dir, manifest)
+        checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=native,
+                        manifest=manifest)
     for line in keep_recipe_settings(trainer.optimizer, trainer.objects["scheduler"], settings):
         trainer.tracker.log("info", {"message": f"resume: {line} (the recipe's, not the checkpoint's)"})
     if not native:
@@ -244,15 +247,22 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool) -> Non
                                             "logged after it"})
 
 
-def resumed_step(checkpoint_dir: str | Path | None) -> int:
-    """The step a resume continues from (its checkpoint's manifest), for the progress display; 0 for a new run, or
-    when the manifest cannot tell (loading the checkpoint then reports what is wrong with it)."""
+def resumed_manifest(checkpoint_dir: str | Path | None) -> dict[str, Any] | None:
+    """The manifest of the checkpoint a resume continues from, read once for the whole resume (the progress
+    display's step, the checks, the loaders); None for a new run, or when it cannot be read (loading the checkpoint
+    then reports what is wrong with it)."""
     if checkpoint_dir is None:
-        return 0
+        return None
     try:
-        step = rundir.read_manifest(Path(checkpoint_dir)).get("step")
+        return rundir.read_manifest(Path(checkpoint_dir))
     except rundir.ManifestError:
-        return 0
+        return None
+
+
+def resumed_step(manifest: dict[str, Any] | None) -> int:
+    """The step a resume continues from (its checkpoint's manifest), for the progress display; 0 for a new run, or
+    when the manifest cannot tell."""
+    step = manifest.get("step") if manifest is not None else None
     return step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0
 
 
@@ -274,13 +284,14 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
     started = time.monotonic()
     cfg = recipe if isinstance(recipe, RecipeConfig) else load_resolved(recipe, allow_plugin)
-    trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(resume_from), inputs=inputs,
+    manifest = resumed_manifest(resume_from)  # read once: every step of the resume below is handed it
+    trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(manifest), inputs=inputs,
                             allow_plugin=allow_plugin)
     try:
         if resume_from is not None:
             main = trainer.accelerator.is_main_process
             try:
-                resume_state(trainer, Path(resume_from), allow_config_change)
+                resume_state(trainer, Path(resume_from), allow_config_change, manifest)
             except BaseException:
                 if main:
                     rundir.adopt_resumed(None, trainer.run_dir)

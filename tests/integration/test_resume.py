@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -215,6 +216,37 @@ def test_refusals(tmp_path: Path) -> None:
     err = _refusal(tmp_path, str(run))
     assert "no complete resumable checkpoint" in err and "finetune run" in err
     assert "not a run directory" in _refusal(tmp_path, str(tmp_path / "nothing"))
+
+
+def test_the_worker_reads_the_resumed_checkpoints_manifest_once(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front process verified the checkpoint; the worker reads its manifest once and hands it to the progress
+    display, the checks and the loaders."""
+    from finetune.artifacts import rundir
+    from finetune.runtime import worker
+
+    recipe = resume_recipe(train={"max_steps": 4}, checkpoint={"every_steps": 2})
+    run_stopped_after(write_named(tmp_path, "r", recipe), 1)
+    ckpt = (tmp_path / "r" / "checkpoints" / "step-000002").resolve()
+    reads, in_worker = [], []
+    real_read, real_worker = rundir.read_manifest, worker.run_worker
+
+    def counted(path: Path, *args: Any, **kwargs: Any) -> Any:
+        if in_worker and Path(path).resolve() == ckpt:
+            reads.append(path)
+        return real_read(path, *args, **kwargs)
+
+    def worker_run(*args: Any, **kwargs: Any) -> Any:
+        in_worker.append(True)
+        try:
+            return real_worker(*args, **kwargs)
+        finally:
+            in_worker.clear()
+
+    monkeypatch.setattr(rundir, "read_manifest", counted)
+    monkeypatch.setattr(worker, "run_worker", worker_run)
+    assert _cli("resume", str(tmp_path / "r")) == 0
+    assert len(reads) == 1, reads
 
 
 def test_allowed_change_is_logged_and_layout_changes_need_no_flag(tmp_path: Path) -> None:

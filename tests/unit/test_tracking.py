@@ -34,7 +34,7 @@ from finetune.runtime.tracking import (
     read_metrics,
     recipe_headline,
 )
-from finetune.runtime.worker import resumed_step
+from finetune.runtime.worker import resumed_manifest, resumed_step
 
 TIMESTAMP = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} ")
 TRAIN_ROW = {"step": 10, "loss": 2.31412, "lr": 3e-4, "grad_norm": 1.0212, "tokens": 51200, "elapsed_s": 10.0,
@@ -457,14 +457,14 @@ def test_build_tracker_starts_the_bar_at_start_step(tmp_path: Path, monkeypatch:
 
 
 def test_resumed_step_reads_the_checkpoint_manifest(tmp_path: Path) -> None:
-    assert resumed_step(None) == 0
+    assert resumed_step(resumed_manifest(None)) == 0
     ckpt = tmp_path / "step-000120"
     ckpt.mkdir()
-    assert resumed_step(ckpt) == 0  # no manifest: loading the checkpoint reports it, not this
+    assert resumed_manifest(ckpt) is None  # no manifest: loading the checkpoint reports it, not this
     (ckpt / rundir.MANIFEST).write_text(json.dumps({"kind": "checkpoint", "step": 120, "files": {}}))
-    assert resumed_step(ckpt) == 120
+    assert resumed_step(resumed_manifest(ckpt)) == 120
     (ckpt / rundir.MANIFEST).write_text(json.dumps({"kind": "checkpoint", "step": "x", "files": {}}))
-    assert resumed_step(ckpt) == 0
+    assert resumed_step(resumed_manifest(ckpt)) == 0
 
 
 # -------------------------------------------------------------------------------------- wandb, tensorboard
