@@ -83,7 +83,7 @@ class SupportedModel:
 
     ``output_head`` names the module of a causal row (found by the last part of its name, through wrappers) that
     turns the final hidden states into logits: the loss replaces its output by chunked log-prob sums, so full
-    ``[tokens x vocab]`` logits are never built (finetune.tasks.causal_lm.head_logprobs). A model that changes the
+    ``[tokens x vocab]`` logits are never built (finetune.tasks.logprobs.head_logprobs). A model that changes the
     head's output afterwards is refused at the first forward; None computes the loss from the model's logits.
     """
 

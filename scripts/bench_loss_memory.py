@@ -48,7 +48,7 @@ MIB = 2**20
 
 
 def old_shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """The loss as finetune.tasks.causal_lm.shifted_loss computed it before the chunked loss (the "before" run)."""
+    """The loss as finetune.tasks.logprobs.shifted_loss computed it before the chunked loss (the "before" run)."""
     logits, targets = logits[:, :-1].float(), labels[:, 1:]
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100,
                            reduction="sum")

@@ -23,7 +23,7 @@ and renamed, never inside a run directory or the model folder, and replaces an e
 
 A completion does not depend on the batch size, on a prompt's position in its batch or on the number of processes:
 prompts are left-padded with their own position ids and attention mask (one decoder,
-:func:`finetune.tasks.causal_lm.generate_tokens`, shared with eval's exact_match), and sampling draws from one
+:func:`finetune.tasks.decoding.generate_tokens`, shared with eval's exact_match), and sampling draws from one
 generator per prompt, seeded by ``--seed`` and the prompt's line (vision-language prompts are sampled one at a
 time, each from torch's generator seeded the same way). With ``--num-processes N`` the front process checks
 everything, then execs ``accelerate launch ... -m finetune.commands.generate`` (this module's :func:`main`); every rank
@@ -461,7 +461,7 @@ def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
              device: Any) -> Callable[[list[int]], list[list[int]]]:
     """The new tokens of a batch of prompts (their indices), each row cut or padded after its stop token.
 
-    Text rows: the shared decoder (:func:`finetune.tasks.causal_lm.generate_tokens`), one sampling generator per
+    Text rows: the shared decoder (:func:`finetune.tasks.decoding.generate_tokens`), one sampling generator per
     prompt. Vision-language rows: the model's own ``generate`` with the prompts' images, as eval's exact_match runs
     it (:func:`finetune.tasks.vision_lm.generate_with_images`); sampled prompts then go one at a time, from torch's
     generator seeded with the prompt's seed, so that no draw depends on the batch or the process."""
@@ -471,7 +471,7 @@ def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
 
     tokenizer, pad_id = job.tokenizer, job.tokenizer.pad_token_id
     if job.row.image_token is None:
-        from finetune.tasks.causal_lm import Sampling, generate_tokens  # lazy: imports torch
+        from finetune.tasks.decoding import Sampling, generate_tokens  # lazy: imports torch
 
         def text(batch: list[int]) -> list[list[int]]:
             ids, mask = left_pad([job.ids[i] for i in batch], pad_id)

@@ -40,7 +40,7 @@ from finetune.data.batching import PreferenceCollator
 from finetune.data.rows import IGNORE
 from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, PairTask
-from finetune.tasks.causal_lm import answer_logprobs, next_token_targets
+from finetune.tasks.logprobs import answer_logprobs, next_token_targets
 from finetune.tasks.losses import sequence_logprobs
 
 PROGRESS_EVERY_S = 30.0  # a reference pass that runs longer reports its progress this often
@@ -50,7 +50,7 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int 
     """``[S]`` fp32: for each of the ``S`` sequences of ``logits`` ``[S, T, V]`` (logits a caller already holds),
     the sum over positions whose ``targets`` ``[S, T]`` is not IGNORE of ``log_softmax(logits)[target]``, with grad;
     :func:`finetune.tasks.losses.sequence_logprobs` over the logits, one chunk of ``chunk_rows`` rows at a time.
-    ``targets`` are next-token targets (:func:`finetune.tasks.causal_lm.next_token_targets`)."""
+    ``targets`` are next-token targets (:func:`finetune.tasks.logprobs.next_token_targets`)."""
     if logits.dim() != 3 or logits.shape[:-1] != targets.shape:
         raise ValueError(f"expected logits [S, T, V] and targets [S, T], got {tuple(logits.shape)} and "
                          f"{tuple(targets.shape)}")
@@ -63,7 +63,7 @@ def policy_logps(model: Any, batch: dict[str, Any], output_head: str | None = OU
                                                                                                    torch.Tensor]:
     """The model's summed answer log-prob of every sequence of a preference batch (``[2B]`` fp32) and the number
     of answer tokens of each, from the final hidden states and the row's ``output_head`` chunk by chunk (no
-    ``[tokens x vocab]`` logits, no host sync: :func:`finetune.tasks.causal_lm.answer_logprobs`). Never a KV cache
+    ``[tokens x vocab]`` logits, no host sync: :func:`finetune.tasks.logprobs.answer_logprobs`). Never a KV cache
     (training forwards; see CausalLMTask)."""
     targets = next_token_targets(batch["labels"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}

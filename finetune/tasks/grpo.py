@@ -35,7 +35,7 @@ Advantages: ``A = (r - mean_group) / std_group`` (sample std) for ``grpo`` and `
 
 Reproducibility: completion ``j`` of the prompt at position ``p`` of the global batch of generation step ``s`` is
 drawn from its own CPU generator seeded by ``(train.seed, s, p, j)`` (:func:`completion_seed`), one uniform draw
-per new token (:class:`finetune.tasks.causal_lm.Sampling`), so it does not depend on the micro-batch size, the
+per new token (:class:`finetune.tasks.decoding.Sampling`), so it does not depend on the micro-batch size, the
 batch composition or the number of processes. ``iterations`` k > 1: one generation batch serves k consecutive
 optimizer steps; the loop still counts ``global_batch_size`` samples per step, so ``samples_seen`` advances k
 times per generation batch and the prompt cursor is ``(samples_seen // (k G)) G``. An epoch is one pass over the
@@ -71,14 +71,9 @@ from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError, FinetuneError, RunDirError
 from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, TaskData
-from finetune.tasks.causal_lm import (
-    Sampling,
-    find_head,
-    generate_tokens,
-    head_logprobs,
-    next_token_targets,
-    normalize,
-)
+from finetune.tasks.causal_lm import normalize
+from finetune.tasks.decoding import Sampling, generate_tokens
+from finetune.tasks.logprobs import find_head, head_logprobs, next_token_targets
 from finetune.tasks.losses import sequence_logprobs
 from finetune.tasks.rewards import build_rewards
 
@@ -104,7 +99,7 @@ class Generator(Protocol):
 
 class PolicyGenerator:
     """Generation with the policy itself: eval mode (no dropout), the recipe's autocast, a KV cache, one seeded
-    generator per row (:func:`finetune.tasks.causal_lm.generate_tokens`); ``lockstep`` (sharded parameters): every
+    generator per row (:func:`finetune.tasks.decoding.generate_tokens`); ``lockstep`` (sharded parameters): every
     call runs ``max_new_tokens`` forward passes on every rank, else it ends once every row has stopped."""
 
     def __init__(self, model: Any, precision: Any, *, max_new_tokens: int, temperature: float, top_p: float,

@@ -222,7 +222,7 @@ def decoder_llama() -> Any:
 def test_sampling_per_prompt_generators_ignore_the_batch(decoder_llama: Any) -> None:
     """Each prompt sampled in a left-padded batch draws what it draws alone from a generator with its seed."""
     from finetune.data.batching import left_pad
-    from finetune.tasks.causal_lm import Sampling, generate_tokens
+    from finetune.tasks.decoding import Sampling, generate_tokens
 
     prompts = [[5, 9, 33], [7], [100, 2, 3, 4, 5, 6]]
 
@@ -238,7 +238,7 @@ def test_sampling_per_prompt_generators_ignore_the_batch(decoder_llama: Any) -> 
 
 def test_stop_tokens_pad_the_row_and_all_stopped_ends_early(decoder_llama: Any) -> None:
     from finetune.data.batching import left_pad
-    from finetune.tasks.causal_lm import generate_tokens
+    from finetune.tasks.decoding import generate_tokens
 
     ids, mask = left_pad([[5, 9, 33], [7, 8]], 0)
     free = generate_tokens(decoder_llama, ids, mask, 10, [], 0).tolist()

@@ -82,7 +82,7 @@ def test_micro_batches_carry_different_token_counts() -> None:
     from finetune.data.tokenize import tokenize_rows
     from finetune.registry import get_model
     from finetune.runtime.modeling import build_tokenizer
-    from finetune.tasks.causal_lm import count_next_token_targets
+    from finetune.tasks.logprobs import count_next_token_targets
 
     cfg = RecipeConfig.model_validate(tiny_recipe(data={"format": "completion"}))
     tokenizer = build_tokenizer(cfg.model, get_model("tiny-llama"))

@@ -21,7 +21,6 @@ from transformers import AutoTokenizer
 from finetune.data import DataBundle
 from finetune.data.batching import PreferenceCollator
 from finetune.data.tokenize import IGNORE, tokenize_rows
-from finetune.tasks.causal_lm import next_token_targets
 from finetune.tasks.dpo import (
     DPOTask,
     pair_losses,
@@ -31,6 +30,7 @@ from finetune.tasks.dpo import (
     sequence_logps,
     unstride,
 )
+from finetune.tasks.logprobs import next_token_targets
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"

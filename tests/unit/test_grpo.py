@@ -20,7 +20,6 @@ from finetune.data import DataBundle
 from finetune.data.batching import left_pad
 from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError, RunDirError
-from finetune.tasks.causal_lm import next_token_targets
 from finetune.tasks.grpo import (
     GRPOTask,
     PolicyGenerator,
@@ -35,6 +34,7 @@ from finetune.tasks.grpo import (
     targets_of,
     token_logprobs,
 )
+from finetune.tasks.logprobs import next_token_targets
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63], [1, 70]]

@@ -617,7 +617,7 @@ def _qwen_like(vocab: int = 151_936) -> Any:
 
 def _full_logits_loss(model: Any, task: Any, batch: dict[str, Any]) -> torch.Tensor:
     """Today's path before this loss: the model's full logits, then the chunked cross-entropy over them."""
-    from finetune.tasks.causal_lm import next_token_targets
+    from finetune.tasks.logprobs import next_token_targets
 
     return summed_cross_entropy(task._logits(model, batch), next_token_targets(batch["labels"]))
 

@@ -78,7 +78,7 @@ def _real_training_bytes(cfg: RecipeConfig) -> dict[str, int]:
     from finetune.runtime import peft as lora
     from finetune.runtime.modeling import build_base, freeze
     from finetune.runtime.optim import build_optimizer
-    from finetune.tasks.causal_lm import shifted_loss
+    from finetune.tasks.logprobs import shifted_loss
 
     row = get_model(cfg.model.type)
     labels = lora._label_names(cfg) if row.task == "classification" else None

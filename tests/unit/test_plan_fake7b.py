@@ -28,7 +28,7 @@ def test_plan_of_a_7b_step_matches_its_fake_tensor_trace() -> None:
 
     from finetune.runtime.modeling import build_base
     from finetune.runtime.optim import build_optimizer
-    from finetune.tasks.causal_lm import shifted_loss
+    from finetune.tasks.logprobs import shifted_loss
 
     overrides = [f"model.config_overrides.{k}={str(v).lower() if isinstance(v, bool) else v}"
                  for k, v in LLAMA_7B.items()]

@@ -195,7 +195,7 @@ def test_collator_left_pads_prompts() -> None:
 
 
 def test_next_token_targets_ignore_position_zero() -> None:
-    from finetune.tasks.causal_lm import count_next_token_targets
+    from finetune.tasks.logprobs import count_next_token_targets
 
     labels = torch.tensor([[7, 5, 6, IGNORE], [IGNORE, IGNORE, 8, 9]])
     assert count_next_token_targets(labels) == 4  # the 7 at position 0 is never a target

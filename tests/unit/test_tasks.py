@@ -20,8 +20,9 @@ import transformers
 from finetune.data import DataBundle
 from finetune.data.batching import Collator, left_pad
 from finetune.data.tokenize import IGNORE, Tokenized, tokenize_rows
-from finetune.tasks.causal_lm import CausalLMTask, greedy_generate, normalize
+from finetune.tasks.causal_lm import CausalLMTask, normalize
 from finetune.tasks.classification import ClassificationTask
+from finetune.tasks.decoding import greedy_generate
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"

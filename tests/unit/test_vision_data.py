@@ -240,7 +240,7 @@ def test_every_vision_row_trains_on_a_collated_batch(tools, tmp_path: Path, name
     logits depend on the image."""
     import transformers
 
-    from finetune.tasks.causal_lm import shifted_loss
+    from finetune.tasks.logprobs import shifted_loss
 
     tokenizer, images = tools
     row = registry.SUPPORTED_MODELS[name]
@@ -271,7 +271,7 @@ def test_a_batch_without_images_still_runs_the_vision_tower_and_changes_nothing(
     exactly zero (not None: DDP's all-reduce expects one)."""
     import transformers
 
-    from finetune.tasks.causal_lm import shifted_loss
+    from finetune.tasks.logprobs import shifted_loss
 
     tokenizer, images = tools
     row = registry.SUPPORTED_MODELS[name]

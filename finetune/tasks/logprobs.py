@@ -1,0 +1,116 @@
+"""Target log-probs of a causal LM, the one mechanism every task's loss goes through: next-token targets, the
+shifted loss over logits a caller holds, and the model's forward with its output head swapped for the chunked
+log-prob primitive (:func:`finetune.tasks.losses.sequence_logprobs`), per token, per sequence or per completion.
+
+SFT's summed loss (finetune.tasks.causal_lm), DPO's policy and reference sums (finetune.tasks.dpo), GRPO's
+per-completion scores (finetune.tasks.grpo) and eval's token accuracy all call :func:`answer_logprobs` or
+:func:`head_logprobs`; none builds the ``[tokens x vocab]`` logits of a row whose head is named.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from finetune.data.rows import IGNORE
+from finetune.errors import ConfigError
+from finetune.tasks.losses import sequence_logprobs, summed_cross_entropy
+
+
+def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
+    """The target of every position: the next label, IGNORE at the end. The labels are shifted rather than the
+    logits, so the ``[tokens x vocab]`` logits are never sliced into a copy."""
+    return F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+
+
+def count_next_token_targets(labels: torch.Tensor) -> int:
+    """Target tokens of a batch: labels after the first position that are not IGNORE."""
+    return int((labels[:, 1:] != IGNORE).sum())
+
+
+def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy over logits a caller already holds (fp32 arithmetic, one chunk at a time:
+    see :mod:`finetune.tasks.losses`), the number of target tokens, and the targets (IGNORE where none). The tasks
+    never build those logits (:func:`answer_logprobs`)."""
+    targets = next_token_targets(labels)
+    loss_sum = summed_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+    return loss_sum, (targets != IGNORE).sum(), targets
+
+
+def find_head(model: Any, name: str | None) -> Any:
+    """The module named ``name`` (the row's ``output_head``) in ``model`` through any wrapper (DDP, FSDP, DeepSpeed,
+    peft): the shallowest module whose last name part is ``name``; None when there is none (or no name)."""
+    if not name or not hasattr(model, "named_modules"):  # not an nn.Module (a scripted test double): its logits
+        return None
+    found = [(path.count("."), module) for path, module in model.named_modules() if path.rsplit(".", 1)[-1] == name]
+    return min(found, key=lambda item: item[0])[1] if found else None
+
+
+def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
+                  head: Any, count_hits: bool = True, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
+    hits (:func:`finetune.tasks.losses.sequence_logprobs`, at ``temperature``: GRPO scores its completions at the
+    temperature they were sampled at) instead of ``[tokens x vocab]`` logits.
+
+    The head module's ``forward`` is replaced for the call, so the loss runs inside the model's own forward: every
+    wrapper's hooks (DDP, FSDP's unshard and reshard, DeepSpeed ZeRO-3's parameter gathering, autocast, peft) see
+    the head called as usual, and the sums come out as the output's ``logits``, which carry the wrappers' backward
+    hooks. A plain ``nn.Linear`` head (tied or not) takes the fused chunked path; any other module (a LoRA-adapted
+    head) is called chunk by chunk. A model that alters the head's output afterwards (logit soft-capping) would make
+    the sums wrong, so it is refused."""
+    own = vars(head).get("forward")
+    original = own if own is not None else type(head).forward.__get__(head)
+    picked: dict[str, torch.Tensor] = {}
+
+    @torch.compiler.disable  # train.compile: run eagerly, a graph break after the body (inductor cannot lower it)
+    def forward(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if args or kwargs or hidden.shape[:-1] != targets.shape:
+            raise RuntimeError(f"output head {type(head).__name__} was called with {tuple(hidden.shape)}, "
+                               f"expected the final hidden states {tuple(targets.shape)} + (hidden,)")
+        flat = hidden.reshape(-1, hidden.size(-1))
+        # a Linear's own forward (FSDP2's FSDPLinear keeps it): fused; an override (LoRA, quantised): the module
+        fused = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+        picked["sums"], picked["hits"] = sequence_logprobs(
+            flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
+            bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits,
+            temperature=temperature)
+        return picked["sums"]
+
+    head.forward = forward
+    try:
+        out = model(**inputs)
+    finally:
+        if own is None:
+            del head.forward
+        else:
+            head.forward = own
+    sums = out.logits if hasattr(out, "logits") else out
+    # the head's own result, or a view of it (DeepSpeed ZeRO-3 hands on a detached alias); never a new tensor
+    if "sums" not in picked or not isinstance(sums, torch.Tensor) or sums.shape != picked["sums"].shape \
+            or not torch._C._is_alias_of(sums, picked["sums"]):
+        raise ConfigError(f"the model's forward {'never called' if 'sums' not in picked else 'changed what'} its "
+                          f"output head ({type(head).__name__}) {'' if 'sums' not in picked else 'returned '}(e.g. "
+                          "logit soft-capping), so the loss cannot be computed from the head's input; set the row's "
+                          "output_head=None to compute it from the logits")
+    return sums, picked["hits"]
+
+
+def answer_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None,
+                    per_sequence: bool, count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target log-prob sums and argmax hits of a batch's ``[S, T]`` next-token ``targets``: per sequence (``[S]``,
+    DPO) or over the whole batch (``[1]``, SFT's summed loss is minus it). Computed from the final hidden states and
+    the row's output head (:func:`head_logprobs`) when the model has one, else from the model's logits, chunk by
+    chunk either way; no host sync. Hits are counted only with ``count_hits`` (zeros otherwise)."""
+    sequences, length = targets.shape
+    seq = (torch.arange(sequences, device=targets.device)[:, None].expand(sequences, length).reshape(-1)
+           if per_sequence else torch.zeros(sequences * length, dtype=torch.long, device=targets.device))
+    count = sequences if per_sequence else 1
+    head = find_head(model, head_name)
+    if head is not None:
+        return head_logprobs(model, inputs, targets, seq, count, head, count_hits)
+    out = model(**inputs)
+    logits = out.logits if hasattr(out, "logits") else out
+    return sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count,
+                             count_hits=count_hits)
