@@ -48,8 +48,10 @@ SKIPPED_BLOCKS = {
                        "test_quickstarts.py runs the same recipes and checks their numbers",
     "python3 -m venv .venv && . .venv/bin/activate": "installs packages from the network; tests/integration/"
                                                      "test_wheel.py installs the built wheel offline",
-    ".venv/bin/python scripts/bench_throughput.py --rounds 3 --out docs/bench-throughput.md":
-        "an 11-minute benchmark script, not a finetune command",
+    ".venv/bin/python scripts/bench_throughput.py --rounds 2 --out docs/bench-throughput.md":
+        "a 5-minute benchmark script, not a finetune command",
+    "TORCH_SPEC=torch make setup": "installs a CUDA torch from the network and runs the GPU check, which needs a GPU; "
+                                   "tests/integration/test_gpu_check.py runs its CPU dry run",
     ".venv/bin/python scripts/bench_tokenize.py --rows 20000 --procs 1,2,all --rounds 3":
         "a benchmark script of several minutes, not a finetune command",
     "#!/bin/bash": "a SLURM job: needs a cluster of 2 nodes with 8 GPUs each",

@@ -120,8 +120,8 @@ def test_the_working_tree_and_the_wheels_must_fit_together(bundle_script: Module
 
 
 def test_make_device_bundle_runs_the_script_and_git_ignores_the_wheels() -> None:
-    done = subprocess.run(["make", "-n", "-B", "device-bundle", "VENV=/nonexistent/v"], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(["make", "--no-print-directory", "-n", "-B", "device-bundle", "VENV=/nonexistent/v"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)  # no directory lines under make
     assert done.returncode == 0, done.stderr
-    assert "scripts/device_bundle.py" in done.stdout.splitlines()[-1]
+    assert "scripts/device_bundle.py" in done.stdout.splitlines()[-1], done.stdout
     assert "/.whl/" in (REPO / ".gitignore").read_text().splitlines()
