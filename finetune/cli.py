@@ -30,11 +30,12 @@ from finetune.commands.evaluate import evaluate_target
 from finetune.commands.export import Exported
 from finetune.commands.export import export as export_checkpoint
 from finetune.commands.merge import merge as merge_adapter
+from finetune.commands.plan import render, to_json
 from finetune.config import load_recipe, outputs, resources, to_yaml
 from finetune.config.schema import recipe_file_schema
 from finetune.errors import FinetuneError, RunDirError, run_main
 from finetune.runtime import launch, prepare
-from finetune.runtime.plan import build_plan, render, to_json
+from finetune.runtime.plan import build_plan
 from finetune.runtime.tracking import format_metrics
 from finetune.version import report
 

@@ -22,13 +22,14 @@ from finetune import registry
 from finetune.artifacts import rundir, unstarted
 from finetune.artifacts.checkpoint import publishing
 from finetune.artifacts.resume import begin
+from finetune.commands.plan import render
 from finetune.config import Composed, load_recipe, outputs, resources, to_yaml
 from finetune.config.schema import RecipeConfig
 from finetune.errors import RunDirError
 from finetune.registry import SupportedModel
 from finetune.runtime import backends, launch, prepare, worker
 from finetune.runtime.peft import describe_on_meta
-from finetune.runtime.plan import build_plan, render
+from finetune.runtime.plan import build_plan
 
 
 def run(recipe: str, overrides: list[str] | None, *, output_dir: str | None = None, overwrite: bool = False,

@@ -84,7 +84,8 @@ def test_null_is_the_tasks_and_a_value_is_kept(task: str | None, on: bool) -> No
 
 
 def test_the_plan_says_whether_dropout_is_on() -> None:
-    from finetune.runtime.plan import build_plan, render
+    from finetune.commands.plan import render
+    from finetune.runtime.plan import build_plan
 
     assert "  dropout: off, every rate at 0 while training" in render(build_plan(_recipe("dpo"), devices=[]))
     sft = render(build_plan(_recipe("sft"), devices=[]))

@@ -20,10 +20,11 @@ import yaml
 from typer.testing import CliRunner
 
 from finetune.cli import app
+from finetune.commands.plan import render
 from finetune.config import load_recipe
 from finetune.config.schema import RecipeConfig
 from finetune.registry import get_model
-from finetune.runtime.plan import Item, MemoryPlan, build_plan, check_fit, format_bytes, render
+from finetune.runtime.plan import Item, MemoryPlan, build_plan, check_fit, format_bytes
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.recipe_files import write_recipe_file
 
