@@ -61,59 +61,39 @@ def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
     return dataclasses.replace(backend, keep_unsharded_grads=fits)
 
 
-def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs: prepare.Inputs | None = None,
-                  allow_plugin: bool = False) -> Trainer:
-    """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
-    ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
-    tokenizer and data this process already read (`finetune run` reads them before it creates the run folder).
-    ``allow_plugin``: see :func:`run_worker` (a GRPO reward function is such code)."""
-    from finetune.runtime import dropout, loop  # lazy: imports torch
-    from finetune.runtime.meter import step_flops  # lazy: imports numpy
-    from finetune.runtime.modeling import (
-        build_base,
-        check_fits,
-        compile_failures,
-        compile_model,
-        enable_checkpointing,
-        freeze,
-    )  # lazy: imports torch
-    from finetune.runtime.optim import build_optimizer, build_scheduler  # lazy: imports torch
-    from finetune.runtime.precision import Precision, master_weights_warning  # lazy: imports torch
-    from finetune.tasks import build_task  # lazy: imports numpy
-
-    row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried on the Trainer
-    lora.check_hardware(cfg.peft)
-    backend = fsdp_accumulation(cfg, detect())  # the launcher's environment
-    checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
-    if row.image_token is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
-        raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
-                          f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
-    # before the process group exists, so that no rank waits in a collective while one tokenizes or downloads
-    inputs = inputs or prepare.inputs(cfg, row)
-    tokenizer, images, data = inputs.tokenizer, inputs.images, inputs.data
-    accelerator, backend = make_accelerator(cfg, row, backend)
-    accelerator.wait_for_everyone()  # under a user's launcher, rank 0 has created the run dir once it gets here
-    run_id = rundir.run_id(run_dir)
-    if accelerator.num_processes != cfg.launch.num_processes:  # grad_accum (and so the global batch) depends on it
-        raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
-                          f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
-    assert data.train is not None
-    epoch = epoch_samples(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
-    max_steps = total_steps(cfg, epoch)
-    tracker = build_tracker(cfg, run_dir, is_main=accelerator.is_main_process, start_step=start_step,
-                            max_steps=max_steps)
+def _tracker(cfg: RecipeConfig, run_dir: Path, is_main: bool, start_step: int, max_steps: int, data: Any) -> Any:
+    """The run's tracker, with the warnings and notes known before the model is built: a warm-up longer than the
+    run, the mixture and what fitting max_seq_len did per source."""
+    tracker = build_tracker(cfg, run_dir, is_main=is_main, start_step=start_step, max_steps=max_steps)
     if cfg.scheduler.warmup_steps > max_steps:  # a warning: train.log, and stderr unless a progress bar shows it
         tracker.log("info", {"level": "warning", "message": (
             f"warning: scheduler.warmup_steps={cfg.scheduler.warmup_steps} is longer than the run "
             f"({max_steps} steps): the lr never reaches optim.lr={cfg.optim.lr:g}")})
-    for note in data.notes(cfg.data.max_seq_len):  # the mixture, and what fitting max_seq_len did per source
+    for note in data.notes(cfg.data.max_seq_len):
         tracker.log("info", {"message": note})
+    return tracker
+
+
+def _build_model(cfg: RecipeConfig, row: Any, accelerator: Any, backend: Any, tokenizer: Any,
+                 labels: list[str] | None, tracker: Any) -> Any:
+    """The model this rank trains, before ``accelerator.prepare``: built (weights read once, see materialize),
+    checked against the tokenizer, then frozen parts, gradient checkpointing, LoRA, dropout off and compile, in that
+    order; each step that changes what trains says so in train.log."""
+    from finetune.runtime import dropout  # lazy: imports torch
+    from finetune.runtime.modeling import (
+        build_base,
+        check_fits,
+        compile_model,
+        enable_checkpointing,
+        freeze,
+    )  # lazy: imports torch
+    from finetune.runtime.precision import master_weights_warning  # lazy: imports torch
 
     quantization = lora.quantization_config(cfg.peft)
     with model_init(accelerator, backend, from_config=cfg.model.path is None):  # same weights on every rank/run
         model, load_note = materialize.build(
             accelerator, backend, cfg.model.path is not None, quantization is not None,
-            lambda empty: build_base(cfg.model, row, cfg.train.seed, data.labels, quantization, empty=empty))
+            lambda empty: build_base(cfg.model, row, cfg.train.seed, labels, quantization, empty=empty))
     if load_note:
         tracker.log("info", load_note)
     check_fits(model, tokenizer, cfg.data.max_seq_len)
@@ -139,6 +119,44 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
         compile_model(model, row)
     if warning := master_weights_warning(model, backend):  # 16-bit weights updated without an fp32 copy
         tracker.log("info", {"level": "warning", "message": warning})
+    return model
+
+
+def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs: prepare.Inputs | None = None,
+                  allow_plugin: bool = False) -> Trainer:
+    """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
+    ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
+    tokenizer and data this process already read (`finetune run` reads them before it creates the run folder).
+    ``allow_plugin``: see :func:`run_worker` (a GRPO reward function is such code)."""
+    from finetune.runtime import loop  # lazy: imports torch
+    from finetune.runtime.meter import step_flops  # lazy: imports numpy
+    from finetune.runtime.modeling import compile_failures  # lazy: imports torch
+    from finetune.runtime.optim import build_optimizer, build_scheduler  # lazy: imports torch
+    from finetune.runtime.precision import Precision  # lazy: imports torch
+    from finetune.tasks import build_task  # lazy: imports numpy
+
+    row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried on the Trainer
+    lora.check_hardware(cfg.peft)
+    backend = fsdp_accumulation(cfg, detect())  # the launcher's environment
+    checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
+    if row.image_token is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
+        raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
+                          f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
+    # before the process group exists, so that no rank waits in a collective while one tokenizes or downloads
+    inputs = inputs or prepare.inputs(cfg, row)
+    tokenizer, images, data = inputs.tokenizer, inputs.images, inputs.data
+    accelerator, backend = make_accelerator(cfg, row, backend)
+    accelerator.wait_for_everyone()  # under a user's launcher, rank 0 has created the run dir once it gets here
+    run_id = rundir.run_id(run_dir)
+    if accelerator.num_processes != cfg.launch.num_processes:  # grad_accum (and so the global batch) depends on it
+        raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
+                          f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
+    assert data.train is not None
+    epoch = epoch_samples(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
+    max_steps = total_steps(cfg, epoch)
+    tracker = _tracker(cfg, run_dir, accelerator.is_main_process, start_step, max_steps, data)
+
+    model = _build_model(cfg, row, accelerator, backend, tokenizer, data.labels, tracker)
     optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)
     scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
     param_names = ParamNames.of(model, optimizer)  # on the plain model: prepare wraps and may rename
