@@ -6,16 +6,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import signal
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune import hooks
 from finetune.artifacts import rundir
 from finetune.runtime.tracking import read_metrics
 from tests.cli_helpers import main_exit
@@ -24,6 +21,7 @@ from tests.integration.conftest import (
     cli_exit_code,
     new_trainer,
     run_in_process,
+    run_stopped_after,
     tiny_recipe,
     with_sections,
     write_named,
@@ -255,16 +253,6 @@ def test_dora_trains_exports_and_merges(tmp_path: Path, monkeypatch, capsys) -> 
     _assert_plain_model(tmp_path / "merged")
 
 
-def _sigterm_after(step: int) -> None:
-    """Send SIGTERM to this process after optimizer step ``step`` (the loop stops after the next step)."""
-
-    def fire(trainer) -> None:
-        if trainer.state.step == step:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    hooks.register("after_step", fire)
-
-
 def test_lora_resume_is_exact(tmp_path: Path) -> None:
     """8 straight LoRA steps == 4 steps, SIGTERM, `finetune resume`, 4 more: bit-identical adapter, same losses.
 
@@ -276,9 +264,7 @@ def test_lora_resume_is_exact(tmp_path: Path) -> None:
     assert _cli("run", str(write_named(tmp_path, "straight", recipe))) == 0
     straight = tmp_path / "straight"
 
-    _sigterm_after(3)
-    assert _cli("run", str(write_named(tmp_path, "resumed", recipe))) == 143
-    hooks.clear()
+    run_stopped_after(write_named(tmp_path, "resumed", recipe), 3)
     resumed = tmp_path / "resumed"
     ckpt = resumed / "checkpoints" / "step-000004"
     assert ckpt.is_dir() and not (resumed / "final").exists()

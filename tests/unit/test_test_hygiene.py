@@ -118,6 +118,22 @@ def test_code_and_tests_cite_no_issue_numbers() -> None:
     assert not cited, f"say what the code or test is about, not which issue asked for it: {cited}"
 
 
+# the one in-process stop of the resume tests (integration conftest's sigterm_after), and the 2-process runs' hook
+STOPPERS = {"integration/conftest.py", "distributed/dist_hooks.py"}
+SELF_SIGTERM = "os.kill(os.getpid(), " + "signal.SIGTERM)"  # split: this file is not a copy
+
+
+def self_sigterms(root: Path) -> list[str]:
+    """The test modules that send SIGTERM to their own process (a copy of the stop-then-resume helper)."""
+    return sorted(str(path.relative_to(root)) for path in root.rglob("*.py")
+                  if SELF_SIGTERM in path.read_text())
+
+
+def test_one_stop_then_resume_helper() -> None:
+    copies = set(self_sigterms(TESTS)) - STOPPERS
+    assert not copies, f"use tests.integration.conftest's sigterm_after / run_stopped_after: {sorted(copies)}"
+
+
 def test_no_two_fixtures_share_a_name() -> None:
     clashes = fixture_name_clashes(TESTS)
     assert not clashes, f"rename so each fixture name means one thing: {clashes}"
@@ -146,6 +162,7 @@ def test_the_shared_reset_is_autouse_in_the_top_conftest() -> None:
      {"a.py:2 _x", "b.py:2 _x"}),
     (autouse_copies, "@pytest.fixture(autouse=True)\ndef _x():\n    hooks.clear()\n", {"a.py:2 _x", "b.py:2 _x"}),
     (issue_citations, "x = 1\n# asked for by " + "Issue " + "12\n", {"a.py:2", "b.py:2"}),
+    (self_sigterms, f"import os, signal\n{SELF_SIGTERM}\n", {"a.py", "b.py"}),
 ])
 def test_each_check_flags_a_violation(tmp_path: Path, check: Callable[[Path], object], source: str,
                                       flagged: set[str]) -> None:
