@@ -1,14 +1,18 @@
-"""Helpers for one-process training tests: a tiny-llama recipe on bundled data, run in-process."""
+"""Helpers for one-process training tests: a tiny-llama recipe on bundled data, run in-process; the shipped recipes
+made small."""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.recipe_files import write_recipe_file
 
@@ -162,3 +166,34 @@ def max_rel_diff(a: dict[str, Any], b: dict[str, Any]) -> float:
     """Largest per-tensor max|a-b| / max|a| over two state dicts with the same keys."""
     assert a.keys() == b.keys()
     return max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp(min=1e-12)) for k in a)
+
+
+def shrink_data(source: Path, target: Path, rows: int) -> None:
+    """The first ``rows`` lines of a data file; for vision rows, the images they name beside them."""
+    lines = source.read_text(encoding="utf-8").splitlines()[:rows]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    for image in re.findall(r'"image": "([^"]+)"', "\n".join(lines)):
+        (target.parent / image).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source.parent / image, target.parent / image)
+
+
+def small_recipes(folder: Path, steps: dict[str, int]) -> Path:
+    """``folder/recipes``: every shipped recipe made small (same keys; 2-row steps, ``steps[name]`` of them or 2, a
+    checkpoint at the last, evaluation only at the end, the architecture's tiny default size), its data cut to a
+    few rows."""
+    recipes = folder / "recipes"
+    for path in sorted((REPO / "recipes").glob("*.yaml")):
+        recipe = yaml.safe_load(path.read_text())
+        for split, rows in (("train", 64), ("eval", 8)):
+            name = recipe["data"][split]
+            shrink_data(path.parent / name, recipes / name, rows)
+        if "config_overrides" in recipe["model"]:
+            recipe["model"]["config_overrides"] = {}
+        count = steps.get(path.stem, 2)
+        recipe["train"].update(micro_batch_size=2, global_batch_size=2, max_steps=count, epochs=None)
+        recipe["eval"].update(every_steps=None, at_start=False, max_new_tokens=4, batch_size=8)
+        recipe["checkpoint"].update(every_steps=count, keep_last=5)
+        recipe["logging"]["every_steps"] = 50
+        write_recipe_file(recipes / path.name, recipe)
+    return recipes

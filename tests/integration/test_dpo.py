@@ -16,15 +16,12 @@ from finetune.runtime.tracking import read_metrics
 from tests.integration.conftest import (
     DATA,
     REPO,
-    cli_exit_code,
     final_weights,
     max_rel_diff,
     new_trainer,
     run_in_process,
-    run_stopped_after,
     tiny_recipe,
     with_sections,
-    write_named,
 )
 
 pytestmark = pytest.mark.integration
@@ -109,24 +106,6 @@ def test_pair_weighted_accumulation_invariance(train_recipe, pairs) -> None:
         assert losses[micro] == pytest.approx(losses[8], rel=1e-5)
     assert losses[8][-1] != losses[8][0]  # the steps really trained
     assert [r["tokens"] for r in _rows(run, "train")] == [8, 16, 24]  # a target is a pair
-
-
-def test_resume_is_bit_identical(tmp_path: Path, pairs) -> None:
-    """12 straight steps == 6 steps, SIGTERM, `finetune resume`, 6 more (dropout on, accumulation 2): the resumed
-    process scores the reference with the initial model before its checkpoint loads, so nothing differs."""
-    recipe = dpo_recipe(pairs, model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
-                        data={"eval": None}, eval={"metrics": []},
-                        train={"micro_batch_size": 4, "global_batch_size": 8, "max_steps": 12, "dropout": True},
-                        scheduler={"name": "cosine", "warmup_steps": 3}, checkpoint={"every_steps": 2, "keep_last": 3})
-    assert cli_exit_code("run", str(write_named(tmp_path, "straight", recipe))) == 0
-    run_stopped_after(write_named(tmp_path, "resumed", recipe), 5)
-    resumed = tmp_path / "resumed"
-    assert (resumed / "checkpoints" / "step-000006").is_dir() and not (resumed / "final").exists()
-    assert cli_exit_code("resume", str(resumed)) == 0
-    a, b = final_weights(tmp_path / "straight"), final_weights(resumed)
-    assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    assert [r["loss"] for r in _rows(resumed, "train")] == [r["loss"] for r in _rows(tmp_path / "straight", "train")]
-    assert [r["step"] for r in _rows(resumed, "train")] == list(range(1, 13))
 
 
 def test_lora_dpo_scores_the_reference_with_the_adapter_disabled(write_run_recipe, pairs) -> None:

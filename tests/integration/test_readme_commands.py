@@ -33,7 +33,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.conftest import REPO, cli_exit_code
+from tests.integration.conftest import REPO, cli_exit_code, small_recipes
 from tests.recipe_files import write_recipe_file
 
 pytestmark = pytest.mark.integration
@@ -101,40 +101,9 @@ def readme_blocks() -> list[Block]:
     return blocks
 
 
-def _shrink_data(source: Path, target: Path, rows: int) -> None:
-    """The first ``rows`` lines of a data file; for vision rows, the images they name beside them."""
-    lines = source.read_text(encoding="utf-8").splitlines()[:rows]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text("\n".join(lines) + "\n", encoding="utf-8")
-    for image in re.findall(r'"image": "([^"]+)"', "\n".join(lines)):
-        (target.parent / image).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source.parent / image, target.parent / image)
-
-
-def _small_recipes(folder: Path, steps: dict[str, int]) -> Path:
-    """``folder/recipes``: every shipped recipe made small (same keys; 2-row steps, ``steps[name]`` of them or 2, a
-    checkpoint at the last, evaluation only at the end, the architecture's tiny default size), its data cut to a
-    few rows."""
-    recipes = folder / "recipes"
-    for path in sorted((REPO / "recipes").glob("*.yaml")):
-        recipe = yaml.safe_load(path.read_text())
-        for split, rows in (("train", 64), ("eval", 8)):
-            name = recipe["data"][split]
-            _shrink_data(path.parent / name, recipes / name, rows)
-        if "config_overrides" in recipe["model"]:
-            recipe["model"]["config_overrides"] = {}
-        count = steps.get(path.stem, 2)
-        recipe["train"].update(micro_batch_size=2, global_batch_size=2, max_steps=count, epochs=None)
-        recipe["eval"].update(every_steps=None, at_start=False, max_new_tokens=4, batch_size=8)
-        recipe["checkpoint"].update(every_steps=count, keep_last=5)
-        recipe["logging"]["every_steps"] = 50
-        write_recipe_file(recipes / path.name, recipe)
-    return recipes
-
-
 def _block_folder(folder: Path) -> Path:
     """A fresh folder for one block: small recipes, ``recipe.yaml``, ``my-vlm.yaml`` and ``prompts.jsonl``."""
-    recipes = _small_recipes(folder, {"quickstart": 100})  # `export runs/q --from step-000100`
+    recipes = small_recipes(folder, {"quickstart": 100})  # `export runs/q --from step-000100`
     recipe = yaml.safe_load((recipes / "quickstart.yaml").read_text())
     recipe["name"] = "mine"
     recipe["data"].update(train="recipes/data/reverse_train.jsonl", eval="recipes/data/reverse_eval.jsonl")
@@ -190,7 +159,7 @@ def test_every_readme_bash_line_is_run_or_skipped_with_a_reason() -> None:
 
 def test_readme_commands_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setenv("FINETUNE_RECIPES_DIR", str(_small_recipes(tmp_path / "shipped", {})))
+    monkeypatch.setenv("FINETUNE_RECIPES_DIR", str(small_recipes(tmp_path / "shipped", {})))
     blocks = [b for b in readme_blocks() if b.first_line not in SKIPPED_BLOCKS]
     assert blocks[0].section == "Commands" and blocks[0].commands[0] == "finetune run recipes/quickstart.yaml", \
         "the first block that runs must start by training the quickstart (its run is copied for the others)"
