@@ -15,6 +15,18 @@ from finetune.tasks.grpo import GRPOTask
 from finetune.tasks.reward import RewardTask
 from finetune.tasks.vision_lm import VisionCausalLMTask
 
+# The adapter of a recipe's ``task`` (dpo, reward, grpo), else of the model row's own task (``task: null`` or sft),
+# with the build inputs it takes besides the ones every adapter takes (config, data, pad id, rank, world, lockstep,
+# row). A new task adds its row here and its record in finetune.objectives.
+ADAPTERS: dict[str, tuple[type[Task], tuple[str, ...]]] = {
+    "dpo": (DPOTask, ()),
+    "reward": (RewardTask, ()),
+    "grpo": (GRPOTask, ("tokenizer", "allow_plugin", "frozen_copy")),
+    "classification": (ClassificationTask, ()),
+    "vision_causal_lm": (VisionCausalLMTask, ("with_prompts", "tokenizer", "images")),
+    "causal_lm": (CausalLMTask, ("with_prompts", "tokenizer")),
+}
+
 
 def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: DataBundle, rank: int,
                world: int, lockstep: bool = False, images: Any = None, allow_plugin: bool = False,
@@ -23,21 +35,11 @@ def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: Dat
     see TaskData; ``images``: a vision-language row's image processor; ``allow_plugin``: the recipe's code may be
     imported, e.g. a GRPO reward function; ``frozen_copy``: the backend's frozen copy of the prepared model, for a
     reference that runs only forward passes: see GRPOTask)."""
-    if cfg.task == "dpo":
-        return DPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
-    if cfg.task == "grpo":
-        return GRPOTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, tokenizer=tokenizer,
-                        allow_plugin=allow_plugin, frozen_copy=frozen_copy, row=row)
-    if cfg.task == "reward":
-        return RewardTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
-    if row.task == "classification":
-        return ClassificationTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row)
-    with_prompts = "exact_match" in cfg.eval.metrics
-    if row.task == "vision_causal_lm":
-        return VisionCausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,
-                                  with_prompts=with_prompts, tokenizer=tokenizer, images=images, row=row)
-    return CausalLMTask(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep,
-                        with_prompts=with_prompts, tokenizer=tokenizer, row=row)
+    adapter, takes = ADAPTERS.get(cfg.task or "") or ADAPTERS[row.task]
+    inputs = {"tokenizer": tokenizer, "allow_plugin": allow_plugin, "frozen_copy": frozen_copy, "images": images,
+              "with_prompts": "exact_match" in cfg.eval.metrics}
+    return adapter(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row,  # type: ignore[call-arg]
+                   **{name: inputs[name] for name in takes})
 
 
-__all__ = ["EvalCounts", "Task", "build_task"]
+__all__ = ["ADAPTERS", "EvalCounts", "Task", "build_task"]

@@ -64,3 +64,10 @@ def test_data_lines(task: str | None, fmt: str, packing: bool, on_prompt: bool, 
                          "grpo"), ("sft", "prompt", None)])
 def test_metrics_task(task: str | None, fmt: str, scored: str | None) -> None:
     assert objectives.metrics_task(task, fmt) == scored
+
+
+def test_every_task_a_recipe_or_a_row_names_has_an_adapter() -> None:
+    from finetune.tasks import ADAPTERS  # imports torch
+
+    recipe_tasks = {name for name, record in objectives.OBJECTIVES.items() if record.data is not None}  # not sft
+    assert recipe_tasks | set(registry.TASK_METRICS) | {"reward"} == set(ADAPTERS)
