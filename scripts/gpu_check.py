@@ -71,6 +71,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT / "scripts") not in sys.path:  # its sibling device_bundle, also when loaded by path (the tests)
+    sys.path.insert(0, str(ROOT / "scripts"))
+
+import device_bundle  # noqa: E402  (the lent machine's Python and wheel platforms)
+
 DATA = ROOT / "recipes" / "data"
 TOKENIZER = ROOT / "finetune" / "assets" / "tiny-llama-tokenizer"
 
@@ -88,11 +93,13 @@ PLAN_SLACK = 1.25
 
 BUNDLE = ROOT / ".whl"
 BUNDLE_MODULES = ("pydantic", "datasets")  # what the lent machine's image lacks (the wheels carry their needs too)
-# The lent machine's interpreter (CPython 3.12 on x86-64 Linux): --dry-run installs the bundle for it, whatever
-# Python runs the dry run, so a wheel that would not install there fails here too.
-LENT_PYTHON = ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312", "--abi", "abi3",
-               "--abi", "none", *(arg for n in range(17, 40) for arg in ("--platform", f"manylinux_2_{n}_x86_64")),
-               "--platform", "manylinux2014_x86_64", "--platform", "linux_x86_64"]
+# The lent machine's interpreter (CPython 3.12 on x86-64 Linux), as scripts/device_bundle.py downloads for it:
+# --dry-run installs the bundle for it, whatever Python runs the dry run, so a wheel that would not install there
+# fails here too.
+LENT_PYTHON = ["--python-version", ".".join(map(str, device_bundle.PYTHON)), "--implementation", "cp",
+               "--abi", "cp312", "--abi", "abi3", "--abi", "none",
+               *(arg for platform in device_bundle.PLATFORMS for arg in ("--platform", platform)),
+               "--platform", "linux_x86_64"]
 BUDGET_DEADLINE_S = 570.0  # inside a 600 s command: the report is written before the command's limit
 MIN_ROW_S = 10.0  # a row is not started with less time than this left before the deadline
 LOG_TAIL = 6000  # characters of each command's output kept in commands.log (the full text stays in memory)
@@ -273,10 +280,10 @@ class Row:
 
 
 def _metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The run's metrics rows (finetune's own reader); none where the run never wrote them."""
+    from finetune.runtime.tracking import read_metrics  # after the bundle row: it needs pydantic
+
+    return read_metrics(run) if (run / "metrics.jsonl").exists() else []
 
 
 def _train_rows(run: Path) -> list[dict[str, Any]]:
@@ -815,16 +822,12 @@ def run_rows(ctx: Context, table: list[Row]) -> Iterator[Result]:
 # Machine, report, command line
 
 
-def _version(name: str) -> str:
-    try:
-        return importlib.metadata.version(name)  # the installed version, without importing it
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
 
 def machine(dry: bool, budget: bool) -> dict[str, Any]:
     """The machine and the versions, for the header and the report (nothing here initialises CUDA)."""
     import torch
+
+    from finetune.version import installed  # the installed version, without importing the package
 
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
@@ -840,7 +843,7 @@ def machine(dry: bool, budget: bool) -> dict[str, Any]:
     }
     for name in ("torch", "transformers", "accelerate", "peft", "datasets", "pydantic", "flash-attn", "deepspeed",
                  "wandb"):
-        info[name] = _version(name)
+        info[name] = installed(name) or "not installed"
     return info
 
 
