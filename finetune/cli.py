@@ -19,12 +19,7 @@ import yaml
 from typer.exceptions import TyperException
 
 from finetune import registry
-from finetune.artifacts import layout, rundir
-from finetune.artifacts.choose import inventory
-from finetune.artifacts.plot import plot_runs
 from finetune.artifacts.portable import resume_targets
-from finetune.artifacts.summary import read_summary
-from finetune.artifacts.summary import render as summary_lines
 from finetune.commands import train
 from finetune.commands.evaluate import evaluate_target
 from finetune.commands.export import Exported
@@ -36,7 +31,12 @@ from finetune.config.schema import recipe_file_schema
 from finetune.errors import FinetuneError, RunDirError, run_main
 from finetune.runtime import launch, prepare
 from finetune.runtime.plan import build_plan
-from finetune.runtime.tracking import format_metrics
+from finetune.storage import layout, rundir
+from finetune.storage.choose import inventory
+from finetune.storage.metrics import format_metrics
+from finetune.commands.plot import plot_runs
+from finetune.storage.summary import read_summary
+from finetune.storage.summary import render as summary_lines
 from finetune.version import report
 
 app = typer.Typer(

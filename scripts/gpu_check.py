@@ -281,7 +281,7 @@ class Row:
 
 def _metrics(run: Path) -> list[dict[str, Any]]:
     """The run's metrics rows (finetune's own reader); none where the run never wrote them."""
-    from finetune.runtime.tracking import read_metrics  # after the bundle row: it needs pydantic
+    from finetune.storage.metrics import read_metrics  # after the bundle row: it needs pydantic
 
     return read_metrics(run) if (run / "metrics.jsonl").exists() else []
 

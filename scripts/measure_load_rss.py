@@ -146,9 +146,9 @@ def measure(work: Path, model: Path, backend: str, behaviour: str, allocator: di
     rank's row."""
     import yaml
 
-    from finetune.artifacts import rundir
     from finetune.config import load_recipe
     from finetune.runtime import backends
+    from finetune.storage import rundir
 
     name = f"{backend}-{'old' if behaviour == 'every rank reads' else 'new'}"
     path = work / f"{name}.yaml"

@@ -245,7 +245,7 @@ def run_finetune(recipe: dict[str, Any], folder: Path) -> Side:
     import yaml
     from safetensors.torch import load_file
 
-    from finetune.runtime.tracking import read_metrics
+    from finetune.storage.metrics import read_metrics
 
     path = folder / f"{recipe['name']}.yaml"
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))

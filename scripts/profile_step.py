@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         timed = [s for i, s in enumerate(ft["step_s"], 1) if i > args.warm and not args.warm <= i <= args.warm + 3]
         lines.append(f"- finetune: median step {statistics.median(timed):.3f} s (steps after warm-up, outside the "
                      f"profiled ones); all: {', '.join(f'{s:.3f}' for s in ft['step_s'])}")
-        from finetune.runtime.tracking import read_metrics  # lazy: after the bundle is on the path
+        from finetune.storage.metrics import read_metrics  # lazy: after the bundle is on the path
 
         rates = [row["tokens_per_s"] for row in read_metrics(work / "run")
                  if row.get("kind") == "train" and row["step"] > args.warm

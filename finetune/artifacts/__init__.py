@@ -1,17 +1,14 @@
-"""What a run leaves behind, and how a later command opens it.
+"""Weights in and out of a run: saving and loading checkpoints (collectives on every rank), the final export, the
+one writer of everything published, opening a checkpoint or export as a model, and the probe that proves a
+published model reloads to the same outputs.
 
-A run leaves checkpoints (``checkpoints/step-N/``) and exports (``final/``, ``finetune export`` and ``finetune
-merge`` folders), each with a manifest that records what a later command needs: the run id, the layout that wrote
-it, the model row (model type and task) and the classification label names. This package holds everything that
-chooses, opens, writes and verifies those folders, for every command that touches them (run, resume, ls, eval,
-export, merge, generate):
-
-- :mod:`finetune.artifacts.choose`: which checkpoint a command uses (newest complete, or ``--from``), and which it
-  skipped and why;
+- :mod:`finetune.artifacts.checkpoint`: write a checkpoint on every rank and publish it atomically; load one;
 - :mod:`finetune.artifacts.target`: locate and open a run, checkpoint or export (verified, recipe, row, labels) and
   build its model;
 - :mod:`finetune.artifacts.writer`: the one writer: build -> save to a ``.tmp`` folder -> verify (finite weights,
-  a reload in a fresh process compared with the probe) -> publish.
+  a reload in a fresh process compared with the probe) -> publish;
+- :mod:`finetune.artifacts.portable`: a sharded checkpoint read as one full state, on any layout.
 
-Nothing here imports a command module; the commands import this.
+The files themselves (manifests, verification, the run folder) are :mod:`finetune.storage`, below this. Nothing
+here imports a command module; the commands import this.
 """

@@ -17,13 +17,14 @@ from typing import Any
 import torch
 
 from finetune import registry
-from finetune.artifacts import rundir, writer
-from finetune.artifacts.record import record
+from finetune.artifacts import writer
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import NonFiniteError
 from finetune.registry import SupportedModel
 from finetune.runtime.backends import Backend, export_module, full_state_dict, layout
 from finetune.runtime.modeling import save_custom_weights, save_tokenizer
+from finetune.storage import rundir
+from finetune.storage.record import record
 
 
 def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
@@ -34,7 +35,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
     ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
     (:func:`finetune.runtime.modeling.save_custom_weights`); always the tokenizer, the resolved recipe and a manifest
-    (with the row, the classification ``labels`` and the layout, :mod:`finetune.artifacts.record`).
+    (with the row, the classification ``labels`` and the layout, :mod:`finetune.storage.record`).
 
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped

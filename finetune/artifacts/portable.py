@@ -31,10 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import layout, rundir
-from finetune.artifacts.checkpoint import KERNEL_KEYS, forbid_unpickling, keep_kernel_choice, read_state
+from finetune.artifacts.checkpoint import KERNEL_KEYS, forbid_unpickling, keep_kernel_choice
 from finetune.errors import RunDirError
 from finetune.runtime.backends import Backend, backend_named, restrict_dcp_metadata
+from finetune.storage import layout, rundir
+from finetune.storage.checkpoints import read_state
 
 PARAM_NAMES = "param_names"
 """The checkpointed object (``param_names.json``) that names the optimizer's parameters: what makes a checkpoint

@@ -7,7 +7,7 @@ end to end, for every backend, instead of trusting them.
 
 :class:`LogitProbe` is one of the worker's checkpointed ``objects``: at a checkpoint every rank calls its
 ``state_dict()`` (a forward pass is a collective under sharded backends) and rank 0 writes the result as
-``probe.json`` + ``probe.safetensors`` through :func:`finetune.artifacts.checkpoint.write_state`. Resuming loads nothing
+``probe.json`` + ``probe.safetensors`` through :func:`finetune.storage.checkpoints.write_state`. Resuming loads nothing
 from it. :func:`read` gets it back (``None`` for checkpoints written before probes existed). """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import restored
-from finetune.artifacts.checkpoint import read_state
 from finetune.errors import FinetuneError, RunDirError
+from finetune.storage import restored
+from finetune.storage.checkpoints import read_state
 
-NAME = "probe"  # the checkpoint object's name: probe.json (+ probe.safetensors), see checkpoint.write_state
+NAME = "probe"  # the checkpoint object's name: probe.json (+ probe.safetensors), see checkpoints.write_state
 KEYS = ("input_ids", "attention_mask", "logits")
 FIXED_TEXT = "The quick brown fox jumps over the lazy dog."  # the inputs when a checkpoint recorded no probe
 
@@ -95,7 +95,7 @@ class Probe:
 
 def read(ckpt: Path) -> Probe | None:
     """The probe a checkpoint recorded, or None when it has none (written before probes existed). A probe that
-    cannot be read, or is not one finetune records (:func:`finetune.artifacts.restored.probe_problems`), is a
+    cannot be read, or is not one finetune records (:func:`finetune.storage.restored.probe_problems`), is a
     damaged checkpoint (RunDirError); call this only after the checkpoint was verified."""
     if not (ckpt / f"{NAME}.json").is_file():
         return None

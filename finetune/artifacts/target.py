@@ -18,16 +18,16 @@ from pathlib import Path
 from typing import Any
 
 from finetune import registry
-from finetune.artifacts import layout, rundir
-from finetune.artifacts.checkpoint import verify
 from finetune.artifacts.portable import apply_model_state, read_full_state
-from finetune.artifacts.record import labels_of, row_of
 from finetune.config import RecipeConfig, remote_code_from_flag, validate
 from finetune.config.compose import apply_overrides, compose_stored
 from finetune.errors import ConfigError, FinetuneError, RunDirError, unreadable
 from finetune.quiet import library_warnings_off
 from finetune.registry import CUSTOM_WEIGHTS, SupportedModel
 from finetune.runtime import peft as lora
+from finetune.storage import layout, rundir
+from finetune.storage.checkpoints import verify
+from finetune.storage.record import labels_of, row_of
 
 
 @dataclass
@@ -100,7 +100,7 @@ def open_target(target: Path, overrides: list[str], trust_remote_code: bool, man
     """Locate and verify ``target`` and compose its recipe, with ``trust_remote_code`` from the command line only;
     the row and labels come from its manifest. Verification comes first: nothing of the target is read beyond its
     manifest until its hashes match. ``manifest``: the folder's manifest when the caller has read it already
-    (:mod:`finetune.artifacts.choose`); it is verified all the same. ``run_id``: it must belong to that run."""
+    (:mod:`finetune.storage.choose`); it is verified all the same. ``run_id``: it must belong to that run."""
     where = locate(target)
     folder = where.recipe.parent
     run = owning_run(folder)

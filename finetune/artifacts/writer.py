@@ -5,7 +5,7 @@ Every model folder finetune writes goes through :func:`write`: a run's ``final/`
 (:func:`write_checkpoint`), and ``finetune merge``. The steps, in order:
 
 1. save: the caller's ``save(folder)`` writes the model (or adapter), tokenizer and recipe into a fresh ``.tmp``
-   folder beside the destination (:func:`finetune.artifacts.rundir.scratch_dir`, or the run dir's ``final.tmp``);
+   folder beside the destination (:func:`finetune.storage.rundir.scratch_dir`, or the run dir's ``final.tmp``);
 2. verify: weights that are not all finite are never written (:func:`all_finite`, the one check); with a
    :class:`Check`, a FRESH process (``python -m finetune.artifacts.reload``) loads the folder as any user would and
    computes its logits on the probe inputs (the ones the checkpoint recorded, else
@@ -13,7 +13,7 @@ Every model folder finetune writes goes through :func:`write`: a run's ``final/`
    expected logits within :func:`finetune.artifacts.probe.tolerance` (the caller's one-line error otherwise: nothing is
    published);
 3. publish: the manifest (with the verification) is written last and the folder is renamed into place
-   (:func:`finetune.artifacts.rundir.publish`, which owns every name and deletion in a run dir); a failure at any step
+   (:func:`finetune.storage.rundir.publish`, which owns every name and deletion in a run dir); a failure at any step
    removes the scratch folders and leaves any previous folder where it was.
 
 Nothing here imports a command module.
@@ -32,15 +32,16 @@ from pathlib import Path
 from typing import Any
 
 from finetune import __version__
-from finetune.artifacts import probe, rundir
-from finetune.artifacts.checkpoint import tokenizer_fingerprint
+from finetune.artifacts import probe
 from finetune.artifacts.probe import Probe, ProbeMismatch
-from finetune.artifacts.record import record
 from finetune.artifacts.target import Target, load_model
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, NonFiniteError
 from finetune.runtime import peft as lora
 from finetune.runtime.backends import _unwrap_without_importing_deepspeed
+from finetune.storage import rundir
+from finetune.storage.checkpoints import tokenizer_fingerprint
+from finetune.storage.record import record
 
 RELOAD_MODULE = "finetune.artifacts.reload"  # what the fresh process runs
 
@@ -82,7 +83,7 @@ def write(out: Path, save: Callable[[Path], None], manifest: dict[str, Any], *, 
 
     ``weights``: the state dict whose finiteness is checked first (NonFiniteError ``nonfinite``; None: the caller
     checked it, e.g. collectively across ranks). ``tmp``/``old``: the scratch and previous-folder names (default:
-    :func:`finetune.artifacts.rundir.scratch_dir` beside ``out``). ``recheck_out``: check again, just before publishing,
+    :func:`finetune.storage.rundir.scratch_dir` beside ``out``). ``recheck_out``: check again, just before publishing,
     that what is at ``out`` may be replaced (something may have been put there meanwhile). Returns the verified max
     |delta logit| (None without a check)."""
     if weights is not None and not all_finite(weights):

@@ -23,7 +23,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import rundir
 from finetune.artifacts.checkpoint import forbid_unpickling
 from finetune.artifacts.probe import ProbeMismatch, forward_precision
 from finetune.artifacts.target import (  # (opened here, and by generate)
@@ -37,6 +36,7 @@ from finetune.artifacts.writer import export_manifest, write_checkpoint
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, RunDirError, _io_cause
 from finetune.runtime.backends import Backend, make_accelerator
+from finetune.storage import rundir
 
 __all__ = ["Target", "evaluate_target", "load_model", "load_tokenizer", "open_target", "portable_overrides",
            "reload_checkpoint", "scratch_folder"]

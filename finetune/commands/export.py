@@ -36,13 +36,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import FrameType
 
-from finetune.artifacts import checkpoint, layout, rundir
-from finetune.artifacts.choose import choose, skipped_lines
+from finetune.artifacts import checkpoint
 from finetune.artifacts.probe import ProbeMismatch
 from finetune.artifacts.target import open_target
 from finetune.artifacts.writer import export_manifest, write_checkpoint
 from finetune.config import outputs
 from finetune.errors import FinetuneError, RunDirError
+from finetune.storage import layout, rundir
+from finetune.storage.choose import choose, skipped_lines
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ def locate(target: Path, name: str | None) -> tuple[Path, str | None]:
 
 def check_output(out: Path, run_dir: Path, overwrite: bool) -> None:
     """Refuse an ``-o`` that is or lies in a run directory (this one, its checkpoints, or any other), contains the
-    run, is a protected place (see :func:`finetune.artifacts.rundir.check_location`), or holds anything but an earlier
+    run, is a protected place (see :func:`finetune.storage.rundir.check_location`), or holds anything but an earlier
     export (that one is replaced only with ``overwrite``)."""
     target, run = out.resolve(), run_dir.resolve()
     if target == run or run in target.parents:

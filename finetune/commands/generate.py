@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from finetune import registry
-from finetune.artifacts import rundir
 from finetune.artifacts.checkpoint import forbid_unpickling
 from finetune.artifacts.probe import forward_precision
 from finetune.commands.evaluate import load_model, load_tokenizer, open_target
@@ -59,6 +58,7 @@ from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, 
 from finetune.runtime import backends, launch
 from finetune.runtime.backends import detect, make_accelerator
 from finetune.runtime.launch import accelerate_argv
+from finetune.storage import rundir
 
 if TYPE_CHECKING:
     from finetune.commands.evaluate import Target

@@ -21,15 +21,16 @@ from typing import Any
 
 import yaml
 
-from finetune.artifacts import probe, rundir
+from finetune.artifacts import probe
 from finetune.artifacts.checkpoint import forbid_unpickling
 from finetune.artifacts.probe import logit_tolerance as tolerance  # the rule lives with the probe; named so here too
 from finetune.artifacts.probe import tolerance_rule
-from finetune.artifacts.record import record
 from finetune.artifacts.target import Target, load_model, open_target
 from finetune.artifacts.writer import Check, export_manifest, write
 from finetune.config import RecipeConfig, outputs, to_yaml
 from finetune.errors import FinetuneError, RunDirError
+from finetune.storage import rundir
+from finetune.storage.record import record
 
 
 class MergeCheckError(FinetuneError):

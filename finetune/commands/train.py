@@ -19,9 +19,7 @@ import typer
 import yaml
 
 from finetune import registry
-from finetune.artifacts import rundir, unstarted
 from finetune.artifacts.checkpoint import publishing
-from finetune.artifacts.resume import begin
 from finetune.commands.plan import render
 from finetune.config import Composed, load_recipe, outputs, resources, to_yaml
 from finetune.config.schema import RecipeConfig
@@ -30,6 +28,8 @@ from finetune.registry import SupportedModel
 from finetune.runtime import backends, launch, prepare, worker
 from finetune.runtime.peft import describe_on_meta
 from finetune.runtime.plan import build_plan
+from finetune.storage import rundir, unstarted
+from finetune.storage.resume import begin
 
 
 def run(recipe: str, overrides: list[str] | None, *, output_dir: str | None = None, overwrite: bool = False,
@@ -113,7 +113,7 @@ def recipe_with_flags(recipe: str, overrides: list[str] | None, *, weights: bool
 def protected_inputs(cfg: RecipeConfig, composed: Composed) -> list[outputs.Input]:
     """What a run dir may not be, hold or lie inside (so --overwrite can never reach it), each with the key that
     names it: everything the run reads (:func:`finetune.config.outputs.recipe_inputs`: the recipe files, model,
-    data, reward models, plugins, accelerate config, caches). :func:`finetune.artifacts.rundir.check_location`
+    data, reward models, plugins, accelerate config, caches). :func:`finetune.storage.rundir.check_location`
     refuses the run dir in one line, before anything is created, tokenized or deleted."""
     return outputs.recipe_inputs(cfg, composed.files)
 

@@ -1,7 +1,7 @@
 """No output may be an input: the one list of what a recipe reads, and the one check every output goes through.
 
 ``run`` and ``resume`` write a run directory; ``merge``, ``export`` and ``generate`` write where ``-o`` says (``plot``
-reads only runs, and its ``.png`` may not lie in one: :mod:`finetune.artifacts.plot`). That place may not be,
+reads only runs, and its ``.png`` may not lie in one: :mod:`finetune.storage.plot`). That place may not be,
 contain or lie inside anything the command reads (a ``merge -o BASE --overwrite`` once replaced
 the base its adapter was trained on, and a later eval silently scored another model; a ``run -o R --overwrite``
 deleted the reward run R its recipe scores with, then failed for want of it). :func:`recipe_inputs` is the one list

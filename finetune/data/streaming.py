@@ -314,7 +314,7 @@ class TrainStream:
 
     def restored_problems(self, held: Any, counters: dict[str, Any]) -> list[str]:
         """What is wrong with the cursor a checkpoint holds (``held``; None: none, a checkpoint of a run that did
-        not stream), asked before anything loads (finetune.artifacts.restored.check_objects): its counters must be
+        not stream), asked before anything loads (finetune.storage.restored.check_objects): its counters must be
         whole numbers >= 0, each source's pending samples the shape tokenizing makes (token ids below the
         tokenizer's size, labels a token id or the ignore index), one state per source. A forged cursor (a re-hashed
         manifest) used to fail at the first resumed step, inside the model, after the metrics rows past the

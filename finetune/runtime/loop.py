@@ -27,8 +27,9 @@ from finetune.runtime import collapse, meter
 from finetune.runtime.backends import Backend
 from finetune.runtime.precision import Precision
 from finetune.runtime.signals import Interrupted, StopRequest
-from finetune.runtime.state import TrainState
 from finetune.runtime.tracking import Throughput, Tracker
+from finetune.storage import checkpoints
+from finetune.storage.state import TrainState
 from finetune.tasks import Task
 
 # An fp16 step skipped for overflow still advances the schedule (a step is a step); torch warns about exactly that.
@@ -189,7 +190,7 @@ def _collapsed(t: Trainer, watch: collapse.Watch, stats: StepStats, ending: bool
     so the newest one, which the line names, predates it."""
     t.tracker.log("info", {"message": watch.step_line(t.state.step, stats.loss)})
     if watch.must_stop(ending):
-        newest = checkpoint.latest_resumable(t.run_dir)
+        newest = checkpoints.latest_resumable(t.run_dir)
         kept = newest.path.name if newest is not None else None
         line = watch.stop_line(t.state.step, stats.loss, t.cfg.optim.lr, t.run_dir, kept)
         t.tracker.log("info", {"message": line, "console": False})  # train.log says why the run ended
@@ -235,7 +236,7 @@ def checked_evaluate(t: Trainer) -> dict[str, Any]:
         raise
     except Exception as exc:
         detail = (str(exc).strip().splitlines() or [""])[0][:200]
-        newest = checkpoint.latest_resumable(t.run_dir)
+        newest = checkpoints.latest_resumable(t.run_dir)
         kept = f"{newest.path.name} is the newest resumable checkpoint" if newest else "no checkpoint was saved yet"
         if t.state.step >= t.max_steps:  # the final eval: the export (if any) is already written
             then = f"`finetune eval {t.run_dir} eval.batch_size=N`"

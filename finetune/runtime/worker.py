@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import registry
-from finetune.artifacts import checkpoint, portable, restored, rundir
+from finetune.artifacts import checkpoint, portable
 from finetune.artifacts.checkpoint import publishing
-from finetune.artifacts.plot import write_run_plot
 from finetune.artifacts.portable import PARAM_NAMES, ParamNames
 from finetune.artifacts.probe import LogitProbe
-from finetune.artifacts.summary import read_summary, render
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import ConfigError, RunDirError, run_main, unreadable
 from finetune.runtime import materialize, plan, prepare
@@ -35,8 +33,12 @@ from finetune.runtime.backends import (
     size_deepspeed_buckets,
 )
 from finetune.runtime.signals import Interrupted
-from finetune.runtime.state import TrainState, epoch_samples, total_steps
-from finetune.runtime.tracking import build_tracker, truncate_metrics
+from finetune.runtime.tracking import build_tracker
+from finetune.storage import checkpoints, restored, rundir
+from finetune.storage.metrics import truncate_metrics
+from finetune.storage.plot import write_run_plot
+from finetune.storage.state import TrainState, epoch_samples, total_steps
+from finetune.storage.summary import read_summary, render
 
 if TYPE_CHECKING:
     from finetune.runtime import prepare
@@ -224,14 +226,14 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool,
     layout; then (rank 0) drop the metrics rows logged after it. The front process verified its content hashes.
 
     Rows are dropped last, once the resume is sure to proceed: what the checkpoint holds was judged before anything
-    loaded (finetune.artifacts.restored: the counters, scheduler, scaler and RNG states, and each object's own judge,
+    loaded (finetune.storage.restored: the counters, scheduler, scaler and RNG states, and each object's own judge,
     e.g. GRPO's generation batch against the recipe and the restored step), and everything has loaded. A resume that
     fails leaves metrics.jsonl as it was. ``manifest``: the checkpoint's, read once by the caller (else here) and
     handed to every check and loader below."""
     from finetune.runtime.optim import group_settings, keep_recipe_settings  # lazy: imports torch
 
     manifest = rundir.read_manifest(ckpt) if manifest is None else manifest
-    if checkpoint.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
+    if checkpoints.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
         if not allow_config_change:
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
                               "pass --allow-config-change to continue anyway")
@@ -244,7 +246,7 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool,
                           f", and {why}: resume it that way, or `finetune export {trainer.run_dir} --from {ckpt.name} "
                           "-o DIR` and start a new run from DIR")
     settings = group_settings(trainer.optimizer)  # the recipe's: a checkpoint brings back the values it was saved with
-    restored.check_objects(ckpt, trainer.objects, checkpoint.read_state)  # before anything loads
+    restored.check_objects(ckpt, trainer.objects, checkpoints.read_state)  # before anything loads
     with unreadable(lambda detail: f"{ckpt}: cannot be loaded ({detail}); the run dir is unchanged: resume from "
                     "another checkpoint with --from"):  # model, optimizer, scheduler, TrainState, scaler, RNG
         if not native:  # another layout: whole tensors, each rank keeping its part
@@ -344,7 +346,7 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
 def report_end(trainer: Trainer, wall_s: float) -> None:
     """Rank 0, once the run has finished: the end row in metrics.jsonl, then the run's summary read back from what
-    it wrote (:mod:`finetune.artifacts.summary`, which ``finetune ls`` shows again), on the console and in train.log."""
+    it wrote (:mod:`finetune.storage.summary`, which ``finetune ls`` shows again), on the console and in train.log."""
 
     state = trainer.state
     trainer.tracker.log("end", {"step": state.step, "samples": state.samples_seen, "tokens": state.tokens_seen,

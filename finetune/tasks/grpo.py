@@ -40,7 +40,7 @@ batch composition or the number of processes. ``iterations`` k > 1: one generati
 optimizer steps; the loop still counts ``global_batch_size`` samples per step, so ``samples_seen`` advances k
 times per generation batch and the prompt cursor is ``(samples_seen // (k G)) G``. An epoch is one pass over the
 prompts whatever k is: ``train.epochs`` gives k x the prompt batches of its passes in optimizer steps, and an
-epoch is k x the rows in ``samples_seen`` (:func:`finetune.runtime.state.epoch_samples`). A checkpoint written inside a
+epoch is k x the rows in ``samples_seen`` (:func:`finetune.storage.state.epoch_samples`). A checkpoint written inside a
 cycle saves the cycle's generated batch (``grpo_rollouts``, in global prompt order, so any world size reads it);
 one at a cycle's end saves nothing, and a resume regenerates from the seeds.
 
@@ -611,7 +611,7 @@ class RolloutCache:
     collective exactly when a batch is live, which is the same on every rank.
 
     What a checkpoint holds is checked before it is used, since whoever can write the folder can re-hash its
-    manifest: :meth:`restored_problems` (which resume asks before anything loads, finetune.artifacts.restored.
+    manifest: :meth:`restored_problems` (which resume asks before anything loads, finetune.storage.restored.
     check_objects) refuses a table that is not one this recipe writes (rows, columns, dtype, token ids, numbers) or
     a batch that is not of the cycle the resumed step is inside, and :meth:`load_state_dict` refuses the former too;
     each is one line naming ``grpo_rollouts.json``. A forged batch used to fail inside the model at the first resumed

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from finetune.runtime.launch import free_port
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.distributed.conftest import made_once, session_folder
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
@@ -339,7 +339,7 @@ def test_resume_across_world_sizes(workdir: Path, reference: Path) -> None:
 
     import shutil
 
-    from finetune.artifacts import rundir
+    from finetune.storage import rundir
 
     left = workdir / "zero2-resumed"  # left by test_resume_equals_straight[zero2]
     if not left.is_dir():
@@ -366,7 +366,7 @@ def test_a_dead_rank_fails_the_job_quickly(workdir: Path, reference_bf16: Path) 
     also DDP's bf16 parity: each rank computes the same 4-row micro-batches in the same precision as the 1-process
     bf16 run's micro-steps, only the gradient sums are ordered differently, so the losses of steps 1-5 match it
     within 1e-4, as the fp32 runs do (measured: equal)."""
-    from finetune.artifacts.checkpoint import inspect
+    from finetune.storage.checkpoints import inspect
 
     run, done = _run(workdir, "killed", "--accelerate-config", "ddp", "--num-processes", "2",
                      "train.mixed_precision=bf16", FINETUNE_KILL_RANK="1:5")
@@ -486,7 +486,7 @@ def test_the_launcher_holds_the_lock_and_its_ranks_die_with_it(workdir: Path) ->
         time.sleep(0.2)
     # the run can be resumed: the lock went with the launcher and no scratch holds anything but finetune's (what
     # resume checks before it loads; resuming a SIGKILLed run is test_resume.py's, in one process: CI time)
-    from finetune.artifacts import rundir
+    from finetune.storage import rundir
 
     lock, _ = rundir.open_existing(run, "resume")
     lock.release()
@@ -507,7 +507,7 @@ def copy_with_payload(source: Path, run: Path, pattern: str, marker: Path) -> No
     import pickle
     import shutil
 
-    from finetune.artifacts import rundir
+    from finetune.storage import rundir
 
     shutil.rmtree(run, ignore_errors=True)
     shutil.copytree(source, run)

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import rundir
-from finetune.runtime.tracking import read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import read_metrics
 from tests.distributed.test_backends import (
     BACKENDS,
     CHECKPOINT_BACKENDS,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.distributed.test_backends import _finetune, _straight_run, workdir  # noqa: F401  (workdir: a fixture)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.extended]  # make test-all, not make test (CI time)

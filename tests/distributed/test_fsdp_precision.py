@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import final_weights, tiny_recipe
 from tests.recipe_files import write_recipe_file

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.distributed.test_backends import _assert_really_distributed, run_ok
 from tests.integration.conftest import final_weights, max_rel_diff, tiny_recipe
 from tests.integration.test_grpo import prompt_file

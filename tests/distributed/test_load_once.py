@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.distributed.paths import side_file
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, tiny_recipe
 from tests.recipe_files import write_recipe_file

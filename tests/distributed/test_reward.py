@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.distributed.paths import side_file
 from tests.distributed.test_backends import run_ok
 from tests.integration.conftest import final_weights, max_rel_diff

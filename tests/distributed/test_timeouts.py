@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import checkpoint, rundir
+from finetune.storage import checkpoints, rundir
 from tests.integration.conftest import tiny_recipe
 from tests.recipe_files import write_recipe_file
 
@@ -67,8 +67,8 @@ def test_two_machines_with_a_slow_rank_0_under_a_short_timeout(tmp_path: Path) -
     assert hashed["checkpoint"] == "step-000004.tmp" and hashed["end"] - hashed["start"] >= SLOW_S
     # the run folder was created and locked once (by global rank 0) and holds only finetune's entries
     assert rundir.foreign_entries(run) == []
-    info = checkpoint.inspect(run / "checkpoints" / "step-000004")
+    info = checkpoints.inspect(run / "checkpoints" / "step-000004")
     assert info.resumable, info.reason
-    checkpoint.verify(info.path, rundir.run_id(run))  # the manifest hashed after the other rank went on
+    checkpoints.verify(info.path, rundir.run_id(run))  # the manifest hashed after the other rank went on
     log = (run / "train.log").read_text()
     assert "step 4/4" in log and "eval step 4" in log, log[-2000:]

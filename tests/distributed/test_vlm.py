@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.distributed.test_backends import _assert_really_distributed, _finetune, _run, run_ok
 from tests.integration.conftest import final_weights, max_rel_diff
 from tests.integration.test_vlm import final_state, image_prompts, shapes_copy, vlm_recipe

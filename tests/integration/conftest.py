@@ -96,8 +96,8 @@ def trained_run(folder: Path, name: str, **sections: Any) -> Path:
 
 def new_trainer(cfg: Any) -> Any:
     """A built Trainer on a fresh run dir (created as `finetune run` does), for tests that drive the loop."""
-    from finetune.artifacts import rundir
     from finetune.runtime.worker import build_trainer
+    from finetune.storage import rundir
 
     run_dir = Path(cfg.output_dir or "")
     rundir.create(run_dir, overwrite=False).release()
@@ -134,8 +134,8 @@ def run_stopped_after(recipe: Path, step: int) -> None:
 def run_in_process(cfg: Any) -> Path:
     """Train a validated recipe in this process as `finetune run` does: create and lock the run dir (marker, run
     id), write the resolved recipe, train; returns the run dir."""
-    from finetune.artifacts import rundir
     from finetune.runtime.worker import run_worker
+    from finetune.storage import rundir
 
     run_dir = Path(cfg.output_dir or "")
     with rundir.create(run_dir, overwrite=False):

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from finetune.artifacts import rundir
 from finetune.cli import main
+from finetune.storage import rundir
 from tests.integration.conftest import DATA, recipe_file, trained_run
 
 pytestmark = pytest.mark.integration

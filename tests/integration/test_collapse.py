@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import rundir
-from finetune.artifacts.summary import read_summary
 from finetune.registry import get_model
 from finetune.runtime import collapse
-from finetune.runtime.tracking import read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import read_metrics
+from finetune.storage.summary import read_summary
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import recipe_file, sigterm_after
 from tests.integration.test_safety import one_error_line

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import DATA, tiny_recipe
 from tests.recipe_files import write_recipe_file
 

@@ -17,7 +17,7 @@ import torch
 
 from finetune import registry
 from finetune.errors import ConfigError
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import (
     DATA,

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import (
     DATA,
     REPO,

@@ -40,7 +40,7 @@ def test_eval_of_a_run_whose_launcher_and_kernel_are_not_on_this_machine(train_r
     (an override stands in for a recipe written on a GPU machine: the run's recipe files are hash-verified and
     cannot be edited). Eval still runs, with the model's default attention and the same numbers as the run's last
     in-training eval (the run itself used sdpa, the default)."""
-    from finetune.runtime.tracking import read_metrics
+    from finetune.storage.metrics import read_metrics
 
     custom = tmp_path / "elsewhere" / "my-launcher.yaml"
     custom.parent.mkdir()

@@ -19,8 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.artifacts import rundir
-from finetune.runtime.tracking import read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, trained_run
 
@@ -61,7 +61,7 @@ def _fix_manifest(folder: Path) -> None:
 
 
 def _recorded(ckpt: Path) -> dict[str, Any]:
-    from finetune.artifacts.checkpoint import read_state
+    from finetune.storage.checkpoints import read_state
 
     return read_state(ckpt, "probe")
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import final_weights, recipe_file, trained_run
 

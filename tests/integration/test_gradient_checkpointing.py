@@ -14,7 +14,7 @@ pytestmark = pytest.mark.integration
 
 @pytest.mark.parametrize("peft", [{"method": "none"}, {"method": "lora", "dropout": 0.0}], ids=["full", "lora"])
 def test_checkpointing_changes_memory_not_math(train_recipe, peft: dict) -> None:
-    from finetune.runtime.tracking import read_metrics
+    from finetune.storage.metrics import read_metrics
 
     runs = {}
     for on in (False, True):

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import (
     cli_exit_code,
@@ -78,8 +78,8 @@ def grpo_recipe(folder: Path, **sections: Any) -> dict[str, Any]:
 
 def new_trainer(cfg: Any) -> Any:
     """A built Trainer on a fresh run dir, its recipe's reward plugin allowed (as `finetune run` allows it)."""
-    from finetune.artifacts import rundir
     from finetune.runtime.worker import build_trainer
+    from finetune.storage import rundir
 
     run_dir = Path(cfg.output_dir or "")
     rundir.create(run_dir, overwrite=False).release()
@@ -326,7 +326,7 @@ def test_a_forged_generation_batch_is_refused_before_any_row_is_dropped(
     checkpoint and grpo_rollouts.json (exit 2), and metrics.jsonl keeps every row. A forged batch used to reach the
     model at the first resumed step: an internal error, or a silent resume, after the rows past the checkpoint were
     dropped."""
-    from finetune.artifacts import rundir
+    from finetune.storage import rundir
 
     run = tmp_path / "run"
     shutil.copytree(mid_cycle_run, run, ignore=shutil.ignore_patterns(rundir.LOCK))

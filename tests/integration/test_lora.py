@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from finetune.artifacts import rundir
-from finetune.runtime.tracking import read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import (
     DATA,

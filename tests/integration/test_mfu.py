@@ -19,7 +19,7 @@ import torch
 
 from finetune import hooks
 from finetune.runtime import flops, loop
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import cli_exit_code, recipe_file
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import (
     DATA,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import plot, rundir
+from finetune.storage import plot, rundir
 from tests.integration.conftest import cli_exit_code, recipe_file
 
 SHORT = {"train": {"max_steps": 3}, "eval": {"every_steps": 2, "metrics": ["token_accuracy"]}}

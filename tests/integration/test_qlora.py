@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from finetune.cli import app
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import tiny_recipe
 
 pytestmark = pytest.mark.integration

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import REPO, run_in_process
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

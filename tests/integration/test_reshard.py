@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from finetune import hooks
-from finetune.artifacts import rundir
-from finetune.runtime.tracking import read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import final_weights, new_trainer, recipe_file, trained_run
 
 pytestmark = pytest.mark.integration

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import (
     DATA,
     cli_exit_code,
@@ -222,8 +222,8 @@ def test_the_worker_reads_the_resumed_checkpoints_manifest_once(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """The front process verified the checkpoint; the worker reads its manifest once and hands it to the progress
     display, the checks and the loaders."""
-    from finetune.artifacts import rundir
     from finetune.runtime import worker
+    from finetune.storage import rundir
 
     recipe = resume_recipe(train={"max_steps": 4}, checkpoint={"every_steps": 2})
     run_stopped_after(write_named(tmp_path, "r", recipe), 1)
@@ -288,7 +288,7 @@ def _as_an_older_finetune_wrote_it(run: Path) -> None:
     changed files in each checkpoint's manifest as that finetune would have."""
     import yaml
 
-    from finetune.artifacts import rundir
+    from finetune.storage import rundir
     from tests.recipe_files import write_recipe_file
 
     for recipe in [run / rundir.RESOLVED, *run.glob(f"checkpoints/*/{rundir.RESOLVED}")]:

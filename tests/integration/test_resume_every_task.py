@@ -17,7 +17,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import cli_exit_code, run_stopped_after, small_recipes, with_sections, write_named
 
 pytestmark = pytest.mark.integration

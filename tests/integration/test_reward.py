@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from finetune import hooks
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import (
     cli_exit_code,
     final_weights,

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from finetune import hooks
-from finetune.artifacts import rundir
 from finetune.errors import ConfigError
+from finetune.storage import rundir
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, recipe_file
 

@@ -23,8 +23,8 @@ import torch
 import yaml
 
 from finetune import hooks
-from finetune.artifacts import rundir
-from finetune.runtime.tracking import read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import DATA, REPO, recipe_file, trained_run
 from tests.recipe_files import write_recipe_file
@@ -198,11 +198,11 @@ def test_forged_restored_state_is_refused_in_one_line(field: str, trained: Path,
 
 def test_an_unchanged_checkpoint_passes_the_restored_state_check(trained: Path) -> None:
     """The check refuses forgeries, not what finetune wrote: both checkpoints of a real run pass it."""
-    from finetune.artifacts import checkpoint, restored
+    from finetune.storage import checkpoints, restored
 
     built = {"scheduler": _state(rundir.step_dir(trained, 2), "scheduler"), "scaler": {}}
     for step in (2, 4):
-        restored.check(rundir.step_dir(trained, step), checkpoint.read_state, built)
+        restored.check(rundir.step_dir(trained, step), checkpoints.read_state, built)
 
 
 def test_resume_removes_a_crashed_checkpoint_write_but_never_a_user_s_file(trained: Path, tmp_path: Path,

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, cli_exit_code, final_weights, run_stopped_after, tiny_recipe, write_named
 
@@ -44,8 +44,8 @@ def _a_forged_cursor_is_refused(run: Path, cursor: dict[str, Any], monkeypatch: 
     leaves metrics.jsonl as it was; the checkpoint is then put back as finetune wrote it."""
     import copy
 
-    from finetune.artifacts import rundir
-    from finetune.artifacts.checkpoint import write_state
+    from finetune.storage import rundir
+    from finetune.storage.checkpoints import write_state
 
     folder = run / "checkpoints" / "step-000002"
     manifest = {k: v for k, v in rundir.read_manifest(folder).items() if k != "files"}
@@ -71,7 +71,7 @@ def test_a_stream_resumes_bit_for_bit(tmp_path: Path, monkeypatch: pytest.Monkey
     DataLoader worker (data.num_workers: 1), the straight run in its own process. Attention dropout makes the RNG
     matter too. Without the cursor restored, step 3's loss differs (checked by hand: load_state_dict made a
     no-op)."""
-    from finetune.artifacts.checkpoint import read_state
+    from finetune.storage.checkpoints import read_state
 
     recipe = tiny_recipe(model={"type": "tiny-llama", "config_overrides": {"attention_dropout": 0.1}},
                          data=_streamed(tmp_path), train={"max_steps": 4},

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.integration.conftest import DATA, final_weights, max_rel_diff, new_trainer, tiny_recipe
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from finetune.runtime.tracking import read_metrics
+from finetune.storage.metrics import read_metrics
 from tests.cli_helpers import main_exit
 from tests.integration.conftest import DATA, cli_exit_code, run_stopped_after, tiny_recipe, with_sections, write_named
 from tests.plugins import half_only_attention

@@ -1,6 +1,6 @@
 """Writes never follow a link or land in what finetune did not make.
 
-For every name finetune writes in a run directory (enumerated from finetune.artifacts.rundir's layout, not a hand list)
+For every name finetune writes in a run directory (enumerated from finetune.storage.rundir's layout, not a hand list)
 and for every output path of every command, a symlink to a user file or folder, a hard link to a user file, a folder and
 a FIFO are planted in its place; the command then exits 2 with one line before any work, or works without touching the
 user's files. Either way the user's files are byte-identical afterwards. """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import rundir
+from finetune.storage import rundir
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.integration.conftest import DATA, REPO, recipe_file, trained_run
 

@@ -1,4 +1,4 @@
-"""finetune.artifacts.choose: the one place that picks a checkpoint (resume, export, eval, ls) and says which newer
+"""finetune.storage.choose: the one place that picks a checkpoint (resume, export, eval, ls) and says which newer
 ones it passed over and why."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import rundir
-from finetune.artifacts.choose import choose, inventory, skipped_lines
 from finetune.errors import RunDirError
+from finetune.storage import rundir
+from finetune.storage.choose import choose, inventory, skipped_lines
 
 
 def _checkpoint(run: Path, step: int, manifest: bool = True) -> Path:

@@ -1,4 +1,4 @@
-"""finetune.artifacts.record: what a checkpoint's or export's manifest records for the commands that open it (the
+"""finetune.storage.record: what a checkpoint's or export's manifest records for the commands that open it (the
 row, the classification label names), and how a folder written before is opened without the training data."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from finetune import registry
-from finetune.artifacts.record import labels_of, record, row_of
 from finetune.errors import RunDirError
+from finetune.storage.record import labels_of, record, row_of
 
 
 def _cfg(labels: list[str] | None = None) -> SimpleNamespace:

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.artifacts.checkpoint import read_state, rng_state, set_rng_state, write_state
+from finetune.artifacts.checkpoint import rng_state, set_rng_state
+from finetune.storage.checkpoints import read_state, write_state
 
 
 def test_state_round_trips_exactly(tmp_path: Path) -> None:

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from finetune import registry
-from finetune.artifacts.rundir import write_resolved
 from finetune.config import compose, load_recipe, load_resolved, validate
 from finetune.config.compose import parse_override
 from finetune.errors import ConfigError
+from finetune.storage.rundir import write_resolved
 from tests.recipe_files import write_recipe_file
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.artifacts import layout, probe, rundir
+from finetune.artifacts import probe
 from finetune.commands.export import check_output
 from finetune.errors import RunDirError
+from finetune.storage import layout, rundir
 
 # --- the probe -----------------------------------------------------------------------------------------------------
 
@@ -45,8 +46,8 @@ def test_the_probe_records_the_live_logits_and_restores_train_mode(llama: Any) -
 
 
 def test_a_probe_round_trips_through_the_checkpoint_state_files(llama: Any, tmp_path: Path) -> None:
-    """What the worker checkpoints (checkpoint.write_state) is what probe.read gives back; no probe: None."""
-    from finetune.artifacts.checkpoint import write_state
+    """What the worker checkpoints (checkpoints.write_state) is what probe.read gives back; no probe: None."""
+    from finetune.storage.checkpoints import write_state
 
     assert probe.read(tmp_path) is None
     inputs = {"input_ids": torch.tensor([[1, 5, 9]]), "attention_mask": torch.tensor([[1, 1, 1]])}
@@ -59,7 +60,7 @@ def test_a_probe_round_trips_through_the_checkpoint_state_files(llama: Any, tmp_
 
 @pytest.mark.parametrize("damage", ["json", "tensors", "keys"])
 def test_a_damaged_probe_is_one_line_about_the_checkpoint(tmp_path: Path, damage: str) -> None:
-    from finetune.artifacts.checkpoint import write_state
+    from finetune.storage.checkpoints import write_state
 
     write_state(tmp_path, probe.NAME, {"input_ids": torch.zeros(1, 2), "attention_mask": torch.ones(1, 2),
                                         "logits": torch.zeros(1, 2, 3)})

@@ -285,7 +285,7 @@ def test_without_compile_errors_pass_through() -> None:
 
 def test_kernel_keys_are_layout_changes_on_resume() -> None:
     """Switching a kernel on resume (a run moved to a GPU machine) is logged, not refused; a math key is refused."""
-    from finetune.artifacts.resume import recipe_changes
+    from finetune.storage.resume import recipe_changes
 
     before = {"model": {"attn_implementation": None}, "train": {"compile": False}, "optim": {"fused": None, "lr": 1e-3}}
     after = {"model": {"attn_implementation": "flash_attention_2"}, "train": {"compile": True},

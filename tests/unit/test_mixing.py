@@ -21,8 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-from finetune.artifacts import checkpoint, resume
-from finetune.artifacts.rundir import write_resolved
 from finetune.config import load_recipe
 from finetune.config.compose import parse_override
 from finetune.config.schema import DataConfig, RecipeConfig
@@ -30,6 +28,8 @@ from finetune.data import load_splits, mixing
 from finetune.data.batching import StreamSampler
 from finetune.data.mixing import Mixture, MixtureStream, draws_for
 from finetune.errors import ConfigError, DataError
+from finetune.storage import checkpoints, resume
+from finetune.storage.rundir import write_resolved
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "recipes" / "data"
@@ -371,7 +371,7 @@ def test_hub_sources_pass_subset_and_split(tmp_path: Path, tok: Any, monkeypatch
     assert calls == [("org/corpus", "en", "validation"), ("org/corpus", None, "test")]
     assert bundle.mixture is not None and bundle.mixture.sizes == (3, 4) and bundle.mixture.draws == (3, 2)
     assert bundle.train_parts[1].name == "org/corpus (subset=en, split=validation)"
-    assert checkpoint.data_fingerprint(cfg.train)[1] == "name:org/corpus"
+    assert checkpoints.data_fingerprint(cfg.train)[1] == "name:org/corpus"
 
 
 def test_a_hub_failure_names_the_subset_and_split(tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -394,10 +394,10 @@ def test_every_source_is_fingerprinted_and_a_changed_one_is_named(tmp_path: Path
               "data": {"format": "alpaca", "train": [{"path": str(a)}, {"path": str(b), "weight": 3}],
                        "eval": str(a)}}
     cfg = RecipeConfig.model_validate(recipe)
-    manifest = {"data": {"train": checkpoint.data_fingerprint(cfg.data.train),
-                         "eval": checkpoint.data_fingerprint(cfg.data.eval)}}
-    assert manifest["data"]["eval"] == checkpoint.file_fingerprint(str(a))  # a path: as before
-    assert manifest["data"]["train"] == [checkpoint.file_fingerprint(str(a)), checkpoint.file_fingerprint(str(b))]
+    manifest = {"data": {"train": checkpoints.data_fingerprint(cfg.data.train),
+                         "eval": checkpoints.data_fingerprint(cfg.data.eval)}}
+    assert manifest["data"]["eval"] == checkpoints.file_fingerprint(str(a))  # a path: as before
+    assert manifest["data"]["train"] == [checkpoints.file_fingerprint(str(a)), checkpoints.file_fingerprint(str(b))]
     assert resume.data_changes(cfg, manifest) == []
     _jsonl(b, _alpaca_rows(5))
     changes = resume.data_changes(cfg, manifest)

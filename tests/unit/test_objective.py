@@ -1,4 +1,4 @@
-"""The fingerprints of what defines a run's objective besides its recipe (finetune.artifacts.objective): a reward
+"""The fingerprints of what defines a run's objective besides its recipe (finetune.storage.objective): a reward
 model's weights, a reward function's source file (found without importing it), the reference model; a change to any
 of them is one resume line naming its key, and a checkpoint from before these fingerprints resumes with a note."""
 
@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from finetune.artifacts import objective
-from finetune.artifacts.resume import objective_changes
 from finetune.config.schema import RecipeConfig
+from finetune.storage import objective
+from finetune.storage.resume import objective_changes
 
 PACKAGE = "objective_probe_rewards"  # a name no installed package has
 TRAIN = {"max_steps": 2, "micro_batch_size": 2, "global_batch_size": 4}

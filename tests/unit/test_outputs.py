@@ -112,7 +112,7 @@ RUN_DIR_RELATIONS = {"is": "it is {}", "contains": "{} is in it", "lies inside":
 
 
 def _run_dir_refusal(out: Path, how: str, key: str, path: Path) -> str:
-    """The pattern of the one line that refuses ``out`` as a run directory (finetune.artifacts.rundir's words)."""
+    """The pattern of the one line that refuses ``out`` as a run directory (finetune.storage.rundir's words)."""
     named = rf"[^\n]*{re.escape(key)}[^\n]*{re.escape(str(path))}\)?"
     why = re.escape(RUN_DIR_RELATIONS[how]).replace(re.escape("{}"), named)
     return rf"{re.escape(str(out))}: cannot be a run directory \({why}\); choose another output_dir / -o"

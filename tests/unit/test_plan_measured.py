@@ -78,9 +78,9 @@ def _long_rows(path: Path) -> Path:
 
 def _measured_peak(cfg: Any, run_dir: Path) -> int:
     """Peak live tensor bytes over two real optimizer steps (the second one holds the optimizer states)."""
-    from finetune.artifacts import rundir
     from finetune.runtime.loop import train_step
     from finetune.runtime.worker import build_trainer
+    from finetune.storage import rundir
 
     live = live_bytes_mode()
     with live:

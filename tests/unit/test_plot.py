@@ -1,4 +1,4 @@
-"""``finetune plot`` and ``finetune.artifacts.plot``: which panels and series a plot holds, the PNG it writes, and the
+"""``finetune plot`` and ``finetune.storage.plot``: which panels and series a plot holds, the PNG it writes, and the
 user mistakes (one line, exit 2, nothing written). Runs are made by hand: a run dir created as ``finetune run`` does,
 with metrics.jsonl rows written as the tracker writes them. Nothing here trains."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import plot, rundir
+from finetune.storage import plot, rundir
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.recipe_files import write_recipe_file
 
@@ -48,7 +48,7 @@ def make_run(folder: Path, *, train_steps: int, eval_every: int | None, metrics:
 
 def log_row(run: Path, kind: str, row: dict[str, float | int]) -> None:
     """Append one row to the run's metrics.jsonl as the tracker writes it: a JSON object tagged with its ``kind``
-    (Infinity / NaN as Python's json writes them), read back by finetune.runtime.tracking.read_metrics."""
+    (Infinity / NaN as Python's json writes them), read back by finetune.storage.metrics.read_metrics."""
     with (run / rundir.METRICS).open("a", encoding="utf-8") as handle:
         handle.write(json.dumps({"kind": kind, **row}) + "\n")
 
@@ -325,7 +325,7 @@ def test_write_run_plot_failure_is_one_warning_line_and_never_raises(tmp_path, m
 
 
 def test_importing_the_cli_and_plot_module_loads_no_matplotlib(tmp_path) -> None:
-    code = ("import sys, finetune.cli, finetune.artifacts.plot; "
+    code = ("import sys, finetune.cli, finetune.storage.plot; "
             "print(sorted(m for m in sys.modules if 'matplotlib' in m))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from finetune.artifacts import plot, rundir
+from finetune.storage import plot, rundir
 from tests.unit.test_plot import log_row, summary
 
 

@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.artifacts import rundir
 from finetune.artifacts.portable import (
     PARAM_NAMES,
     ParamNames,
@@ -22,6 +21,7 @@ from finetune.artifacts.portable import (
 )
 from finetune.errors import FinetuneError
 from finetune.runtime.backends import Backend, backend_named, layout
+from finetune.storage import rundir
 
 NAMES = ["single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
 

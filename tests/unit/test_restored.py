@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from finetune.artifacts import restored
+from finetune.storage import restored
 
 
 def _scaler_state() -> dict:
@@ -90,8 +90,8 @@ def test_a_recorded_probe_is_checked_before_an_export_trusts_it(tmp_path, change
     refused in one line naming probe.json as a damaged checkpoint (exit 2): a forged one reached the export's fresh
     process (an IndexError blamed on the export, exit 1) or its comparison (a mismatch "to report")."""
     from finetune.artifacts import probe
-    from finetune.artifacts.checkpoint import write_state
     from finetune.errors import RunDirError
+    from finetune.storage.checkpoints import write_state
 
     for recorded in (_probe(), _probe(logits=torch.randn(2, 3))):  # a language model's; a classifier's scores
         write_state(tmp_path, probe.NAME, recorded)

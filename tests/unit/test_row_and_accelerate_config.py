@@ -20,7 +20,7 @@ from tests.cli_helpers import assert_user_error, main_exit
 PACKAGE = Path(__file__).resolve().parents[2] / "finetune"
 
 # Callers of the table that are not a recipe's row: the row a checkpoint's manifest recorded at training time
-# (finetune.artifacts.record) is read back by its stored name and task.
+# (finetune.storage.record) is read back by its stored name and task.
 TABLE_READERS = {"registry.py", "record.py"}
 
 

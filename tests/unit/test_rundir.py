@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import rundir
 from finetune.errors import RunDirError
+from finetune.storage import rundir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -219,7 +219,7 @@ def test_protected_locations_are_refused(tmp_path: Path, monkeypatch) -> None:
 HOLD = """
 import sys, time
 from pathlib import Path
-from finetune.artifacts import rundir
+from finetune.storage import rundir
 lock = rundir.RunLock.acquire(Path(sys.argv[1]), "finetune run holder")
 print("locked", flush=True)
 time.sleep(120)

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from finetune.artifacts.checkpoint import read_state, write_state
 from finetune.config.schema import DataConfig
 from finetune.data import load_splits
 from finetune.data.streaming import TrainStream, open_stream
 from finetune.errors import DataError
+from finetune.storage.checkpoints import read_state, write_state
 from tests.cli_helpers import assert_user_error, main_exit
 from tests.recipe_files import write_recipe_file
 

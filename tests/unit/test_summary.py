@@ -1,4 +1,4 @@
-"""finetune.artifacts.summary: a finished run's summary read back from the files it wrote (rows written here as the
+"""finetune.storage.summary: a finished run's summary read back from the files it wrote (rows written here as the
 tracker writes them); which commands it suggests, and that a resume (which drops the end row) makes the run
 unfinished."""
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from finetune.artifacts import rundir
-from finetune.artifacts.summary import read_summary, render
-from finetune.runtime.tracking import truncate_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import truncate_metrics
+from finetune.storage.summary import read_summary, render
 from tests.recipe_files import write_recipe_file
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import rundir
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError, RunDirError
 from finetune.runtime.tracking import (
@@ -29,12 +28,10 @@ from finetune.runtime.tracking import (
     WandbTracker,
     build_tracker,
     format_eval_line,
-    format_metrics,
-    headline,
-    read_metrics,
-    recipe_headline,
 )
 from finetune.runtime.worker import resumed_manifest, resumed_step
+from finetune.storage import rundir
+from finetune.storage.metrics import format_metrics, headline, read_metrics, recipe_headline
 
 TIMESTAMP = re.compile(r"^\d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2} ")
 TRAIN_ROW = {"step": 10, "loss": 2.31412, "lr": 3e-4, "grad_norm": 1.0212, "tokens": 51200, "elapsed_s": 10.0,
@@ -472,7 +469,7 @@ def test_resumed_step_reads_the_checkpoint_manifest(tmp_path: Path) -> None:
 
 def test_wandb_missing_is_one_line_and_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """wandb is optional (a GPU image may lack it): a recipe that enables it gets one line, and no wandb folder or
-    WANDB_* variable is left, so the run that trained nothing is removed whole (finetune.artifacts.unstarted)."""
+    WANDB_* variable is left, so the run that trained nothing is removed whole (finetune.storage.unstarted)."""
     monkeypatch.setitem(sys.modules, "wandb", None)  # an import of wandb fails
     for key in [key for key in os.environ if key.startswith("WANDB_")]:
         monkeypatch.delenv(key)

@@ -4,7 +4,7 @@ The checkpoint must belong to this run (its manifest's run id) and pass verifica
 before anything is loaded or any log is touched. A resume continues the same run, so any difference between the
 checkpoint's recipe and the present one, between the data files then and now, or between the files that define the
 objective then and now (a reward model's weights, a reward function's source file, the reference model:
-:mod:`finetune.artifacts.objective`) is refused (listing every difference) unless the user passes
+:mod:`finetune.storage.objective`) is refused (listing every difference) unless the user passes
 ``--allow-config-change``; then the differences are written to train.log. A checkpoint written before the objective
 was fingerprinted resumes without that check, with a note that says so. Keys that change how the work is laid out
 but not the math (process count, accelerate config, micro-batch size, progress bar, and the kernels: attention
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import checkpoint, objective, restored, rundir
-from finetune.artifacts.choose import choose, skipped_lines
 from finetune.config import REMOTE_CODE_KEY, RecipeConfig, outputs, remote_code_from_flag, validate
 from finetune.config.compose import compose_stored, flatten
 from finetune.errors import FinetuneError, RunDirError
-from finetune.runtime.state import total_steps
+from finetune.storage import checkpoints, objective, restored, rundir
+from finetune.storage.choose import choose, skipped_lines
+from finetune.storage.state import total_steps
 
 LAYOUT_KEYS = ("launch.num_processes", "launch.accelerate_config", "launch.timeout_minutes", "train.micro_batch_size",
                "logging.progress", "output_dir", REMOTE_CODE_KEY,
@@ -41,7 +41,7 @@ class ResumePlan:
     """The recipe to continue with, the checkpoint to continue from, and what differs from it."""
 
     cfg: RecipeConfig
-    checkpoint: checkpoint.CheckpointInfo
+    checkpoint: checkpoints.CheckpointInfo
     changes: list[str] = field(default_factory=list)
     layout_changes: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # one line per newer checkpoint passed over, and why
@@ -66,7 +66,7 @@ def data_changes(cfg: RecipeConfig, manifest: dict[str, Any]) -> list[str]:
     stored = manifest.get("data", {})
     lines = []
     for split, value in (("train", cfg.data.train), ("eval", cfg.data.eval)):
-        now, before = checkpoint.data_fingerprint(value), stored.get(split)
+        now, before = checkpoints.data_fingerprint(value), stored.get(split)
         if now == before:
             continue
         if isinstance(value, list) and isinstance(before, list) and len(before) == len(value):
@@ -90,12 +90,12 @@ def _short(fingerprint: str | list[str | None] | None) -> str:
 
 def plan(run_dir: Path, run_id: str, overrides: list[str], from_name: str | None, allow_change: bool,
          trust_remote_code: bool = False) -> ResumePlan:
-    """Pick (:func:`finetune.artifacts.choose.choose`) and verify the checkpoint, and compose the recipe to continue
+    """Pick (:func:`finetune.storage.choose.choose`) and verify the checkpoint, and compose the recipe to continue
     with; refuse changes unless allowed."""
     overrides = remote_code_from_flag(overrides, trust_remote_code)
     chosen = choose(run_dir, from_name, "resume")
     info = chosen.info
-    checkpoint.verify(info.path, run_id, info.manifest)  # the manifest chosen by, read once
+    checkpoints.verify(info.path, run_id, info.manifest)  # the manifest chosen by, read once
     stored = info.path / rundir.RESOLVED
     here = f"output_dir={run_dir.resolve()}"
     cfg = validate(compose_stored(stored, [*overrides, here]), allow_plugin=trust_remote_code)

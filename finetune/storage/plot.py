@@ -1,15 +1,16 @@
-"""Plots of runs' metrics: ``finetune plot RUN [RUN ...]`` and ``<run>/plots.png`` at the end of every run.
+"""Runs' metrics drawn as one PNG: ``<run>/plots.png`` at the end of every run, and the figure of ``finetune plot``
+(finetune.commands.plot, which checks its ``-o``).
 
 One PNG holds a grid of panels against step: train loss, learning rate and gradient norm, then every eval metric
 (``eval_loss``, ``eval_ppl``, ``eval_<metric>``), each in its own panel. A run's
-:class:`~finetune.runtime.tracking.Headline` (from its recipe) puts its panels first: a GRPO run's train reward, then
+:class:`~finetune.storage.metrics.Headline` (from its recipe) puts its panels first: a GRPO run's train reward, then
 its eval exact match and mean reward; a GRPO run whose loss value carries no information (``grpo.iterations`` 1 and
 ``grpo.beta`` 0: ~0 by construction) has no series in the loss panel. Several runs are overlaid, one colour per
 run, named by folder in one legend. Counts (``eval_samples``, ``eval_correct`` / ``eval_total``,
 ``eval_<metric>_correct`` / ``_total``) are not metrics: the metric's value is plotted, not its counts.
 
 The work is split so that what gets drawn is plain data: :func:`load_runs` reads and checks the runs (through
-:func:`finetune.runtime.tracking.read_metrics`), :func:`plan_panels` decides the panels and their series, and only
+:func:`finetune.storage.metrics.read_metrics`), :func:`plan_panels` decides the panels and their series, and only
 :func:`draw` / :func:`render` touch matplotlib. matplotlib is imported inside them (the CLI stays light) and draws on
 its Agg canvas without pyplot: no window, no global figure state.
 """
@@ -26,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import rundir
-from finetune.artifacts.summary import run_headline
 from finetune.errors import FinetuneError, RunDirError
-from finetune.runtime.tracking import LOSS_FIRST, Headline, read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import LOSS_FIRST, Headline, read_metrics
+from finetune.storage.summary import run_headline
 
 # The train panels, in order: (row key, panel title, y-axis label); a run's Headline may put some first.
 TRAIN_PANELS = (("reward", "train reward", "reward"),  # GRPO: the mean total reward of the step's completions
@@ -53,7 +54,7 @@ _MARKER_POINTS = 30
 @dataclass(frozen=True)
 class RunMetrics:
     """One run to plot: its legend label (the folder name), its folder, its metrics.jsonl rows, and what it leads
-    with (its recipe's :class:`~finetune.runtime.tracking.Headline`)."""
+    with (its recipe's :class:`~finetune.storage.metrics.Headline`)."""
 
     label: str
     path: Path
@@ -293,51 +294,14 @@ def _colours(count: int) -> list[Any]:
 # --- writing ------------------------------------------------------------------------------------------------------
 
 
-def _write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
+def write_atomic(path: Path, data: bytes, tmp: Path | None = None) -> None:
     """Write ``data`` to ``tmp`` (default: a fresh hidden file beside ``path``), then rename it onto ``path``, so
     ``path`` is never half written and nothing is left behind on failure; never through a link
-    (:func:`finetune.artifacts.rundir.write_bytes_atomic`)."""
+    (:func:`finetune.storage.rundir.write_bytes_atomic`)."""
     if tmp is None:  # a fresh random name (O_EXCL there: never someone else's file); a killed plot's is removed
         rundir.clear_stale_scratch(path)
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}{rundir.TMP}")
     rundir.write_bytes_atomic(path, data, tmp)
-
-
-def _output_problem(output: Path, overwrite: bool) -> str | None:
-    """Why ``-o output`` cannot be written (one line naming it and the fix), or None."""
-    if output.suffix.lower() != PNG_SUFFIX:
-        return f"-o {output}: the plot is a PNG; give a file name ending in {PNG_SUFFIX} (e.g. -o plot.png)"
-    if output.is_dir():
-        return f"-o {output} is a folder; give a file name ending in {PNG_SUFFIX}"
-    run = rundir.enclosing_run(output.parent)
-    if run is not None and output.resolve() != run / rundir.PLOTS:
-        return (f"-o {output} lies inside the run {run}, which holds only what finetune writes; write the plot "
-                f"elsewhere, or to {run / rundir.PLOTS}")
-    if (output.exists() or output.is_symlink()) and not overwrite:
-        return f"-o {output} already exists; pass --overwrite to replace it, or choose another -o"
-    try:
-        rundir.check_write_target(output)
-    except RunDirError as exc:
-        return str(exc)
-    return None
-
-
-def plot_runs(paths: Sequence[Path], output: Path, *, overwrite: bool = False) -> list[Panel]:
-    """``finetune plot``: check ``-o`` and every run (all problems at once), draw them overlaid into ``output``
-    (replacing an existing file only with ``overwrite``), and return the panels drawn."""
-    problem = _output_problem(output, overwrite)
-    try:
-        runs = load_runs(paths)
-    except RunDirError as exc:
-        raise RunDirError("\n".join([*([problem] if problem else []), str(exc)])) from None
-    if problem:
-        raise FinetuneError(problem)
-    panels = plan_panels(runs)
-    data = render(panels, [run.label for run in runs])
-    output.parent.mkdir(parents=True, exist_ok=True)
-    run = rundir.enclosing_run(output.parent)
-    _write_atomic(output, data, output.with_name(rundir.PLOTS + rundir.TMP) if run is not None else None)
-    return panels
 
 
 def write_run_plot(run_dir: Path, log: Callable[[dict[str, str]], None] | None = None) -> Path | None:
@@ -351,7 +315,7 @@ def write_run_plot(run_dir: Path, log: Callable[[dict[str, str]], None] | None =
     path = run_dir / rundir.PLOTS
     try:
         runs = load_runs([run_dir])
-        _write_atomic(path, render(plan_panels(runs), [runs[0].label]), run_dir / (rundir.PLOTS + rundir.TMP))
+        write_atomic(path, render(plan_panels(runs), [runs[0].label]), run_dir / (rundir.PLOTS + rundir.TMP))
     except Exception as exc:  # any failure, matplotlib's included, is a warning: the run itself is complete
         detail = (str(exc).strip().splitlines() or [""])[0][:200]
         what = detail if isinstance(exc, FinetuneError) else f"{type(exc).__name__}: {detail}"

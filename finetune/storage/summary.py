@@ -5,9 +5,9 @@ metrics.jsonl once the run has finished (step, samples, tokens, training and wal
 final train loss), the last eval row (every final eval metric with its counts, as ``finetune eval`` prints them),
 the recipe (a PEFT run can be merged; a classification or reward model generates no text) and the files present
 (``final/``, ``plots.png``, the logs). A run is finished when its metrics.jsonl ends with an end row: a resume that
-continues it drops that row (:func:`finetune.runtime.tracking.truncate_metrics`).
+continues it drops that row (:func:`finetune.storage.metrics.truncate_metrics`).
 
-What it leads with is the run's :class:`finetune.runtime.tracking.Headline`, from its recipe: the final train loss for
+What it leads with is the run's :class:`finetune.storage.metrics.Headline`, from its recipe: the final train loss for
 every task but GRPO; for GRPO the final train reward (and the loss only where its value carries information), and the
 final eval's exact match and mean reward first.
 """
@@ -24,10 +24,10 @@ from typing import Any
 import yaml
 
 from finetune import registry
-from finetune.artifacts import rundir
 from finetune.errors import FinetuneError, RunDirError
 from finetune.registry import SupportedModel
-from finetune.runtime.tracking import LOSS_FIRST, Headline, format_metrics, read_metrics, recipe_headline
+from finetune.storage import rundir
+from finetune.storage.metrics import LOSS_FIRST, Headline, format_metrics, read_metrics, recipe_headline
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def _recipe(run_dir: Path) -> dict[str, Any]:
 
 def run_headline(run_dir: Path) -> Headline:
     """The :class:`Headline` of the run in ``run_dir``, from its resolved recipe (loss first when it cannot be read):
-    what its summary and its plot (:mod:`finetune.artifacts.plot`) lead with."""
+    what its summary and its plot (:mod:`finetune.storage.plot`) lead with."""
     return recipe_headline(_recipe(run_dir))
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
-from finetune.artifacts import rundir
 from finetune.errors import RunDirError
-from finetune.runtime.tracking import read_metrics
+from finetune.storage import rundir
+from finetune.storage.metrics import read_metrics
 
 # Entries whose presence means the run did work worth keeping (a checkpoint, an export, or one being written).
 _WORK = (rundir.CHECKPOINTS, rundir.FINAL, rundir.FINAL_TMP, rundir.FINAL_OLD, rundir.RESHARD_TMP)

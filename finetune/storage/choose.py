@@ -1,7 +1,7 @@
 """Which checkpoint a command uses: the one place that chooses (resume, export, eval of a run's checkpoint, ls).
 
 The choice is the newest complete resumable checkpoint, or the one ``--from`` names (a name in ``checkpoints/`` or a
-path). Each checkpoint's manifest is read once, here (:func:`finetune.artifacts.checkpoint.inspect`), and carried on the
+path). Each checkpoint's manifest is read once, here (:func:`finetune.storage.checkpoints.inspect`), and carried on the
 returned :class:`Chosen` (``info.manifest``) for the caller to verify and use. Newer checkpoints passed over are
 returned as ``(name, reason)`` pairs, which the callers print one line each (:func:`skipped_lines`).
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from finetune.artifacts import checkpoint, rundir
-from finetune.artifacts.checkpoint import CheckpointInfo
 from finetune.errors import RunDirError
+from finetune.storage import checkpoints, rundir
+from finetune.storage.checkpoints import CheckpointInfo
 
 NO_CHECKPOINT = {  # what the command does, for the line that says none can be chosen
     "resume": "no complete resumable checkpoint to resume from",
@@ -35,16 +35,16 @@ class Chosen:
 
 def inventory(run_dir: Path) -> list[CheckpointInfo]:
     """Every complete-named checkpoint of ``run_dir``, oldest first, each manifest read once (``finetune ls``)."""
-    return [checkpoint.inspect(path) for path in rundir.checkpoint_dirs(run_dir)]
+    return [checkpoints.inspect(path) for path in rundir.checkpoint_dirs(run_dir)]
 
 
 def choose(run_dir: Path, name: str | None, purpose: str = "resume") -> Chosen:
     """The checkpoint ``name`` (e.g. ``step-000100``, or a path) or, for None, the newest resumable one, with the
     newer ones passed over and why; RunDirError (one line) if none fits. ``purpose`` (``resume`` or ``export``)
-    words that line. Whether it belongs to this run is checked by :func:`finetune.artifacts.checkpoint.verify`."""
+    words that line. Whether it belongs to this run is checked by :func:`finetune.storage.checkpoints.verify`."""
     if name is None:
         infos = inventory(run_dir)
-        newest = checkpoint.latest_resumable(run_dir, infos)
+        newest = checkpoints.latest_resumable(run_dir, infos)
         if newest is None:
             broken = [f"{info.path.name}: {info.reason}" for info in infos]
             detail = f" ({'; '.join(broken)})" if broken else ""
@@ -56,7 +56,7 @@ def choose(run_dir: Path, name: str | None, purpose: str = "resume") -> Chosen:
         names = ", ".join(p.name for p in rundir.checkpoint_dirs(run_dir)) or "none"
         raise RunDirError(f"--from {name}: no such complete checkpoint in {run_dir / rundir.CHECKPOINTS} "
                           f"(have: {names})")
-    info = checkpoint.inspect(path)
+    info = checkpoints.inspect(path)
     if not info.resumable:
         raise RunDirError(f"{path}: not resumable: {info.reason}")
     return Chosen(info)

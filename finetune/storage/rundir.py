@@ -467,7 +467,7 @@ def _clear(run_dir: Path, keep_lock: bool = True) -> None:
 
 
 def clear_unstarted(run_dir: Path) -> None:
-    """Remove everything a run that trained nothing wrote, its lock file included (finetune.artifacts.unstarted decides
+    """Remove everything a run that trained nothing wrote, its lock file included (finetune.storage.unstarted decides
     when); the same rule as --overwrite: refused, deleting nothing, when anything in it is not finetune's."""
     _clear(run_dir, keep_lock=False)
 

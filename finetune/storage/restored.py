@@ -21,9 +21,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import rundir
 from finetune.errors import RunDirError
-from finetune.runtime.state import TrainState
+from finetune.storage import rundir
+from finetune.storage.state import TrainState
 
 COUNTERS = ("step", "micro_step", "epoch", "samples_seen", "train_size", "tokens_seen")  # non-negative ints
 
@@ -325,7 +325,7 @@ def checked_train_state(ckpt: Path, manifest: dict[str, Any] | None = None) -> d
 def check(ckpt: Path, read: Callable[[Path, str], Any] | None = None, built: dict[str, Any] | None = None,
           manifest: dict[str, Any] | None = None) -> None:
     """Refuse, in one line, a checkpoint whose restored state disagrees (see :func:`problems`, and with ``read``
-    (finetune.artifacts.checkpoint.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
+    (finetune.storage.checkpoints.read_state) the scheduler, scaler and RNG states). ``built``: the state dicts of this
     build's ``scheduler`` and ``scaler`` (those named are required in the checkpoint). ``manifest``: the
     checkpoint's manifest when the caller has read it already (else read here)."""
     manifest = rundir.read_manifest(ckpt) if manifest is None else manifest

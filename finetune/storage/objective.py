@@ -4,7 +4,7 @@ A resume reloads these from their paths, so a change between the checkpoint and 
 run optimises without any recipe key changing: a reward model's weights, a reward function's source file, the
 reference model of DPO and GRPO (the initial weights, ``model.path``; a LoRA run's base, which the adapter trains
 on). The recipe itself (regex, weights, names, beta, ...) is compared key by key by
-:mod:`finetune.artifacts.resume`; data files by their own fingerprints.
+:mod:`finetune.storage.resume`; data files by their own fingerprints.
 
 :data:`PARTS` is the table: each row says which recipe keys name such a file (``keys``), how to fingerprint what
 one names (``fingerprint``) and how a resume line describes it (``what``). A new kind (a teacher model) is one
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts import rundir
+from finetune.storage import rundir
 
 MODEL_FILES = ("config.json", "*.safetensors", "*.bin")  # a model folder's config and weights (either format)
 REWARD_MODEL_FILES = ("config.json", "*.safetensors", "final/config.json", "final/*.safetensors")  # or its run's
@@ -177,7 +177,7 @@ _HASHED_LOCK = threading.Lock()  # a checkpoint's manifest may be written on a p
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 of a file's bytes (streamed: :func:`finetune.artifacts.rundir.sha256_file`), once per process while
+    """sha256 of a file's bytes (streamed: :func:`finetune.storage.rundir.sha256_file`), once per process while
     the file's identity, size and modification time stay the same."""
     real = os.path.realpath(path)
     status = os.stat(real)
