@@ -59,7 +59,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -246,6 +246,99 @@ def targets_of(kind: str, mask: torch.Tensor, max_new_tokens: int) -> int:
     return completions * max_new_tokens
 
 
+@dataclass(frozen=True)
+class SumLayout:
+    """The named parts of one float64 vector of sums, in order: how a rank packs its sums for one all-reduce and
+    how the summed vector is read back by name, written once here so that no other code counts positions."""
+
+    parts: tuple[tuple[str, int], ...]  # (name, width), in the vector's order
+
+    def pack(self, sums: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+        """``sums`` (exactly the layout's names, each a tensor of its part's width) as one float64 vector on
+        ``device``; a ValueError names a missing, extra or misshapen part (a producer out of step with the layout)."""
+        if set(sums) != {name for name, _ in self.parts}:
+            raise ValueError(f"sums {sorted(sums)} do not match the layout's parts {[n for n, _ in self.parts]}")
+        pieces = [torch.as_tensor(sums[name], dtype=torch.float64).reshape(-1).to(device) for name, _ in self.parts]
+        for (name, width), piece in zip(self.parts, pieces, strict=True):
+            if piece.numel() != width:
+                raise ValueError(f"sum {name!r} has {piece.numel()} value(s), the layout {width}")
+        return torch.cat(pieces)
+
+    def unpack(self, vector: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The parts of a packed vector (e.g. summed over ranks) by name, each a view of its width."""
+        widths = [width for _, width in self.parts]
+        if vector.numel() != sum(widths):
+            raise ValueError(f"a vector of {vector.numel()} sums, the layout has {sum(widths)}")
+        return dict(zip([name for name, _ in self.parts], vector.split(widths), strict=True))
+
+
+def generation_layout(functions: int, max_new_tokens: int) -> SumLayout:
+    """The generation metrics' sums of a window (:meth:`GRPOTask.rollout_sums`, read by
+    :func:`generation_metrics`): the rewards' sums and sums of squares (each of the ``functions`` reward functions,
+    then their weighted total), the completions, the groups whose totals are all equal, the groups, the completion
+    tokens, the truncated completions (``max_new_tokens`` tokens, no stop) and the completions by length (0 to
+    ``max_new_tokens``). Every part is a sum over completions, so the sum over ranks is the step's."""
+    counts = ("completions", "zero_std_groups", "groups", "completion_tokens", "truncated")
+    return SumLayout((("reward", functions + 1), ("reward_squared", functions + 1),
+                      *((name, 1) for name in counts), ("length_histogram", max_new_tokens + 1)))
+
+
+LOSS_SUMS = ("clipped", "kl", "tokens")  # the sums of policy_loss's stats that the step's metrics read
+
+
+def step_layout(functions: int, max_new_tokens: int) -> SumLayout:
+    """What :meth:`GRPOTask.step_metrics` all-reduces in one call: the generation metrics' sums of the batch that
+    served the step (:func:`generation_layout`), then the step's loss sums (:data:`LOSS_SUMS`)."""
+    return SumLayout(generation_layout(functions, max_new_tokens).parts + tuple((name, 1) for name in LOSS_SUMS))
+
+
+class RolloutState:
+    """The rollout state that GRPO's parts share, owned here and written only through these methods. The task makes
+    one; :class:`Rollouts` (the train dataloader) holds the cycle's live batch in it and serves each step's
+    generation metrics through it, :class:`RolloutCache` (the checkpoint object) saves the live batch and hands a
+    read-back one to it, and :meth:`GRPOTask.step_metrics` reads the served metrics. One owner, so that no part
+    writes another's attributes."""
+
+    def __init__(self) -> None:
+        self._live: tuple[int, list[Rollout]] | None = None  # (cycle, window) while a later step uses it
+        self._served: dict[str, torch.Tensor] | None = None  # generation_layout's sums of the serving batch
+        self._restored: tuple[int, torch.Tensor] | None = None  # (cycle, gathered rows) read from a checkpoint
+
+    def hold(self, cycle: int, window: list[Rollout]) -> None:
+        """Keep ``window``, the generation batch of ``cycle``, while a later step of the cycle still trains on it
+        (a checkpoint now saves it)."""
+        self._live = (cycle, window)
+
+    def release(self) -> None:
+        """No later step uses the live batch (a cycle's last step, a fresh iterator): a checkpoint saves none."""
+        self._live = None
+
+    def live(self) -> tuple[int, list[Rollout]] | None:
+        """The held ``(cycle, window)``, or None."""
+        return self._live
+
+    def serve(self, sums: dict[str, torch.Tensor]) -> None:
+        """Record the generation metrics' sums (:func:`generation_layout`'s parts, host tensors) of the batch that
+        serves the steps from now on, for their train rows."""
+        self._served = sums
+
+    def served(self) -> dict[str, torch.Tensor]:
+        """The sums :meth:`serve` last recorded; a RuntimeError when no batch has served a step yet."""
+        if self._served is None:
+            raise RuntimeError("a step was taken without a generation batch")
+        return self._served
+
+    def restore(self, cycle: int, rows: torch.Tensor) -> None:
+        """Keep a checkpoint's generation batch (``rows``: :meth:`GRPOTask.cache_rows` gathered over the ranks,
+        generated for ``cycle``) until the train dataloader takes it."""
+        self._restored = (cycle, rows)
+
+    def take_restored(self) -> tuple[int, torch.Tensor] | None:
+        """The restored ``(cycle, rows)``, once (then None): only the first generation after a resume reads it."""
+        restored, self._restored = self._restored, None
+        return restored
+
+
 class GRPOTask(TaskData):
     """``task: grpo`` over ``data.format: prompt`` rows (see the module docstring). Eval: greedy completions of
     ``grpo.max_new_tokens`` tokens on the eval prompts, ``exact_match`` against each row's ``answer`` (sums and
@@ -277,17 +370,15 @@ class GRPOTask(TaskData):
         self.reference: Any = None  # scores with a frozen copy of the initial weights (full fine-tuning, beta > 0)
         self.reference_context: Callable[[], Any] = nullcontext  # ... inside this (the copy's shards swapped in)
         self.generator: Generator | None = None
-        self.rollouts: Rollouts | None = None
-        self.restored: tuple[int, torch.Tensor] | None = None  # (cycle, rows) read from a checkpoint
+        self.rollout_state = RolloutState()  # shared by the train dataloader and the checkpoint object
         self._sums: dict[str, torch.Tensor] = {}  # this step's train_output sums (device tensors, no sync)
-        self._served: torch.Tensor | None = None  # the generation metrics of the batch serving this step (host)
 
     # ------------------------------------------------------------------ the hand-over and the protocol
 
     @property
     def checkpoint_objects(self) -> dict[str, Any]:
         """What a checkpoint must hold besides the model: the generation batch a later step still uses."""
-        return {CACHE_NAME: RolloutCache(self)}
+        return {CACHE_NAME: RolloutCache(self, self.rollout_state)}
 
     def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
                 splits: tuple[str, ...] = ("train", "eval")) -> None:
@@ -323,8 +414,7 @@ class GRPOTask(TaskData):
             return super().build_dataloader(split, start_sample)
         if self.model is None:
             raise RuntimeError("task grpo: prepare() must bind the model before training")
-        self.rollouts = Rollouts(self, start_sample)
-        return self.rollouts
+        return Rollouts(self, self.rollout_state, start_sample)
 
     def prompt_loader(self, start_prompt: int) -> Any:
         """This rank's micro-batches of prompts from stream position ``start_prompt`` (TaskData's train stream)."""
@@ -359,17 +449,14 @@ class GRPOTask(TaskData):
         """The step's metrics over every rank, from one all-reduce of sums and counts: rewards (mean and std of
         each function and of the total), the fraction of groups with zero std, completion length (mean, max),
         the truncated fraction, the clip fraction and (``beta`` > 0) the mean per-token KL."""
-        assert self._served is not None, "a step was taken without a generation batch"
         device = self.accelerator.device if self.accelerator is not None else torch.device("cpu")
-        train = [self._sums.get(k, torch.zeros((), dtype=torch.float64)) for k in ("clipped", "kl", "tokens")]
-        local = torch.cat([self._served.to(device), torch.stack([torch.as_tensor(v, dtype=torch.float64)
-                                                                 .to(device) for v in train])])
-        summed = reduce(local).double().cpu()
+        names = list(self.rewards.names)
+        layout = step_layout(len(names), self.cfg.grpo.max_new_tokens)
+        zero = torch.zeros((), dtype=torch.float64)
+        local = self.rollout_state.served() | {name: self._sums.get(name, zero) for name in LOSS_SUMS}
+        summed = layout.unpack(reduce(layout.pack(local, device)).double().cpu())
         self._sums = {}
-        return generation_metrics(summed[:-3], list(self.rewards.names), self.cfg.grpo.max_new_tokens) | {
-            "clip_fraction": float(summed[-3] / summed[-1].clamp(min=1.0)),
-            **({"kl": float(summed[-2] / summed[-1].clamp(min=1.0))} if self.cfg.grpo.beta > 0 else {}),
-        }
+        return generation_metrics(summed, names) | loss_metrics(summed, self.cfg.grpo.beta > 0)
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
         """Greedy completions: exact_match against ``answer`` (whitespace-normalised) and the summed reward."""
@@ -477,23 +564,27 @@ class GRPOTask(TaskData):
             batch["ref_logps"] = rollout.ref
         return batch
 
-    def rollout_sums(self, rollouts: list[Rollout]) -> torch.Tensor:
-        """The generation metrics' sums of a window's rollouts on this rank (see :func:`generation_metrics`)."""
-        grpo = self.cfg.grpo
-        width = grpo.max_new_tokens
+    def rollout_sums(self, rollouts: list[Rollout]) -> dict[str, torch.Tensor]:
+        """The generation metrics' sums of a window's rollouts on this rank, by the names of
+        :func:`generation_layout` (float64 host tensors; see :func:`generation_metrics`)."""
         rewards = torch.cat([r.rewards for r in rollouts], dim=1)  # [F, N]
         total = torch.tensor(self.rewards.total(rewards.tolist()), dtype=torch.float64)
-        _, flat = group_advantages(total, grpo.group_size, scale=True)
-        completions = torch.cat([r.completions for r in rollouts])
-        mask = completion_mask(completions, self.stop_ids)
-        lengths = mask.sum(1)
+        _, flat = group_advantages(total, self.cfg.grpo.group_size, scale=True)
+        per = torch.cat([rewards, total[None]])  # [F + 1, N]: each function's reward, then the weighted total
+        return {"reward": per.sum(1), "reward_squared": (per * per).sum(1), "completions": _count(len(total)),
+                "zero_std_groups": _count(flat.sum()), "groups": _count(len(flat)),
+                **self.length_sums(torch.cat([r.completions for r in rollouts]))}
+
+    def length_sums(self, completions: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The length parts of :meth:`rollout_sums` for completion ids ``[N, max_new_tokens]``: their tokens up to
+        the first stop, how many used every token without a stop (truncated), and how many have each length."""
+        width = self.cfg.grpo.max_new_tokens
+        lengths = completion_mask(completions, self.stop_ids).sum(1)
         stopped = torch.isin(completions, torch.tensor(self.stop_ids, dtype=completions.dtype)).any(1) \
             if self.stop_ids else torch.zeros(len(completions), dtype=torch.bool)
-        per = torch.cat([rewards, total[None]])  # [F + 1, N]
         histogram = torch.bincount(lengths, minlength=width + 1)[: width + 1].double()
-        return torch.cat([per.sum(1), (per * per).sum(1), torch.tensor(
-            [float(len(total)), float(flat.sum()), float(len(flat)), float(lengths.sum()),
-             float((~stopped & (lengths == width)).sum())], dtype=torch.float64), histogram])
+        return {"completion_tokens": _count(lengths.sum()), "truncated": _count((~stopped & (lengths == width)).sum()),
+                "length_histogram": histogram}
 
     def cache_rows(self, rollouts: list[Rollout]) -> torch.Tensor:
         """A window's rollouts as one float64 ``[N, columns]`` table (completion ids, rewards, old and reference
@@ -506,23 +597,35 @@ class GRPOTask(TaskData):
         return torch.cat(parts)
 
 
-def generation_metrics(summed: torch.Tensor, names: list[str], max_new_tokens: int) -> dict[str, float]:
-    """The train row's generation metrics from the all-reduced sums of :meth:`GRPOTask.rollout_sums`."""
-    functions = len(names) + 1
-    sums, squares = summed[:functions], summed[functions:2 * functions]
-    n, flat, groups, length, truncated = summed[2 * functions:2 * functions + 5].tolist()
-    histogram = summed[2 * functions + 5:]
+def _count(value: float | torch.Tensor) -> torch.Tensor:
+    """A count as a one-value float64 sum (a part of width 1 of :func:`generation_layout`)."""
+    return torch.tensor([float(value)], dtype=torch.float64)
+
+
+def generation_metrics(summed: Mapping[str, torch.Tensor], names: Sequence[str]) -> dict[str, float]:
+    """The train row's generation metrics from the sums of :meth:`GRPOTask.rollout_sums` (summed over the ranks)
+    by the names of :func:`generation_layout`; ``names``: the reward functions', in their order in ``reward``."""
+    n = float(summed["completions"])
     out: dict[str, float] = {}
     for i, name in enumerate([*names, None]):
-        mean = float(sums[i]) / max(n, 1.0)
-        std = math.sqrt(max(float(squares[i]) / max(n, 1.0) - mean * mean, 0.0))
+        mean = float(summed["reward"][i]) / max(n, 1.0)
+        std = math.sqrt(max(float(summed["reward_squared"][i]) / max(n, 1.0) - mean * mean, 0.0))
         key = "reward" if name is None else f"reward_{name}"
         out[key], out[f"{key}_std"] = mean, std
-    nonzero = torch.nonzero(histogram).flatten()
-    out |= {"frac_zero_std": flat / max(groups, 1.0), "completion_len": length / max(n, 1.0),
+    nonzero = torch.nonzero(summed["length_histogram"]).flatten()
+    out |= {"frac_zero_std": float(summed["zero_std_groups"]) / max(float(summed["groups"]), 1.0),
+            "completion_len": float(summed["completion_tokens"]) / max(n, 1.0),
             "completion_len_max": float(nonzero[-1]) if len(nonzero) else 0.0,
-            "truncated": truncated / max(n, 1.0)}
+            "truncated": float(summed["truncated"]) / max(n, 1.0)}
     return out
+
+
+def loss_metrics(summed: Mapping[str, torch.Tensor], with_kl: bool) -> dict[str, float]:
+    """The train row's clip fraction and (``with_kl``: ``beta`` > 0) mean per-token KL from the step's loss sums
+    (:data:`LOSS_SUMS`, summed over the ranks)."""
+    tokens = summed["tokens"].clamp(min=1.0)
+    return {"clip_fraction": float(summed["clipped"] / tokens),
+            **({"kl": float(summed["kl"] / tokens)} if with_kl else {})}
 
 
 def cycle_at(start_sample: int, per_step: int, k: int) -> tuple[int, int]:
@@ -555,53 +658,67 @@ class Rollouts:
     window, generated at the first step of each cycle of ``grpo.iterations`` steps and served again for the
     others. ``start_sample`` is the loop's cursor (``global_batch_size`` per step)."""
 
-    def __init__(self, task: GRPOTask, start_sample: int) -> None:
+    def __init__(self, task: GRPOTask, rollout_state: RolloutState, start_sample: int) -> None:
+        """``rollout_state``: the task's, where the live batch is held, its metrics served and a checkpoint's batch
+        taken from; a fresh iterator starts with no live batch."""
         cfg = task.cfg
-        self.task, self.per_step, self.k = task, cfg.train.global_batch_size, cfg.grpo.iterations
+        self.task, self.rollout_state = task, rollout_state
+        self.per_step, self.k = cfg.train.global_batch_size, cfg.grpo.iterations
         self.cycle, self.offset = cycle_at(start_sample, self.per_step, self.k)
         self.prompts = iter(task.prompt_loader(self.cycle * self.per_step))
-        self.window: list[Rollout] | None = None  # the current cycle's rollouts, while a later step uses them
-        self.served: torch.Tensor | None = None
+        rollout_state.release()
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return self._batches()
 
     def _batches(self) -> Iterator[dict[str, Any]]:
+        """Each step's micro-batches; the cycle's batch is held while a later step of the cycle still uses it."""
         while True:
-            window = self.window if self.window is not None else self._generate()
+            window = self._window()
             self.offset += 1
             if self.offset == self.k:  # the cycle's last step: the next one generates anew
-                self.cycle, self.offset, self.window = self.cycle + 1, 0, None
+                self.cycle, self.offset = self.cycle + 1, 0
+                self.rollout_state.release()
             else:
-                self.window = window
-            self.task._served = self.served
+                self.rollout_state.hold(self.cycle, window)
             for rollout in window:
                 yield self.task.micro_batch(rollout)
+
+    def _window(self) -> list[Rollout]:
+        """The batch serving this step: the cycle's live one, else a new one whose metrics it serves from now on."""
+        live = self.rollout_state.live()
+        if live is not None:
+            return live[1]
+        window = self._generate()
+        self.rollout_state.serve(self.task.rollout_sums(window))
+        return window
 
     def _generate(self) -> list[Rollout]:
         """The cycle's rollouts: generated with the current weights, or read back from a checkpoint."""
         task, cfg = self.task, self.task.cfg
-        accum, micro, world = cfg.grad_accum, cfg.train.micro_batch_size, task.world
-        rows_per_micro = micro * cfg.grpo.group_size
-        restored = None
-        saved = None if task.restored is None else task.restored[0]
-        if problem := restored_cycle_problem(saved, self.cycle, self.offset, self.k):
-            raise ConfigError(f"task grpo: {problem}")
-        if task.restored is not None:
-            cycle, table = task.restored
-            task.restored = None
-            if cycle == self.cycle:
-                share = table.size(0) // world
-                restored = table[task.rank * share:(task.rank + 1) * share]
+        micro, rows_per_micro = cfg.train.micro_batch_size, cfg.train.micro_batch_size * cfg.grpo.group_size
+        restored = self._restored_rows()
         step = self.cycle * self.k
         window = []
-        for i in range(accum):
+        for i in range(cfg.grad_accum):
             prompts = next(self.prompts)
-            first = task.rank * (cfg.train.global_batch_size // world) + i * micro
+            first = task.rank * (cfg.train.global_batch_size // task.world) + i * micro
             part = None if restored is None else restored[i * rows_per_micro:(i + 1) * rows_per_micro]
             window.append(task.rollout(prompts, step, first, part))
-        self.served = task.rollout_sums(window)
         return window
+
+    def _restored_rows(self) -> torch.Tensor | None:
+        """This rank's share of a checkpoint's generation batch when it is this cycle's (taken once, whatever its
+        cycle), else None; a ConfigError when a step resumed inside a cycle needs a batch the checkpoint lacks."""
+        restored = self.rollout_state.take_restored()
+        saved = None if restored is None else restored[0]
+        if problem := restored_cycle_problem(saved, self.cycle, self.offset, self.k):
+            raise ConfigError(f"task grpo: {problem}")
+        if restored is None or restored[0] != self.cycle:
+            return None
+        table, rank, world = restored[1], self.task.rank, self.task.world
+        share = table.size(0) // world
+        return table[rank * share:(rank + 1) * share]
 
 
 class RolloutCache:
@@ -620,26 +737,32 @@ class RolloutCache:
     optional_in_checkpoint = True
     file = f"{CACHE_NAME}.json"
 
-    def __init__(self, task: GRPOTask) -> None:
-        self.task = task
+    def __init__(self, task: GRPOTask, rollout_state: RolloutState) -> None:
+        """``task``: the recipe, rewards, model and accelerator the batch is checked and gathered with;
+        ``rollout_state``: the task's, holding the live batch and taking a restored one."""
+        self.task, self.rollout_state = task, rollout_state
 
     def state_dict(self) -> dict[str, Any]:
-        rollouts = self.task.rollouts
-        if rollouts is None or rollouts.window is None:
+        """``{"cycle": -1}`` when no batch is live, else ``{"cycle": c, "rows": the gathered table}``."""
+        live = self.rollout_state.live()
+        if live is None:
             return {"cycle": -1}
-        table = self.task.cache_rows(rollouts.window)
+        cycle, window = live
+        table = self.task.cache_rows(window)
         acc = self.task.accelerator
         if acc.num_processes > 1:
             table = acc.gather(table.to(acc.device)).cpu()
-        return {"cycle": rollouts.cycle, "rows": table}
+        return {"cycle": cycle, "rows": table}
 
     def load_state_dict(self, state: Any) -> None:
-        """Hand a read-back batch to the task once :meth:`problems` finds nothing wrong with it (else one line)."""
+        """Hand a read-back batch to the rollout state once :meth:`problems` finds nothing wrong with it (else one
+        line); ``{"cycle": -1}`` holds none."""
         found = self.problems(state)
         if found:
             raise RunDirError(f"{self.file}: {'; '.join(found)}; it was altered or is corrupted: resume from another "
                               "checkpoint (finetune ls lists them)")
-        self.task.restored = None if state["cycle"] < 0 else (state["cycle"], state["rows"])
+        if state["cycle"] >= 0:
+            self.rollout_state.restore(state["cycle"], state["rows"])
 
     def restored_problems(self, held: Any, counters: dict[str, Any]) -> list[str]:
         """What is wrong with what a checkpoint holds for this object (``held``; None: no file, no batch) given its

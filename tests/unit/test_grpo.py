@@ -3,7 +3,8 @@
 Checks the group-normalised advantages, the completion mask (up to and including EOS), the three loss
 normalisations against their formulas, that iterations == 1 gives the plain policy gradient, that the per-token
 log-probs equal a full fp64 log-softmax, that a completion does not depend on the other prompts of its batch or on
-how a window is cut into micro-batches or ranks, and that a rollout's metric sums reduce to the right numbers.
+how a window is cut into micro-batches or ranks, that a rollout's metric sums reduce to the right numbers by name,
+and the contract of the rollout state the train dataloader and the checkpoint object share.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from finetune.tasks.grpo import (
     GRPOTask,
     PolicyGenerator,
     Rollout,
+    RolloutState,
     completion_logprobs,
     completion_mask,
     completion_seed,
@@ -31,6 +33,7 @@ from finetune.tasks.grpo import (
     group_advantages,
     policy_loss,
     sequences,
+    step_layout,
     targets_of,
     token_logprobs,
 )
@@ -219,7 +222,7 @@ def test_rollout_metrics(llama, tok) -> None:
     completions = torch.tensor([[5, EOS, PAD, PAD], [5, EOS, PAD, PAD], [6, 7, 8, 9], [6, 6, EOS, PAD]])
     rewards = torch.tensor([[1.0, 1.0, 4.0, 2.0], [0.0, 0.0, 1.0, 1.0]], dtype=torch.float64)
     sums = task.rollout_sums([Rollout(prompt_batch(PROMPTS[:2]), completions, rewards)])
-    m = generation_metrics(sums, ["length", "has_a"], 4)
+    m = generation_metrics(sums, ["length", "has_a"])
     assert m["reward_length"] == pytest.approx(2.0)
     assert m["reward_length_std"] == pytest.approx(math.sqrt((1 + 1 + 4 + 0) / 4))
     total = [1.0, 1.0, 4.5, 2.5]
@@ -227,6 +230,81 @@ def test_rollout_metrics(llama, tok) -> None:
     assert m["frac_zero_std"] == 0.5  # the first group's totals are equal
     assert m["completion_len"] == pytest.approx((2 + 2 + 4 + 3) / 4) and m["completion_len_max"] == 4
     assert m["truncated"] == 0.25  # the third: 4 tokens, no EOS
+
+
+def test_the_rollout_state_serves_holds_and_restores_once() -> None:
+    """The one owner of the rollout state: served metrics read back as often as the cycle's steps ask (none served:
+    an error), a live batch held until released, a checkpoint's batch taken exactly once."""
+    state = RolloutState()
+    with pytest.raises(RuntimeError, match="without a generation batch"):
+        state.served()
+    sums = {"completions": torch.tensor([6.0], dtype=torch.float64)}
+    state.serve(sums)
+    assert state.served() is sums and state.served() is sums
+    assert state.live() is None
+    window = [Rollout(prompt_batch(PROMPTS[:1]), torch.tensor([[5, EOS]]), torch.tensor([[1.0]]))]
+    state.hold(3, window)
+    assert state.live() == (3, window)
+    state.release()
+    assert state.live() is None
+    assert state.take_restored() is None
+    rows = torch.full((2, 3), 7.0, dtype=torch.float64)
+    state.restore(5, rows)
+    cycle, taken = state.take_restored()
+    assert cycle == 5 and taken is rows
+    assert state.take_restored() is None  # once: a later generation never reads it again
+
+
+RANK_SUMS = [  # two ranks' generation sums (functions length, has_a weighted 1 and 0.5; 3 new tokens) and loss sums
+    {"reward": [6.0, 1.0, 6.5], "reward_squared": [20.0, 1.0, 22.25], "completions": [2.0], "zero_std_groups": [0.0],
+     "groups": [1.0], "completion_tokens": [5.0], "truncated": [1.0], "length_histogram": [0.0, 0.0, 1.0, 1.0],
+     "clipped": [1.0], "kl": [0.5], "tokens": [5.0]},  # rewards (2, 1), (4, 0): lengths 2 and 3 (no stop)
+    {"reward": [6.0, 2.0, 7.0], "reward_squared": [18.0, 2.0, 24.5], "completions": [2.0], "zero_std_groups": [1.0],
+     "groups": [1.0], "completion_tokens": [2.0], "truncated": [0.0], "length_histogram": [0.0, 2.0, 0.0, 0.0],
+     "clipped": [0.0], "kl": [0.3], "tokens": [2.0]},  # rewards (3, 1), (3, 1): one token each
+]
+EXPECTED_ROW = {  # rewards length (2, 4, 3, 3), has_a (1, 0, 1, 1), totals (2.5, 4, 3.5, 3.5); lengths 2, 3, 1, 1
+    "reward_length": 3.0, "reward_length_std": math.sqrt(0.5), "reward_has_a": 0.75,
+    "reward_has_a_std": math.sqrt(0.1875), "reward": 3.375, "reward_std": math.sqrt(0.296875), "frac_zero_std": 0.5,
+    "completion_len": 1.75, "completion_len_max": 3.0, "truncated": 0.25,
+}
+
+
+def test_named_metric_sums_round_trip_through_the_reduction() -> None:
+    """Two ranks pack their sums by name into one vector each; summed (the all-reduce) and read back by name they
+    give the step's totals, and the train row's metrics by their names; a producer out of step is refused."""
+    layout = step_layout(2, 3)
+    cpu = torch.device("cpu")
+    ranks = [{k: torch.tensor(v, dtype=torch.float64) for k, v in sums.items()} for sums in RANK_SUMS]
+    summed = layout.unpack(layout.pack(ranks[0], cpu) + layout.pack(ranks[1], cpu))
+    assert {k: v.tolist() for k, v in summed.items()} == {
+        "reward": [12.0, 3.0, 13.5], "reward_squared": [38.0, 3.0, 46.75], "completions": [4.0],
+        "zero_std_groups": [1.0], "groups": [2.0], "completion_tokens": [7.0], "truncated": [1.0],
+        "length_histogram": [0.0, 2.0, 1.0, 1.0], "clipped": [1.0], "kl": [pytest.approx(0.8)], "tokens": [7.0]}
+    assert generation_metrics(summed, ["length", "has_a"]) == pytest.approx(EXPECTED_ROW)
+    with pytest.raises(ValueError, match="do not match"):
+        layout.pack({k: v for k, v in ranks[0].items() if k != "truncated"}, cpu)
+    with pytest.raises(ValueError, match="'length_histogram' has 3 value"):
+        layout.pack(ranks[0] | {"length_histogram": torch.zeros(3)}, cpu)
+
+
+def test_step_metrics_reads_the_served_sums_in_one_reduction(llama, tok) -> None:
+    """The task's step metrics: the batch it serves (rank 0 of RANK_SUMS, no loss sums yet) and the other rank's
+    sums, added by the one reduction, give the train row by name (kl and clip fraction over the step's tokens)."""
+    task = bound_task(make_cfg(group=2, new=3, beta=0.1), llama, tok)
+    task.rollout_state.serve({k: torch.tensor(v, dtype=torch.float64) for k, v in RANK_SUMS[0].items()
+                              if k not in ("clipped", "kl", "tokens")})
+    other = step_layout(2, 3).pack({k: torch.tensor(v, dtype=torch.float64) for k, v in RANK_SUMS[1].items()},
+                                   torch.device("cpu"))
+    calls = []
+
+    def reduce(vector: torch.Tensor) -> torch.Tensor:
+        calls.append(vector)
+        return vector + other
+
+    row = task.step_metrics(reduce)
+    assert len(calls) == 1 and calls[0].dtype == torch.float64
+    assert row == pytest.approx(EXPECTED_ROW | {"clip_fraction": 0.0, "kl": 0.15})
 
 
 def test_micro_batch_carries_advantages_and_counts(llama, tok) -> None:
@@ -286,21 +364,23 @@ def test_a_mid_cycle_generation_batch_resumes_on_another_world_size(llama, tok) 
 
     ranks = [task_of(rank, 2, 1) for rank in range(2)]
     for task in ranks:
-        task.rollouts = Rollouts(task, 0)
-        stream = iter(task.rollouts)
+        stream = iter(task.build_dataloader("train"))
         [next(stream) for _ in range(2)]  # step 1 of cycle 0: the batch stays live for step 2
-    tables = [task.cache_rows(task.rollouts.window) for task in ranks]
+    lives = [task.rollout_state.live() for task in ranks]
+    assert [live[0] for live in lives] == [0, 0]
+    tables = [task.cache_rows(live[1]) for task, live in zip(ranks, lives, strict=True)]
     ranks[0].accelerator.num_processes = 2
     ranks[0].accelerator.gather = lambda table: torch.cat(tables)
-    state = RolloutCache(ranks[0]).state_dict()
+    state = ranks[0].checkpoint_objects["grpo_rollouts"].state_dict()
     assert state["cycle"] == 0 and state["rows"].shape[0] == 4 * 2
 
-    fresh = iter(Rollouts(task_of(0, 1, 2), 0))
+    fresh_task = task_of(0, 1, 2)
+    fresh = iter(Rollouts(fresh_task, fresh_task.rollout_state, 0))
     expected = [next(fresh) for _ in range(2)]
     resumed_task = task_of(0, 1, 2)
     resumed_task.generator = None  # it must not generate: the batch comes from the checkpoint
-    RolloutCache(resumed_task).load_state_dict(state)
-    resumed = iter(Rollouts(resumed_task, 4))  # the cursor after step 1 (global batch 4)
+    RolloutCache(resumed_task, resumed_task.rollout_state).load_state_dict(state)
+    resumed = iter(Rollouts(resumed_task, resumed_task.rollout_state, 4))  # the cursor after step 1 (batch 4)
     for want, got in zip(expected, [next(resumed) for _ in range(2)], strict=True):
         for key in ("input_ids", "labels", "attention_mask", "advantages"):
             assert torch.equal(want[key], got[key]), key
@@ -456,7 +536,8 @@ def test_the_saved_generation_batch_is_judged_against_the_recipe_and_the_resumed
     mistake (a changed global batch), and load_state_dict refuses what the judge refuses."""
     from finetune.tasks.grpo import RolloutCache
 
-    cache = RolloutCache(bound_task(make_cfg(group=2, new=4, iterations=2, global_batch=4), llama, tok))
+    task = bound_task(make_cfg(group=2, new=4, iterations=2, global_batch=4), llama, tok)
+    cache = RolloutCache(task, task.rollout_state)
     if outcome is ConfigError:
         with pytest.raises(ConfigError, match="not a whole number of steps"):
             cache.restored_problems(held, {"samples_seen": samples})
