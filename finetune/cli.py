@@ -26,6 +26,7 @@ from finetune.commands.export import Exported
 from finetune.commands.export import export as export_checkpoint
 from finetune.commands.merge import merge as merge_adapter
 from finetune.commands.plan import render, to_json
+from finetune.commands.plot import plot_runs
 from finetune.config import load_recipe, outputs, resources, to_yaml
 from finetune.config.schema import recipe_file_schema
 from finetune.errors import FinetuneError, RunDirError, run_main
@@ -34,7 +35,6 @@ from finetune.runtime.plan import build_plan
 from finetune.storage import layout, rundir
 from finetune.storage.choose import inventory
 from finetune.storage.metrics import format_metrics
-from finetune.commands.plot import plot_runs
 from finetune.storage.summary import read_summary
 from finetune.storage.summary import render as summary_lines
 from finetune.version import report
