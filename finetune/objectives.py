@@ -1,13 +1,15 @@
 """The training objectives a recipe's ``task`` key names, and the data formats that belong to one, as data.
 
 Why a table: the rules of a task (which data it trains on, which eval metrics it reports, whether dropout stays on,
-whether its data may stream, be packed or train on prompts) were ``cfg.task == ...`` tests spread over the schema,
-the validator and the registry. Each is now a field of the task's record here, and those modules ask the record;
-adding a task means its module in ``finetune/tasks/`` and its row here (docs/architecture.md says how). Torch-free
-and import-light: the schema and the CLI read it.
+whether its data may stream, be packed or train on prompts, which model rows it trains, whether it generates, how
+many steps a batch trains, when it needs the reference weights, what its run leads with) were ``cfg.task == ...``
+tests spread over the schema, the validator, storage, the plan and the runtime. Each is now a field of the task's
+record here, and those modules ask the record (``tests/unit/test_objectives.py`` scans the package for a task
+compared with its name); adding a task means its module in ``finetune/tasks/`` and its row here
+(docs/architecture.md says how). Torch-free and import-light: the schema and the CLI read it.
 
 ``task: null`` trains the model row's own task (``causal_lm``, ``vision_causal_lm``, ``classification``): its rules
-are the row's (``finetune.registry.TASK_METRICS`` and ``TASK_FORMATS``); :data:`OBJECTIVES` holds the tasks a recipe
+are the row's (``finetune.registry.ROW_TASKS``); :data:`OBJECTIVES` holds the tasks a recipe
 names. :data:`OWNED_FORMATS` holds the data formats only some tasks train on (preference pairs, prompt rows).
 """
 
@@ -82,7 +84,7 @@ class OwnedFormat:
     metrics_of: str | None
 
 
-_PREFERENCE_ROWS = {"row_capability": "preference", "row_hint": "use a causal LM model type (finetune models)"}
+_CAUSAL_HINT = "use a causal LM model type (finetune models)"  # the preference tasks' refusal of a model row
 
 OBJECTIVES: Mapping[str, Objective] = {
     "sft": Objective("sft", metrics=None, data=None, data_need="", dropout=True, no_streaming=None,
@@ -92,10 +94,10 @@ OBJECTIVES: Mapping[str, Objective] = {
     "dpo": Objective("dpo", metrics=frozenset({"preference_accuracy"}), data="preference",
                      data_need="trains on preference pairs", dropout=False,
                      no_streaming="its reference log-probs are scored over the whole train split before training",
-                     **_PREFERENCE_ROWS, reference="always", collapse="unknown"),
+                     row_capability="preference", row_hint=_CAUSAL_HINT, reference="always", collapse="unknown"),
     "reward": Objective("reward", metrics=frozenset({"preference_accuracy"}), data="preference",
                         data_need="trains on preference pairs", dropout=False, no_streaming=None,
-                        **_PREFERENCE_ROWS, builds="reward", collapse="pairs"),
+                        row_capability="preference", row_hint=_CAUSAL_HINT, builds="reward", collapse="pairs"),
     # exact_match of greedy completions against each eval row's answer; the mean reward is always reported. Never
     # checked for collapse: a group whose completions got equal rewards has advantage 0, a zero gradient at any loss
     "grpo": Objective("grpo", metrics=frozenset({"exact_match"}), data="prompt",
