@@ -1,13 +1,15 @@
 """The training objectives a recipe's ``task`` key names, and the data formats that belong to one, as data.
 
 Why a table: the rules of a task (which data it trains on, which eval metrics it reports, whether dropout stays on,
-whether its data may stream, be packed or train on prompts) were ``cfg.task == ...`` tests spread over the schema,
-the validator and the registry. Each is now a field of the task's record here, and those modules ask the record;
-adding a task means its module in ``finetune/tasks/`` and its row here (docs/architecture.md says how). Torch-free
-and import-light: the schema and the CLI read it.
+whether its data may stream, be packed or train on prompts, which model rows it trains, whether it generates, how
+many steps a batch trains, when it needs the reference weights, what its run leads with) were ``cfg.task == ...``
+tests spread over the schema, the validator, storage, the plan and the runtime. Each is now a field of the task's
+record here, and those modules ask the record (``tests/unit/test_objectives.py`` scans the package for a task
+compared with its name); adding a task means its module in ``finetune/tasks/`` and its row here
+(docs/architecture.md says how). Torch-free and import-light: the schema and the CLI read it.
 
 ``task: null`` trains the model row's own task (``causal_lm``, ``vision_causal_lm``, ``classification``): its rules
-are the row's (``finetune.registry.TASK_METRICS`` and ``TASK_FORMATS``); :data:`OBJECTIVES` holds the tasks a recipe
+are the row's (``finetune.registry.ROW_TASKS``); :data:`OBJECTIVES` holds the tasks a recipe
 names. :data:`OWNED_FORMATS` holds the data formats only some tasks train on (preference pairs, prompt rows).
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Literal
 
 
 @dataclass(frozen=True)
@@ -23,9 +26,28 @@ class Objective:
 
     ``metrics``: the ``eval.metrics`` it reports (None: the model row's own); ``data``: the data format it trains on
     (None: the row's formats) and ``data_need``: how its one line says so (``task: X {data_need}; set
-    data.format=...``); ``row_tasks``: the model rows' tasks it trains (and ``row_capability``, one capability those
-    rows must have); ``dropout``: what ``train.dropout: null`` means for it (off where the loss compares scores
-    made without dropout); ``no_streaming``: why it cannot train on ``data.streaming`` (None: it can)."""
+    data.format=...``); ``dropout``: what ``train.dropout: null`` means for it (off where the loss compares scores
+    made without dropout); ``no_streaming``: why it cannot train on ``data.streaming`` (None: it can).
+
+    The model row it trains (:func:`row_line`): ``row_tasks``, the model rows' tasks it trains (None: any), and
+    ``row_capability``, one capability those rows must have; ``row_need`` says what it trains in its line and
+    ``row_hint`` what to do instead. ``builds``: the model-row task a run of it builds the row as
+    (``finetune.registry.for_task``; None: the row as it is).
+
+    What it runs: ``generates``: it trains on completions it generates from prompt rows (``grpo.max_new_tokens`` of
+    ``data.max_seq_len`` are theirs); ``rewards``: ``grpo.rewards`` score them (at least one; their functions'
+    sources and reward models are part of its objective); ``repeats_batches``: one global batch trains
+    ``grpo.iterations`` optimizer steps; ``groups``: ``train.micro_batch_size`` counts prompts, each
+    ``grpo.group_size`` sequences (what the memory plan counts). ``reference``: when it compares with the initial
+    weights (``"always"``, ``"beta"``: with ``grpo.beta`` > 0, ``"never"``), so that ``model.path`` defines its
+    objective; ``reference_copy``: that reference is a frozen copy of the weights held through training under full
+    fine-tuning (the plan counts it; FSDP1 cannot build it), rather than scored ahead.
+
+    What its run reports: ``headline``: the train and the eval keys its step lines, summary and plot lead with
+    (None: the loss first, ``finetune.storage.metrics.LOSS_FIRST``; a ``"loss"`` among the train keys leads only
+    where its value carries information, see ``grpo_loss_informative``); ``collapse``: the collapse signature of
+    its runs (``finetune.runtime.collapse``): ``"row"`` the model row's, ``"pairs"`` a score pair's, ``"unknown"``
+    a dead loss that is not a known constant, ``"never"`` not checked."""
 
     name: str
     metrics: frozenset[str] | None
@@ -33,6 +55,19 @@ class Objective:
     data_need: str
     dropout: bool
     no_streaming: str | None
+    row_tasks: frozenset[str] | None = None
+    row_capability: str | None = None
+    row_need: str = ""
+    row_hint: str = ""
+    builds: str | None = None
+    generates: bool = False
+    rewards: bool = False
+    repeats_batches: bool = False
+    groups: bool = False
+    reference: Literal["never", "always", "beta"] = "never"
+    reference_copy: bool = False
+    headline: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+    collapse: Literal["row", "pairs", "unknown", "never"] = "row"
 
 
 @dataclass(frozen=True)
@@ -49,17 +84,31 @@ class OwnedFormat:
     metrics_of: str | None
 
 
+_CAUSAL_HINT = "use a causal LM model type (finetune models)"  # the preference tasks' refusal of a model row
+
 OBJECTIVES: Mapping[str, Objective] = {
-    "sft": Objective("sft", metrics=None, data=None, data_need="", dropout=True, no_streaming=None),
+    "sft": Objective("sft", metrics=None, data=None, data_need="", dropout=True, no_streaming=None,
+                     row_tasks=frozenset({"causal_lm", "vision_causal_lm"}), row_need="trains causal LMs",
+                     row_hint="use task: null"),
+    # the loss of a dead policy depends on the reference log-probs: its collapse loss is not a known constant
     "dpo": Objective("dpo", metrics=frozenset({"preference_accuracy"}), data="preference",
                      data_need="trains on preference pairs", dropout=False,
-                     no_streaming="its reference log-probs are scored over the whole train split before training"),
+                     no_streaming="its reference log-probs are scored over the whole train split before training",
+                     row_capability="preference", row_hint=_CAUSAL_HINT, reference="always", collapse="unknown"),
     "reward": Objective("reward", metrics=frozenset({"preference_accuracy"}), data="preference",
-                        data_need="trains on preference pairs", dropout=False, no_streaming=None),
-    # exact_match of greedy completions against each eval row's answer; the mean reward is always reported
+                        data_need="trains on preference pairs", dropout=False, no_streaming=None,
+                        row_capability="preference", row_hint=_CAUSAL_HINT, builds="reward", collapse="pairs"),
+    # exact_match of greedy completions against each eval row's answer; the mean reward is always reported. Never
+    # checked for collapse: a group whose completions got equal rewards has advantage 0, a zero gradient at any loss
     "grpo": Objective("grpo", metrics=frozenset({"exact_match"}), data="prompt",
                       data_need="generates from prompt rows", dropout=False,
-                      no_streaming="prompt rows are tokenized ahead, like the eval split"),
+                      no_streaming="prompt rows are tokenized ahead, like the eval split",
+                      row_tasks=frozenset({"causal_lm"}), row_capability="generation",
+                      row_need="trains a causal LM on its own generated text",
+                      row_hint="use a causal LM model type that generates (finetune models)",
+                      generates=True, rewards=True, repeats_batches=True, groups=True, reference="beta",
+                      reference_copy=True, headline=(("reward", "loss"), ("eval_exact_match", "eval_reward")),
+                      collapse="never"),
 }
 
 OWNED_FORMATS: Mapping[str, OwnedFormat] = {
@@ -72,10 +121,38 @@ OWNED_FORMATS: Mapping[str, OwnedFormat] = {
 }
 
 
-def objective(task: str | None) -> Objective | None:
-    """The record of a recipe's ``task`` (None for ``task: null`` or a name that is not a task: the schema reports
-    that)."""
-    return OBJECTIVES.get(task) if task is not None else None
+def objective(task: object) -> Objective | None:
+    """The record of a recipe's ``task`` (None for ``task: null`` or a value that is not a task: the schema reports
+    that; a recipe read back as plain data may hold any value there)."""
+    return OBJECTIVES.get(task) if isinstance(task, str) else None
+
+
+def needs_reference(task: str | None, cfg: Any) -> bool:
+    """Whether a run of ``task`` compares with the initial weights (its record's ``reference``); ``cfg.grpo.beta``
+    is read only where the record says the KL weight decides."""
+    record = objective(task)
+    if record is None or record.reference == "never":
+        return False
+    return record.reference == "always" or cfg.grpo.beta > 0
+
+
+def row_line(task: str | None, name: str, row_task: str, capabilities: frozenset[str]) -> str | None:
+    """The line refusing a model row (``name``, of ``row_task``, with ``capabilities``) that ``task`` cannot train
+    (its record's ``row_tasks`` and ``row_capability``); None where it can. A record that asks a capability alone
+    names the row first; one that asks a row task names itself first, and the capability only for a row of a task
+    it trains."""
+    record = objective(task)
+    if record is None:
+        return None
+    task_fits = record.row_tasks is None or row_task in record.row_tasks
+    capable = record.row_capability is None or record.row_capability in capabilities
+    if task_fits and capable:
+        return None
+    if record.row_tasks is None:
+        return (f"task: {name} ({row_task}) cannot train task {task}: it lacks the {record.row_capability} "
+                f"capability; {record.row_hint}")
+    lacks = f" without the {record.row_capability} capability" if task_fits else ""
+    return f"task: {task} {record.row_need}, but {name} is a {row_task} model{lacks}; {record.row_hint}"
 
 
 def metrics_task(task: str | None, data_format: str | None) -> str | None:
@@ -116,4 +193,4 @@ def data_lines(task: str | None, data_format: str, packing: bool, train_on_promp
 
 
 __all__ = ["OBJECTIVES", "OWNED_FORMATS", "Objective", "OwnedFormat", "data_lines", "dropout_default", "metrics_task",
-           "objective"]
+           "needs_reference", "objective", "row_line"]

@@ -23,26 +23,56 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from finetune import objectives
 from finetune.errors import ConfigError, FinetuneError, is_ctrl_c
 
 # reward: a causal LM row built by for_task(row, "reward"); vision_causal_lm: a causal LM that also reads images
 Task = Literal["causal_lm", "vision_causal_lm", "classification", "reward"]
-CAUSAL_TASKS = frozenset({"causal_lm", "vision_causal_lm"})  # next-token logits over the vocabulary
 # "preference": a causal LM row that can train on preference pairs (task: dpo / reward); "flex_attention": its
 # transformers class runs model.attn_implementation=flex_attention (the class declares _supports_flex_attn)
 CAPABILITIES = frozenset({"packing", "gradient_checkpointing", "generation", "preference", "flex_attention"})
-TASK_METRICS: Mapping[Task, frozenset[str]] = {
-    "causal_lm": frozenset({"token_accuracy", "exact_match"}),
-    "vision_causal_lm": frozenset({"token_accuracy", "exact_match"}),
-    "classification": frozenset({"accuracy"}),
-}
-# the metrics of the recipe's ``task`` values (dpo, reward, grpo) are their records' (finetune.objectives)
-TASK_FORMATS: Mapping[Task, frozenset[str]] = {
-    "causal_lm": frozenset({"alpaca", "chat", "completion"}),
-    "vision_causal_lm": frozenset({"vision_chat"}),
-    "classification": frozenset({"classification"}),
-}
 
+
+@dataclass(frozen=True)
+class RowTask:
+    """The rules of one model row's ``task``, as data: the code asks these fields, never the task's name.
+
+    ``metrics``: the ``eval.metrics`` a ``task: null`` run of it reports (None: a row only a recipe's task builds,
+    never registered: ``reward``); ``formats``: the data formats it trains on; ``causal``: next-token logits over
+    the vocabulary (the loss works in chunks of them); ``text_causal``: a causal LM over text alone, the one kind of
+    row that packs samples, trains on preference pairs, becomes a reward model, may be a custom (factory) model and
+    generates for task grpo; ``vision``: it also reads images (the vision batch keys, an ``image_token``);
+    ``labels``: a classification head over named labels (recorded with its checkpoints); ``scores``: one score per
+    sequence (the reward head: a dead model scores a pair equally)."""
+
+    metrics: frozenset[str] | None
+    formats: frozenset[str]
+    causal: bool = False
+    text_causal: bool = False
+    vision: bool = False
+    labels: bool = False
+    scores: bool = False
+
+
+ROW_TASKS: Mapping[Task, RowTask] = {
+    "causal_lm": RowTask(frozenset({"token_accuracy", "exact_match"}), frozenset({"alpaca", "chat", "completion"}),
+                         causal=True, text_causal=True),
+    "vision_causal_lm": RowTask(frozenset({"token_accuracy", "exact_match"}), frozenset({"vision_chat"}),
+                                causal=True, vision=True),
+    "classification": RowTask(frozenset({"accuracy"}), frozenset({"classification"}), labels=True),
+    "reward": RowTask(None, frozenset(), scores=True),
+}
+CAUSAL_TASKS = frozenset(task for task, rules in ROW_TASKS.items() if rules.causal)  # next-token logits
+# the tasks a row may have (register): their metrics and formats; the metrics of the recipe's ``task`` values (dpo,
+# reward, grpo) are their records' (finetune.objectives)
+TASK_METRICS: Mapping[Task, frozenset[str]] = {task: rules.metrics for task, rules in ROW_TASKS.items()
+                                               if rules.metrics is not None}
+TASK_FORMATS: Mapping[Task, frozenset[str]] = {task: ROW_TASKS[task].formats for task in TASK_METRICS}
+
+
+def row_task(row: SupportedModel) -> RowTask:
+    """The rules of ``row``'s task (:data:`ROW_TASKS`; register admits no other task)."""
+    return ROW_TASKS[row.task]
 
 # the batch keys a causal LM forward can take; HF rows take all three (and use_cache=False, see tasks/causal_lm.py)
 MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids")
@@ -260,10 +290,11 @@ def register(row: SupportedModel) -> None:
     if unknown:
         raise ConfigError(f"SupportedModel {row.name!r}: unknown capabilities {sorted(unknown)}; "
                           f"known: {sorted(CAPABILITIES)}")
-    if "packing" in row.capabilities and row.task != "causal_lm":
+    rules = row_task(row)
+    if "packing" in row.capabilities and not rules.text_causal:
         raise ConfigError(f"SupportedModel {row.name!r}: packing is a causal_lm capability (a {row.task} row packs "
                           "no next-token targets); remove it from capabilities")
-    if "preference" in row.capabilities and row.task != "causal_lm":
+    if "preference" in row.capabilities and not rules.text_causal:
         raise ConfigError(f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward "
                           f"train decoders, not {row.task} rows); remove it from capabilities")
     problem = _class_problem(row) or _inputs_problem(row) or _vision_problem(row)
@@ -282,7 +313,7 @@ def _class_problem(row: SupportedModel) -> str | None:
         return f"factory must be 'package.module:function', got {row.factory!r}"
     if row.auto_class or row.config_class:
         return "a factory row builds its own model; remove auto_class and config_class"
-    if row.task != "causal_lm":
+    if not row_task(row).text_causal:
         return f"a factory row must be a causal_lm model (got task {row.task!r})"
     if not row.tokenizer:
         return "a factory row has no model folder to take a tokenizer from; set tokenizer (asset, folder or hub id)"
@@ -293,7 +324,7 @@ def _inputs_problem(row: SupportedModel) -> str | None:
     """``model_inputs``: known batch keys, with the two every forward gets (eval, logit probes); packing needs
     position ids."""
     inputs = tuple(row.model_inputs)
-    known = MODEL_INPUTS + PACKED_ATTENTION_INPUTS + (VISION_INPUTS if row.task == "vision_causal_lm" else ())
+    known = MODEL_INPUTS + PACKED_ATTENTION_INPUTS + (VISION_INPUTS if row_task(row).vision else ())
     unknown = [key for key in inputs if key not in known]
     if unknown:
         return f"model_inputs {unknown} are not batch keys; use some of {list(known)}"
@@ -307,10 +338,11 @@ def _inputs_problem(row: SupportedModel) -> str | None:
 def _vision_problem(row: SupportedModel) -> str | None:
     """A vision-language row names the placeholder token of its images; ``freeze_groups`` maps part names to
     module-name prefixes; ``lora_exclude`` is a regular expression."""
-    if (row.task == "vision_causal_lm") != bool(row.image_token):
+    vision = row_task(row).vision
+    if vision != bool(row.image_token):
         return ("a vision_causal_lm row sets image_token (the placeholder its chat template writes per image)"
                 if row.image_token is None else "image_token is for vision_causal_lm rows; set task or remove it")
-    if row.task == "vision_causal_lm" and row.factory is not None:
+    if vision and row.factory is not None:
         return "a vision_causal_lm row builds a Hugging Face model; remove factory"
     bad = [name for name, prefixes in row.freeze_groups.items()
            if not isinstance(prefixes, tuple) or not prefixes or not all(isinstance(x, str) and x for x in prefixes)]
@@ -421,15 +453,16 @@ def for_task(row: SupportedModel, task: str | None) -> SupportedModel:
     (one output, read at the last token that is not padding; see modeling.build_config), the decoder layers,
     LoRA presets and tiny config unchanged, and the new head (``reward_head``) trained in full under LoRA
     (peft.modules_to_save). It cannot pack or generate. Every other task uses the row as it is."""
-    if task != "reward":
+    record = objectives.objective(task)
+    if record is None or record.builds is None:
         return row
     if row.factory is not None:
         raise ConfigError(f"task: reward needs a Hugging Face sequence-classification class, but model.type "
                           f"{row.name} is a custom model (factory {row.factory}); use task: null")
-    if row.task != "causal_lm":
+    if not row_task(row).text_causal:
         raise ConfigError(f"task: reward scores sequences with a causal LM's sequence-classification head, but "
                           f"model.type {row.name} is a {row.task} model; use a causal LM (e.g. llama, qwen2, gpt2)")
-    return dataclasses.replace(row, task="reward", auto_class=REWARD_AUTO_CLASS, head_modules=row.reward_head,
+    return dataclasses.replace(row, task=record.builds, auto_class=REWARD_AUTO_CLASS, head_modules=row.reward_head,
                                capabilities=row.capabilities - {"packing", "generation"})
 
 

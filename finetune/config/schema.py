@@ -650,9 +650,10 @@ class RecipeConfig(Section):
     def _grpo_prompts(self) -> RecipeConfig:
         """task grpo learns from prompts and rewards; prompt rows are only for task grpo; the prompt leaves room for
         the completion."""
-        if self.task == "grpo" and not self.grpo.rewards:
+        record = objectives.objective(self.task)
+        if record is not None and record.rewards and not self.grpo.rewards:
             raise ValueError("grpo.rewards: task grpo needs at least one reward, e.g. [{exact_match: true}]")
-        if self.task == "grpo" and self.grpo.max_new_tokens >= self.data.max_seq_len:
+        if record is not None and record.generates and self.grpo.max_new_tokens >= self.data.max_seq_len:
             raise ValueError(f"grpo.max_new_tokens={self.grpo.max_new_tokens} leaves no room for the prompt in "
                              f"data.max_seq_len={self.data.max_seq_len}; raise data.max_seq_len or lower "
                              "grpo.max_new_tokens")

@@ -181,7 +181,6 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             row = registry.recipe_row(cfg, as_trained=False)  # the task is checked against the type's own row
         except ConfigError as exc:
             lines.append(str(exc))
-    preference = cfg.task in objectives.OWNED_FORMATS["preference"].tasks  # task: dpo / reward
     # the task whose metrics apply: the recipe's, or one its data format names (that line then names the task)
     scored = objectives.metrics_task(cfg.task, cfg.data.format if cfg.data is not None else None)
     if row is not None and cfg.model is not None:
@@ -194,15 +193,8 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             if "exact_match" in cfg.eval.metrics and "exact_match" in allowed and "generation" not in row.capabilities:
                 lines.append(f"eval.metrics: exact_match generates text, but {row.name} does not support generation; "
                              "use token_accuracy")
-        if preference and "preference" not in row.capabilities:
-            lines.append(f"task: {row.name} ({row.task}) cannot train task {cfg.task}: it lacks the preference "
-                         "capability; use a causal LM model type (finetune models)")
-        if cfg.task == "sft" and row.task not in registry.CAUSAL_TASKS:
-            lines.append(f"task: sft trains causal LMs, but {row.name} is a {row.task} model; use task: null")
-        if cfg.task == "grpo" and (row.task != "causal_lm" or "generation" not in row.capabilities):
-            lines.append(f"task: grpo trains a causal LM on its own generated text, but {row.name} is a {row.task} "
-                         "model" + (" without the generation capability" if row.task == "causal_lm" else "")
-                         + "; use a causal LM model type that generates (finetune models)")
+        refused = objectives.row_line(cfg.task, row.name, row.task, row.capabilities)  # the task's model row
+        lines += [refused] if refused else []
         if cfg.data is not None and cfg.data.format not in ("preference", "prompt") \
                 and cfg.data.format not in registry.TASK_FORMATS[row.task]:
             lines.append(f"data.format: {cfg.data.format!r} does not fit {row.name} ({row.task}); use one of "
@@ -275,7 +267,10 @@ def _launch_lines(cfg: RecipeConfig | _Sections, accelerate_file: accelerate.Acc
                      "train.compile=false, or use ddp or fsdp2")
     grpo, peft = getattr(cfg, "grpo", None), getattr(cfg, "peft", None)  # None: a section with schema errors
     fsdp = accelerate_file.settings.get("fsdp_config") or {}
-    if cfg.task == "grpo" and grpo is not None and grpo.beta > 0 and peft is not None and peft.method == "none" \
+    record = objectives.objective(cfg.task)  # a reference held as a frozen copy of the weights (grpo.beta > 0)
+    copy = record is not None and record.reference_copy and grpo is not None \
+        and objectives.needs_reference(cfg.task, cfg)
+    if copy and peft is not None and peft.method == "none" \
             and accelerate_file.distributed_type == "FSDP" and int(fsdp.get("fsdp_version", 1)) == 1:
         lines.append(f"grpo.beta={grpo.beta:g} with full fine-tuning needs a frozen reference copy, which is not "
                      f"built under FSDP1 (launch.accelerate_config={cfg.launch.accelerate_config}); use "
@@ -368,8 +363,8 @@ def _reward_lines(cfg: RecipeConfig | _Sections) -> list[str]:
     where the command line allows it, see finetune.tasks.rewards), and each reward_model names a folder that holds
     a model: a task: reward run's final/ folder, or the run directory holding it (a grpo section with schema
     errors has nothing to check)."""
-    grpo = getattr(cfg, "grpo", None)
-    if cfg.task != "grpo" or grpo is None:
+    grpo, record = getattr(cfg, "grpo", None), objectives.objective(cfg.task)
+    if record is None or not record.rewards or grpo is None:
         return []
     lines = []
     for i, spec in enumerate(grpo.rewards):

@@ -28,6 +28,7 @@ from finetune.data.batched import rendered
 from finetune.data.bos import Lead
 from finetune.data.rows import check_turns, line_of, short_repr
 from finetune.errors import DataError
+from finetune.objectives import objective
 
 if TYPE_CHECKING:
     from datasets import Dataset, Features
@@ -53,9 +54,11 @@ class PromptOptions:
 
     @classmethod
     def of(cls, cfg: RecipeConfig) -> PromptOptions | None:
-        """The options of a recipe (None unless it is task grpo): rows need ``answer`` where an exact_match reward
-        (train and eval) or the exact_match eval metric (eval) compares completions with it."""
-        if cfg.task != "grpo":
+        """The options of a recipe (None unless its task generates from prompt rows: grpo): rows need ``answer``
+        where an exact_match reward (train and eval) or the exact_match eval metric (eval) compares completions with
+        it."""
+        record = objective(cfg.task)
+        if record is None or not record.generates:
             return None
         exact = any(spec.exact_match for spec in cfg.grpo.rewards)
         return cls(cfg.grpo.max_new_tokens, ("answer",) if exact else (),

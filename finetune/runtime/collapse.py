@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune import objectives, registry
+
 STEPS = 3
 """Collapsed steps in a row that stop a run. One is already conclusive (an exact zero gradient at exactly the
 uniform loss); three, like ``train.max_nonfinite_steps``' default, ride out a single odd step and cost nothing (a
@@ -95,14 +97,18 @@ def _output_width(model: Any) -> int | None:
 
 def signature(objective: str | None, row_task: str | None, model: Any) -> Signature | None:
     """The collapse signature of a run of ``objective`` (the recipe's ``task``) on a row of ``row_task``, read from
-    the plain (unwrapped) ``model``; None: never checked (GRPO, see the module docstring)."""
-    if objective == "grpo":
+    the plain (unwrapped) ``model``; None: never checked (GRPO, see the module docstring). The objective's record
+    says which signature (its ``collapse``), else the row task's record (a score pair, labels, or the vocabulary)."""
+    record = objectives.objective(objective)
+    kind = record.collapse if record is not None else "row"
+    if kind == "never":
         return None
-    if objective == "dpo":  # a dead policy's loss depends on the reference log-probs: not a known constant
+    if kind == "unknown":  # DPO: a dead policy's loss depends on the reference log-probs, not a known constant
         return Signature()
-    if objective == "reward" or row_task == "reward":
+    rules = registry.ROW_TASKS.get(row_task) if isinstance(row_task, str) else None  # type: ignore[call-overload]
+    if kind == "pairs" or (rules is not None and rules.scores):
         return Signature(2, "equal scores for the chosen and the rejected answer")
-    if row_task == "classification":
+    if rules is not None and rules.labels:
         labels = getattr(getattr(model, "config", None), "num_labels", None)
         return Signature(labels, f"a uniform prediction over the {labels} labels") \
             if isinstance(labels, int) and labels > 1 else Signature()

@@ -28,7 +28,14 @@ from transformers.modeling_outputs import CausalLMOutput
 from finetune.config.schema import ModelConfig
 from finetune.data.vision import ImageInputs
 from finetune.errors import ConfigError, FinetuneError
-from finetune.registry import CUSTOM_WEIGHTS, SupportedModel, model_type_problem, resolve_factory, user_code
+from finetune.registry import (
+    CUSTOM_WEIGHTS,
+    ROW_TASKS,
+    SupportedModel,
+    model_type_problem,
+    resolve_factory,
+    user_code,
+)
 from finetune.runtime.backends import full_numel
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"  # finetune/assets
@@ -200,7 +207,7 @@ def build_config(cfg: ModelConfig, row: SupportedModel, source: str | None = Non
         config.num_labels = len(labels)
         config.id2label = dict(enumerate(labels))
         config.label2id = {name: i for i, name in enumerate(labels)}
-    if row.task == "reward":
+    if ROW_TASKS[row.task].scores:
         set_reward_head(config, build_tokenizer(cfg, row, source).pad_token_id)
     return config
 

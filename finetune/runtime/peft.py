@@ -16,7 +16,7 @@ from typing import Any
 from finetune.config.schema import PeftConfig
 from finetune.errors import ConfigError
 from finetune.quiet import library_warnings_off
-from finetune.registry import CAUSAL_TASKS, SupportedModel
+from finetune.registry import CAUSAL_TASKS, SupportedModel, row_task
 from finetune.runtime.backends import full_numel
 
 LINEAR_TYPES = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")  # torch, GPT-2 Conv1D, bitsandbytes
@@ -126,7 +126,7 @@ def describe_on_meta(cfg: Any, row: SupportedModel) -> dict[str, Any]:
 
     from finetune.runtime.modeling import build_config  # lazy: imports torch
 
-    config = build_config(cfg.model, row, labels=_label_names(cfg) if row.task == "classification" else None)
+    config = build_config(cfg.model, row, labels=_label_names(cfg) if row_task(row).labels else None)
     import transformers  # lazy: heavy
 
     with torch.device("meta"):

@@ -99,7 +99,8 @@ from typing import Any, Literal
 
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
-from finetune.registry import CAUSAL_TASKS, SupportedModel, recipe_row
+from finetune.objectives import needs_reference, objective
+from finetune.registry import CAUSAL_TASKS, ROW_TASKS, SupportedModel, recipe_row, row_task
 from finetune.runtime import backends, launch
 from finetune.runtime import peft as lora
 from finetune.runtime.peft import linear_module_names
@@ -405,7 +406,7 @@ def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size:
     when the head trains in 16-bit weights, the fp32 ``vocab x hidden`` buffer the head's gradient is summed in
     (with fp32 weights that buffer is the gradient itself, already counted under gradients). A classification
     head's small logits: fp32 copy and gradient."""
-    if task == "classification":
+    if ROW_TASKS[task].labels:  # type: ignore[index]
         return micro_batch_size * shape.num_labels * (compute_bytes + 4 + 4)
     from finetune.tasks.losses import default_chunk_rows  # lazy: imports torch
 
@@ -595,8 +596,9 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
     shape = facts.shape if cfg.train.dropout else dataclasses.replace(  # train.dropout false: no masks are kept
         facts.shape, attention_dropout=0.0, hidden_dropout=0.0)
     mbs, seq = cfg.train.micro_batch_size, cfg.data.max_seq_len
-    if cfg.task == "grpo":  # micro_batch_size counts prompts: each is group_size prompt + completion sequences
-        mbs *= cfg.grpo.group_size
+    record = objective(cfg.task)
+    if record is not None and record.groups:  # micro_batch_size counts prompts: each is group_size prompt + completion
+        mbs *= cfg.grpo.group_size  # sequences
     checkpointing = cfg.train.gradient_checkpointing or prec.qlora
     reason = ("train.gradient_checkpointing: true" if cfg.train.gradient_checkpointing else
               "QLoRA: peft's prepare_model_for_kbit_training turns it on" if prec.qlora else
@@ -623,7 +625,8 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
     visible CUDA devices (none: the run trains on the CPU)."""
     prec = _Precision.of(cfg, sharding)
     items = _state_items(cfg, facts, sharding, prec) + _backend_items(cfg, facts, sharding, prec)
-    if cfg.task == "grpo" and cfg.grpo.beta > 0 and not lora.enabled(cfg.peft):  # finetune.tasks.grpo's reference
+    record = objective(cfg.task)  # a reference held as a frozen copy (finetune.tasks.grpo's, with grpo.beta > 0)
+    if record is not None and record.reference_copy and needs_reference(cfg.task, cfg) and not lora.enabled(cfg.peft):
         params = next(item for item in items if item.key == "parameters")  # backends.frozen_copy: sharded alike
         share = sum(_share(p, prec.held(p), sharding.params, sharding) for p in facts.params)  # shards only
         items.append(Item("grpo_reference", "GRPO reference (frozen copy)", share, params.whole_bytes, params.shards,
@@ -721,7 +724,7 @@ def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
         loading,
     )
 
-    labels = lora._label_names(cfg) if row.task == "classification" else None
+    labels = lora._label_names(cfg) if row_task(row).labels else None
     config = build_config(cfg.model, row, labels=labels)
     # flash-attn may not be installed here; it keeps no s x s scores, like sdpa, which the meta model gets instead
     impl = cfg.model.attn_implementation

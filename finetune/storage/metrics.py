@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune import objectives
 from finetune.config.schema import RecipeConfig
 from finetune.errors import RunDirError
 from finetune.storage import rundir
@@ -78,13 +79,16 @@ def headline(task: Any, iterations: Any = 1, beta: Any = 0.0) -> Headline:
     """The :class:`Headline` of a run whose recipe has ``task`` (and ``grpo.iterations`` / ``grpo.beta``).
 
 
-    GRPO: the mean total ``reward`` of the step's completions leads, then the loss only where its value carries
-    information (:func:`grpo_loss_informative`); the eval's ``eval_exact_match`` and ``eval_reward`` come first.
-    Every other task: :data:`LOSS_FIRST` (what every run showed before GRPO)."""
-    if task != "grpo":
+    A task whose record names a ``headline`` leads with its keys (GRPO: the mean total ``reward`` of the step's
+    completions, then the loss only where its value carries information, :func:`grpo_loss_informative`; the eval's
+    ``eval_exact_match`` and ``eval_reward`` first). Every other task, and a ``task`` that is not one (a recipe read
+    back as plain data): :data:`LOSS_FIRST` (what every run showed before GRPO)."""
+    record = objectives.objective(task)
+    if record is None or record.headline is None:
         return LOSS_FIRST
-    return Headline(("reward", "loss") if grpo_loss_informative(iterations, beta) else ("reward",),
-                    ("eval_exact_match", "eval_reward"))
+    train, evaluation = record.headline
+    informative = grpo_loss_informative(iterations, beta)
+    return Headline(tuple(key for key in train if key != "loss" or informative), evaluation)
 
 
 def recipe_headline(recipe: Mapping[str, Any]) -> Headline:

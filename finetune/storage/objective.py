@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from finetune import objectives
 from finetune.storage import rundir
 
 MODEL_FILES = ("config.json", "*.safetensors", "*.bin")  # a model folder's config and weights (either format)
@@ -46,10 +47,11 @@ class Part:
 
 
 def _rewards(kind: str) -> Callable[[Any], Iterator[tuple[str, str]]]:
-    """The ``grpo.rewards[i].<kind>`` values of a grpo recipe."""
+    """The ``grpo.rewards[i].<kind>`` values of a recipe whose task is scored by them (its record's ``rewards``)."""
 
     def keys(cfg: Any) -> Iterator[tuple[str, str]]:
-        if cfg.task == "grpo":
+        record = objectives.objective(cfg.task)
+        if record is not None and record.rewards:
             for i, spec in enumerate(cfg.grpo.rewards):
                 if getattr(spec, kind) is not None:
                     yield f"grpo.rewards[{i}].{kind}", getattr(spec, kind)
@@ -58,11 +60,11 @@ def _rewards(kind: str) -> Callable[[Any], Iterator[tuple[str, str]]]:
 
 
 def _reference(cfg: Any) -> Iterator[tuple[str, str]]:
-    """``model.path`` when a resume reloads it as part of the objective: the reference of DPO and of GRPO with a KL
-    term (the initial weights), and the base under a LoRA-family adapter (the frozen weights the adapter adds to,
-    and the reference with the adapter disabled)."""
-    if cfg.model.path and (cfg.task == "dpo" or (cfg.task == "grpo" and cfg.grpo.beta > 0)
-                           or cfg.peft.method != "none"):
+    """``model.path`` when a resume reloads it as part of the objective: the reference (the initial weights) of a
+    task that compares with it (:func:`finetune.objectives.needs_reference`: DPO, GRPO with a KL term), and the
+    base under a LoRA-family adapter (the frozen weights the adapter adds to, and the reference with the adapter
+    disabled)."""
+    if cfg.model.path and (objectives.needs_reference(cfg.task, cfg) or cfg.peft.method != "none"):
         yield "model.path", cfg.model.path
 
 

@@ -36,7 +36,7 @@ def labels_of(manifest: dict[str, Any], cfg: RecipeConfig, row: SupportedModel, 
     """The classification label names a manifest recorded (:func:`record`); for a folder written before they were
     recorded, the recipe's ``data.labels``, else a full model's own ``config.json`` mapping, else one line that says
     how to give them (the training data is never read to learn them)."""
-    if row.task != "classification":
+    if not registry.row_task(row).labels:
         return None
     if isinstance(manifest.get("labels"), list):
         return [str(name) for name in manifest["labels"]]

@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from finetune import objectives
+
 if TYPE_CHECKING:
     from finetune.config import RecipeConfig
 
@@ -41,9 +43,11 @@ class TrainState:
 
 
 def steps_per_batch(cfg: RecipeConfig) -> int:
-    """Optimizer steps that one global batch of samples trains: ``grpo.iterations`` for task grpo (one generation
-    batch serves that many updates), else 1. Each step counts ``global_batch_size`` samples in ``samples_seen``."""
-    return cfg.grpo.iterations if cfg.task == "grpo" else 1
+    """Optimizer steps that one global batch of samples trains: ``grpo.iterations`` for a task whose record
+    ``repeats_batches`` (grpo: one generation batch serves that many updates), else 1. Each step counts
+    ``global_batch_size`` samples in ``samples_seen``."""
+    record = objectives.objective(cfg.task)
+    return cfg.grpo.iterations if record is not None and record.repeats_batches else 1
 
 
 def epoch_samples(cfg: RecipeConfig, rows: int) -> int:
