@@ -26,3 +26,14 @@ def llama() -> Any:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**TINY_LLAMA, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tools() -> tuple:
+    """The tiny Qwen2-VL row's tokenizer and image inputs (tests.vision_rows), built once per test module."""
+    from finetune.config.schema import ModelConfig
+    from finetune.runtime.modeling import build_tokenizer, image_inputs
+    from tests.vision_rows import ROW
+
+    tokenizer = build_tokenizer(ModelConfig(type="tiny-qwen2-vl"), ROW)
+    return tokenizer, image_inputs(tokenizer, ROW)

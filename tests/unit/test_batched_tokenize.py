@@ -1,13 +1,12 @@
 """Tokenizing in batches and in several processes (finetune/data/batched.py) gives what one row at a time gave.
 
 The batched tokenizer call must give each text the ids and offsets of a plain per-text call, labels must mark the
-same tokens, ``data.num_proc`` must change nothing in the tokenized split nor in which bad row is reported, and a
-data file rewritten with its old modification time must never be served from the cache.
+same tokens, and ``data.num_proc`` must change nothing in the tokenized split nor in which bad row is reported.
+(A data file rewritten with its old modification time is test_sources.py.)
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -26,6 +25,7 @@ from finetune.data.loading import load_raw
 from finetune.data.rows import IGNORE
 from finetune.data.tokenize import tokenize_rows
 from finetune.errors import DataError
+from tests.data_files import write_rows
 
 TEXTS = ["", " ", "plain words here", "<|user|>\nhi\n<|assistant|>\nyo</s>\n", "naïve café ☕ — 日本語 🙂🙂",
          "tabs\tand\r\nnewlines\n\n", "<s>starts with bos", "x" * 300, "</s></s><pad>odd specials<unk>"]
@@ -35,11 +35,6 @@ def _chat(i: int, bad: bool = False) -> dict[str, Any]:
     user = {"role": "user", "content": f"question {i} " + "a b " * (i % 5)}
     answer = {"role": "robot" if bad else "assistant", "content": f"answer {i}"}
     return {"messages": [user, answer]}
-
-
-def _write(path: Path, rows: list[dict[str, Any]]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 def test_one_batched_call_gives_each_text_what_a_call_per_text_gives(tok: Any) -> None:
@@ -78,7 +73,7 @@ def test_a_tokenizer_left_truncating_is_called_through_transformers(tok: Any) ->
 
 
 def test_num_proc_changes_nothing_in_the_tokenized_split(tmp_path: Path, tok: Any) -> None:
-    source = _write(tmp_path / "chat.jsonl", [_chat(i) for i in range(40)])
+    source = write_rows(tmp_path / "chat.jsonl", [_chat(i) for i in range(40)])
     raw = load_raw(source)
     one = tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=24, overlong="truncate", add_bos="auto",
                         source=source, num_proc=1)
@@ -93,7 +88,7 @@ def test_several_processes_report_the_first_bad_row(tmp_path: Path, tok: Any) ->
     """The second worker's shard (rows 21-40) starts with a bad row, the first shard has one near its end: one
     process reports line 19, and so must two."""
     rows = [_chat(i, bad=i in (18, 20)) for i in range(40)]
-    source = _write(tmp_path / "bad.jsonl", rows)
+    source = write_rows(tmp_path / "bad.jsonl", rows)
     raw = load_raw(source)
     with pytest.raises(DataError) as one:
         tokenize_rows(raw, fmt="chat", tokenizer=tok, max_len=64, overlong="truncate", add_bos="auto", source=source,
@@ -103,33 +98,6 @@ def test_several_processes_report_the_first_bad_row(tmp_path: Path, tok: Any) ->
                       num_proc=2)
     assert str(one.value).startswith(f"{source}:19: ")
     assert str(two.value) == str(one.value)
-
-
-def test_a_rewritten_file_with_its_old_mtime_is_never_served_stale(tmp_path: Path, tok: Any) -> None:
-    """datasets keys a local file by its mtime; the same size and mtime with new rows must still be read anew,
-    and tokenized anew (the cached tokens of the old rows are not reused)."""
-    path = tmp_path / "same.jsonl"
-    source = _write(path, [{"text": "aaaa"}] * 3)
-    before = os.stat(path)
-    old = tokenize_rows(load_raw(source), fmt="completion", tokenizer=tok, max_len=32, overlong="truncate",
-                        add_bos="auto", source=source)
-    _write(path, [{"text": "bbbb"}] * 3)
-    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
-    assert os.stat(path).st_size == before.st_size and os.stat(path).st_mtime_ns == before.st_mtime_ns
-    raw = load_raw(source)
-    assert raw[0]["text"] == "bbbb"
-    new = tokenize_rows(raw, fmt="completion", tokenizer=tok, max_len=32, overlong="truncate", add_bos="auto",
-                        source=source)
-    assert new.dataset[0]["input_ids"] != old.dataset[0]["input_ids"]
-    assert new.dataset[0]["input_ids"][1:-1] == tok("bbbb", add_special_tokens=False)["input_ids"]
-
-
-def test_an_unchanged_file_is_read_from_the_cache(tmp_path: Path) -> None:
-    source = _write(tmp_path / "same.jsonl", [{"text": "aaaa"}] * 3)
-    first = load_raw(source)
-    again = load_raw(source)
-    assert again.cache_files == first.cache_files
-    assert again._fingerprint == first._fingerprint
 
 
 @pytest.mark.parametrize("kind", ["parquet", "arrow"])

@@ -1,9 +1,9 @@
-"""data.format vision_chat: row checks, image-token expansion, masking, over-long cuts and the collator."""
+"""data.format vision_chat: row checks, image-token expansion, masking, over-long cuts and the collator.
+(Generation with the images, finetune.tasks.vision_lm: test_vision_lm.py.)"""
 
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import pytest
@@ -17,52 +17,8 @@ from finetune.data.loading import load_raw
 from finetune.data.tokenize import IGNORE, tokenize_rows
 from finetune.data.vision import VisionCollator, expand, fit
 from finetune.errors import DataError
-from finetune.runtime.modeling import build_tokenizer, image_inputs
-
-ROW = registry.get_model("tiny-qwen2-vl")
-
-
-@pytest.fixture(scope="module")
-def tools() -> tuple:
-    tokenizer = build_tokenizer(ModelConfig(type="tiny-qwen2-vl"), ROW)
-    return tokenizer, image_inputs(tokenizer, ROW)
-
-
-def image(path: Path, colour: str = "red", size: tuple[int, int] = (56, 56)) -> str:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, colour).save(path)
-    return path.name
-
-
-def turn(*parts: dict) -> dict:
-    return {"role": "user", "content": list(parts)}
-
-
-def img(name: str) -> dict:
-    return {"type": "image", "image": name}
-
-
-def text(value: str) -> dict:
-    return {"type": "text", "text": value}
-
-
-def write(tmp_path: Path, rows: list[dict]) -> str:
-    path = tmp_path / "data.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def tokenize(tools: tuple, source: str, **kwargs):
-    tokenizer, images = tools
-    options = {"max_len": 64, "overlong": "truncate", "add_bos": "auto", **kwargs}
-    return tokenize_rows(load_raw(source), fmt="vision_chat", tokenizer=tokenizer, source=source, images=images,
-                         **options)
-
-
-def qa(name: str, answer: str = "red") -> dict:
-    return {"messages": [turn(img(name), text("What colour?")), {"role": "assistant", "content": answer}]}
+from finetune.runtime.modeling import build_tokenizer
+from tests.vision_rows import ROW, image, img, qa, text, tokenize, turn, write
 
 
 def test_only_the_answer_is_trained_and_each_image_is_its_grid_of_tokens(tools, tmp_path: Path) -> None:
@@ -312,31 +268,3 @@ def test_a_batch_without_images_still_runs_the_vision_tower_and_changes_nothing(
     blank_out = model.generate(**prompt, **options)[:, batch["prompt_ids"].size(1):]
     plain_out = model.generate(input_ids=plain["prompt_ids"], attention_mask=plain["prompt_mask"], **options)
     assert torch.equal(blank_out, plain_out[:, plain["prompt_ids"].size(1):])
-
-
-def test_generation_ignores_the_model_folders_generation_config(tools, tmp_path: Path) -> None:
-    """transformers fills every setting a GenerationConfig leaves unset from the model's own generation_config (a
-    hub chat model's repetition_penalty, sampling, suppressed tokens): exact_match and `finetune generate` decode
-    with their own settings only, and the model keeps its config."""
-    import transformers
-    from transformers import GenerationConfig
-
-    from finetune.tasks.vision_lm import generate_with_images
-
-    tokenizer, images = tools
-    names = [image(tmp_path / "a.png"), image(tmp_path / "b.png", "blue", (112, 56))]
-    rows = list(tokenize(tools, write(tmp_path, [qa(names[0]), qa(names[1], "blue")])).dataset)
-    batch = VisionCollator(tokenizer.pad_token_id, images, with_prompts=True)(rows)
-    torch.manual_seed(0)
-    config = getattr(transformers, ROW.config_class)(**copy.deepcopy(dict(ROW.tiny_config)))
-    model = getattr(transformers, ROW.auto_class).from_config(config).eval()
-    options = {"max_new_tokens": 6, "eos_id": None, "pad_id": tokenizer.pad_token_id}
-    clean = generate_with_images(model, batch, **options)
-    hub = GenerationConfig(repetition_penalty=50.0, suppress_tokens=[int(clean[0, 0])], no_repeat_ngram_size=1)
-    model.generation_config = hub
-    assert torch.equal(generate_with_images(model, batch, **options), clean) and model.generation_config is hub
-    naive = model.generate(input_ids=batch["prompt_ids"], attention_mask=batch["prompt_mask"],
-                           pixel_values=batch["prompt_pixel_values"], image_grid_thw=batch["prompt_image_grid_thw"],
-                           mm_token_type_ids=batch["prompt_mm_token_type_ids"], generation_config=GenerationConfig(
-                               max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id))
-    assert int(naive[0, batch["prompt_ids"].size(1)]) != int(clean[0, 0])  # what the folder's config would do

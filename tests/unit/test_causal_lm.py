@@ -1,8 +1,8 @@
-"""Task adapters on tiny models built from configs (forward passes only, no optimizer steps).
+"""finetune.tasks.causal_lm on a tiny Llama built from its config (forward passes only, no optimizer steps).
 
-Checks that the loss sums and token counts the loop divides agree with Hugging Face's own losses, that greedy
-generation from left-padded prompts equals ``model.generate`` on each prompt alone, and that the eval counts
-(token accuracy, exact match, classification accuracy) count what their names say.
+Checks that the loss sums and token counts the loop divides agree with Hugging Face's own loss, that the eval counts
+(token accuracy, exact match) count what their names say, and that the task's dataloaders shard eval exactly and
+stream train. Greedy generation is test_decoding.py; the classification task, test_classification.py.
 """
 
 from __future__ import annotations
@@ -14,15 +14,12 @@ from typing import Any
 import datasets
 import pytest
 import torch
-import torch.nn.functional as F
-import transformers
 
 from finetune.data import DataBundle
-from finetune.data.batching import Collator, left_pad
+from finetune.data.batching import Collator
 from finetune.data.tokenize import IGNORE, Tokenized, tokenize_rows
 from finetune.tasks.causal_lm import CausalLMTask, normalize
-from finetune.tasks.classification import ClassificationTask
-from finetune.tasks.decoding import greedy_generate
+from tests.task_config import make_cfg
 
 REPO = Path(__file__).resolve().parents[2]
 TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
@@ -31,15 +28,6 @@ ROWS = [
     {"instruction": "Reverse the letters.", "input": "b v w c d", "output": "d c w v b"},
     {"instruction": "Say hi.", "input": "", "output": "hi"},
 ]
-
-
-def make_cfg(metrics: list[str] | None = None, max_new_tokens: int = 8, **train: int) -> Any:
-    """The few recipe fields the tasks read."""
-    return SimpleNamespace(
-        eval=SimpleNamespace(metrics=metrics or [], max_new_tokens=max_new_tokens, batch_size=2),
-        train=SimpleNamespace(**{"global_batch_size": 4, "micro_batch_size": 2, "seed": 0, **train}),
-        data=SimpleNamespace(shuffle=True, packing=False, num_workers=None),
-    )
 
 
 @pytest.fixture(scope="module")
@@ -79,78 +67,6 @@ def test_causal_train_output_ignores_padding_rows(llama: Any, batch: dict[str, A
         parts = [(task.train_output(llama, row), task.count_targets(row)) for row in rows]
     torch.testing.assert_close(whole, sum(p[0] for p in parts), rtol=1e-5, atol=1e-5)
     assert whole_n == sum(p[1] for p in parts)
-
-
-def test_classification_train_output_matches_cross_entropy() -> None:
-    torch.manual_seed(0)
-    config = transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     intermediate_size=128, vocab_size=512, num_labels=3)
-    model = transformers.BertForSequenceClassification(config).eval()
-    batch = Collator(pad_id=0)([{"input_ids": [1, 40, 41, 42, 2], "label": 2}, {"input_ids": [1, 50, 2], "label": 0},
-                                {"input_ids": [1, 60, 61, 2], "label": 1}])
-    task = ClassificationTask(make_cfg(["accuracy"]), None, 0, 0, 1)
-    with torch.no_grad():
-        loss_sum, n = task.train_output(model, batch), task.count_targets(batch)
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        counts = task.eval_output(model, batch)
-    torch.testing.assert_close(loss_sum, F.cross_entropy(logits, batch["label"], reduction="sum"))
-    assert n == 3
-    torch.testing.assert_close(counts.loss_sum, loss_sum)
-    assert int(counts.num_tokens) == 3
-    assert int(counts.correct["accuracy"]) == int((logits.argmax(-1) == batch["label"]).sum())
-    assert int(counts.total["accuracy"]) == 3
-
-
-# --------------------------------------------------------------------------------------------------- generation
-
-
-def hf_greedy(model: Any, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         do_sample=False, max_new_tokens=n, eos_token_id=eos_id, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-def test_greedy_generate_matches_hf_generate_on_unpadded_prompts(llama: Any) -> None:
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (3, 7, 1, 5)]
-    ids, mask = left_pad(prompts, pad_id=0)
-    new = greedy_generate(llama, ids, mask, max_new_tokens=10, eos_id=None, pad_id=0)
-    assert new.shape == (4, 10)
-    for prompt, row in zip(prompts, new.tolist(), strict=True):
-        assert row == hf_greedy(llama, prompt, 10)
-
-
-def test_greedy_generate_positions_with_absolute_embeddings() -> None:
-    """RoPE is blind to a constant position offset; GPT-2's absolute positions catch wrong left-pad positions."""
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64,
-                                     initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    generator = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (2, 6, 4)]
-    ids, mask = left_pad(prompts, pad_id=0)
-    new = greedy_generate(model, ids, mask, max_new_tokens=6, eos_id=None, pad_id=0)
-    for prompt, row in zip(prompts, new.tolist(), strict=True):
-        assert row == hf_greedy(model, prompt, 6)
-
-
-def test_greedy_generate_pads_after_eos(llama: Any) -> None:
-    generator = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (4, 2, 6)]
-    ids, mask = left_pad(prompts, pad_id=0)
-    free = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=None, pad_id=0).tolist()
-    eos = free[0][2]  # pretend the third token row 0 generates is eos
-    new = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=eos, pad_id=0).tolist()
-    for prompt, free_row, row in zip(prompts, free, new, strict=True):
-        if eos in free_row:
-            cut = free_row.index(eos) + 1
-            assert row[:cut] == free_row[:cut] and row[cut:] == [0] * (8 - cut)
-        else:
-            assert row == free_row
-        # HF stops at eos too: identical up to and including the first eos
-        reference = hf_greedy(llama, prompt, 8, eos_id=eos)
-        assert row[:len(reference)] == reference
-    assert new[0][3:] == [0] * 5
 
 
 # -------------------------------------------------------------------------------------------------- eval counts

@@ -1,4 +1,5 @@
-"""Data pipeline: loading and row checks, format rendering, answer masking, labels and the over-long policy.
+"""finetune.data.tokenize: answer masking per format, labels, the over-long policy, and the cached tokenized splits.
+Row checks and file loading are test_loading.py; rendering a row, test_formats.py.
 
 Everything runs on the bundled tiny tokenizer (byte-level BPE, ``<s>``=1, ``</s>``=2, ``<pad>``=0) and on small
 files written to ``tmp_path`` or the bundled ``recipes/data`` files; no model is built.
@@ -13,14 +14,13 @@ from typing import Any
 
 import datasets
 import pytest
-from transformers import AutoTokenizer
 
 from finetune.config.schema import DataConfig
 from finetune.data import load_splits
-from finetune.data.formats import render
 from finetune.data.loading import check_rows, load_raw
 from finetune.data.tokenize import IGNORE, label_names, tokenize_rows
 from finetune.errors import DataError
+from tests.data_files import CHAT_TWO_TURNS, write_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "recipes" / "data"
@@ -28,13 +28,6 @@ TOKENIZER = REPO / "finetune" / "assets" / "tiny-llama-tokenizer"
 
 ALPACA_WITH_INPUT = {"instruction": "Reverse the letters.", "input": "d a c z", "output": "z c a d"}
 ALPACA_NO_INPUT = {"instruction": "Say hello.", "input": "", "output": "hello there"}
-CHAT_TWO_TURNS = {"messages": [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "First letter of: d r z?"},
-    {"role": "assistant", "content": "d"},
-    {"role": "user", "content": "First letter of: f b v?"},
-    {"role": "assistant", "content": "f"},
-]}
 
 
 def _tokenize_list(rows: list[dict], tok: Any, fmt: str = "alpaca", max_len: int = 512, overlong: str = "truncate",
@@ -60,11 +53,6 @@ def trained_runs(tok: Any, ids: list[int], labels: list[int]) -> list[str]:
 
 def masked_text(tok: Any, ids: list[int], labels: list[int]) -> str:
     return tok.decode([t for t, lab in zip(ids, labels, strict=True) if lab == IGNORE])
-
-
-def write_jsonl(path: Path, lines: list[str]) -> str:
-    path.write_text("".join(line + "\n" for line in lines))
-    return str(path)
 
 
 # ----------------------------------------------------------------------------------------------- alpaca rendering
@@ -144,16 +132,6 @@ def test_chat_two_turns_trains_only_assistant_content_and_eos(tok: Any) -> None:
     assert row["reference"] == "f"
 
 
-def test_chat_render_prompt_is_template_with_generation_prompt(tok: Any) -> None:
-    out = render(CHAT_TWO_TURNS, "chat", tok, train_on_prompt=False)
-    assert out.prompt == tok.apply_chat_template(CHAT_TWO_TURNS["messages"][:-1], tokenize=False,
-                                                 add_generation_prompt=True)
-    assert out.prompt.endswith("<|assistant|>\n")
-    assert out.reference == "f"
-    assert not out.add_eos  # the template ends assistant turns with </s> itself
-    assert [out.text[a:b] for a, b in out.spans] == ["d</s>", "f</s>"]
-
-
 def test_bundled_chat_file_trains_every_assistant_turn(tok: Any) -> None:
     source = str(DATA / "tiny_chat.jsonl")
     raw = load_raw(source)
@@ -167,13 +145,6 @@ def test_bundled_chat_file_trains_every_assistant_turn(tok: Any) -> None:
         assert row["reference"] == messages[-1]["content"]
 
 
-def test_chat_without_template_is_a_data_error(tok: Any) -> None:
-    bare = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    bare.chat_template = None
-    with pytest.raises(DataError, match="chat template"):
-        render(CHAT_TWO_TURNS, "chat", bare, train_on_prompt=False)
-
-
 # -------------------------------------------------------------------------------------------------- completion
 
 
@@ -184,102 +155,6 @@ def test_completion_trains_everything(tok: Any) -> None:
     assert tok.decode(ids) == "<s>" + text + "</s>"
     assert labels[0] == IGNORE and labels[1:] == ids[1:]
     assert row["prompt_ids"] == [tok.bos_token_id] and row["reference"] == text
-
-
-# ---------------------------------------------------------------------------------------------------- bad rows
-
-
-def test_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
-    ok = json.dumps({"instruction": "a", "output": "b"})
-    path = write_jsonl(tmp_path / "d.jsonl", [ok, ok, json.dumps({"instruction": "a"}), ok])
-    with pytest.raises(DataError, match=rf"{path}:3: missing field 'output'"):
-        check_rows(load_raw(path), "alpaca", path)
-
-
-def test_missing_column_everywhere_reports_line_1(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"instruction": "a"})] * 2)
-    with pytest.raises(DataError, match=rf"{path}:1: missing field 'output'"):
-        check_rows(load_raw(path), "alpaca", path)
-
-
-def test_invalid_json_names_line(tmp_path: Path) -> None:
-    ok = json.dumps({"text": "a"})
-    path = write_jsonl(tmp_path / "d.jsonl", [ok, ok, ok, '{"text": "a",}', ok])
-    with pytest.raises(DataError, match=rf"{path}:4: invalid JSON"):
-        load_raw(path)
-
-
-def test_empty_line_names_line(tmp_path: Path) -> None:
-    ok = json.dumps({"text": "a"})
-    path = write_jsonl(tmp_path / "d.jsonl", [ok, "", ok])
-    with pytest.raises(DataError, match=rf"{path}:2: empty line"):
-        load_raw(path)
-
-
-def test_non_object_line(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a"}), "[1, 2]"])
-    with pytest.raises(DataError, match=rf"{path}:2: expected a JSON object"):
-        load_raw(path)
-
-
-def test_empty_file(tmp_path: Path) -> None:
-    path = tmp_path / "d.jsonl"
-    path.write_text("")
-    with pytest.raises(DataError, match="no rows"):
-        load_raw(str(path))
-
-
-def test_wrong_type_names_line_and_field(tmp_path: Path) -> None:
-    rows = [{"instruction": "a", "output": "b"}, {"instruction": "a", "output": "b"}, {"instruction": "a", "output": 5}]
-    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
-    with pytest.raises(DataError, match=rf"{path}:3: field 'output' must be a non-empty string"):
-        check_rows(load_raw(path), "alpaca", path)
-    rows = [{"instruction": "a", "output": "b", "input": ["x"]}]
-    path = write_jsonl(tmp_path / "e.jsonl", [json.dumps(r) for r in rows])
-    with pytest.raises(DataError, match=rf"{path}:1: field 'input' must be a string"):
-        check_rows(load_raw(path), "alpaca", path)
-    path = write_jsonl(tmp_path / "f.jsonl", [json.dumps({"instruction": "  ", "output": "b"})])
-    with pytest.raises(DataError, match=rf"{path}:1: field 'instruction' must be a non-empty string"):
-        check_rows(load_raw(path), "alpaca", path)
-
-
-def test_chat_message_without_role(tmp_path: Path) -> None:
-    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    bad = {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}
-    path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(good), json.dumps(bad)])
-    with pytest.raises(DataError, match=rf"{path}:2: messages\[1\] needs role"):
-        check_rows(load_raw(path), "chat", path)
-    unknown = {"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    path = write_jsonl(tmp_path / "r.jsonl", [json.dumps(unknown)])
-    with pytest.raises(DataError, match=rf"{path}:1: messages\[0\] needs role"):
-        check_rows(load_raw(path), "chat", path)
-
-
-def test_chat_last_message_must_be_assistant(tmp_path: Path) -> None:
-    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    bad = {"messages": [*good["messages"], {"role": "user", "content": "c"}]}
-    path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(good), json.dumps(good), json.dumps(bad)])
-    with pytest.raises(DataError, match=rf"{path}:3: the last message must be the assistant"):
-        check_rows(load_raw(path), "chat", path)
-    path = write_jsonl(tmp_path / "e.jsonl", [json.dumps({"messages": []})])
-    with pytest.raises(DataError, match=rf"{path}:1: field 'messages' must be a non-empty list"):
-        check_rows(load_raw(path), "chat", path)
-
-
-def test_csv_bad_row_line_counts_header(tmp_path: Path) -> None:
-    path = tmp_path / "d.csv"
-    path.write_text("text,label\nfine,0\nalso fine,1\n,2\n")  # index 2 -> line 4
-    with pytest.raises(DataError, match=rf"{path}:4: missing field 'text'"):
-        check_rows(load_raw(str(path)), "classification", str(path))
-
-
-def test_unsupported_suffix_and_missing_file(tmp_path: Path) -> None:
-    txt = tmp_path / "d.txt"
-    txt.write_text("hello\n")
-    with pytest.raises(DataError, match="unsupported data file type"):
-        load_raw(str(txt))
-    with pytest.raises(DataError, match="not found"):
-        load_raw(str(tmp_path / "missing.jsonl"))
 
 
 def test_classification_label_not_in_configured_labels(tmp_path: Path) -> None:
@@ -341,12 +216,6 @@ def test_mixed_int_and_str_labels_are_an_error(tmp_path: Path) -> None:
         label_names(load_raw(path), None, path)
     with pytest.raises(DataError, match="mix integer ids and names"):
         label_names({"label": [0, "pos"]}, None, "mem")
-
-
-def test_bool_label_is_rejected(tmp_path: Path) -> None:
-    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a", "label": True})])
-    with pytest.raises(DataError, match=rf"{path}:1: field 'label'"):
-        check_rows(load_raw(path), "classification", path)
 
 
 # ------------------------------------------------------------------------------------------------- over-long rows

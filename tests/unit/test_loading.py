@@ -1,4 +1,5 @@
-"""Bad datasets give one DataError line naming the file (and line), and classification works from every file type.
+"""finetune.data.loading: bad datasets give one DataError line naming the file (and line), bad rows name their line
+and field, and classification works from every file type.
 
 Each case writes a small file to ``tmp_path`` in one of the four supported types and runs it through the same
 functions the trainer uses (``load_raw``, ``check_columns``, ``label_names``, ``tokenize_rows``, ``load_splits``).
@@ -23,9 +24,10 @@ from transformers import AutoTokenizer
 from finetune.config.schema import DataConfig
 from finetune.data import load_splits
 from finetune.data.batching import Collator
-from finetune.data.loading import check_columns, load_raw
+from finetune.data.loading import check_columns, check_rows, load_raw
 from finetune.data.tokenize import label_names, tokenize_rows
 from finetune.errors import DataError
+from tests.data_files import write_jsonl
 
 TOKENIZER = Path(__file__).resolve().parents[2] / "finetune" / "assets" / "tiny-llama-tokenizer"
 KINDS = ("csv", "jsonl", "json", "parquet")
@@ -459,3 +461,105 @@ def test_jsonl_starting_with_a_list_names_line_1(tmp_path: Path) -> None:
     with pytest.raises(DataError) as excinfo:
         load_raw(str(path))
     one_line(excinfo, f"{path}:1: expected a JSON object", "a list")
+
+
+# -------------------------------------------------------------------------------- 6. bad rows: file, line and field
+
+
+def test_missing_field_names_file_line_and_field(tmp_path: Path) -> None:
+    ok = json.dumps({"instruction": "a", "output": "b"})
+    path = write_jsonl(tmp_path / "d.jsonl", [ok, ok, json.dumps({"instruction": "a"}), ok])
+    with pytest.raises(DataError, match=rf"{path}:3: missing field 'output'"):
+        check_rows(load_raw(path), "alpaca", path)
+
+
+def test_missing_column_everywhere_reports_line_1(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"instruction": "a"})] * 2)
+    with pytest.raises(DataError, match=rf"{path}:1: missing field 'output'"):
+        check_rows(load_raw(path), "alpaca", path)
+
+
+def test_invalid_json_names_line(tmp_path: Path) -> None:
+    ok = json.dumps({"text": "a"})
+    path = write_jsonl(tmp_path / "d.jsonl", [ok, ok, ok, '{"text": "a",}', ok])
+    with pytest.raises(DataError, match=rf"{path}:4: invalid JSON"):
+        load_raw(path)
+
+
+def test_empty_line_names_line(tmp_path: Path) -> None:
+    ok = json.dumps({"text": "a"})
+    path = write_jsonl(tmp_path / "d.jsonl", [ok, "", ok])
+    with pytest.raises(DataError, match=rf"{path}:2: empty line"):
+        load_raw(path)
+
+
+def test_non_object_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a"}), "[1, 2]"])
+    with pytest.raises(DataError, match=rf"{path}:2: expected a JSON object"):
+        load_raw(path)
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text("")
+    with pytest.raises(DataError, match="no rows"):
+        load_raw(str(path))
+
+
+def test_wrong_type_names_line_and_field(tmp_path: Path) -> None:
+    rows = [{"instruction": "a", "output": "b"}, {"instruction": "a", "output": "b"}, {"instruction": "a", "output": 5}]
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps(r) for r in rows])
+    with pytest.raises(DataError, match=rf"{path}:3: field 'output' must be a non-empty string"):
+        check_rows(load_raw(path), "alpaca", path)
+    rows = [{"instruction": "a", "output": "b", "input": ["x"]}]
+    path = write_jsonl(tmp_path / "e.jsonl", [json.dumps(r) for r in rows])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'input' must be a string"):
+        check_rows(load_raw(path), "alpaca", path)
+    path = write_jsonl(tmp_path / "f.jsonl", [json.dumps({"instruction": "  ", "output": "b"})])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'instruction' must be a non-empty string"):
+        check_rows(load_raw(path), "alpaca", path)
+
+
+def test_chat_message_without_role(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"messages": [{"role": "user", "content": "a"}, {"content": "b"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(good), json.dumps(bad)])
+    with pytest.raises(DataError, match=rf"{path}:2: messages\[1\] needs role"):
+        check_rows(load_raw(path), "chat", path)
+    unknown = {"messages": [{"role": "robot", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    path = write_jsonl(tmp_path / "r.jsonl", [json.dumps(unknown)])
+    with pytest.raises(DataError, match=rf"{path}:1: messages\[0\] needs role"):
+        check_rows(load_raw(path), "chat", path)
+
+
+def test_chat_last_message_must_be_assistant(tmp_path: Path) -> None:
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    bad = {"messages": [*good["messages"], {"role": "user", "content": "c"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [json.dumps(good), json.dumps(good), json.dumps(bad)])
+    with pytest.raises(DataError, match=rf"{path}:3: the last message must be the assistant"):
+        check_rows(load_raw(path), "chat", path)
+    path = write_jsonl(tmp_path / "e.jsonl", [json.dumps({"messages": []})])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'messages' must be a non-empty list"):
+        check_rows(load_raw(path), "chat", path)
+
+
+def test_csv_bad_row_line_counts_header(tmp_path: Path) -> None:
+    path = tmp_path / "d.csv"
+    path.write_text("text,label\nfine,0\nalso fine,1\n,2\n")  # index 2 -> line 4
+    with pytest.raises(DataError, match=rf"{path}:4: missing field 'text'"):
+        check_rows(load_raw(str(path)), "classification", str(path))
+
+
+def test_unsupported_suffix_and_missing_file(tmp_path: Path) -> None:
+    txt = tmp_path / "d.txt"
+    txt.write_text("hello\n")
+    with pytest.raises(DataError, match="unsupported data file type"):
+        load_raw(str(txt))
+    with pytest.raises(DataError, match="not found"):
+        load_raw(str(tmp_path / "missing.jsonl"))
+
+
+def test_bool_label_is_rejected(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a", "label": True})])
+    with pytest.raises(DataError, match=rf"{path}:1: field 'label'"):
+        check_rows(load_raw(path), "classification", path)

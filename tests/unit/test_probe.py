@@ -1,5 +1,6 @@
-"""The pieces of `finetune export` that need no training: the recorded logit probe, the verification tolerance,
-the layout a manifest records (new and old manifests, damaged ones), and where an export may be written."""
+"""finetune.artifacts.probe: the logit probe a checkpoint records (the live model's logits, its state files, a damaged
+one) and the tolerance `finetune export` verifies an export against. The layout a manifest records is
+test_layout.py; where an export may be written, test_export.py."""
 
 from __future__ import annotations
 
@@ -11,11 +12,7 @@ import pytest
 import torch
 
 from finetune.artifacts import probe
-from finetune.commands.export import check_output
 from finetune.errors import RunDirError
-from finetune.storage import layout, rundir
-
-# --- the probe -----------------------------------------------------------------------------------------------------
 
 
 def test_the_probe_records_the_live_logits_and_restores_train_mode(llama: Any) -> None:
@@ -97,62 +94,3 @@ def test_deepspeed_with_half_precision_gets_the_half_precision_tolerance() -> No
     """DeepSpeed's engine computed the recorded logits with 16-bit weights; the export holds its fp32 masters."""
     assert probe.tolerance("float32", "bf16", "zero3", False) == probe.tolerance("bfloat16", "no", "single", False)
     assert probe.tolerance("float32", "no", "zero3", False) < probe.tolerance("float32", "bf16", "zero3", False)
-
-
-# --- the layout a manifest records ----------------------------------------------------------------------------------
-
-
-def test_the_layout_of_new_old_and_damaged_manifests() -> None:
-    new = {"backend": "fsdp2", "world_size": 2,
-           "layout": {"backend": "fsdp2", "world_size": 2, "sharding": "FSDP2 DTensor shards (DCP)", "format": "x"}}
-    assert layout.of(new) == layout.Layout("fsdp2", 2, "FSDP2 DTensor shards (DCP)")
-    assert layout.of(new).describe() == "fsdp2 x2, FSDP2 DTensor shards (DCP)"
-    old = {"backend": "zero3", "world_size": 4}
-    assert layout.of(old).describe() == "zero3 x4"
-    assert layout.of({}).describe() == "single x1"
-    damaged = {"layout": ["not", "a", "record"], "backend": 7, "world_size": "two"}
-    assert layout.of(damaged) == layout.Layout("unknown", None, None)
-    assert layout.of({"layout": {"backend": "ddp", "world_size": True}}).describe() == "ddp"
-
-
-# --- where an export may go -----------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def run_dir(tmp_path: Path) -> Path:
-    """An (empty) finetune run: its marker and recipe."""
-    run = tmp_path / "runs" / "x"
-    (run / rundir.CHECKPOINTS).mkdir(parents=True)
-    (run / rundir.MARKER).write_text(json.dumps({"run_id": "abc"}))
-    (run / rundir.RESOLVED).write_text("name: x\n")
-    return run
-
-
-def test_an_export_never_goes_into_a_run(run_dir: Path, tmp_path: Path) -> None:
-    other = tmp_path / "runs" / "y"
-    other.mkdir()
-    (other / rundir.MARKER).write_text("{}")
-    for out, needle in [(run_dir, "inside the run"), (run_dir / rundir.CHECKPOINTS / "exp", "inside the run"),
-                        (run_dir / "final", "inside the run"), (tmp_path / "runs", "contains the run"),
-                        (other / "exp", "inside the run"), (other, "inside the run")]:
-        with pytest.raises(RunDirError, match=needle):
-            check_output(out, run_dir, overwrite=True)
-    check_output(tmp_path / "exports" / "x", run_dir, overwrite=False)  # a new folder: fine
-    assert not (tmp_path / "exports").exists(), "checking writes nothing"
-
-
-def test_an_existing_folder_is_replaced_only_when_finetune_wrote_all_of_it(run_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "exp"
-    out.mkdir()
-    check_output(out, run_dir, overwrite=False)  # empty: fine
-    (out / "notes.md").write_text("mine")
-    with pytest.raises(RunDirError, match="pass --overwrite"):
-        check_output(out, run_dir, overwrite=False)
-    with pytest.raises(RunDirError, match="did not write"):
-        check_output(out, run_dir, overwrite=True)
-    (out / "notes.md").unlink()
-    (out / "config.json").write_text("{}")
-    rundir.write_manifest(out, {"kind": "export"})
-    check_output(out, run_dir, overwrite=True)
-    with pytest.raises(RunDirError, match="pass --overwrite"):
-        check_output(out, run_dir, overwrite=False)

@@ -194,13 +194,6 @@ def test_collator_left_pads_prompts() -> None:
     assert batch["reference"] == ["x y", "z"]
 
 
-def test_next_token_targets_ignore_position_zero() -> None:
-    from finetune.tasks.logprobs import count_next_token_targets
-
-    labels = torch.tensor([[7, 5, 6, IGNORE], [IGNORE, IGNORE, 8, 9]])
-    assert count_next_token_targets(labels) == 4  # the 7 at position 0 is never a target
-
-
 def test_collator_classification_rows() -> None:
     batch = Collator(pad_id=0)([{"input_ids": [1, 5, 6], "label": 2}, {"input_ids": [1, 5], "label": 0}])
     assert batch["label"].tolist() == [2, 0] and batch["label"].dtype == torch.long

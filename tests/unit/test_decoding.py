@@ -1,0 +1,61 @@
+"""finetune.tasks.decoding: greedy generation from left-padded prompts equals ``model.generate`` on each prompt
+alone, with rotary and absolute positions, and pads after eos (tiny models built from configs)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+
+from finetune.data.batching import left_pad
+from finetune.tasks.decoding import greedy_generate
+
+
+def hf_greedy(model: Any, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         do_sample=False, max_new_tokens=n, eos_token_id=eos_id, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_generate_matches_hf_generate_on_unpadded_prompts(llama: Any) -> None:
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (3, 7, 1, 5)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    new = greedy_generate(llama, ids, mask, max_new_tokens=10, eos_id=None, pad_id=0)
+    assert new.shape == (4, 10)
+    for prompt, row in zip(prompts, new.tolist(), strict=True):
+        assert row == hf_greedy(llama, prompt, 10)
+
+
+def test_greedy_generate_positions_with_absolute_embeddings() -> None:
+    """RoPE is blind to a constant position offset; GPT-2's absolute positions catch wrong left-pad positions."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64,
+                                     initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (2, 6, 4)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    new = greedy_generate(model, ids, mask, max_new_tokens=6, eos_id=None, pad_id=0)
+    for prompt, row in zip(prompts, new.tolist(), strict=True):
+        assert row == hf_greedy(model, prompt, 6)
+
+
+def test_greedy_generate_pads_after_eos(llama: Any) -> None:
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (4, 2, 6)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    free = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=None, pad_id=0).tolist()
+    eos = free[0][2]  # pretend the third token row 0 generates is eos
+    new = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=eos, pad_id=0).tolist()
+    for prompt, free_row, row in zip(prompts, free, new, strict=True):
+        if eos in free_row:
+            cut = free_row.index(eos) + 1
+            assert row[:cut] == free_row[:cut] and row[cut:] == [0] * (8 - cut)
+        else:
+            assert row == free_row
+        # HF stops at eos too: identical up to and including the first eos
+        reference = hf_greedy(llama, prompt, 8, eos_id=eos)
+        assert row[:len(reference)] == reference
+    assert new[0][3:] == [0] * 5

@@ -1,0 +1,33 @@
+"""finetune.data.formats: a chat row's prompt is the tokenizer's chat template with the generation prompt, and a
+tokenizer without a chat template is a DataError, not a traceback."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from finetune.data.formats import render
+from finetune.errors import DataError
+from tests.data_files import CHAT_TWO_TURNS
+
+TOKENIZER = Path(__file__).resolve().parents[2] / "finetune" / "assets" / "tiny-llama-tokenizer"
+
+
+def test_chat_render_prompt_is_template_with_generation_prompt(tok: Any) -> None:
+    out = render(CHAT_TWO_TURNS, "chat", tok, train_on_prompt=False)
+    assert out.prompt == tok.apply_chat_template(CHAT_TWO_TURNS["messages"][:-1], tokenize=False,
+                                                 add_generation_prompt=True)
+    assert out.prompt.endswith("<|assistant|>\n")
+    assert out.reference == "f"
+    assert not out.add_eos  # the template ends assistant turns with </s> itself
+    assert [out.text[a:b] for a, b in out.spans] == ["d</s>", "f</s>"]
+
+
+def test_chat_without_template_is_a_data_error(tok: Any) -> None:
+    bare = AutoTokenizer.from_pretrained(str(TOKENIZER))
+    bare.chat_template = None
+    with pytest.raises(DataError, match="chat template"):
+        render(CHAT_TWO_TURNS, "chat", bare, train_on_prompt=False)

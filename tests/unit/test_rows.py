@@ -1,0 +1,47 @@
+"""finetune.data.rows: how a row's place and values are named in a one-line error, and the check of a list of chat
+turns every data module shares."""
+
+from __future__ import annotations
+
+import pytest
+
+from finetune.data.rows import check_turns, error_detail, line_of, short_repr
+from finetune.errors import DataError
+
+
+@pytest.mark.parametrize("path,index,where", [
+    ("d.jsonl", 0, "d.jsonl:1"),
+    ("d.csv", 0, "d.csv:2"),  # the header is line 1
+    ("d.parquet", 4, "d.parquet (row 5)"),  # no lines: the row number
+])
+def test_line_of_names_the_line_a_user_opens(path: str, index: int, where: str) -> None:
+    assert line_of(path, index) == where
+
+
+def test_short_repr_keeps_a_huge_value_on_one_short_line() -> None:
+    assert short_repr("abc") == "'abc'"
+    assert short_repr("x" * 100, limit=10) == "'xxxxxx..."
+
+
+def test_error_detail_is_the_first_line_of_the_innermost_message() -> None:
+    try:
+        try:
+            raise ValueError("the real cause\nand more")
+        except ValueError as inner:
+            raise RuntimeError("generic wrapper") from inner
+    except RuntimeError as outer:
+        assert error_detail(outer) == "the real cause"
+    assert error_detail(StopIteration()) == "StopIteration"
+
+
+@pytest.mark.parametrize("value,message", [
+    ([], "f.jsonl:3: field 'messages' must be a non-empty list"),
+    ("hi", "f.jsonl:3: field 'messages' must be a non-empty list"),
+    ([{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}], "f.jsonl:3: messages[1] needs role"),
+    ([{"role": "user", "content": 7}], "f.jsonl:3: messages[0] needs role"),
+])
+def test_check_turns_names_the_first_bad_message(value: object, message: str) -> None:
+    with pytest.raises(DataError) as info:
+        check_turns(value, "f.jsonl:3")
+    assert str(info.value).startswith(message) and "\n" not in str(info.value)
+    check_turns([{"role": "system", "content": ""}, {"role": "assistant", "content": "ok"}], "f.jsonl:3")
