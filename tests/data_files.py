@@ -1,5 +1,5 @@
 """Small data rows and files shared by the unit tests of the data modules (tests/unit/test_tokenize.py,
-test_loading.py, test_formats.py, test_sources.py, test_batched_tokenize.py)."""
+test_loading.py, test_formats.py, test_sources.py, test_batched.py)."""
 
 from __future__ import annotations
 

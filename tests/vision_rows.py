@@ -1,4 +1,4 @@
-"""vision_chat rows for the unit tests of the vision modules (tests/unit/test_vision_data.py, test_vision_lm.py): the
+"""vision_chat rows for the unit tests of the vision modules (tests/unit/test_vision.py, test_vision_lm.py): the
 tiny Qwen2-VL row, images written on the fly, the parts of a message, and the rows tokenized as training does. The
 row's tokenizer and image inputs are the ``tools`` fixture of tests/unit/conftest.py."""
 

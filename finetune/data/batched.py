@@ -10,13 +10,13 @@ offsets never go back (:func:`monotone`), from the run of tokens each answer spa
 every token's offsets (:func:`_labels`). Each sample is tokenized once: its generation prompt's ids are its own
 tokens up to a special-token match plus the few characters after it tokenized alone, where the tokenizer's rules
 make that exactly the prompt's own tokenization (:func:`seams`, :func:`cue_ids`); else the prompt is tokenized
-too. tests/unit/test_data_batched_equal.py holds both short cuts to a call per text on every format.
+too. tests/unit/test_batched_equal.py holds both short cuts to a call per text on every format.
 
 ``data.num_proc`` worker processes (``datasets``' forked pool, each tokenizing a contiguous shard into its own
 cache file) add the Python side (checks, chat templates) to the parallel part; :func:`processes` picks how many.
 A bad row stops the pass with the same error whatever that number is: ``datasets`` waits for every shard and then
 raises the first failed shard's error, and a shard stops at its first bad row, so the error is the first bad row
-of the file (tests/unit/test_batched_tokenize.py holds it to that).
+of the file (tests/unit/test_batched.py holds it to that).
 
 :class:`Progress` reports a pass that really runs (a cache hit runs no row function) as plain lines; with several
 processes its counters live in shared memory that forked workers inherit, so the lines stay one pass's lines. The

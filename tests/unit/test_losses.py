@@ -523,7 +523,7 @@ def test_vision_row_loss_and_grads_match_full_logits(tmp_path: Path, monkeypatch
     from finetune.data.vision import VisionCollator
     from finetune.runtime.modeling import build_tokenizer, image_inputs
     from finetune.tasks import losses
-    from tests.unit.test_vision_data import image, qa, tokenize, write
+    from tests.unit.test_vision import image, qa, tokenize, write
 
     monkeypatch.setitem(losses.CHUNK_BYTES, "cpu", 7 * 4 * 576)
     row = registry.SUPPORTED_MODELS["tiny-qwen2-vl"]
