@@ -7,14 +7,12 @@ from __future__ import annotations
 import math
 import os
 import pickle
-import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from finetune.artifacts.checkpoint import rng_state, set_rng_state
 from finetune.storage.checkpoints import read_state, write_state
 
 
@@ -32,13 +30,6 @@ def test_state_round_trips_exactly(tmp_path: Path) -> None:
     assert back["rng"][0] == "MT19937" and back["rng"][1].dtype == np.uint32
     assert back["rng"][1].tolist() == [0, 1, 2, 3, 4]
     assert back["best"] == math.inf and back["worst"] == -math.inf
-
-
-def test_rng_state_restores_every_generator(tmp_path: Path) -> None:
-    write_state(tmp_path, "rng", rng_state())
-    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
-    set_rng_state(read_state(tmp_path, "rng"))
-    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
 def test_an_object_that_is_not_data_is_refused(tmp_path: Path) -> None:
