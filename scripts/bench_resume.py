@@ -39,8 +39,7 @@ def _register_hooks() -> None:
 
     def after_step(trainer: Any) -> None:  # a finetune.runtime.loop.Trainer
         if save_at and trainer.state.step == save_at:
-            checkpoint.save(trainer.accelerator, trainer.cfg, trainer.state, trainer.objects, trainer.tokenizer,
-                            trainer.run_dir, trainer.backend.name, trainer.run_id)
+            checkpoint.save(trainer.ctx, trainer.state, trainer.objects)
             trainer.tracker.close()
             os._exit(0)
         if first_step_file:

@@ -106,11 +106,11 @@ def child(resolved: Path, out: Path) -> None:
     trainer = build_trainer(cfg, Path(cfg.output_dir or "."))
     seconds = time.perf_counter() - start
     peak = {"rss": _status_kib("VmHWM"), **sampler.stop()}
-    row = {"rank": trainer.accelerator.process_index, "backend": trainer.backend.name, "before": before,
+    row = {"rank": trainer.ctx.accelerator.process_index, "backend": trainer.ctx.backend.name, "before": before,
            "peak": peak, "seconds": round(seconds, 2)}
     (out.parent / f"{out.name}.rank{row['rank']}.json").write_text(json.dumps(row))
     trainer.tracker.close()
-    trainer.accelerator.end_training()
+    trainer.ctx.accelerator.end_training()
 
 
 def save_model(folder: Path, hidden: int, layers: int, intermediate: int) -> int:

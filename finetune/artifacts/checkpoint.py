@@ -22,9 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import hooks
-from finetune.config import RecipeConfig, to_yaml
+from finetune.config import to_yaml
 from finetune.errors import RunDirError
-from finetune.registry import SupportedModel
 from finetune.runtime.backends import layout, restrict_checkpoint_loading
 from finetune.storage import restored, rundir
 from finetune.storage.checkpoints import (
@@ -40,6 +39,7 @@ from finetune.storage.state import TrainState
 
 if TYPE_CHECKING:
     from finetune.runtime.backends import Backend
+    from finetune.runtime.context import RunContext
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,11 +69,10 @@ def _rng_name(rank: int) -> str:
     return rng_name(rank)
 
 
-def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[str, Any], tokenizer: Any,
-         run_dir: Path, backend: str, run_id: str, labels: list[str] | None = None,
-         row: SupportedModel | None = None) -> Path:
-    """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically. ``labels``:
-    the classification label names, recorded in its manifest (:func:`manifest`).
+def save(ctx: RunContext, state: TrainState, objects: dict[str, Any]) -> Path:
+    """Write a complete checkpoint of the current step on every rank; rank 0 publishes it atomically. ``ctx``: the
+    run (its folder, recipe, tokenizer, backend and the classification labels recorded in the manifest,
+    :func:`manifest`).
 
     ``objects``: name -> object with ``state_dict()`` / ``load_state_dict()`` (scheduler, grad scaler, ...); every
     rank calls ``state_dict()`` (it may be a collective), rank 0 writes it. A failed write (e.g. a full disk) removes
@@ -84,6 +83,7 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
     model's ~90 GB of weights and optimizer state take minutes, and a barrier around them would make the other
     ranks wait past the collective timeout. The returned folder exists once :func:`wait_published` returns.
     """
+    accelerator, cfg, run_dir = ctx.accelerator, ctx.cfg, ctx.run_dir
     final = rundir.step_dir(run_dir, state.step)
     tmp = final.with_name(final.name + rundir.TMP)
     main = accelerator.is_main_process
@@ -112,11 +112,12 @@ def save(accelerator: Any, cfg: RecipeConfig, state: TrainState, objects: dict[s
                           + f"; then `finetune resume {run_dir}`") from exc
     if main:
         snapshot = TrainState(**asdict(state))  # as of this step: training moves on while a thread publishes
-        tokenizer_sha256 = tokenizer_fingerprint(tokenizer)  # in this thread: a tokenizer is not for two at once
+        tokenizer_sha256 = tokenizer_fingerprint(ctx.tokenizer)  # in this thread: a tokenizer is not for two at once
         world = accelerator.num_processes
 
         def record() -> dict[str, Any]:
-            return manifest(cfg, snapshot, layout(backend, world), tokenizer_sha256, run_id, labels, row)
+            return manifest(cfg, snapshot, layout(ctx.backend.name, world), tokenizer_sha256, ctx.run_id, ctx.labels,
+                            ctx.row)
 
         _PUBLISHER.start(lambda: _publish(tmp, final, record, cfg.checkpoint.keep_last), background=world > 1)
     accelerator.wait_for_everyone()

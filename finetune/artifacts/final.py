@@ -16,26 +16,24 @@ from typing import Any
 
 import torch
 
-from finetune import registry
 from finetune.artifacts import writer
-from finetune.config import RecipeConfig, to_yaml
+from finetune.config import to_yaml
 from finetune.errors import NonFiniteError
-from finetune.registry import SupportedModel
-from finetune.runtime.backends import Backend, export_module, full_state_dict, layout
+from finetune.runtime.backends import export_module, full_state_dict, layout
+from finetune.runtime.context import RunContext
 from finetune.runtime.modeling import save_custom_weights, save_tokenizer
 from finetune.storage import rundir
 from finetune.storage.record import record
 
 
-def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig, run_dir: Path,
-                 backend: Backend, run_id: str, step: int, probe: dict[str, Any] | None = None,
-                 rebuild: Callable[[], Any] | None = None, precision: Any = None,
-                 labels: list[str] | None = None, row: SupportedModel | None = None) -> Path:
+def export_final(ctx: RunContext, model: Any, step: int, probe: dict[str, Any] | None = None,
+                 rebuild: Callable[[], Any] | None = None, precision: Any = None) -> Path:
     """Write ``<run_dir>/final`` in Hugging Face format: a full model (safetensors, config with the label mapping)
     or, for LoRA runs, a PEFT adapter plus ``merge_check.safetensors`` (the live model's logits on ``probe``, which
     ``finetune merge`` must reproduce), or for a custom (factory) row its state dict alone
     (:func:`finetune.runtime.modeling.save_custom_weights`); always the tokenizer, the resolved recipe and a manifest
-    (with the row, the classification ``labels`` and the layout, :mod:`finetune.storage.record`).
+    (with the row, the classification labels and the layout, :mod:`finetune.storage.record`). ``ctx``: the run
+    (folder, recipe, row, labels, backend, tokenizer); ``model``: the trained model at ``step``.
 
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
@@ -43,6 +41,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     :func:`finetune.runtime.backends.export_module`). ``precision``: the run's
     :class:`finetune.runtime.precision.Precision`, whose
     autocast the reference forward runs under, as training ran (None: no autocast, fp32 training)."""
+    accelerator, cfg, run_dir, backend, row = ctx.accelerator, ctx.cfg, ctx.run_dir, ctx.backend, ctx.row
     out = run_dir / rundir.FINAL
     state_dict = full_state_dict(accelerator, model, backend)  # collective under sharded backends
     flag = torch.tensor(0.0 if not accelerator.is_main_process or writer.all_finite(state_dict) else 1.0,
@@ -60,8 +59,6 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
             reference = {**probe, "logits": model(**inputs).logits.float().cpu()}
         model.train(was_training)
     if accelerator.is_main_process:
-        row = row or registry.recipe_row(cfg)  # the trainer's row; resolved here for direct callers (tests)
-
         def save(tmp: Path) -> None:
             from safetensors.torch import save_file  # lazy: heavy
 
@@ -70,12 +67,12 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
             else:
                 saver = export_module(accelerator, model, backend, state_dict, rebuild)
                 saver.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-            save_tokenizer(tokenizer, tmp)
+            save_tokenizer(ctx.tokenizer, tmp)
             (tmp / rundir.RESOLVED).write_text(to_yaml(cfg))
             if reference is not None:
                 save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp / rundir.MERGE_CHECK))
 
-        head = {**writer.export_manifest(run_id, step), **record(cfg, row, labels),
+        head = {**writer.export_manifest(ctx.run_id, step), **record(cfg, row, ctx.labels),
                 "layout": layout(backend.name, accelerator.num_processes)}
         writer.write(out, save, head, tmp=run_dir / rundir.FINAL_TMP, old=run_dir / rundir.FINAL_OLD)
     accelerator.wait_for_everyone()

@@ -13,18 +13,15 @@ import math
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from finetune import hooks
 from finetune.artifacts import checkpoint
-from finetune.config import RecipeConfig
 from finetune.errors import CollapseError, EvalError, FinetuneError, NonFiniteError
-from finetune.registry import SupportedModel
 from finetune.runtime import collapse, meter
-from finetune.runtime.backends import Backend
+from finetune.runtime.context import RunContext
 from finetune.runtime.precision import Precision
 from finetune.runtime.signals import Interrupted, StopRequest
 from finetune.runtime.tracking import Throughput, Tracker
@@ -38,26 +35,19 @@ warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\
 
 @dataclass
 class Trainer:
-    """Everything the loop needs, built by the worker."""
+    """What moves during a run, built by the worker, beside the run's fixed facts (``ctx``, frozen)."""
 
-    cfg: RecipeConfig
-    accelerator: Any
+    ctx: RunContext
     model: Any
     optimizer: Any
     scheduler: Any
     precision: Precision
     task: Task
-    tokenizer: Any
     tracker: Tracker
     state: TrainState
-    run_dir: Path
-    max_steps: int
-    backend: Backend = field(default_factory=lambda: Backend("single"))
     stop: StopRequest = field(default_factory=StopRequest)
-    run_id: str = ""
     objects: dict[str, Any] = field(default_factory=dict)  # checkpointed state besides model/optimizer/TrainState
     flops: meter.StepFlops | None = None  # the model's FLOPs and the device's peak, for flops_per_token and mfu
-    row: SupportedModel | None = None  # the recipe's row (registry.recipe_row), resolved once by the worker
 
 
 @dataclass
@@ -75,6 +65,7 @@ class StepStats:
 
 
 def _due(step: int, every: int | None) -> bool:
+    """Whether something done every ``every`` steps (None or 0: never) is due at ``step``."""
     return bool(every) and step % every == 0  # type: ignore[operator]
 
 
@@ -85,23 +76,24 @@ def _to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
 def train(t: Trainer) -> TrainState:
     """Run optimizer steps until ``max_steps``, with periodic logging, checkpoints and evaluation (each step's
     checkpoint first; the last step's eval is the worker's, after the export)."""
-    cfg, state = t.cfg, t.state
+    ctx, state = t.ctx, t.state
+    cfg = ctx.cfg
     batches = iter(t.task.build_dataloader("train", start_sample=state.samples_seen))
     if cfg.eval.at_start and state.step == 0 and cfg.data.eval:
         t.tracker.log("eval", evaluate(t))
     started = time.perf_counter() - state.elapsed_s
     throughput = Throughput(state.tokens_seen, state.elapsed_s,  # from where this process starts (resume: its ckpt)
-                            processes=t.accelerator.num_processes, flops=t.flops)
+                            processes=ctx.accelerator.num_processes, flops=t.flops)
     t.model.train()
     nonfinite_streak, watch = 0, _collapse_watch(t)
-    while state.step < t.max_steps:
+    while state.step < ctx.max_steps:
         stats = train_step(t, [next(batches) for _ in range(cfg.grad_accum)])
         state.advance(micro_steps=cfg.grad_accum, samples=cfg.train.global_batch_size, tokens=stats.tokens)
         state.elapsed_s = time.perf_counter() - started
         throughput.add(stats.inputs, stats.squares)
         nonfinite_streak = nonfinite_streak + 1 if stats.nonfinite else 0
         collapsed = watch.observe(stats.loss, stats.grad_norm, stats.skipped)
-        last = state.step == t.max_steps
+        last = state.step == ctx.max_steps
         if _due(state.step, cfg.logging.every_steps) or last or stats.nonfinite or collapsed:
             t.tracker.log("train", _train_row(t, stats, throughput))
         if stats.nonfinite:
@@ -109,24 +101,23 @@ def train(t: Trainer) -> TrainState:
         if collapsed:
             _collapsed(t, watch, stats, ending=last or stats.stop)  # raises CollapseError: see there
         if _save_due(t, last, collapsed) or stats.stop:  # before this step's eval: an eval that fails loses nothing
-            path = checkpoint.save(t.accelerator, cfg, state, t.objects, t.tokenizer, t.run_dir, t.backend.name,
-                                   t.run_id, t.task.data.labels, t.row)
+            path = checkpoint.save(ctx, state, t.objects)
             t.tracker.log("info", {"message": f"saved checkpoint {path.name}"})
         if cfg.data.eval and _due(state.step, cfg.eval.every_steps) and not last:  # the last: after the export
             t.tracker.log("eval", checked_evaluate(t))
         hooks.fire("after_step", trainer=t)
         if stats.stop and not last:
             raise Interrupted(f"stopped by signal after step {state.step}; checkpoint {path.name} saved; continue with "
-                              f"`finetune resume {t.run_dir}`", t.stop.exit_code)
+                              f"`finetune resume {ctx.run_dir}`", t.stop.exit_code)
     return state
 
 
 def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
     """One optimizer step over this rank's micro-batches of the accumulation window; skipped (no update) when the
     window's loss or gradient norm is not finite."""
-    acc, device = t.accelerator, t.accelerator.device
+    acc, device = t.ctx.accelerator, t.ctx.accelerator.device
     local_tokens = torch.tensor(float(sum(map(t.task.count_targets, window))), device=device)  # counted on host
-    tail = t.cfg.data.pack_to_multiple_of is not None
+    tail = t.ctx.cfg.data.pack_to_multiple_of is not None
     inputs, squares = map(sum, zip(*(meter.input_lengths(b, padded_tail=tail) for b in window), strict=True))
     window = [_to_device(b, device) for b in window]
     total_tokens = acc.reduce(local_tokens, reduction="sum")  # sync: the window's label tokens on all ranks
@@ -143,7 +134,7 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
         loss_sum_local += loss_sum.detach().double()
     assert acc.sync_gradients, "a window is exactly gradient_accumulation_steps micro-steps"
     t.precision.scaler.unscale_(t.optimizer)
-    max_norm = t.cfg.train.max_grad_norm or math.inf
+    max_norm = t.ctx.cfg.train.max_grad_norm or math.inf
     grad_norm = float(acc.clip_grad_norm_(t.model.parameters(), max_norm))  # sync
     # sync: the window's loss over all ranks, whether any rank was asked to stop (all stop after this step), and
     # its input tokens and squared sample lengths (for tok/s and the FLOPs), in this one reduce
@@ -165,7 +156,7 @@ def train_step(t: Trainer, window: list[dict[str, Any]]) -> StepStats:
 
 def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
     """Log a skipped non-finite step; stop the run (NonFiniteError, nothing exported) after too many in a row."""
-    limit, step = t.cfg.train.max_nonfinite_steps, t.state.step
+    limit, step = t.ctx.cfg.train.max_nonfinite_steps, t.state.step
     t.tracker.log("info", {"message": f"step {step}: loss {stats.loss} / grad_norm {stats.grad_norm} is not finite: "
                                       f"update skipped ({streak} in a row; the run stops at "
                                       f"train.max_nonfinite_steps={limit})"})
@@ -173,14 +164,14 @@ def _nonfinite(t: Trainer, stats: StepStats, streak: int) -> None:
         raise NonFiniteError(
             f"training diverged: {streak} steps in a row up to step {step} had a non-finite loss or gradient norm "
             f"(loss {stats.loss}, grad_norm {stats.grad_norm}); nothing was exported. Try a lower optim.lr (now "
-            f"{t.cfg.optim.lr:g}), train.mixed_precision=bf16, or gradient clipping (train.max_grad_norm); a "
-            f"checkpoint continues with `finetune resume {t.run_dir} optim.lr=... --allow-config-change`")
+            f"{t.ctx.cfg.optim.lr:g}), train.mixed_precision=bf16, or gradient clipping (train.max_grad_norm); a "
+            f"checkpoint continues with `finetune resume {t.ctx.run_dir} optim.lr=... --allow-config-change`")
 
 
 def _collapse_watch(t: Trainer) -> collapse.Watch:
     """A run's collapse watch, with the signature of its task and model (:func:`collapse.signature`)."""
-    row_task = t.row.task if t.row is not None else None
-    return collapse.Watch(collapse.signature(t.cfg.task, row_task, t.accelerator.unwrap_model(t.model)))
+    ctx = t.ctx
+    return collapse.Watch(collapse.signature(ctx.cfg.task, ctx.row.task, ctx.accelerator.unwrap_model(t.model)))
 
 
 def _collapsed(t: Trainer, watch: collapse.Watch, stats: StepStats, ending: bool) -> None:
@@ -190,9 +181,9 @@ def _collapsed(t: Trainer, watch: collapse.Watch, stats: StepStats, ending: bool
     so the newest one, which the line names, predates it."""
     t.tracker.log("info", {"message": watch.step_line(t.state.step, stats.loss)})
     if watch.must_stop(ending):
-        newest = checkpoints.latest_resumable(t.run_dir)
+        newest = checkpoints.latest_resumable(t.ctx.run_dir)
         kept = newest.path.name if newest is not None else None
-        line = watch.stop_line(t.state.step, stats.loss, t.cfg.optim.lr, t.run_dir, kept)
+        line = watch.stop_line(t.state.step, stats.loss, t.ctx.cfg.optim.lr, t.ctx.run_dir, kept)
         t.tracker.log("info", {"message": line, "console": False})  # train.log says why the run ended
         raise CollapseError(line)
 
@@ -200,7 +191,7 @@ def _collapsed(t: Trainer, watch: collapse.Watch, stats: StepStats, ending: bool
 def _save_due(t: Trainer, last: bool, collapsed: bool) -> bool:
     """Whether this step saves a checkpoint: every ``checkpoint.every_steps`` and at the last step, but never a
     model that looks collapsed: its rotation (``checkpoint.keep_last``) would delete the good checkpoints before it."""
-    every = t.cfg.checkpoint.every_steps
+    every = t.ctx.cfg.checkpoint.every_steps
     due = _due(t.state.step, every) or (last and bool(every))
     if due and collapsed:
         t.tracker.log("info", {"message": f"step {t.state.step}: checkpoint not saved: the model looks collapsed"})
@@ -213,7 +204,7 @@ def _train_row(t: Trainer, stats: StepStats, throughput: Throughput) -> dict[str
     row: dict[str, Any] = {
         "step": t.state.step, "loss": stats.loss, "lr": stats.lr,
         "grad_norm": stats.grad_norm, "tokens": t.state.tokens_seen, "elapsed_s": round(t.state.elapsed_s, 3),
-        **throughput.rates(t.state.tokens_seen, t.state.elapsed_s), **meter.memory_peaks(t.accelerator.device),
+        **throughput.rates(t.state.tokens_seen, t.state.elapsed_s), **meter.memory_peaks(t.ctx.accelerator.device),
         **stats.extra,
     }
     if t.precision.loss_scale is not None:
@@ -236,20 +227,20 @@ def checked_evaluate(t: Trainer) -> dict[str, Any]:
         raise
     except Exception as exc:
         detail = (str(exc).strip().splitlines() or [""])[0][:200]
-        newest = checkpoints.latest_resumable(t.run_dir)
+        newest = checkpoints.latest_resumable(t.ctx.run_dir)
         kept = f"{newest.path.name} is the newest resumable checkpoint" if newest else "no checkpoint was saved yet"
-        if t.state.step >= t.max_steps:  # the final eval: the export (if any) is already written
-            then = f"`finetune eval {t.run_dir} eval.batch_size=N`"
+        if t.state.step >= t.ctx.max_steps:  # the final eval: the export (if any) is already written
+            then = f"`finetune eval {t.ctx.run_dir} eval.batch_size=N`"
         else:
-            then = f"`finetune resume {t.run_dir} eval.batch_size=N --allow-config-change`"
+            then = f"`finetune resume {t.ctx.run_dir} eval.batch_size=N --allow-config-change`"
         raise EvalError(f"eval at step {t.state.step} failed ({type(exc).__name__}: {detail}); {kept} and nothing "
-                        f"else was changed; lower eval.batch_size (now {t.cfg.eval.batch_size}) or fix the cause, "
+                        f"else was changed; lower eval.batch_size (now {t.ctx.cfg.eval.batch_size}) or fix the cause, "
                         f"then {then}") from exc
 
 
 def evaluate(t: Trainer) -> dict[str, Any]:
     """:func:`evaluate_model` of the run's model at its step; the best eval loss is kept in the train state."""
-    row = evaluate_model(t.model, t.task, t.precision, t.accelerator, t.cfg.eval.metrics, t.state.step)
+    row = evaluate_model(t.model, t.task, t.precision, t.ctx.accelerator, t.ctx.cfg.eval.metrics, t.state.step)
     if "eval_loss" in row:
         t.state.best_eval_loss = min(t.state.best_eval_loss, row["eval_loss"])
     return row

@@ -21,7 +21,7 @@ from finetune.artifacts.portable import PARAM_NAMES, ParamNames
 from finetune.artifacts.probe import LogitProbe
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import ConfigError, RunDirError, run_main, unreadable
-from finetune.runtime import materialize, plan, prepare
+from finetune.runtime import context, materialize, plan, prepare
 from finetune.runtime import peft as lora
 from finetune.runtime.backends import (
     detect,
@@ -124,12 +124,51 @@ def _build_model(cfg: RecipeConfig, row: Any, accelerator: Any, backend: Any, to
     return model
 
 
+def _backend(cfg: RecipeConfig, row: registry.SupportedModel) -> Backend:
+    """The backend this launch runs (the launcher's environment), after the checks that need no process group: the
+    hardware LoRA asks for, loads made data-only, and an eval the backend cannot run."""
+    lora.check_hardware(cfg.peft)
+    backend = fsdp_accumulation(cfg, detect())  # the launcher's environment
+    checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
+    if row.image_token is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
+        raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
+                          f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
+    return backend
+
+
+def _context(cfg: RecipeConfig, run_dir: Path, row: registry.SupportedModel, backend: Backend,
+             inputs: prepare.Inputs) -> context.RunContext:
+    """The run's fixed facts on this rank: the accelerator (the process group starts here), the run's id and its
+    length; refused when the processes running are not the recipe's (grad_accum, so the global batch, depends on
+    their number)."""
+    accelerator, backend = make_accelerator(cfg, row, backend)
+    accelerator.wait_for_everyone()  # under a user's launcher, rank 0 has created the run dir once it gets here
+    run_id = rundir.run_id(run_dir)
+    if accelerator.num_processes != cfg.launch.num_processes:
+        raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
+                          f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
+    assert inputs.data.train is not None
+    max_steps = total_steps(cfg, epoch_samples(cfg, inputs.data.train_size))  # a mixture's epoch is its draws
+    return context.RunContext(cfg=cfg, run_dir=run_dir, run_id=run_id, row=row, labels=inputs.data.labels,
+                              backend=backend, accelerator=accelerator, tokenizer=inputs.tokenizer,
+                              max_steps=max_steps)
+
+
+def training_line(ctx: context.RunContext, streamed: bool, train_size: int) -> str:
+    """The line a run starts with in train.log: its length, its batch and how it is made up, the backend, and the
+    training samples (``streamed``: data.streaming, whose size is unknown)."""
+    cfg, acc = ctx.cfg, ctx.accelerator
+    return (f"training {cfg.name}: {ctx.max_steps} steps, global batch {cfg.train.global_batch_size} (micro "
+            f"{cfg.train.micro_batch_size} x accum {cfg.grad_accum} x {acc.num_processes} process(es)), backend "
+            f"{ctx.backend.name} ({acc.distributed_type}), {'streamed' if streamed else train_size} train samples")
+
+
 def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs: prepare.Inputs | None = None,
                   allow_plugin: bool = False) -> Trainer:
-    """Build every object of a run on this rank: accelerator, tokenizer, data, model, optimizer, task, tracker.
-    ``start_step``: the step a resumed run continues from (its progress display starts there). ``inputs``: the
-    tokenizer and data this process already read (`finetune run` reads them before it creates the run folder).
-    ``allow_plugin``: see :func:`run_worker` (a GRPO reward function is such code)."""
+    """Build every object of a run on this rank: the run's context (accelerator, tokenizer, ...), data, model,
+    optimizer, task, tracker. ``start_step``: the step a resumed run continues from (its progress display starts
+    there). ``inputs``: the tokenizer and data this process already read (`finetune run` reads them before it
+    creates the run folder). ``allow_plugin``: see :func:`run_worker` (a GRPO reward function is such code)."""
     from finetune.runtime import loop  # lazy: imports torch
     from finetune.runtime.meter import step_flops  # lazy: imports numpy
     from finetune.runtime.modeling import compile_failures  # lazy: imports torch
@@ -137,36 +176,21 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     from finetune.runtime.precision import Precision  # lazy: imports torch
     from finetune.tasks import build_task  # lazy: imports numpy
 
-    row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried on the Trainer
-    lora.check_hardware(cfg.peft)
-    backend = fsdp_accumulation(cfg, detect())  # the launcher's environment
-    checkpoint.forbid_unpickling(backend)  # before anything is loaded: checkpoints and model folders are data only
-    if row.image_token is not None and "exact_match" in cfg.eval.metrics and not backend.generates_unwrapped:
-        raise ConfigError(f"eval.metrics: exact_match of {row.name} generates with transformers' generate, which "
-                          f"{backend.name} cannot run; use launch.accelerate_config=fsdp2, or token_accuracy only")
+    row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried by the context
+    backend = _backend(cfg, row)
     # before the process group exists, so that no rank waits in a collective while one tokenizes or downloads
     inputs = inputs or prepare.inputs(cfg, row)
-    tokenizer, images, data = inputs.tokenizer, inputs.images, inputs.data
-    accelerator, backend = make_accelerator(cfg, row, backend)
-    accelerator.wait_for_everyone()  # under a user's launcher, rank 0 has created the run dir once it gets here
-    run_id = rundir.run_id(run_dir)
-    if accelerator.num_processes != cfg.launch.num_processes:  # grad_accum (and so the global batch) depends on it
-        raise ConfigError(f"launch.num_processes={cfg.launch.num_processes} but {accelerator.num_processes} "
-                          f"process(es) are running; set launch.num_processes={accelerator.num_processes}")
-    assert data.train is not None
-    epoch = epoch_samples(cfg, data.train_size)  # a mixture's epoch is its draws, not its rows
-    max_steps = total_steps(cfg, epoch)
-    tracker = _tracker(cfg, run_dir, accelerator.is_main_process, start_step, max_steps, data)
-
+    ctx = _context(cfg, run_dir, row, backend, inputs)
+    accelerator, backend, tokenizer, data = ctx.accelerator, ctx.backend, ctx.tokenizer, inputs.data
+    tracker = _tracker(cfg, run_dir, accelerator.is_main_process, start_step, ctx.max_steps, data)
     model = _build_model(cfg, row, accelerator, backend, tokenizer, data.labels, tracker)
     optimizer = build_optimizer(cfg.optim, model, accelerator.device.type)
-    scheduler = build_scheduler(cfg.scheduler, optimizer, max_steps)
+    scheduler = build_scheduler(cfg.scheduler, optimizer, ctx.max_steps)
     param_names = ParamNames.of(model, optimizer)  # on the plain model: prepare wraps and may rename
     flops = step_flops(model, cfg.train.peak_tflops, accelerator.device)  # plain names, whole sizes (ZeRO-3 too)
     size_deepspeed_buckets(accelerator, model)  # DeepSpeed's 5e8-element reduce bucket, capped at the model
     model, optimizer = accelerator.prepare(model, optimizer)
     precision = Precision(cfg.train.mixed_precision, accelerator.device.type, backend)
-    state = TrainState(train_size=epoch)
     # accelerate saves model and optimizer; these are ours, saved as JSON + safetensors (never pickled). The
     # scheduler is not prepared: accelerate would step it once per process.
     objects = {"scheduler": scheduler, "scaler": precision.scaler, **extra_checkpoint_state(backend, model, optimizer),
@@ -177,19 +201,16 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
                "probe": LogitProbe(model, accelerator.device, lambda: probe_batch(task, tokenizer, rows=2, length=16),
                                   precision)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
-                      lockstep=backend.shards_parameters, images=images, allow_plugin=allow_plugin,
+                      lockstep=backend.shards_parameters, images=inputs.images, allow_plugin=allow_plugin,
                       frozen_copy=lambda prepared: frozen_copy(accelerator, prepared, backend))
     objects |= task.checkpoint_objects  # e.g. GRPO's generation batch inside a cycle
-    tracker.log("info", {"message": f"training {cfg.name}: {max_steps} steps, global batch "
-                                    f"{cfg.train.global_batch_size} (micro {cfg.train.micro_batch_size} x accum "
-                                    f"{cfg.grad_accum} x {accelerator.num_processes} process(es)), backend "
-                                    f"{backend.name} ({accelerator.distributed_type}), "
-                                    f"{'streamed' if data.stream else data.train_size} train samples"})
+    tracker.log("info", {"message": training_line(ctx, bool(data.stream), data.train_size)})
     # on the initial model (dpo's reference pass): now, before a resume loads a checkpoint
     with compile_failures(cfg.train.compile):
         task.prepare(lambda: model, accelerator, precision, lambda message: tracker.log("info", {"message": message}))
-    return loop.Trainer(cfg, accelerator, model, optimizer, scheduler, precision, task, tokenizer, tracker, state,
-                        run_dir, max_steps, backend, run_id=run_id, objects=objects, flops=flops, row=row)
+    state = TrainState(train_size=epoch_samples(cfg, data.train_size))
+    return loop.Trainer(ctx, model, optimizer, scheduler, precision, task, tracker, state, objects=objects,
+                        flops=flops)
 
 
 def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> dict[str, Any]:
@@ -209,9 +230,7 @@ def clean_copy(trainer: Trainer) -> Callable[[], Any]:
     built it; a backend that cannot save from its wrapped model saves from one (backends.export_module)."""
     from finetune.runtime.modeling import build_base  # lazy: imports torch
 
-    cfg = trainer.cfg
-    row = trainer.row if trainer.row is not None else registry.recipe_row(cfg)
-    labels = trainer.task.data.labels
+    cfg, row, labels = trainer.ctx.cfg, trainer.ctx.row, trainer.ctx.labels
 
     def build() -> Any:
         base = build_base(cfg.model, row, cfg.train.seed, labels)
@@ -232,36 +251,37 @@ def resume_state(trainer: Trainer, ckpt: Path, allow_config_change: bool,
     handed to every check and loader below."""
     from finetune.runtime.optim import group_settings, keep_recipe_settings  # lazy: imports torch
 
+    ctx = trainer.ctx
     manifest = rundir.read_manifest(ckpt) if manifest is None else manifest
-    if checkpoints.tokenizer_fingerprint(trainer.tokenizer) != manifest.get("tokenizer_sha256"):
+    if checkpoints.tokenizer_fingerprint(ctx.tokenizer) != manifest.get("tokenizer_sha256"):
         if not allow_config_change:
             raise RunDirError(f"resume refused: the tokenizer differs from the one {ckpt.name} was trained with; "
                               "pass --allow-config-change to continue anyway")
         trainer.tracker.log("info", {"message": "resume: tokenizer changed since the checkpoint (allowed)"})
     saved_by, saved_world = manifest.get("backend", "single"), manifest.get("world_size", 1)
-    world = trainer.accelerator.num_processes
-    native = trainer.backend.loads_natively(saved_by, saved_world, world)  # same layout, or single <-> ddp
-    if not native and (why := portable.reshard_problem(manifest, trainer.cfg.optim.name)):
-        raise RunDirError(f"resume refused: {ckpt.name} {trainer.backend.resume_problem(saved_by, saved_world, world)}"
-                          f", and {why}: resume it that way, or `finetune export {trainer.run_dir} --from {ckpt.name} "
+    world = ctx.accelerator.num_processes
+    native = ctx.backend.loads_natively(saved_by, saved_world, world)  # same layout, or single <-> ddp
+    if not native and (why := portable.reshard_problem(manifest, ctx.cfg.optim.name)):
+        raise RunDirError(f"resume refused: {ckpt.name} {ctx.backend.resume_problem(saved_by, saved_world, world)}"
+                          f", and {why}: resume it that way, or `finetune export {ctx.run_dir} --from {ckpt.name} "
                           "-o DIR` and start a new run from DIR")
     settings = group_settings(trainer.optimizer)  # the recipe's: a checkpoint brings back the values it was saved with
     restored.check_objects(ckpt, trainer.objects, checkpoints.read_state)  # before anything loads
     with unreadable(lambda detail: f"{ckpt}: cannot be loaded ({detail}); the run dir is unchanged: resume from "
                     "another checkpoint with --from"):  # model, optimizer, scheduler, TrainState, scaler, RNG
         if not native:  # another layout: whole tensors, each rank keeping its part
-            portable.resume_from(trainer.accelerator, trainer.backend, trainer.model, trainer.optimizer, ckpt,
-                                 trainer.run_dir, manifest)
-        checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=native,
+            portable.resume_from(ctx.accelerator, ctx.backend, trainer.model, trainer.optimizer, ckpt,
+                                 ctx.run_dir, manifest)
+        checkpoint.load(ctx.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=native,
                         manifest=manifest)
     for line in keep_recipe_settings(trainer.optimizer, trainer.objects["scheduler"], settings):
         trainer.tracker.log("info", {"message": f"resume: {line} (the recipe's, not the checkpoint's)"})
     if not native:
         trainer.tracker.log("info", {"message": f"resume: {ckpt.name} resharded from {saved_by} on {saved_world} "
-                                                f"process(es) to {trainer.backend.name} on {world}"})
+                                                f"process(es) to {ctx.backend.name} on {world}"})
     state = trainer.state
     # last: nothing that can refuse this resume comes after it
-    dropped = truncate_metrics(trainer.run_dir, state.step) if trainer.accelerator.is_main_process else 0
+    dropped = truncate_metrics(ctx.run_dir, state.step) if ctx.accelerator.is_main_process else 0
     trainer.tracker.log("info", {"message": f"resumed from {ckpt.name}: step {state.step}, epoch {state.epoch}, "
                                             f"{state.samples_seen} samples seen; dropped {dropped} metrics rows "
                                             "logged after it"})
@@ -298,7 +318,6 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
 
     Raises :class:`finetune.runtime.signals.Interrupted` after saving a checkpoint when a SIGINT/SIGTERM asked to stop.
     """
-    from finetune.artifacts import final  # imports torch
     from finetune.runtime import loop  # lazy: imports torch
     from finetune.runtime.modeling import compile_failures  # lazy: imports torch
 
@@ -307,41 +326,48 @@ def run_worker(recipe: str | Path | RecipeConfig, resume_from: str | Path | None
     manifest = resumed_manifest(resume_from)  # read once: every step of the resume below is handed it
     trainer = build_trainer(cfg, Path(cfg.output_dir or "."), start_step=resumed_step(manifest), inputs=inputs,
                             allow_plugin=allow_plugin)
+    ctx = trainer.ctx
     try:
         if resume_from is not None:
-            main = trainer.accelerator.is_main_process
+            main = ctx.accelerator.is_main_process
             try:
                 resume_state(trainer, Path(resume_from), allow_config_change, manifest)
             except BaseException:
                 if main:
-                    rundir.adopt_resumed(None, trainer.run_dir)
+                    rundir.adopt_resumed(None, ctx.run_dir)
                 raise
             if main:
-                rundir.adopt_resumed(cfg, trainer.run_dir)
+                rundir.adopt_resumed(cfg, ctx.run_dir)
         with trainer.stop.installed(), compile_failures(cfg.train.compile):  # torch compiles at first use
             loop.train(trainer)
         if cfg.checkpoint.save_final:
             with compile_failures(cfg.train.compile):  # a LoRA export runs the (compiled) model on its probe
-                out = final.export_final(trainer.accelerator, trainer.model, trainer.tokenizer, cfg,
-                                         trainer.run_dir, trainer.backend, trainer.run_id, trainer.state.step,
-                                         probe=probe_batch(trainer.task, trainer.tokenizer),
-                                         rebuild=clean_copy(trainer), precision=trainer.precision,
-                                         labels=trainer.task.data.labels, row=trainer.row)
+                out = _export(trainer)
             trainer.tracker.log("info", {"message": f"exported {out}"})
         if cfg.data.eval:  # after the export: a final eval that fails (e.g. out of memory) loses nothing
             with compile_failures(cfg.train.compile):
                 trainer.tracker.log("eval", loop.checked_evaluate(trainer))
-        if trainer.accelerator.is_main_process:  # <run>/plots.png; a failure is one warning line, never a failed run
+        if ctx.accelerator.is_main_process:  # <run>/plots.png; a failure is one warning line, never a failed run
 
-            write_run_plot(trainer.run_dir, log=lambda row: trainer.tracker.log("info", row))
+            write_run_plot(ctx.run_dir, log=lambda row: trainer.tracker.log("info", row))
             report_end(trainer, time.monotonic() - started)
-        settle(trainer.accelerator)  # every rank, before end_training tears the process group down
+        settle(ctx.accelerator)  # every rank, before end_training tears the process group down
     except Interrupted as exc:  # in train.log; the console gets it once, from the exit (finetune.errors)
         trainer.tracker.log("info", {"message": str(exc), "console": False})
         raise
     finally:
         trainer.tracker.close()
-        trainer.accelerator.end_training()
+        ctx.accelerator.end_training()
+
+
+def _export(trainer: Trainer) -> Path:
+    """The trained model's ``final/`` export (every rank: :func:`finetune.artifacts.final.export_final`), with the
+    reference logits on a few eval samples and the clean copy a backend may need to save from."""
+    from finetune.artifacts import final  # lazy: imports torch
+
+    return final.export_final(trainer.ctx, trainer.model, trainer.state.step,
+                              probe=probe_batch(trainer.task, trainer.ctx.tokenizer), rebuild=clean_copy(trainer),
+                              precision=trainer.precision)
 
 
 def report_end(trainer: Trainer, wall_s: float) -> None:
@@ -351,7 +377,7 @@ def report_end(trainer: Trainer, wall_s: float) -> None:
     state = trainer.state
     trainer.tracker.log("end", {"step": state.step, "samples": state.samples_seen, "tokens": state.tokens_seen,
                                 "train_s": round(state.elapsed_s, 3), "wall_s": round(wall_s, 3)})
-    summary = read_summary(trainer.run_dir, trainer.row)
+    summary = read_summary(trainer.ctx.run_dir, trainer.ctx.row)
     for line in render(summary) if summary else []:
         trainer.tracker.log("info", {"message": line})
 

@@ -34,21 +34,21 @@ def _local_param_numel(model: Any) -> int:
 
 
 def _after_step(trainer: Any) -> None:
-    acc, step = trainer.accelerator, trainer.state.step
+    acc, step = trainer.ctx.accelerator, trainer.state.step
     if step == 1:
         facts = {
             "rank": acc.process_index, "num_processes": acc.num_processes,
-            "distributed_type": str(acc.distributed_type), "backend": trainer.backend.name,
+            "distributed_type": str(acc.distributed_type), "backend": trainer.ctx.backend.name,
             "zero_stage": getattr(getattr(acc.state, "deepspeed_plugin", None), "zero_stage", None),
             "fsdp_version": getattr(getattr(acc.state, "fsdp_plugin", None), "fsdp_version", None),
             "local_param_numel": _local_param_numel(trainer.model),
         }
-        side_file(trainer.run_dir, f"rank-{acc.process_index}.json").write_text(json.dumps(facts))
+        side_file(trainer.ctx.run_dir, f"rank-{acc.process_index}.json").write_text(json.dumps(facts))
     if os.environ.get("FINETUNE_TERM_AT_STEP") == str(step) and acc.process_index == 0:
         os.kill(os.getpid(), signal.SIGTERM)
     kill = os.environ.get("FINETUNE_KILL_RANK")
     if kill and kill == f"{acc.process_index}:{step}":
-        side_file(trainer.run_dir, "killed-at").write_text(repr(time.time()))
+        side_file(trainer.ctx.run_dir, "killed-at").write_text(repr(time.time()))
         os.kill(os.getpid(), signal.SIGKILL)
 
 

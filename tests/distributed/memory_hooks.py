@@ -120,7 +120,8 @@ def _measured(train_step: Any) -> Any:
             stats = train_step(t, window)
         _steps.append({"step": t.state.step + 1, "peak": LIVE.peak, "began": began, "rows": int(longest.shape[0]),
                        "seq": int(longest.shape[-1])})
-        side_file(t.run_dir, f"memory-{t.accelerator.process_index}.json").write_text(json.dumps({"steps": _steps}))
+        side_file(t.ctx.run_dir, f"memory-{t.ctx.accelerator.process_index}.json").write_text(
+            json.dumps({"steps": _steps}))
         return stats
 
     return measured_train_step

@@ -59,9 +59,10 @@ def _after_step(trainer: Any) -> None:
         master = {str(p.dtype) for group in trainer.optimizer.param_groups for p in group["params"]}
         facts = {"events": _seen["events"], "weight_dtypes": sorted(_seen["weight_dtypes"]),
                  "autocast": sorted(_seen["autocast"]), "master_dtypes": sorted(master),
-                 "grad_accum": trainer.cfg.grad_accum, "backend": trainer.backend.name,
-                 "num_processes": trainer.accelerator.num_processes}
-        side_file(trainer.run_dir, f"precision-{trainer.accelerator.process_index}.json").write_text(json.dumps(facts))
+                 "grad_accum": trainer.ctx.cfg.grad_accum, "backend": trainer.ctx.backend.name,
+                 "num_processes": trainer.ctx.accelerator.num_processes}
+        rank = trainer.ctx.accelerator.process_index
+        side_file(trainer.ctx.run_dir, f"precision-{rank}.json").write_text(json.dumps(facts))
 
 
 hooks.register("after_step", _after_step)

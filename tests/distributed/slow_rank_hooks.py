@@ -42,7 +42,7 @@ def _after_step(trainer: Any) -> None:
     if trainer.state.step == 1:
         backend = dist.group.WORLD._get_backend(torch.device("cpu"))
         seconds = backend.options._timeout.total_seconds()
-        (NOTES / f"pg-timeout-{trainer.accelerator.process_index}").write_text(str(seconds))
+        (NOTES / f"pg-timeout-{trainer.ctx.accelerator.process_index}").write_text(str(seconds))
 
 
 hooks.register("tokenizing", _tokenizing)

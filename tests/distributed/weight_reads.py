@@ -109,10 +109,10 @@ def _digest(tensor: Any) -> str:
 def _after_step(trainer: Any) -> None:
     if trainer.state.step != 1:
         return
-    model = trainer.accelerator.unwrap_model(trainer.model)
+    model = trainer.ctx.accelerator.unwrap_model(trainer.model)
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA: the base's names
     held: dict[str, Any] = {"buffers": {name: _digest(b) for name, b in base.named_buffers()}}
-    if not trainer.backend.shards_parameters:
+    if not trainer.ctx.backend.shards_parameters:
         held["params"] = {name: _digest(p) for name, p in model.named_parameters()}
     held["tied"] = base.get_output_embeddings().weight is base.get_input_embeddings().weight
     _record(kind="held", step=1, **held)

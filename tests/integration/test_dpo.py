@@ -124,7 +124,7 @@ def test_lora_dpo_scores_the_reference_with_the_adapter_disabled(write_run_recip
             for name, param in trainer.model.named_parameters():
                 if "lora_B" in name:
                     param.normal_(std=0.5)
-        compute_reference(trainer.task, trainer.model, trainer.accelerator, trainer.precision, lambda _: None)
+        compute_reference(trainer.task, trainer.model, trainer.ctx.accelerator, trainer.precision, lambda _: None)
         after = torch.tensor(trainer.task.data.eval.dataset["ref_logps"])
         assert torch.equal(before, after)
         rows = [trainer.task.data.eval.dataset[i] for i in range(4)]

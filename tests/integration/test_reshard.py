@@ -28,7 +28,7 @@ def _capture_at(step: int) -> dict[str, Any]:
     def grab(trainer: Any) -> None:
         if trainer.state.step != step:
             return
-        model = trainer.accelerator.unwrap_model(trainer.model)
+        model = trainer.ctx.accelerator.unwrap_model(trainer.model)
         inner = trainer.optimizer.optimizer
         names = {id(p): n for n, p in model.named_parameters()}
         live["model"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -87,19 +87,20 @@ def test_portable_load_continues_exactly(tmp_path: Path) -> None:
     cfg, _ = load_recipe(recipe_file(tmp_path, "continued", **SECTIONS))
     trainer = new_trainer(cfg)
     try:
-        resume_from(trainer.accelerator, trainer.backend, trainer.model, trainer.optimizer, ckpt, trainer.run_dir)
-        checkpoint.load(trainer.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=False)
+        ctx = trainer.ctx
+        resume_from(ctx.accelerator, ctx.backend, trainer.model, trainer.optimizer, ckpt, ctx.run_dir)
+        checkpoint.load(ctx.accelerator, ckpt, trainer.state, trainer.objects, model_and_optimizer=False)
         assert trainer.state.step == 4
         loop.train(trainer)
     finally:
         trainer.tracker.close()
-    assert rundir.inventory(ckpt) == before and not rundir.reshard_scratch(trainer.run_dir).exists()
+    assert rundir.inventory(ckpt) == before and not rundir.reshard_scratch(trainer.ctx.run_dir).exists()
     weights = {k: v for k, v in trainer.model.state_dict().items() if k in final_weights(straight)}
     reference = final_weights(straight)
     assert weights.keys() == reference.keys()
     assert [k for k in reference if not torch.equal(weights[k], reference[k])] == []
     losses = [r["loss"] for r in read_metrics(straight) if r["kind"] == "train"][4:]
-    assert [r["loss"] for r in read_metrics(trainer.run_dir) if r["kind"] == "train"] == losses
+    assert [r["loss"] for r in read_metrics(trainer.ctx.run_dir) if r["kind"] == "train"] == losses
 
 
 

@@ -125,7 +125,7 @@ def test_export_scores_what_the_trained_model_scored(tmp_path: Path, pref_data: 
     seen: dict[str, Any] = {}
 
     def capture(trainer: Any) -> None:
-        if trainer.state.step == trainer.max_steps:
+        if trainer.state.step == trainer.ctx.max_steps:
             batch = next(iter(trainer.task.build_dataloader("eval")))
             trainer.model.eval()
             with torch.no_grad():

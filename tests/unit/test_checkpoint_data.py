@@ -6,22 +6,10 @@ from __future__ import annotations
 
 import os
 import pickle
-import random
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-
-from finetune.artifacts.checkpoint import rng_state, set_rng_state
-from finetune.storage.checkpoints import read_state, write_state
-
-
-def test_rng_state_restores_every_generator(tmp_path: Path) -> None:
-    write_state(tmp_path, "rng", rng_state())
-    expected = (random.random(), float(np.random.rand()), float(torch.rand(1)))
-    set_rng_state(read_state(tmp_path, "rng"))
-    assert (random.random(), float(np.random.rand()), float(torch.rand(1))) == expected
 
 
 class _Payload:

@@ -1,18 +1,17 @@
 """Multi-node pieces that need no second process: launch.timeout_minutes, the process group's keywords, the hub
-download's file choice, the refusal of a multi-machine accelerate config by `finetune run`, and rank 0's checkpoint
-publishing on a thread (tests/distributed/test_timeouts.py runs them all on 2 processes)."""
+download's file choice and the refusal of a multi-machine accelerate config by `finetune run`
+(tests/distributed/test_timeouts.py runs them on 2 processes; rank 0's checkpoint publishing on a thread is
+tests/unit/test_checkpoint.py's)."""
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from finetune.artifacts import checkpoint
 from finetune.config.schema import LaunchConfig
-from finetune.errors import ConfigError, FinetuneError, RunDirError
+from finetune.errors import ConfigError, FinetuneError
 from finetune.runtime import launch, prepare
 from finetune.runtime.backends import Backend, process_group_kwargs
 from tests.cli_helpers import assert_user_error, main_exit
@@ -83,39 +82,3 @@ def test_run_refuses_a_multi_machine_config_before_creating_the_run_dir(monkeypa
     launch.check_one_machine(_recipe(accelerate_config="ddp"))  # one machine: fine
     with pytest.raises(ConfigError):
         launch.check_one_machine(_recipe(accelerate_config="multi_node_example"))
-
-
-def test_publishing_on_a_thread_raises_its_failure_when_waited_for() -> None:
-    started, release = threading.Event(), threading.Event()
-
-    def slow() -> None:
-        started.set()
-        release.wait(10)
-
-    publisher = checkpoint._Publisher()
-    publisher.start(slow, background=True)
-    assert started.wait(10)  # start() returned while the publish still runs: nobody waits for it
-    release.set()
-    publisher.wait()
-
-    def broken() -> None:
-        raise RunDirError("cannot write checkpoint step-000004")
-
-    publisher.start(broken, background=True)
-    with pytest.raises(RunDirError, match="step-000004"):
-        publisher.wait()
-    publisher.wait()  # raised once
-
-
-def test_the_run_fails_when_its_last_checkpoint_could_not_be_published(monkeypatch) -> None:
-    publisher = checkpoint._Publisher()
-    monkeypatch.setattr(checkpoint, "_PUBLISHER", publisher)
-
-    def broken() -> None:
-        raise RunDirError("cannot write checkpoint step-000004")
-
-    with pytest.raises(RunDirError), checkpoint.publishing():
-        publisher.start(broken, background=True)
-    publisher.start(broken, background=True)
-    with pytest.raises(KeyError), checkpoint.publishing():  # the run's own failure wins
-        raise KeyError("the run failed anyway")

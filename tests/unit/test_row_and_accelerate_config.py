@@ -23,14 +23,14 @@ def test_the_row_is_resolved_only_by_recipe_row() -> None:
 
 
 def test_the_worker_carries_the_row_it_resolved() -> None:
-    """build_trainer resolves the row once (or takes the one prepare.inputs read for) and hands it to the Trainer;
-    the export's clean copy and the end summary take it from there."""
-    from finetune.runtime import loop, prepare
+    """build_trainer resolves the row once (or takes the one prepare.inputs read for) and hands it to the run's
+    context; the checkpoints, the export's clean copy and the end summary take it from there."""
+    from finetune.runtime import context, prepare
 
-    assert "row" in loop.Trainer.__dataclass_fields__ and "row" in prepare.Inputs.__dataclass_fields__
+    assert "row" in context.RunContext.__dataclass_fields__ and "row" in prepare.Inputs.__dataclass_fields__
     worker = dict(modules())["worker.py"]
     trainer = next(f for f in functions(worker) if f.name == "build_trainer")
     calls = [node for node in ast.walk(trainer) if isinstance(node, ast.Call)]
     assert sum(called(node) == "recipe_row" for node in calls) == 1
-    made = next(node for node in calls if called(node) == "Trainer")
-    assert any(keyword.arg == "row" for keyword in made.keywords)
+    made = [node for node in ast.walk(worker) if isinstance(node, ast.Call) and called(node) == "RunContext"]
+    assert len(made) == 1 and any(keyword.arg == "row" for keyword in made[0].keywords)

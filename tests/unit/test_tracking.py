@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import inspect
 import io
-import json
 import os
 import re
 import sys
@@ -29,7 +28,6 @@ from finetune.runtime.tracking import (
     build_tracker,
     format_eval_line,
 )
-from finetune.runtime.worker import resumed_manifest, resumed_step
 from finetune.storage import rundir
 from finetune.storage.metrics import format_metrics, read_metrics
 
@@ -245,6 +243,15 @@ def test_progress_without_a_terminal_prints_exactly_one_line_per_row() -> None:
     assert err.getvalue() == "warning: warmup is longer than the run\n"
 
 
+def test_a_log_only_event_is_not_printed() -> None:
+    """A row marked ``console: False`` (a stop line, which the exit prints once) goes to train.log only."""
+    out, err = io.StringIO(), io.StringIO()
+    console = ProgressTracker(4, bar=False, stream=out, warn_stream=err)
+    console.log("info", {"message": "stopped by signal after step 2", "console": False})
+    console.log("info", {"message": "saved checkpoint step-000002"})
+    assert out.getvalue() == "saved checkpoint step-000002\n" and err.getvalue() == ""
+
+
 def test_progress_lines_also_on_a_terminal_when_the_bar_is_off() -> None:
     stream = FakeTerminal()
     tracker = ProgressTracker(200, bar=False, stream=stream)
@@ -363,17 +370,6 @@ def test_build_tracker_starts_the_bar_at_start_step(tmp_path: Path, monkeypatch:
     assert progress.active and progress.completed == 120
     tracker.close()
     assert "120/200" in stdout.getvalue()
-
-
-def test_resumed_step_reads_the_checkpoint_manifest(tmp_path: Path) -> None:
-    assert resumed_step(resumed_manifest(None)) == 0
-    ckpt = tmp_path / "step-000120"
-    ckpt.mkdir()
-    assert resumed_manifest(ckpt) is None  # no manifest: loading the checkpoint reports it, not this
-    (ckpt / rundir.MANIFEST).write_text(json.dumps({"kind": "checkpoint", "step": 120, "files": {}}))
-    assert resumed_step(resumed_manifest(ckpt)) == 120
-    (ckpt / rundir.MANIFEST).write_text(json.dumps({"kind": "checkpoint", "step": "x", "files": {}}))
-    assert resumed_step(resumed_manifest(ckpt)) == 0
 
 
 # -------------------------------------------------------------------------------------- wandb, tensorboard
