@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import hooks
+from finetune.backends import layout, restrict_checkpoint_loading
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import RunDirError
 from finetune.registry import SupportedModel
-from finetune.runtime.backends import layout, restrict_checkpoint_loading
 from finetune.storage import restored, rundir
 from finetune.storage.checkpoints import (
     latest_resumable,
@@ -39,7 +39,7 @@ from finetune.storage.restored import rng_name
 from finetune.storage.state import TrainState
 
 if TYPE_CHECKING:
-    from finetune.runtime.backends import Backend
+    from finetune.backends import Backend
 
 
 def rng_state() -> dict[str, Any]:
@@ -282,7 +282,7 @@ def forbid_unpickling(backend: Backend | None = None) -> None:
 
     ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns every ``torch.load`` into ``weights_only=True`` (DeepSpeed and
     torch.distributed.checkpoint pass ``weights_only=False``); the backend's own format is restricted by
-    :func:`finetune.runtime.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
+    :func:`finetune.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
 
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     if backend is not None:

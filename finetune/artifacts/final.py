@@ -18,10 +18,10 @@ import torch
 
 from finetune import registry
 from finetune.artifacts import writer
+from finetune.backends import Backend, export_module, full_state_dict, layout
 from finetune.config import RecipeConfig, to_yaml
 from finetune.errors import NonFiniteError
 from finetune.registry import SupportedModel
-from finetune.runtime.backends import Backend, export_module, full_state_dict, layout
 from finetune.runtime.modeling import save_custom_weights, save_tokenizer
 from finetune.storage import rundir
 from finetune.storage.record import record
@@ -40,7 +40,7 @@ def export_final(accelerator: Any, model: Any, tokenizer: Any, cfg: RecipeConfig
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
     copy of the model (base and adapter) for a backend that must save from one (see
-    :func:`finetune.runtime.backends.export_module`). ``precision``: the run's
+    :func:`finetune.backends.export_module`). ``precision``: the run's
     :class:`finetune.runtime.precision.Precision`, whose
     autocast the reference forward runs under, as training ran (None: no autocast, fp32 training)."""
     out = run_dir / rundir.FINAL

@@ -20,11 +20,11 @@ import torch
 
 from finetune import hooks
 from finetune.artifacts import checkpoint
+from finetune.backends import Backend, backend_named
 from finetune.config import RecipeConfig
 from finetune.errors import CollapseError, EvalError, FinetuneError, NonFiniteError
 from finetune.registry import SupportedModel
 from finetune.runtime import collapse, meter
-from finetune.runtime.backends import Backend
 from finetune.runtime.precision import Precision
 from finetune.runtime.signals import Interrupted, StopRequest
 from finetune.runtime.tracking import Throughput, Tracker
@@ -52,7 +52,7 @@ class Trainer:
     state: TrainState
     run_dir: Path
     max_steps: int
-    backend: Backend = field(default_factory=lambda: Backend("single"))
+    backend: Backend = field(default_factory=lambda: backend_named("single"))
     stop: StopRequest = field(default_factory=StopRequest)
     run_id: str = ""
     objects: dict[str, Any] = field(default_factory=dict)  # checkpointed state besides model/optimizer/TrainState

@@ -17,7 +17,7 @@ RANKS = {
     "finetune.cli": 8, "finetune.__main__": 8,
     "finetune.commands": 7,
     "finetune.runtime": 6, "finetune.artifacts": 6,
-    "finetune.tasks": 5,
+    "finetune.tasks": 5, "finetune.backends": 5,
     "finetune.data": 4,
     "finetune.storage": 3,
     "finetune.config": 2,
