@@ -433,9 +433,9 @@ def save_model(folder: Path, shape: dict[str, Any]) -> int:
     import torch
     import transformers
 
-    from finetune.runtime.backends import _unwrap_without_importing_deepspeed
+    from finetune.backends import unwrap_without_importing_deepspeed
 
-    _unwrap_without_importing_deepspeed()  # save_pretrained's unwrap would import DeepSpeed: ~3 s of CPU
+    unwrap_without_importing_deepspeed()  # save_pretrained's unwrap would import DeepSpeed: ~3 s of CPU
     config = transformers.Qwen2Config(**shape)
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):

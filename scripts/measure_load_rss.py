@@ -86,8 +86,8 @@ def child(resolved: Path, out: Path) -> None:
     """On every rank under the launcher: build and prepare the run of ``resolved``; write this rank's memory."""
     import importlib
 
+    from finetune.backends import detect
     from finetune.config import load_resolved
-    from finetune.runtime.backends import detect
     from finetune.runtime.worker import build_trainer
 
     # what building imports on the way, loaded first so that "before" is the process without a model
@@ -95,7 +95,7 @@ def child(resolved: Path, out: Path) -> None:
                    "peft", "transformers.models.llama.modeling_llama", "finetune.runtime.loop", "finetune.data",
                    "finetune.tasks", "finetune.runtime.tracking", "finetune.runtime.materialize",
                    "finetune.artifacts.probe", "finetune.artifacts.portable",
-                   *(("deepspeed",) if detect().kind == "deepspeed" else ())):
+                   *((detect().package,) if detect().package else ())):
         importlib.import_module(module)
     cfg = load_resolved(resolved)
     before = {"rss": _status_kib("VmRSS"), **_rollup_kib()}
@@ -146,8 +146,8 @@ def measure(work: Path, model: Path, backend: str, behaviour: str, allocator: di
     rank's row."""
     import yaml
 
+    from finetune import backends
     from finetune.config import load_recipe
-    from finetune.runtime import backends
     from finetune.storage import rundir
 
     name = f"{backend}-{'old' if behaviour == 'every rank reads' else 'new'}"

@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune import hooks
+from finetune.backends import layout, restrict_checkpoint_loading
 from finetune.config import to_yaml
 from finetune.errors import RunDirError
-from finetune.runtime.backends import layout, restrict_checkpoint_loading
 from finetune.storage import restored, rundir
 from finetune.storage.checkpoints import (
     latest_resumable,
@@ -38,7 +38,7 @@ from finetune.storage.restored import rng_name
 from finetune.storage.state import TrainState
 
 if TYPE_CHECKING:
-    from finetune.runtime.backends import Backend
+    from finetune.backends import Backend
     from finetune.runtime.context import RunContext
 
 
@@ -283,7 +283,7 @@ def forbid_unpickling(backend: Backend | None = None) -> None:
 
     ``TORCH_FORCE_WEIGHTS_ONLY_LOAD`` turns every ``torch.load`` into ``weights_only=True`` (DeepSpeed and
     torch.distributed.checkpoint pass ``weights_only=False``); the backend's own format is restricted by
-    :func:`finetune.runtime.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
+    :func:`finetune.backends.restrict_checkpoint_loading` (DCP's ``.metadata`` pickle, DeepSpeed's records)."""
 
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     if backend is not None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from finetune.artifacts import writer
+from finetune.backends import export_module, full_state_dict, layout
 from finetune.config import to_yaml
 from finetune.errors import NonFiniteError
-from finetune.runtime.backends import export_module, full_state_dict, layout
 from finetune.runtime.context import RunContext
 from finetune.runtime.modeling import save_custom_weights, save_tokenizer
 from finetune.storage import rundir
@@ -38,7 +38,7 @@ def export_final(ctx: RunContext, model: Any, step: int, probe: dict[str, Any] |
     It is written to ``final.tmp`` and replaces a previous ``final/`` only when complete; weights that are not all
     finite are never exported (NonFiniteError, the previous ``final/`` stays). ``rebuild`` makes a fresh, unwrapped
     copy of the model (base and adapter) for a backend that must save from one (see
-    :func:`finetune.runtime.backends.export_module`). ``precision``: the run's
+    :func:`finetune.backends.export_module`). ``precision``: the run's
     :class:`finetune.runtime.precision.Precision`, whose
     autocast the reference forward runs under, as training ran (None: no autocast, fp32 training)."""
     accelerator, cfg, run_dir, backend, row = ctx.accelerator, ctx.cfg, ctx.run_dir, ctx.backend, ctx.row

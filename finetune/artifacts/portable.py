@@ -16,7 +16,7 @@ native load reads it only on the layout that wrote it. This module is the one wa
 
 Everything read here is data: safetensors, JSON, and ``torch.load`` with ``weights_only`` (forced for the whole
 process by finetune.artifacts.checkpoint.forbid_unpickling, with the backend's own records allow-listed by
-finetune.runtime.backends.restrict_checkpoint_loading).
+finetune.backends.restrict_checkpoint_loading).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from finetune.artifacts.checkpoint import KERNEL_KEYS, forbid_unpickling, keep_kernel_choice
+from finetune.backends import Backend, backend_named, restrict_dcp_metadata
 from finetune.errors import RunDirError
-from finetune.runtime.backends import Backend, backend_named, restrict_dcp_metadata
 from finetune.storage import layout, rundir
 from finetune.storage.checkpoints import read_state
 
@@ -105,14 +105,20 @@ def reshard_problem(manifest: dict[str, Any], optimizer: str = "adamw") -> str |
     ``optimizer`` (``optim.name``): DeepSpeed's universal-checkpoint converter reads Adam's moments only."""
     backend, _ = _saved_layout(manifest)
     try:
-        kind = backend_named(backend).kind
+        saved = backend_named(backend)
     except ValueError:
         return f"it was written by an unknown backend {backend!r}"
     if not _has_names(manifest):
         return f"it records no parameter names ({PARAM_NAMES}.json; written before finetune resharded checkpoints)"
-    if kind == "deepspeed" and optimizer != "adamw":
-        return f"DeepSpeed's universal checkpoint converter reads AdamW state only (optim.name={optimizer})"
-    return None
+    return saved.reshard_problem(optimizer)
+
+
+def _whole(name: str) -> bool:
+    """Whether backend ``name`` writes whole tensors (False for a name no backend has)."""
+    try:
+        return backend_named(name).whole_tensors
+    except ValueError:
+        return False
 
 
 def resume_targets(manifest: dict[str, Any]) -> str:
@@ -121,7 +127,7 @@ def resume_targets(manifest: dict[str, Any]) -> str:
     if reshard_problem(manifest) is None:
         return "any world size, any backend"
     why = "no param names" if not _has_names(manifest) else "unknown backend"
-    if backend in ("single", "ddp"):
+    if _whole(backend):
         return f"any world size, single or ddp only ({why})"
     return f"same layout only: {backend} on {world} process(es) ({why})"
 
@@ -148,12 +154,9 @@ def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None 
     with _quiet():  # (registering DeepSpeed's records imports DeepSpeed, which prints)
         forbid_unpickling(backend)  # data only, also in a process that is not a training worker (finetune export)
     groups = _param_groups(ckpt, manifest) if optimizer else None
-    if backend.kind in ("single", "ddp"):
-        model, optim = _read_whole(ckpt, groups)
-    elif backend.kind == "fsdp":
-        model, optim = _read_fsdp(ckpt, backend, groups)
-    else:
-        model, optim = _read_deepspeed(ckpt, groups, scratch)
+    read = backend.pick(whole=lambda: _read_whole(ckpt, groups), fsdp=lambda: _read_fsdp(ckpt, backend, groups),
+                        deepspeed=lambda: _read_deepspeed(ckpt, groups, scratch))
+    model, optim = read()
     return FullState(model, optim, name, world)
 
 
@@ -481,7 +484,7 @@ def load_full_state(accelerator: Any, backend: Backend, model: Any, optimizer: A
         raise ValueError("a resume needs the optimizer state: read_full_state(..., optimizer=True)")
     unwrapped = accelerator.unwrap_model(model)
     full, adapter_only = _full_keys(unwrapped, state)
-    if backend.kind == "deepspeed":
+    if backend.pick(whole=False, fsdp=False, deepspeed=True):  # the engine holds its own optimizer partitions
         _load_deepspeed(model, optimizer, full, state.optimizer, unwrapped)
     else:
         _load_torch(model, optimizer, full, state.optimizer, unwrapped, adapter_only)

@@ -35,10 +35,10 @@ from finetune import __version__
 from finetune.artifacts import probe
 from finetune.artifacts.probe import Probe, ProbeMismatch
 from finetune.artifacts.target import Target, load_model
+from finetune.backends import unwrap_without_importing_deepspeed
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, NonFiniteError
 from finetune.runtime import peft as lora
-from finetune.runtime.backends import _unwrap_without_importing_deepspeed
 from finetune.storage import rundir
 from finetune.storage.checkpoints import tokenizer_fingerprint
 from finetune.storage.record import record
@@ -187,7 +187,7 @@ def write_checkpoint(cfg: RecipeConfig, where: Target, out: Path, *, trust_remot
 
     def save(folder: Path) -> None:
         log(f"writing the {'adapter' if adapter else 'model'} of {where.checkpoint.name} ...")
-        _unwrap_without_importing_deepspeed()  # else save_pretrained's unwrap imports DeepSpeed: seconds, a stray line
+        unwrap_without_importing_deepspeed()  # else save_pretrained's unwrap imports DeepSpeed: seconds, a stray line
         model.save_pretrained(folder, safe_serialization=True)
         save_tokenizer(tokenizer, folder)
         (folder / rundir.RESOLVED).write_bytes(where.recipe.read_bytes())

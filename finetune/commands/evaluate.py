@@ -33,9 +33,9 @@ from finetune.artifacts.target import (  # (opened here, and by generate)
     portable_overrides,
 )
 from finetune.artifacts.writer import export_manifest, write_checkpoint
+from finetune.backends import backend_named, make_accelerator
 from finetune.config import RecipeConfig
 from finetune.errors import FinetuneError, RunDirError, _io_cause
-from finetune.runtime.backends import Backend, make_accelerator
 from finetune.storage import rundir
 
 __all__ = ["Target", "evaluate_target", "load_model", "load_tokenizer", "open_target", "portable_overrides",
@@ -119,7 +119,7 @@ def _evaluate(where: Target, cfg: RecipeConfig, scratch: Path | None,
 
     row = where.row
     assert row is not None
-    accelerator, _ = make_accelerator(cfg, row, Backend("single"))  # one process, whatever the run used
+    accelerator, _ = make_accelerator(cfg, row, backend_named("single"))  # one process, whatever the run used
     export = where.full_model or where.adapter
     tokenizer = load_tokenizer(cfg, where)
     images = image_inputs(tokenizer, row)  # a vision-language row's image processor (else None)

@@ -43,9 +43,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from finetune import registry
+from finetune import backends, registry
 from finetune.artifacts.checkpoint import forbid_unpickling
 from finetune.artifacts.probe import forward_precision
+from finetune.backends import detect, make_accelerator
 from finetune.commands.evaluate import load_model, load_tokenizer, open_target
 from finetune.config import outputs
 from finetune.data import vision
@@ -55,8 +56,7 @@ from finetune.data.prompts import PromptIds, chat_text, text_prompt, vision_prom
 from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.data.vision import VisionCollator
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
-from finetune.runtime import backends, launch
-from finetune.runtime.backends import detect, make_accelerator
+from finetune.runtime import launch
 from finetune.runtime.launch import accelerate_argv
 from finetune.storage import rundir
 
@@ -67,7 +67,6 @@ if TYPE_CHECKING:
     from finetune.registry import SupportedModel
 
 OUTPUT_KEYS = ("completion", "finish_reason")  # what generate adds to each line
-BACKENDS = ("single", "ddp")  # generation runs whole models: one process, or one copy per rank
 MODULE = "finetune.commands.generate"  # what `accelerate launch -m` runs on every rank
 
 
@@ -293,10 +292,10 @@ def launcher_config(num_processes: int, accelerate_config: str | None) -> backen
         return None
     config = backends.accelerate_config(name, "--accelerate-config")  # the line run and plan give, but for the flag
     backend = config.backend
-    if backend.kind not in BACKENDS:
+    if not backend.whole_tensors:  # generation runs whole models: one process, or one copy per rank
         raise FinetuneError(f"--accelerate-config {name}: generate runs whole models (one process, or one copy per "
                             f"process with ddp), not {backend.name}, which shards them; use --accelerate-config ddp")
-    if num_processes > 1 and backend.kind == "single":
+    if num_processes > 1 and backend.single_process:
         raise FinetuneError(f"--num-processes {num_processes}: accelerate config {name!r} runs one process "
                             "(distributed_type: NO); use --accelerate-config ddp")
     return None if num_processes == 1 or launch.under_launcher() else config
@@ -416,7 +415,7 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     from finetune.data.batching import eval_shard  # lazy: imports torch
 
     backend = detect()
-    if backend.kind not in BACKENDS:
+    if not backend.whole_tensors:
         raise ConfigError(f"generate runs whole models (one process, or one copy per process with ddp), not "
                           f"{backend.name}, which shards them; launch it with --accelerate-config ddp")
     accelerator, _ = make_accelerator(job.cfg, job.row, backend)

@@ -18,14 +18,14 @@ from typing import Any
 import typer
 import yaml
 
-from finetune import registry
+from finetune import backends, registry
 from finetune.artifacts.checkpoint import publishing
 from finetune.commands.plan import render
 from finetune.config import Composed, load_recipe, outputs, resources, to_yaml
 from finetune.config.schema import RecipeConfig
 from finetune.errors import RunDirError
 from finetune.registry import SupportedModel
-from finetune.runtime import backends, launch, prepare, worker
+from finetune.runtime import launch, prepare, worker
 from finetune.runtime.peft import describe_on_meta
 from finetune.runtime.plan import build_plan
 from finetune.storage import rundir, unstarted

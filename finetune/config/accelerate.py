@@ -1,7 +1,7 @@
 """The one reader of accelerate config files: find one by path or shipped name, read it, and say in one line what is
 wrong with it.
 
-Every command that needs an accelerate config reads it here, through :func:`finetune.runtime.backends.accelerate_config`
+Every command that needs an accelerate config reads it here, through :func:`finetune.backends.accelerate_config`
 (which turns the settings into the Backend they select), except recipe validation, which sits below ``backends`` in
 the layering and so calls :func:`load` itself. A missing, unreadable or invalid file is therefore the same
 :class:`ConfigError` line (naming the file and the fix, exit 2) through ``finetune run``, ``plan``, ``generate`` and

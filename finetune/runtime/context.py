@@ -16,7 +16,7 @@ from finetune.config import RecipeConfig
 from finetune.registry import SupportedModel
 
 if TYPE_CHECKING:
-    from finetune.runtime.backends import Backend
+    from finetune.backends import Backend
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ import socket
 import sys
 from pathlib import Path
 
+from finetune import backends
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
-from finetune.runtime import backends
 
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
 
@@ -72,7 +72,7 @@ def launch_argv(cfg: RecipeConfig, resolved: Path, worker_args: list[str] | None
 def accelerate_argv(config: backends.AccelerateConfig | Path, num_processes: int, module: str,
                     args: list[str]) -> list[str]:
     """``accelerate launch`` running ``python -m module args`` on ``num_processes`` ranks with ``config`` (the
-    training worker, or ``finetune generate``'s): as :func:`finetune.runtime.backends.accelerate_config` read it, or its
+    training worker, or ``finetune generate``'s): as :func:`finetune.backends.accelerate_config` read it, or its
     file (read here when it matters). With several processes, a config that names no ``main_process_port`` gets a
     free one (:func:`free_port`): accelerate's default, 29500, is one port per machine, so a second run started on
     the same machine failed with 'address already in use'."""
@@ -105,7 +105,8 @@ def check_backend_installed(cfg: RecipeConfig) -> None:
     if cfg.launch.num_processes == 1:
         return
     config = backends.accelerate_config(cfg.launch.accelerate_config)
-    if config.backend.kind == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+    package = config.backend.package
+    if package is not None and importlib.util.find_spec(package) is None:  # only DeepSpeed needs one
         raise ConfigError(f"launch.accelerate_config: {cfg.launch.accelerate_config} runs DeepSpeed "
                           f"({config.backend.name}), but deepspeed is not installed: pip install deepspeed, or use "
                           "launch.accelerate_config=ddp, fsdp1 or fsdp2")

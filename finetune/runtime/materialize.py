@@ -10,9 +10,9 @@ loads pretrained weights (:func:`plan`):
   resident) and re-ties its shared weights;
 - all ranks check that they built the same structure (names, shapes, dtypes, ties, train/eval mode; a mismatch,
   e.g. a checkpoint whose ties differ from its config, makes those ranks read the weights after all, with a
-  warning), then fill it as the backend wants (:attr:`finetune.runtime.backends.Backend.weight_distribution`): every
+  warning), then fill it as the backend wants (:attr:`finetune.backends.Backend.weight_distribution`): every
   parameter and buffer broadcast from rank 0 (DDP, ZeRO-1/2, FSDP1), or only the buffers now and each rank's
-  shards when FSDP2 wraps it (:func:`finetune.runtime.backends.shard_from_rank0`). Under ZeRO-3 transformers already
+  shards when FSDP2 wraps it (:func:`finetune.backends.shard_from_rank0`). Under ZeRO-3 transformers already
   partitions at birth and reads tensor data on rank 0 only, so nothing changes there.
 
 Config-built models (``model.path`` null), one process and QLoRA (4-bit weights are placed at load time) keep the
@@ -28,8 +28,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.backends import Backend
 from finetune.errors import ConfigError
-from finetune.runtime.backends import Backend, shard_from_rank0
 
 ENV = "FINETUNE_LOAD_EVERYWHERE"
 _ON, _OFF = ("1", "true", "yes"), ("", "0", "false", "no")
@@ -206,8 +206,7 @@ def build(accelerator: Any, backend: Backend, pretrained: bool, quantized: bool,
         tensors = list(model.named_parameters()) + tensors
     for _, tensor in tensors:
         _broadcast(tensor, device)
-    if backend.kind == "fsdp" and backend.fsdp_version == 2:
-        shard_from_rank0(accelerator, strategy == "shard")
+    backend.shard_from_rank0(accelerator, strategy == "shard")  # FSDP2 only; the others ignore it
     received = "its shards when FSDP2 wraps it" if strategy == "shard" else "every parameter and buffer"
     return model, {"message": f"model: read from model.path by rank 0 only; {world - 1} other rank(s) built it empty "
                               f"and received {received} ({backend.name}, structure {_digest(mine)})"}

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from finetune.backends import full_numel
 from finetune.data.tokenize import IGNORE
-from finetune.runtime.backends import full_numel
 from finetune.runtime.flops import Param, attention_of, peak_flops, train_flops
 
 GB = 1e9  # memory is logged in decimal gigabytes

@@ -25,6 +25,7 @@ import torch
 import transformers
 from transformers.modeling_outputs import CausalLMOutput
 
+from finetune.backends import full_numel
 from finetune.config.schema import ModelConfig
 from finetune.data.vision import ImageInputs
 from finetune.errors import ConfigError, FinetuneError
@@ -36,7 +37,6 @@ from finetune.registry import (
     resolve_factory,
     user_code,
 )
-from finetune.runtime.backends import full_numel
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"  # finetune/assets
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -449,7 +449,7 @@ def compile_model(model: torch.nn.Module, row: SupportedModel) -> int:
 def freeze(model: torch.nn.Module, row: SupportedModel, parts: list[str]) -> int:
     """Stop training the ``parts`` (``model.freeze``) of the model: every parameter under one of the module-name
     prefixes the row gives each part gets ``requires_grad=False`` before the optimizer is built. Returns how many
-    parameter elements were frozen (whole tensors, :func:`finetune.runtime.backends.full_numel`: under ZeRO-3 a model is
+    parameter elements were frozen (whole tensors, :func:`finetune.backends.full_numel`: under ZeRO-3 a model is
     partitioned at birth and ``numel()`` would count nothing); a part that matches none is a ConfigError (the
     row's prefixes do not fit this model)."""
     frozen = 0

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from finetune.backends import full_shape
 from finetune.config.schema import OptimConfig, SchedulerConfig
 from finetune.errors import ConfigError
-from finetune.runtime.backends import full_shape
 
 
 def fused_adamw_available(device_type: str) -> bool:
@@ -43,7 +43,7 @@ def use_fused(choice: bool | None, device_type: str) -> bool:
 def build_optimizer(cfg: OptimConfig, model: torch.nn.Module, device_type: str | None = None) -> torch.optim.Optimizer:
     """AdamW or SGD; weight decay applies to matrices only (not biases or norm weights), as is usual.
 
-    A matrix is told by its whole shape (:func:`finetune.runtime.backends.full_shape`), not by ``param.ndim``: under
+    A matrix is told by its whole shape (:func:`finetune.backends.full_shape`), not by ``param.ndim``: under
     ZeRO-3 a ``model.path`` model is partitioned at birth, every parameter a 1-D placeholder, and grouping by ``ndim``
     put every matrix in the no-decay group (weight decay silently off). So the groups, and so a checkpoint's param
     groups, are the same under every backend and world size, and a checkpoint resumes on any of them.

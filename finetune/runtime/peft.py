@@ -13,11 +13,11 @@ import os
 import re
 from typing import Any
 
+from finetune.backends import full_numel
 from finetune.config.schema import PeftConfig
 from finetune.errors import ConfigError
 from finetune.quiet import library_warnings_off
 from finetune.registry import CAUSAL_TASKS, SupportedModel, row_task
-from finetune.runtime.backends import full_numel
 
 LINEAR_TYPES = ("Linear", "Conv1D", "Linear4bit", "Linear8bitLt")  # torch, GPT-2 Conv1D, bitsandbytes
 
@@ -114,7 +114,7 @@ def _lora_config(cfg: PeftConfig, row: SupportedModel) -> Any:
 
 
 def parameter_counts(model: Any) -> tuple[int, int]:
-    """(trainable, total) parameter elements, of whole tensors (:func:`finetune.runtime.backends.full_numel`): under
+    """(trainable, total) parameter elements, of whole tensors (:func:`finetune.backends.full_numel`): under
     ZeRO-3 a ``model.path`` model is partitioned at birth, and ``numel()`` counts this rank's empty placeholders."""
     trainable = sum(full_numel(p) for p in model.parameters() if p.requires_grad)
     return trainable, sum(full_numel(p) for p in model.parameters())

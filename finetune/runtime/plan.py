@@ -2,7 +2,7 @@
 
 The model is built on the meta device (no weights are loaded, nothing is allocated) with the same helpers training
 uses (:func:`finetune.runtime.modeling.build_config`, :func:`finetune.runtime.peft.apply`), and the backend comes from
-:func:`finetune.runtime.backends.effective_settings` for ``launch.accelerate_config`` and ``launch.num_processes``. What
+:func:`finetune.backends.effective_settings` for ``launch.accelerate_config`` and ``launch.num_processes``. What
 is counted, per rank:
 
 * **parameters**: every parameter in the dtype training holds it in: ``model.dtype``; DeepSpeed with bf16/fp16 casts
@@ -74,7 +74,7 @@ is counted, per rank:
 The totals are per rank: device memory (a GPU, or the CPU's memory where the run trains on the CPU) and host
 memory (what offload puts in CPU memory). Where CUDA devices are visible, the device total is compared with the
 smallest one's memory. DeepSpeed's gradient **reduce bucket** is counted as the worker sizes it
-(:func:`finetune.runtime.backends.reduce_bucket_elements`: DeepSpeed's 5e8 elements, capped at the trainable
+(:func:`finetune.backends.reduce_bucket_elements`: DeepSpeed's 5e8 elements, capped at the trainable
 parameters). Not counted: the CUDA context and allocator caches, ZeRO's other communication buffers, DoRA's per-forward
 weight-norm temporaries, the eval pass (its logits are noted when they exceed training's activations and logits) and the
 generation cache of ``exact_match``.
@@ -93,15 +93,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from finetune import backends
+from finetune.backends import Sharding
 from finetune.config.schema import RecipeConfig
-from finetune.errors import ConfigError
 from finetune.objectives import needs_reference, objective
 from finetune.registry import CAUSAL_TASKS, ROW_TASKS, SupportedModel, recipe_row, row_task
-from finetune.runtime import backends, launch
+from finetune.runtime import launch
 from finetune.runtime import peft as lora
 from finetune.runtime.peft import linear_module_names
 
@@ -110,9 +111,7 @@ Where = Literal["device", "host"]
 # reduce-scatter per step), "reduce_scatter" reduce-scatters every micro-step; "none": not FSDP-sharded gradients
 # or no accumulation
 Accumulation = Literal["none", "unsharded", "reduce_scatter"]
-ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (not set by us)
 NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
-FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -166,24 +165,6 @@ class ModelFacts:
     @property
     def trainable_params(self) -> int:
         return sum(p.numel for p in self.params if p.trainable)
-
-
-@dataclass(frozen=True)
-class Sharding:
-    """How the backend splits parameters, gradients and optimizer states over the ranks, and what it offloads."""
-
-    backend: str  # single, ddp, fsdp1, fsdp2, zero1, zero2, zero3, zero3_offload, ...
-    kind: str  # single | ddp | fsdp | deepspeed
-    world: int
-    params: int  # divisor of the parameters
-    grads: int
-    optimizer: int
-    params_on_host: bool = False
-    grads_on_host: bool = False
-    optimizer_on_host: bool = False
-    gathers: bool = False  # sharded parameters are gathered layer by layer while a rank computes
-    zero_stage: int | None = None
-    description: str = ""
 
 
 @dataclass(frozen=True)
@@ -275,6 +256,7 @@ class MemoryPlan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as JSON-ready data: every figure of the table, bytes as integers."""
         data = dataclasses.asdict(self)
+        del data["sharding"]["engine"]  # the backend object that answered, not a figure
         data["activations"]["used"] = self.activations.used
         data["device_total_bytes"] = self.device_total
         data["host_total_bytes"] = self.host_total
@@ -295,68 +277,14 @@ def nf4_bytes(numel: int) -> int:
     return _ceil_div(numel, 2) + blocks + 4 * _ceil_div(blocks, 256) + 4 * (16 + 256 + 1)
 
 
-def _fsdp_strategy(fsdp: Mapping[str, Any]) -> str:
-    """FSDP1's ``fsdp_sharding_strategy`` (a name or 1-5), else ``fsdp_reshard_after_forward`` (a bool for FSDP2, a
-    strategy name for FSDP1), as accelerate reads them; FULL_SHARD when neither is set."""
-    for key in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward"):
-        value = fsdp.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            return "FULL_SHARD" if value else "SHARD_GRAD_OP"
-        text = str(value).strip().upper()
-        if text in ("TRUE", "FALSE"):
-            return "FULL_SHARD" if text == "TRUE" else "SHARD_GRAD_OP"
-        if text.isdigit() and 1 <= int(text) <= len(FSDP_STRATEGIES):
-            return FSDP_STRATEGIES[int(text) - 1]
-        if text in FSDP_STRATEGIES:
-            return text
-        raise ConfigError(f"launch.accelerate_config: {key}={value!r} is not an FSDP sharding strategy; use one of "
-                          f"{', '.join(FSDP_STRATEGIES)} (or true/false for fsdp_reshard_after_forward)")
-    return "FULL_SHARD"
-
-
-def resolve_sharding(settings: Mapping[str, Any], world: int, num_machines: int = 1,
+def resolve_sharding(backend: backends.Backend, world: int, num_machines: int = 1,
                      in_this_process: bool = False) -> Sharding:
-    """The sharding of ``settings`` (:func:`finetune.runtime.backends.effective_settings`) at ``world`` ranks.
+    """The sharding of ``backend`` (the recipe's accelerate config's) at ``world`` ranks: the backend's own figures
+    (:meth:`finetune.backends.Backend.split`).
 
     ``in_this_process``: one process started without a launcher trains in the CLI's process with no backend at all
     (:func:`finetune.runtime.launch.in_process`), whatever the accelerate config says."""
-    name = str(settings.get("backend", "single"))
-    if in_this_process or name == "single" or (name == "ddp" and world == 1):
-        why = " (one process trains in this process, so the accelerate config does not apply)" \
-            if in_this_process and name != "single" else ""
-        return Sharding("single", "single", 1, 1, 1, 1, description=f"single process: nothing sharded{why}")
-    if "deepspeed_config" in settings:
-        zero = settings["deepspeed_config"]["zero_optimization"]
-        stage = int(zero.get("stage") or 0)
-        off_opt = str((zero.get("offload_optimizer") or {}).get("device", "none")).lower() != "none"
-        off_param = stage == 3 and str((zero.get("offload_param") or {}).get("device", "none")).lower() != "none"
-        what = {1: "optimizer states", 2: "optimizer states and gradients",
-                3: "parameters, gradients and optimizer states"}.get(stage, "nothing")
-        offload = [w for w, on in (("optimizer states", off_opt), ("parameters", off_param)) if on]
-        return Sharding(name, "deepspeed", world, world if stage >= 3 else 1, world if stage >= 2 else 1,
-                        world if stage >= 1 else 1, params_on_host=off_param, optimizer_on_host=off_opt,
-                        gathers=stage >= 3, zero_stage=stage,
-                        description=f"DeepSpeed ZeRO-{stage}: {what} / {world}"
-                        + (f"; {' and '.join(offload)} offloaded to CPU memory" if offload else ""))
-    if "fsdp" in settings:
-        fsdp = settings["fsdp"]
-        strategy = _fsdp_strategy(fsdp)
-        group = max(1, world // max(1, num_machines)) if strategy.startswith("HYBRID") else world
-        full = strategy in ("FULL_SHARD", "HYBRID_SHARD")
-        shard = 1 if strategy == "NO_SHARD" else group
-        offload = str(fsdp.get("fsdp_offload_params", False)).lower() in ("true", "1", "yes")
-        what = "nothing sharded" if shard == 1 else (
-            ("parameters, gradients and optimizer states" if full else "gradients and optimizer states")
-            + f" / {shard}" + (" (within each machine)" if strategy.startswith("HYBRID") else "")
-            + ("" if full else "; parameters stay whole from forward to backward"))
-        return Sharding(name, "fsdp", world, shard if full else 1, shard, shard, params_on_host=offload,
-                        grads_on_host=offload, optimizer_on_host=offload, gathers=full and shard > 1,
-                        description=f"FSDP {strategy}: {what}"
-                        + ("; parameters, gradients and optimizer states offloaded to CPU memory" if offload else ""))
-    return Sharding(name, "ddp", world, 1, 1, 1, description=f"DDP over {world} processes: nothing sharded, "
-                    "gradient buckets hold a second copy of the gradients")
+    return backend.split(world, num_machines, in_this_process)
 
 
 def scores_materialized(shape: ModelShape, cuda: bool) -> bool:
@@ -443,7 +371,7 @@ class _Precision:
 
     @classmethod
     def of(cls, cfg: RecipeConfig, sharding: Sharding) -> _Precision:
-        engine_half = sharding.kind == "deepspeed" and cfg.train.mixed_precision in ("bf16", "fp16")
+        engine_half = _engine(sharding).engine_owns_precision and cfg.train.mixed_precision in ("bf16", "fp16")
         qlora = cfg.peft.method == "qlora"
         residual = 2 if engine_half else (4 if qlora else _DTYPE_BYTES[cfg.model.dtype])
         return cls(engine_half, qlora, residual, 2 if cfg.train.mixed_precision in ("bf16", "fp16") else residual)
@@ -457,9 +385,14 @@ class _Precision:
         return p.numel * (4 if self.qlora else p.element_size)
 
 
+def _engine(sharding: Sharding) -> backends.Backend:
+    """The backend object behind ``sharding`` (one built by hand names its backend only)."""
+    return sharding.engine or backends.backend_named(sharding.backend)
+
+
 def _persistent(p: ParamInfo, sharding: Sharding) -> bool:
     """Whether ZeRO-3 keeps ``p`` whole on every rank (under ``stage3_param_persistence_threshold`` elements)."""
-    return sharding.kind == "deepspeed" and p.numel < ZERO3_PERSISTENCE_THRESHOLD
+    return p.numel < _engine(sharding).persistence_threshold
 
 
 def _share(p: ParamInfo, nbytes: int, divisor: int, sharding: Sharding, is_param: bool = False) -> int:
@@ -473,7 +406,8 @@ def _share(p: ParamInfo, nbytes: int, divisor: int, sharding: Sharding, is_param
 
 def _state_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, prec: _Precision) -> list[Item]:
     """Parameters, gradients, optimizer states and DeepSpeed's fp32 master weights (and offloaded gradients)."""
-    deepspeed = sharding.kind == "deepspeed"
+    engine = _engine(sharding)
+    deepspeed = engine.keeps_fp32_master_weights  # DeepSpeed's optimizer steps on its fp32 master partition
     params, trainable = facts.params, [p for p in facts.params if p.trainable]
     dtypes = ("4-bit NF4 quantized linear weights (estimate), fp32 others" if prec.qlora
               else "16-bit (DeepSpeed casts the model)" if prec.engine_half else cfg.model.dtype)
@@ -501,8 +435,8 @@ def _state_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, prec:
                       states * sum(_share(p, state_bytes(p), sharding.optimizer, sharding) for p in trainable)
                       + 4 * steps, states * sum(state_bytes(p) for p in trainable) + 4 * steps, sharding.optimizer,
                       where, what))
-    if deepspeed and (sharding.zero_stage in (1, 2) or prec.engine_half or sharding.optimizer_on_host):
-        master = sum(4 * p.numel for p in trainable)  # ZeRO-3 in fp32 on the device steps on its own flat params
+    if engine.holds_master_copy(prec.engine_half):
+        master = sum(4 * p.numel for p in trainable)
         master_rank = sum(_share(p, 4 * p.numel, sharding.optimizer, sharding) for p in trainable)
         items.append(Item("master_weights", "master weights (fp32)", master_rank, master, sharding.optimizer, where,
                           "DeepSpeed's fp32 copy of the trainable parameters"))
@@ -516,11 +450,12 @@ def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, pre
     """What backends and autocast hold besides: DDP's buckets, gathered parameters, autocast's weight copies."""
     items = []
     params = facts.params
-    if sharding.kind == "ddp":
+    engine = _engine(sharding)
+    if engine.keeps_gradient_buckets:
         grads = sum(prec.held(p) for p in params if p.trainable)
         items.append(Item("ddp_buckets", "DDP gradient buckets", grads, grads, 1, "device",
                           "gradient_as_bucket_view is off: the buckets are a second copy of the gradients"))
-    if sharding.kind == "deepspeed":
+    if engine.has_reduce_bucket:
         elements = backends.reduce_bucket_elements(sum(p.numel for p in params if p.trainable))
         bucket = elements * prec.residual  # in the model's (engine's) dtype, DeepSpeed's gradient accumulation dtype
         items.append(Item("reduce_bucket", "DeepSpeed reduce bucket", bucket, bucket, 1, "device",
@@ -536,7 +471,7 @@ def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, pre
                    sum(prec.held(p) for p in gathered if p.layer is None) + 2 * max(layers.values(), default=0))
         items.append(Item("gathered_parameters", "gathered parameters", size, size, 1, "device",
                           "transient, while computing: the parameters outside the decoder layers + 2 layers"))
-    if cfg.train.mixed_precision in ("bf16", "fp16") and sharding.kind != "deepspeed":
+    if cfg.train.mixed_precision in ("bf16", "fp16") and not engine.engine_owns_precision:
         copies = [p for p in params if p.linear_weight and not p.quantized and prec.held(p) > 2 * p.numel]
         if cfg.train.gradient_checkpointing or prec.qlora:  # the autocast cache (trainable) + the recomputed layer
             layer_numel: dict[int, int] = {}
@@ -557,7 +492,7 @@ def unsharded_accumulation_bytes(cfg: RecipeConfig, facts: ModelFacts, sharding:
     when gradient sync is off until its last one (``no_sync``); 0 where that keeps nothing more than training
     already does (gradients not sharded, or no accumulation). In the parameter's dtype, fp32 under bf16/fp16 mixed
     precision (FSDP2 upcasts unsharded accumulated gradients to the fp32 reduce dtype)."""
-    if sharding.kind != "fsdp" or sharding.grads == 1 or cfg.grad_accum == 1:
+    if not _engine(sharding).may_keep_unsharded_grads or sharding.grads == 1 or cfg.grad_accum == 1:
         return 0
     prec = _Precision.of(cfg, sharding)
     floor = 4 if cfg.train.mixed_precision in ("bf16", "fp16") else 0
@@ -651,8 +586,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
         cfg, facts, sharding, sum(i.per_rank_bytes for i in items if i.where == "device"), devices)
     items += [accumulated] if accumulated else []
     notes += [note] if note else []
-    if sharding.params > 1 and sharding.kind == "deepspeed" and \
-            any(p.numel < ZERO3_PERSISTENCE_THRESHOLD for p in facts.params):
+    if sharding.params > 1 and any(_persistent(p, sharding) for p in facts.params):
         notes.append("ZeRO-3 keeps parameters under 1e5 elements whole on every rank, besides their partition "
                      "(stage3_param_persistence_threshold)")
     if acts.eval_logits_bytes > acts.used + acts.logits_bytes:
@@ -774,8 +708,7 @@ def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = No
     ``row``: the recipe's row, where the caller resolved it already (registry.recipe_row)."""
     row = recipe_row(cfg) if row is None else row
     accelerate = backends.accelerate_config(cfg.launch.accelerate_config)
-    settings = backends.effective_settings(cfg, row, accelerate.settings)
-    sharding = resolve_sharding(settings, cfg.launch.num_processes, accelerate.machines,
+    sharding = resolve_sharding(accelerate.backend, cfg.launch.num_processes, accelerate.machines,
                                 in_this_process=cfg.launch.num_processes == 1 and not launch.under_launcher())
     facts = model_facts(cfg, row)
     return plan_from_facts(cfg, facts, sharding, visible_devices() if devices is None else devices)

@@ -4,7 +4,7 @@ accelerate's ``fp16`` on CPU silently trains in fp32 (see docs/platform-notes.md
 ``torch.autocast`` and, for fp16, a real ``torch.amp.GradScaler`` with dynamic loss scaling. ``bf16`` and ``no``
 get a no-op scaler, so the loop has no precision branches.
 
-The backend decides who casts (finetune.runtime.backends): DeepSpeed's engine casts and scales itself; FSDP's
+The backend decides who casts (finetune.backends): DeepSpeed's engine casts and scales itself; FSDP's
 mixed-precision policy casts the weights (autocast stays off: no double casting) while fp16 still gets our scaler,
 sharded under FSDP1. Losses are computed in fp32 from 16-bit logits by the tasks (finetune.tasks.losses).
 """
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from finetune.runtime.backends import Backend
+    from finetune.backends import Backend
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

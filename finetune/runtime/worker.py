@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -19,11 +18,7 @@ from finetune.artifacts import checkpoint, portable
 from finetune.artifacts.checkpoint import publishing
 from finetune.artifacts.portable import PARAM_NAMES, ParamNames
 from finetune.artifacts.probe import LogitProbe
-from finetune.config import RecipeConfig, load_resolved
-from finetune.errors import ConfigError, RunDirError, run_main, unreadable
-from finetune.runtime import context, materialize, plan, prepare
-from finetune.runtime import peft as lora
-from finetune.runtime.backends import (
+from finetune.backends import (
     detect,
     extra_checkpoint_state,
     frozen_copy,
@@ -32,6 +27,10 @@ from finetune.runtime.backends import (
     settle,
     size_deepspeed_buckets,
 )
+from finetune.config import RecipeConfig, load_resolved
+from finetune.errors import ConfigError, RunDirError, run_main, unreadable
+from finetune.runtime import context, materialize, plan, prepare
+from finetune.runtime import peft as lora
 from finetune.runtime.signals import Interrupted
 from finetune.runtime.tracking import build_tracker
 from finetune.storage import checkpoints, restored, rundir
@@ -41,8 +40,8 @@ from finetune.storage.state import TrainState, epoch_samples, total_steps
 from finetune.storage.summary import read_summary, render
 
 if TYPE_CHECKING:
+    from finetune.backends import Backend
     from finetune.runtime import prepare
-    from finetune.runtime.backends import Backend
     from finetune.runtime.loop import Trainer
 
 
@@ -53,14 +52,14 @@ def fsdp_accumulation(cfg: RecipeConfig, backend: Backend) -> Backend:
     which never needs more memory. Asked here, above both, so that backends never imports the plan."""
     import torch  # heavy: imported only when a worker builds a run
 
-    if backend.kind != "fsdp" or cfg.grad_accum == 1 or backend.keep_unsharded_grads or not torch.cuda.is_available():
+    if not backend.asks_whether_unsharded_grads_fit or cfg.grad_accum == 1 or not torch.cuda.is_available():
         return backend
 
     try:
         fits = plan.unsharded_accumulation_fits(cfg, min(size for _, size in plan.visible_devices()))
     except Exception:  # the plan is an estimate for a speed-up; without one the memory-safe choice stands
         fits = False
-    return dataclasses.replace(backend, keep_unsharded_grads=fits)
+    return backend.with_unsharded_grads(fits)
 
 
 def _tracker(cfg: RecipeConfig, run_dir: Path, is_main: bool, start_step: int, max_steps: int, data: Any) -> Any:

@@ -1,6 +1,6 @@
 """How a checkpoint's state is laid out, as its manifest says: the backend, the world size and the sharding.
 
-Manifests carry a ``layout`` record (``finetune.runtime.backends.layout``: backend, world_size, sharding, format); older
+Manifests carry a ``layout`` record (``finetune.backends.layout``: backend, world_size, sharding, format); older
 ones only the top-level ``backend`` and ``world_size``. Both are read here, without torch (``finetune ls`` uses
 this), and never trusted to be well formed: a manifest is data a user can damage.
 """

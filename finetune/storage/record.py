@@ -1,5 +1,5 @@
 """What a checkpoint's or an export's manifest records for the commands that open it later: the model row (model type
-and task) and the classification label names (the layout is :func:`finetune.runtime.backends.layout`'s record).
+and task) and the classification label names (the layout is :func:`finetune.backends.layout`'s record).
 
 Recorded when the folder is written (:func:`record`) and read back when it is opened (:func:`row_of`,
 :func:`labels_of`), so that no command re-resolves the row from a recipe or re-reads the training data to learn the

@@ -45,7 +45,7 @@ cycle saves the cycle's generated batch (``grpo_rollouts``, in global prompt ord
 one at a cycle's end saves nothing, and a resume regenerates from the seeds.
 
 The reference (``beta`` > 0): with LoRA the model with its adapter disabled; with full fine-tuning a frozen copy of
-the initial weights that the worker's backend makes (:func:`finetune.runtime.backends.frozen_copy`, taken in
+the initial weights that the worker's backend makes (:func:`finetune.backends.frozen_copy`, taken in
 :meth:`GRPOTask.prepare`, before a resume loads a checkpoint, and never saved): a deep copy where parameters are
 whole (one process, DDP, ZeRO-1/2); on FSDP2 / ZeRO-3 each rank's shards of it, swapped into the policy for the
 reference's forward passes (sharded as the policy, in lockstep); FSDP1 is refused when the recipe is validated.
@@ -354,7 +354,7 @@ class GRPOTask(TaskData):
         """``allow_plugin``: a ``function`` reward may be imported (what the command line allowed, as for
         ``model.plugin``: ``finetune run`` always, a stored run's recipe with ``--trust-remote-code``).
         ``frozen_copy``: the backend's frozen copy of the prepared model's weights, as (the module that scores with
-        it, a factory of the context it scores in) (the worker's ``finetune.runtime.backends.frozen_copy``; sharded
+        it, a factory of the context it scores in) (the worker's ``finetune.backends.frozen_copy``; sharded
         like the policy on FSDP2 / ZeRO-3); None: a deep copy, refused where parameters are sharded."""
         super().__init__(*args, **kwargs)
         self.tokenizer, self.allow_plugin, self.frozen_copy = tokenizer, allow_plugin, frozen_copy

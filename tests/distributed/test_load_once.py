@@ -177,10 +177,10 @@ def _build_on_rank(rank: int, folder: str, out: str) -> None:
 
     import torch.distributed as dist
 
+    from finetune.backends import backend_named
     from finetune.config.schema import ModelConfig
     from finetune.registry import SUPPORTED_MODELS
     from finetune.runtime import materialize
-    from finetune.runtime.backends import backend_named
     from finetune.runtime.modeling import build_model
     from tests.distributed.weight_reads import _digest
 

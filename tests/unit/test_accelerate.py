@@ -37,7 +37,7 @@ def test_the_accelerate_config_file_is_read_in_one_function() -> None:
                 callers.append(here)
     assert parsing == [], f"an accelerate config is read outside finetune.config.accelerate: {parsing}"
     assert finding == [], f"an accelerate config is found outside finetune.config.accelerate: {finding}"
-    assert sorted(callers) == ["backends.py:accelerate_config", "outputs.py:accelerate_file",
+    assert sorted(callers) == ["outputs.py:accelerate_file", "select.py:accelerate_config",
                                "validate.py:_semantic_lines"]
 
 

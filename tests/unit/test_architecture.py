@@ -17,7 +17,7 @@ RANKS = {
     "finetune.cli": 8, "finetune.__main__": 8,
     "finetune.commands": 7,
     "finetune.runtime": 6, "finetune.artifacts": 6,
-    "finetune.tasks": 5,
+    "finetune.tasks": 5, "finetune.backends": 5,
     "finetune.data": 4,
     "finetune.storage": 3,
     "finetune.config": 2,
@@ -188,3 +188,48 @@ def test_the_cli_side_imports_no_heavy_module(module: str) -> None:
     checks the same in a real process), and neither does any storage module: the run directory is read without
     torch (``finetune ls``, the summary, the plot)."""
     assert _heavy_at_import(SECONDS_TO_IMPORT)[module] is None
+
+
+BACKEND_NAMES = frozenset({"single", "ddp", "fsdp", "deepspeed", "fsdp1", "fsdp2", "zero1", "zero2", "zero3",
+                           "zero1_offload", "zero2_offload", "zero3_offload"})
+BACKEND_HOLDERS = ("backend", "sharding", "engine")  # names of what holds a backend (its .kind is a backend's kind)
+
+
+def _backend_tests(tree: ast.AST) -> Iterator[ast.Compare]:
+    """Comparisons that ask which backend this is: a backend object's ``.kind`` (``backend.kind``,
+    ``config.backend.kind``, ``sharding.kind``), or a backend's name as a literal (``name == "ddp"``,
+    ``x in ("single", "ddp")``). A ``kind`` of anything else (a tracking row's ``kind == "train"``) is not one."""
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare):
+            continue
+        sides = [node.left, *node.comparators]
+        literals = {c.value for side in sides for c in ast.walk(side)
+                    if isinstance(c, ast.Constant) and isinstance(c.value, str)}
+        kinds = [side for side in sides if isinstance(side, ast.Attribute) and side.attr == "kind"
+                 and any(holder in ast.unparse(side.value).lower() for holder in BACKEND_HOLDERS)]
+        if kinds or literals & BACKEND_NAMES:
+            yield node
+
+
+def test_only_the_backends_ask_which_backend_runs() -> None:
+    """Every decision that depends on the backend is the backend object's answer (finetune/backends): nowhere
+    else does code compare a backend's kind or name."""
+    asked = [f"{MODULES[name].relative_to(PACKAGE.parent)}:{node.lineno}: {ast.unparse(node)}"
+             for name, tree in TREES.items() if not name.startswith("finetune.backends")
+             for node in _backend_tests(tree)]
+    assert not asked, "ask the backend object instead:\n" + "\n".join(asked)
+
+
+@pytest.mark.parametrize(("source", "flagged"), [
+    ('if backend.kind == "fsdp": pass', True),
+    ('if config.backend.kind != "deepspeed": pass', True),
+    ('ok = sharding.kind in ("single", "ddp")', True),
+    ('ok = name == "zero3_offload"', True),
+    ('ok = backend.kind == other.kind', True),
+    ('ok = row.kind == "train"', False),
+    ('ok = kind == "train"', False),
+    ('ok = backend.name', False),
+    ('ok = written.kind == "adapter"', False),
+])
+def test_the_backend_check_flags_what_it_should(source: str, flagged: bool) -> None:
+    assert bool(list(_backend_tests(ast.parse(source)))) is flagged

@@ -8,11 +8,11 @@ import itertools
 
 import pytest
 
-from finetune.runtime.backends import Backend, launcher_config_name
+from finetune.backends import Backend, backend_named, launcher_config_name
 
-BACKENDS = [Backend("single"), Backend("ddp"), Backend("fsdp", fsdp_version=1), Backend("fsdp", fsdp_version=2),
-            Backend("deepspeed", zero_stage=1), Backend("deepspeed", zero_stage=2), Backend("deepspeed", zero_stage=3),
-            Backend("deepspeed", zero_stage=3, offload_optimizer="cpu")]
+BACKENDS = [backend_named("single"), backend_named("ddp"), backend_named("fsdp1"), backend_named("fsdp2"),
+            backend_named("zero1"), backend_named("zero2"), backend_named("zero3"),
+            backend_named("zero3_offload")]
 WHOLE = {"single", "ddp"}
 
 

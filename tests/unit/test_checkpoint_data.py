@@ -24,7 +24,7 @@ def test_dcp_metadata_loads_only_dcp_records(tmp_path: Path, monkeypatch) -> Non
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from finetune.runtime.backends import restrict_dcp_metadata
+    from finetune.backends import restrict_dcp_metadata
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(29400 + os.getpid() % 500))

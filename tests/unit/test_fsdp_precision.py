@@ -12,12 +12,12 @@ import torch
 from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from finetune.backends import Backend, backend_named, fsdp_mixed_precision
 from finetune.runtime import plan, worker
-from finetune.runtime.backends import Backend, fsdp_mixed_precision
 from finetune.runtime.precision import NoScaler, Precision, master_weights_warning
 
-FSDP1, FSDP2 = Backend("fsdp", fsdp_version=1), Backend("fsdp", fsdp_version=2)
-ZERO2, DDP = Backend("deepspeed", zero_stage=2), Backend("ddp")
+FSDP1, FSDP2 = backend_named("fsdp1"), backend_named("fsdp2")
+ZERO2, DDP = backend_named("zero2"), backend_named("ddp")
 
 
 @pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
@@ -52,7 +52,7 @@ def test_no_autocast_where_the_backend_casts(backend: Backend) -> None:
     assert not _autocast_on(Precision("bf16", "cpu", backend))  # the policy (or the engine) casts: no double cast
 
 
-@pytest.mark.parametrize("backend", [None, DDP, Backend("single")], ids=str)
+@pytest.mark.parametrize("backend", [None, DDP, backend_named("single")], ids=str)
 def test_autocast_where_weights_stay_fp32(backend: Backend | None) -> None:
     assert _autocast_on(Precision("bf16", "cpu", backend))
 
@@ -69,13 +69,13 @@ def test_fp16_scalers() -> None:
 
 def test_fsdp_reduces_every_micro_step_unless_told_the_unsharded_gradients_fit() -> None:
     assert FSDP1.syncs_each_micro_step and FSDP2.syncs_each_micro_step
-    assert not Backend("fsdp", fsdp_version=2, keep_unsharded_grads=True).syncs_each_micro_step
+    assert not backend_named("fsdp2").with_unsharded_grads(True).syncs_each_micro_step
     assert not DDP.syncs_each_micro_step and not ZERO2.syncs_each_micro_step  # DDP's gradients are whole anyway
 
 
 def test_warning_for_16_bit_weights_without_fp32_master_copy() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
-    for backend in (Backend("single"), DDP, FSDP2):
+    for backend in (backend_named("single"), DDP, FSDP2):
         warning = master_weights_warning(model, backend)
         assert warning is not None and warning.startswith("warning: model.dtype=bfloat16: 30 trainable parameters")
         assert "no fp32 master copy" in warning and "model.dtype=float32" in warning

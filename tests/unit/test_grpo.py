@@ -338,7 +338,7 @@ def test_the_plan_counts_the_frozen_reference(tmp_path) -> None:
     assert "grpo_reference" not in keys[()] and "grpo_reference" not in keys[("grpo.beta=0.1", "peft.method=lora")]
     full = plans[("grpo.beta=0.1",)]
     assert full.item("grpo_reference").per_rank_bytes == full.item("parameters").whole_bytes
-    for backend in ("fsdp2", "zero3"):  # sharded as the parameters (finetune.runtime.backends.frozen_copy)
+    for backend in ("fsdp2", "zero3"):  # sharded as the parameters (finetune.backends.frozen_copy)
         sharded = build_plan(load_recipe(path, ["grpo.beta=0.1", f"launch.accelerate_config={backend}",
                                                 "launch.num_processes=2"])[0], devices=[])
         reference, params = sharded.item("grpo_reference"), sharded.item("parameters")
@@ -388,7 +388,7 @@ def test_a_mid_cycle_generation_batch_resumes_on_another_world_size(llama, tok) 
 
 
 def test_the_frozen_reference_comes_from_the_backend(llama, tok) -> None:
-    """Full fine-tuning with beta > 0: the reference is what the worker's frozen_copy (finetune.runtime.backends)
+    """Full fine-tuning with beta > 0: the reference is what the worker's frozen_copy (finetune.backends)
     returns, scored inside its context (FSDP2 / ZeRO-3: the policy with the copy's shards swapped in); a task given
     none refuses to deep-copy sharded parameters (one ConfigError before training). Off the sharded backends the
     copy is taken and frozen."""

@@ -10,11 +10,11 @@ import pytest
 import torch
 import transformers
 
+from finetune.backends import backend_named
 from finetune.config.schema import ModelConfig
 from finetune.errors import ConfigError
 from finetune.registry import SUPPORTED_MODELS
 from finetune.runtime import materialize
-from finetune.runtime.backends import backend_named
 from finetune.runtime.modeling import ASSETS, build_model
 
 BACKENDS = ["single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from finetune.backends import Backend, backend_named, process_group_kwargs
 from finetune.config.schema import LaunchConfig
 from finetune.errors import ConfigError, FinetuneError
 from finetune.runtime import launch, prepare
-from finetune.runtime.backends import Backend, process_group_kwargs
 from tests.cli_helpers import assert_user_error, main_exit
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,8 +37,8 @@ def test_timeout_minutes_defaults_to_30_takes_a_fraction_and_refuses_zero() -> N
         _recipe(timeout_minutes=0)
 
 
-@pytest.mark.parametrize("backend", [Backend("single"), Backend("ddp"), Backend("fsdp", fsdp_version=1),
-                                     Backend("fsdp", fsdp_version=2), Backend("deepspeed", zero_stage=3)],
+@pytest.mark.parametrize("backend", [backend_named("single"), backend_named("ddp"), backend_named("fsdp1"),
+                                     backend_named("fsdp2"), backend_named("zero3")],
                          ids=lambda b: b.name)
 @pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "gpu"])
 def test_every_backend_gets_the_recipes_timeout(backend: Backend, on_cpu: bool) -> None:

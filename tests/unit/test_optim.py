@@ -66,8 +66,8 @@ def test_groups_see_the_whole_shape_of_partitioned_parameters() -> None:
     and trainable elements are of whole tensors too."""
     import dataclasses
 
+    from finetune.backends import full_numel, full_shape
     from finetune.registry import SUPPORTED_MODELS
-    from finetune.runtime.backends import full_numel, full_shape
     from finetune.runtime.modeling import freeze
     from finetune.runtime.peft import parameter_counts
 

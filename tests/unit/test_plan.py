@@ -263,7 +263,7 @@ def test_deepspeed_bf16_casts_the_model_and_keeps_fp32_masters() -> None:
 def test_deepspeed_reduce_bucket_is_counted_capped_at_the_model(config: str) -> None:
     """DeepSpeed allocates its whole reduce bucket (5e8 elements by default: 2 GB in fp32) whatever the model's size;
     the worker caps it at the trainable parameters (backends.size_deepspeed_buckets) and the plan counts it."""
-    from finetune.runtime.backends import reduce_bucket_elements
+    from finetune.backends import reduce_bucket_elements
 
     for mixed, size in (("no", 4), ("bf16", 2)):
         plan = _plan(*TWO, f"launch.accelerate_config={config}", f"train.mixed_precision={mixed}")

@@ -19,8 +19,8 @@ from finetune.artifacts.portable import (
     reshard_problem,
     resume_targets,
 )
+from finetune.backends import Backend, backend_named, layout
 from finetune.errors import FinetuneError
-from finetune.runtime.backends import Backend, backend_named, layout
 from finetune.storage import rundir
 
 NAMES = ["single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
@@ -75,11 +75,11 @@ def test_resume_targets(name: str) -> None:
 
 
 @pytest.mark.parametrize(("saved", "saved_world", "now", "world", "native"), [
-    ("single", 1, Backend("ddp"), 2, True), ("ddp", 2, Backend("single"), 1, True),
-    ("zero2", 2, Backend("deepspeed", zero_stage=2), 2, True), ("fsdp2", 2, Backend("fsdp", fsdp_version=2), 2, True),
-    ("zero2", 2, Backend("single"), 1, False), ("fsdp2", 1, Backend("fsdp", fsdp_version=2), 2, False),
-    ("single", 1, Backend("deepspeed", zero_stage=3), 2, False),
-    ("zero3", 2, Backend("fsdp", fsdp_version=2), 2, False),
+    ("single", 1, backend_named("ddp"), 2, True), ("ddp", 2, backend_named("single"), 1, True),
+    ("zero2", 2, backend_named("zero2"), 2, True), ("fsdp2", 2, backend_named("fsdp2"), 2, True),
+    ("zero2", 2, backend_named("single"), 1, False), ("fsdp2", 1, backend_named("fsdp2"), 2, False),
+    ("single", 1, backend_named("zero3"), 2, False),
+    ("zero3", 2, backend_named("fsdp2"), 2, False),
 ])
 def test_native_or_portable(saved: str, saved_world: int, now: Backend, world: int, native: bool) -> None:
     """The resume decision: the same layout (or single <-> ddp) loads natively, anything else goes portable."""

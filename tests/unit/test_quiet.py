@@ -32,13 +32,13 @@ SINGLE_PROCESS = textwrap.dedent("""
     from finetune.artifacts import checkpoint
     from finetune.commands import evaluate
     from finetune.runtime import loop, peft, tracking, worker
-    from finetune.runtime.backends import Backend, full_state_dict, make_accelerator, restrict_checkpoint_loading
+    from finetune.backends import backend_named, full_state_dict, make_accelerator, restrict_checkpoint_loading
     from finetune.config.schema import RecipeConfig
 
     cfg = RecipeConfig.model_validate({"name": "t", "model": {"type": "tiny-llama"},
                                        "data": {"format": "alpaca", "train": "x.jsonl"},
                                        "train": {"max_steps": 1, "micro_batch_size": 1, "global_batch_size": 1}})
-    accelerator, backend = make_accelerator(cfg, registry.get_model("tiny-llama"), Backend("single"))
+    accelerator, backend = make_accelerator(cfg, registry.get_model("tiny-llama"), backend_named("single"))
     model = accelerator.prepare(torch.nn.Linear(2, 2))
     accelerator.unwrap_model(model)
     full_state_dict(accelerator, model, backend)
@@ -46,7 +46,7 @@ SINGLE_PROCESS = textwrap.dedent("""
     imported = sorted(name for name in sys.modules if name.split(".")[0] == "deepspeed")
     print(json.dumps({"imported": imported, "seen": is_deepspeed_available()}), flush=True)
     sys.stderr.flush()
-    restrict_checkpoint_loading(Backend("deepspeed", zero_stage=2))  # what a DeepSpeed run does: imports it
+    restrict_checkpoint_loading(backend_named("zero2"))  # what a DeepSpeed run does: imports it
     print(json.dumps({"imported": "deepspeed" in sys.modules, "seen": is_deepspeed_available()}))
 """)
 
