@@ -233,3 +233,30 @@ def test_only_the_backends_ask_which_backend_runs() -> None:
 ])
 def test_the_backend_check_flags_what_it_should(source: str, flagged: bool) -> None:
     assert bool(list(_backend_tests(ast.parse(source)))) is flagged
+
+
+def _map_block(path: Path) -> list[list[str]]:
+    """The parts each line of the map in ``path`` names (the ```finetune/ block): ``["cli.py", "__main__.py"]``,
+    ``["commands/"]``, ... in the map's order, top to bottom."""
+    text = path.read_text(encoding="utf-8")
+    block = text[text.index("```\nfinetune/\n") + len("```\nfinetune/\n"):]
+    block = block[:block.index("```")]
+    rows = []
+    for line in block.splitlines():
+        if line.startswith("  ") and not line.startswith("   "):
+            names = line.strip().split("  ")[0]
+            rows.append([name.strip() for name in names.split(",")])
+    return rows
+
+
+@pytest.mark.parametrize("document", ["README.md", "docs/architecture.md"])
+def test_the_map_names_every_part_of_the_package_in_rank_order(document: str) -> None:
+    """The README's map (and docs/architecture.md's copy) matches the code: it names every folder and top-level
+    module of the package, nothing else, top to bottom in the ranks this test file enforces."""
+    rows = _map_block(PACKAGE.parent / document)
+    named = [name for row in rows for name in row]
+    actual = {f"{path.name}/" for path in PACKAGE.iterdir() if (path / "__init__.py").is_file()}
+    actual |= {path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py"}
+    assert sorted(named) == sorted(actual), "the map and the package differ"
+    ranks = [_rank("finetune." + name.removesuffix("/").removesuffix(".py")) for name in named]
+    assert ranks == sorted(ranks, reverse=True), f"the map's order is not the ranks' order: {named}"
