@@ -1,13 +1,17 @@
-"""Every backend's answers, against a table written out by hand: what it shards, who casts, how the other ranks get
-weights, whether its checkpoints are rank-bound, its layout record, and its plan figures on 4 processes."""
+"""finetune.backends.base: the Backend protocol's answers of every backend, against a table written out by hand: what
+it shards, who casts, how the other ranks get weights, whether its checkpoints are rank-bound, its layout record, its
+plan figures on 4 processes, and which checkpoint layouts it loads natively (Backend.resume_problem) for every pair of
+backends and world sizes. What one family alone answers is in that module's test file (test_whole.py, test_fsdp.py,
+test_deepspeed.py); how a backend is chosen is test_select.py's."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
-from finetune.backends import DeepSpeed, Fsdp, WholeModel, backend_named, detect, from_accelerate_config, layout
-
-NAMES = ["single", "ddp", "fsdp1", "fsdp2", "zero1", "zero2", "zero3", "zero3_offload"]
+from finetune.backends import Backend, DeepSpeed, Fsdp, backend_named, launcher_config_name, layout
+from tests.backend_table import NAMES
 
 # name: shards_parameters, casts_parameters, engine_owns_precision, sharded_scaler, syncs_each_micro_step,
 #       weight_distribution, generates_unwrapped, rank_bound_state, whole_tensors, launcher config
@@ -97,39 +101,21 @@ def test_plan_descriptions() -> None:
         4, 4, "FSDP HYBRID_SHARD: parameters, gradients and optimizer states / 4 (within each machine)")
 
 
-def test_master_copies() -> None:
-    """ZeRO-1/2 always keep an fp32 copy; ZeRO-3 only in 16 bits or with the optimizer offloaded; others never."""
-    assert backend_named("zero1").holds_master_copy(False) and backend_named("zero2").holds_master_copy(False)
-    assert not backend_named("zero3").holds_master_copy(False) and backend_named("zero3").holds_master_copy(True)
-    assert backend_named("zero3_offload").holds_master_copy(False)
-    assert not any(backend_named(name).holds_master_copy(True) for name in ("single", "ddp", "fsdp1", "fsdp2"))
+BACKENDS = [backend_named(name) for name in NAMES]
+WHOLE = {"single", "ddp"}
 
 
-def test_unsharded_accumulation_is_an_fsdp_question() -> None:
-    fsdp2 = backend_named("fsdp2")
-    assert fsdp2.may_keep_unsharded_grads and fsdp2.asks_whether_unsharded_grads_fit
-    told = fsdp2.with_unsharded_grads(True)
-    assert not told.asks_whether_unsharded_grads_fit and not told.syncs_each_micro_step
-    for name in ("single", "ddp", "zero2", "zero3"):
-        backend = backend_named(name)
-        assert not backend.may_keep_unsharded_grads and backend.with_unsharded_grads(True) is backend
-
-
-def test_the_three_constructors_agree() -> None:
-    """The launcher's environment, an accelerate config's settings and a manifest's name build the same objects."""
-    env = {"ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
-           "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"}
-    settings = {"distributed_type": "DEEPSPEED", "deepspeed_config": {"zero_stage": 3,
-                                                                      "offload_optimizer_device": "cpu"}}
-    assert detect(env) == from_accelerate_config(settings) == backend_named("zero3_offload")
-    assert detect({"ACCELERATE_USE_FSDP": "1", "FSDP_VERSION": "2"}) == backend_named("fsdp2")
-    assert detect({"WORLD_SIZE": "2"}) == backend_named("ddp") == WholeModel("ddp")
-    assert detect({}) == from_accelerate_config({}) == backend_named("single")
-    assert isinstance(from_accelerate_config({"distributed_type": "FSDP"}), Fsdp)
-
-
-def test_only_deepspeed_needs_a_package_and_refuses_sgd_resharding() -> None:
-    assert [name for name in NAMES if backend_named(name).package] == ["zero1", "zero2", "zero3", "zero3_offload"]
-    assert backend_named("zero2").reshard_problem("sgd") is not None
-    assert backend_named("zero2").reshard_problem("adamw") is None
-    assert backend_named("fsdp2").reshard_problem("sgd") is None
+@pytest.mark.parametrize(("saved", "now"), list(itertools.product(BACKENDS, BACKENDS)), ids=lambda b: b.name)
+@pytest.mark.parametrize(("saved_world", "world"), [(2, 2), (2, 1), (1, 2)])
+def test_which_layouts_load(saved: Backend, now: Backend, saved_world: int, world: int) -> None:
+    """Single and DDP checkpoints hold whole tensors (any world size, either backend); a sharded backend loads only
+    its own format on the world size that wrote it."""
+    problem = now.resume_problem(saved.name, saved_world, world)
+    if saved.name in WHOLE and now.name in WHOLE:
+        assert problem is None  # whole tensors: any world size, either backend
+    elif saved.name == now.name and saved_world == world:
+        assert problem is None
+    else:
+        assert problem is not None
+        config = launcher_config_name(saved)  # single's accelerate config is "cpu"
+        assert f"--num-processes {saved_world}" in problem and f"--accelerate-config {config}" in problem

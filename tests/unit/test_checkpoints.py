@@ -1,5 +1,5 @@
 """finetune.storage.checkpoints: our own state files (JSON with any tensors in safetensors) round-trip exactly and
-refuse what is not data. The RNG state and DCP's metadata are test_checkpoint_data.py."""
+refuse what is not data. DCP's checkpoint metadata (read by a plain pickle.load) is test_fsdp.py's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""FSDP mixed precision as FSDP means it (the pieces that need no process group): the policy each FSDP version gets,
-who casts (autocast off where FSDP's policy casts the weights), which grad scaler fp16 gets, when gradients are
-reduced every micro-step, and the warning for 16-bit weights with no fp32 master copy.
-tests/distributed/test_fsdp_precision.py shows the policy in effect on 2 processes."""
+"""Mixed precision under the sharding backends (the pieces that need no process group): who casts (autocast off where
+FSDP's policy or DeepSpeed's engine casts the weights), which grad scaler fp16 gets, the warning for 16-bit weights
+with no fp32 master copy, and whether the worker keeps FSDP's unsharded gradients across a window. The policy each
+FSDP version gets is test_fsdp.py's; tests/distributed/test_fsdp_precision.py shows it in effect on 2 processes."""
 
 from __future__ import annotations
 
@@ -9,37 +9,14 @@ import types
 
 import pytest
 import torch
-from torch.distributed.fsdp import MixedPrecision, MixedPrecisionPolicy
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-from finetune.backends import Backend, backend_named, fsdp_mixed_precision
+from finetune.backends import Backend, backend_named
 from finetune.runtime import plan, worker
 from finetune.runtime.precision import NoScaler, Precision, master_weights_warning
 
 FSDP1, FSDP2 = backend_named("fsdp1"), backend_named("fsdp2")
 ZERO2, DDP = backend_named("zero2"), backend_named("ddp")
-
-
-@pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_fsdp2_computes_in_half_and_reduces_in_fp32(mode: str, dtype: torch.dtype) -> None:
-    policy = fsdp_mixed_precision(mode, 2)
-    assert isinstance(policy, MixedPrecisionPolicy)
-    assert policy.param_dtype == dtype and policy.reduce_dtype == torch.float32
-    assert policy.output_dtype is None and policy.cast_forward_inputs  # losses upcast the logits themselves
-
-
-@pytest.mark.parametrize(("mode", "dtype"), [("bf16", torch.bfloat16), ("fp16", torch.float16)])
-def test_fsdp1_computes_in_half_reduces_in_fp32_and_keeps_buffers(mode: str, dtype: torch.dtype) -> None:
-    policy = fsdp_mixed_precision(mode, 1)
-    assert isinstance(policy, MixedPrecision)
-    assert policy.param_dtype == dtype and policy.reduce_dtype == torch.float32
-    assert policy.buffer_dtype is None  # rotary frequencies stay fp32, as under autocast
-    assert not policy.keep_low_precision_grads  # the optimizer sees fp32 gradients
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_no_policy_without_mixed_precision(version: int) -> None:
-    assert fsdp_mixed_precision("no", version) is None
 
 
 def _autocast_on(precision: Precision) -> bool:
@@ -67,12 +44,6 @@ def test_fp16_scalers() -> None:
     assert isinstance(Precision("bf16", "cpu", FSDP1).scaler, NoScaler)
 
 
-def test_fsdp_reduces_every_micro_step_unless_told_the_unsharded_gradients_fit() -> None:
-    assert FSDP1.syncs_each_micro_step and FSDP2.syncs_each_micro_step
-    assert not backend_named("fsdp2").with_unsharded_grads(True).syncs_each_micro_step
-    assert not DDP.syncs_each_micro_step and not ZERO2.syncs_each_micro_step  # DDP's gradients are whole anyway
-
-
 def test_warning_for_16_bit_weights_without_fp32_master_copy() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
     for backend in (backend_named("single"), DDP, FSDP2):
@@ -83,7 +54,6 @@ def test_warning_for_16_bit_weights_without_fp32_master_copy() -> None:
     model.requires_grad_(False)
     assert master_weights_warning(model, FSDP2) is None  # frozen weights are never updated
     assert master_weights_warning(torch.nn.Linear(4, 4), FSDP2) is None
-
 
 
 def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:

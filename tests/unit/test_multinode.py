@@ -1,16 +1,14 @@
-"""Multi-node pieces that need no second process: launch.timeout_minutes, the process group's keywords, the hub
-download's file choice and the refusal of a multi-machine accelerate config by `finetune run`
-(tests/distributed/test_timeouts.py runs them on 2 processes; rank 0's checkpoint publishing on a thread is
-tests/unit/test_checkpoint.py's)."""
+"""Multi-node pieces that need no second process: launch.timeout_minutes, the hub download's file choice and the
+refusal of a multi-machine accelerate config by `finetune run` (the process group's keywords are test_accelerator.py's
+and test_setup.py's, tests/distributed/test_timeouts.py runs them on 2 processes; rank 0's checkpoint publishing on a
+thread is tests/unit/test_checkpoint.py's)."""
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
-from finetune.backends import Backend, backend_named, process_group_kwargs
 from finetune.config.schema import LaunchConfig
 from finetune.errors import ConfigError, FinetuneError
 from finetune.runtime import launch, prepare
@@ -35,24 +33,6 @@ def test_timeout_minutes_defaults_to_30_takes_a_fraction_and_refuses_zero() -> N
             LaunchConfig(timeout_minutes=bad)
     with pytest.raises(FinetuneError, match=r"launch\.timeout_minutes"):  # one line at the edge, like every key
         _recipe(timeout_minutes=0)
-
-
-@pytest.mark.parametrize("backend", [backend_named("single"), backend_named("ddp"), backend_named("fsdp1"),
-                                     backend_named("fsdp2"), backend_named("zero3")],
-                         ids=lambda b: b.name)
-@pytest.mark.parametrize("on_cpu", [True, False], ids=["cpu", "gpu"])
-def test_every_backend_gets_the_recipes_timeout(backend: Backend, on_cpu: bool) -> None:
-    kwargs = process_group_kwargs(_recipe(timeout_minutes=10), backend, on_cpu)
-    assert kwargs["timeout"] == timedelta(minutes=10)
-    assert kwargs.get("backend") == ("gloo" if backend.kind == "deepspeed" and on_cpu else None)
-
-
-def test_why_the_timeout_does_not_go_through_init_process_group_kwargs() -> None:
-    """accelerate's handler passes on only fields that differ from its NCCL defaults: 10 minutes is dropped even
-    for gloo (whose torch default is 30). If this starts failing, accelerate fixed it."""
-    from accelerate.utils import InitProcessGroupKwargs
-
-    assert "timeout" not in InitProcessGroupKwargs(backend="gloo", timeout=timedelta(minutes=10)).to_kwargs()
 
 
 def test_a_hub_download_leaves_out_formats_transformers_does_not_read() -> None:
