@@ -1,5 +1,5 @@
 """A run that will update 16-bit weights with no fp32 master copy says so at its start (train.log and stderr);
-tests/unit/test_fsdp_precision.py checks when the line is (not) due."""
+tests/unit/test_precision.py checks when the line is (not) due."""
 
 from __future__ import annotations
 

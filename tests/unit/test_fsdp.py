@@ -1,6 +1,6 @@
 """finetune.backends.fsdp without a second process: the mixed-precision policy each FSDP version gets, when FSDP
 reduces gradients (every micro-step unless told the unsharded gradients fit), and the data-only reading of DCP's
-checkpoint metadata. Who casts and which grad scaler fp16 gets under FSDP are test_fsdp_precision.py's;
+checkpoint metadata. Who casts and which grad scaler fp16 gets under FSDP are test_precision.py's;
 tests/distributed/test_fsdp_precision.py shows the policy in effect on 2 processes."""
 
 from __future__ import annotations

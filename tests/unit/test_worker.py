@@ -11,11 +11,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
+from finetune.backends import backend_named
 from finetune.config import RecipeConfig
 from finetune.errors import ConfigError, Interrupted
 from finetune.registry import SUPPORTED_MODELS
-from finetune.runtime import worker
+from finetune.runtime import plan, worker
 from finetune.storage import rundir
 
 STOP = "stopped by signal after step 2; checkpoint step-000002 saved; continue with `finetune resume runs/x`"
@@ -97,3 +99,32 @@ def test_each_rank_exits_130_and_only_rank_0_says_why(rank: str, lines: list[str
         worker.execute(Path("runs/x/recipe.resolved.yaml"))
     out, err = capsys.readouterr()
     assert done.value.code == 130 and out == "" and err.splitlines() == lines
+
+
+def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:
+    """On GPUs the worker asks finetune.runtime.plan about the smallest visible device; on the CPU, without accumulation
+    or without an answer it reduce-scatters every micro-step."""
+    fsdp1, fsdp2, ddp = backend_named("fsdp1"), backend_named("fsdp2"), backend_named("ddp")
+    accumulating, once = SimpleNamespace(grad_accum=2), SimpleNamespace(grad_accum=1)
+    assert worker.fsdp_accumulation(accumulating, fsdp2) == fsdp2  # this CPU machine: no question asked
+    asked: list[int] = []
+    answer = {"fits": True}
+
+    def fits(cfg: object, device_bytes: int) -> bool:
+        asked.append(device_bytes)
+        if answer["fits"] is None:
+            raise RuntimeError("no plan for this model")
+        return answer["fits"]
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(plan, "visible_devices", lambda: [("cuda:0", 80 << 30), ("cuda:1", 40 << 30)])
+    monkeypatch.setattr(plan, "unsharded_accumulation_fits", fits, raising=False)
+    assert not worker.fsdp_accumulation(accumulating, fsdp1).syncs_each_micro_step
+    answer["fits"] = False
+    assert worker.fsdp_accumulation(accumulating, fsdp2).syncs_each_micro_step
+    answer["fits"] = None
+    assert worker.fsdp_accumulation(accumulating, fsdp2).syncs_each_micro_step
+    assert asked == [40 << 30] * 3
+    assert worker.fsdp_accumulation(once, fsdp2) == fsdp2
+    assert worker.fsdp_accumulation(accumulating, ddp) == ddp
+    assert len(asked) == 3
