@@ -320,7 +320,7 @@ def train_trl(make: Callable[[], Any], before: Callable[[Any], None] | None = No
     logs.sort(key=lambda row: row["step"])
     runtime = next(float(row["train_runtime"]) for row in trainer.state.log_history if "train_runtime" in row)
     side = Side([float(r["loss"]) for r in logs], [float(r["grad_norm"]) for r in logs],
-                state(trainer.ctx.accelerator.unwrap_model(trainer.model)), wall, runtime)
+                state(trainer.accelerator.unwrap_model(trainer.model)), wall, runtime)
     return side, trainer
 
 

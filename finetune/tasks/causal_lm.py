@@ -16,7 +16,7 @@ from finetune import registry
 from finetune.data.rows import IGNORE
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.decoding import greedy_generate
-from finetune.tasks.logprobs import answer_logprobs, count_next_token_targets, next_token_targets
+from finetune.tasks.logprobs import count_next_token_targets, next_token_targets, target_logprobs
 
 
 def normalize(text: str) -> str:
@@ -52,9 +52,9 @@ class CausalLMTask(TaskData):
     def _answer(self, model: Any, batch: dict[str, Any],
                 count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The summed next-token loss (fp32), the argmax hits (with ``count_hits``) and the number of targets of a
-        batch, from the final hidden states and the output head chunk by chunk (:func:`answer_logprobs`)."""
+        batch, from the final hidden states and the output head chunk by chunk (:func:`target_logprobs`)."""
         targets = next_token_targets(batch["labels"])
-        sums, hits = answer_logprobs(model, self._inputs(batch), targets, self.output_head, per_sequence=False,
+        sums, hits = target_logprobs(model, self._inputs(batch), targets, self.output_head, per="batch",
                                      count_hits=count_hits)
         return -sums.sum(), hits.sum(), (targets != IGNORE).sum()
 

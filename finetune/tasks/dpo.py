@@ -40,7 +40,7 @@ from finetune.data.batching import PreferenceCollator
 from finetune.data.rows import IGNORE
 from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, PairTask
-from finetune.tasks.logprobs import answer_logprobs, next_token_targets
+from finetune.tasks.logprobs import next_token_targets, target_logprobs
 from finetune.tasks.losses import sequence_logprobs
 
 PROGRESS_EVERY_S = 30.0  # a reference pass that runs longer reports its progress this often
@@ -63,11 +63,11 @@ def policy_logps(model: Any, batch: dict[str, Any], output_head: str | None = OU
                                                                                                    torch.Tensor]:
     """The model's summed answer log-prob of every sequence of a preference batch (``[2B]`` fp32) and the number
     of answer tokens of each, from the final hidden states and the row's ``output_head`` chunk by chunk (no
-    ``[tokens x vocab]`` logits, no host sync: :func:`finetune.tasks.logprobs.answer_logprobs`). Never a KV cache
+    ``[tokens x vocab]`` logits, no host sync: :func:`finetune.tasks.logprobs.target_logprobs`). Never a KV cache
     (training forwards; see CausalLMTask)."""
     targets = next_token_targets(batch["labels"])
     inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-    logps, _ = answer_logprobs(model, inputs, targets, output_head, per_sequence=True)
+    logps, _ = target_logprobs(model, inputs, targets, output_head, per="sequence")
     return logps, (targets != IGNORE).sum(1)
 
 

@@ -73,8 +73,7 @@ from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.causal_lm import normalize
 from finetune.tasks.decoding import Sampling, generate_tokens
-from finetune.tasks.logprobs import find_head, head_logprobs, next_token_targets
-from finetune.tasks.losses import sequence_logprobs
+from finetune.tasks.logprobs import next_token_targets, target_logprobs
 from finetune.tasks.rewards import build_rewards
 
 CACHE_NAME = "grpo_rollouts"  # the checkpoint object holding a generation batch that a later step still uses
@@ -150,22 +149,11 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tup
 
 def token_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None,
                    temperature: float = 1.0) -> torch.Tensor:
-    """``[S, T]`` fp32: the log-prob of each next-token target at ``temperature`` (``log_softmax(logits /
-    temperature)`` at the target; 0 where IGNORE), with grad when enabled, from the final hidden states and the
-    output head chunk by chunk: :func:`finetune.tasks.losses.sequence_logprobs` with one "sequence" per position (no
+    """``[S, T]`` fp32: the log-prob of each next-token target at ``temperature`` (0 where IGNORE), with grad when
+    enabled: the shared primitive :func:`finetune.tasks.logprobs.target_logprobs` summed per target token (no
     ``[tokens x vocab]`` logits)."""
-    rows, length = targets.shape
-    seq = torch.arange(rows * length, device=targets.device)
-    head = find_head(model, head_name)
-    if head is not None:
-        sums, _ = head_logprobs(model, inputs, targets, seq, rows * length, head, count_hits=False,
-                                temperature=temperature)
-    else:
-        out = model(**inputs)
-        logits = out.logits if hasattr(out, "logits") else out
-        sums, _ = sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, rows * length,
-                                    count_hits=False, temperature=temperature)
-    return sums.reshape(rows, length)
+    sums, _ = target_logprobs(model, inputs, targets, head_name, per="token", temperature=temperature)
+    return sums.reshape(targets.shape)
 
 
 @dataclass

@@ -3,13 +3,13 @@ shifted loss over logits a caller holds, and the model's forward with its output
 log-prob primitive (:func:`finetune.tasks.losses.sequence_logprobs`), per token, per sequence or per completion.
 
 SFT's summed loss (finetune.tasks.causal_lm), DPO's policy and reference sums (finetune.tasks.dpo), GRPO's
-per-completion scores (finetune.tasks.grpo) and eval's token accuracy all call :func:`answer_logprobs` or
-:func:`head_logprobs`; none builds the ``[tokens x vocab]`` logits of a row whose head is named.
+per-completion scores (finetune.tasks.grpo) and eval's token accuracy all call :func:`target_logprobs` (or
+:func:`head_logprobs` through it); none builds the ``[tokens x vocab]`` logits of a row whose head is named.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,7 +33,7 @@ def count_next_token_targets(labels: torch.Tensor) -> int:
 def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over logits a caller already holds (fp32 arithmetic, one chunk at a time:
     see :mod:`finetune.tasks.losses`), the number of target tokens, and the targets (IGNORE where none). The tasks
-    never build those logits (:func:`answer_logprobs`)."""
+    never build those logits (:func:`target_logprobs`)."""
     targets = next_token_targets(labels)
     loss_sum = summed_cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
     return loss_sum, (targets != IGNORE).sum(), targets
@@ -97,20 +97,34 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
     return sums, picked["hits"]
 
 
-def answer_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None,
-                    per_sequence: bool, count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target log-prob sums and argmax hits of a batch's ``[S, T]`` next-token ``targets``: per sequence (``[S]``,
-    DPO) or over the whole batch (``[1]``, SFT's summed loss is minus it). Computed from the final hidden states and
-    the row's output head (:func:`head_logprobs`) when the model has one, else from the model's logits, chunk by
-    chunk either way; no host sync. Hits are counted only with ``count_hits`` (zeros otherwise)."""
+Per = Literal["batch", "sequence", "token"]
+"""How :func:`target_logprobs` sums a batch's target log-probs: over the whole batch (SFT's summed loss), per
+sequence (DPO's and the reward model's pairs) or per target token (GRPO's per-completion-token scores)."""
+
+
+def _groups(targets: torch.Tensor, per: Per) -> tuple[torch.Tensor, int]:
+    """The group each of the ``[S, T]`` target positions (flattened) is summed into, and the number of groups."""
     sequences, length = targets.shape
-    seq = (torch.arange(sequences, device=targets.device)[:, None].expand(sequences, length).reshape(-1)
-           if per_sequence else torch.zeros(sequences * length, dtype=torch.long, device=targets.device))
-    count = sequences if per_sequence else 1
+    if per == "token":
+        return torch.arange(sequences * length, device=targets.device), sequences * length
+    if per == "sequence":
+        return torch.arange(sequences, device=targets.device)[:, None].expand(sequences, length).reshape(-1), sequences
+    return torch.zeros(sequences * length, dtype=torch.long, device=targets.device), 1
+
+
+def target_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None, per: Per,
+                    count_hits: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """THE target log-prob primitive every task's loss goes through: the log-prob sums and argmax hits of a batch's
+    ``[S, T]`` next-token ``targets`` (0 where IGNORE), summed as ``per`` says: ``[1]`` over the batch, ``[S]`` per
+    sequence or ``[S * T]`` per target token, at ``temperature`` (``log_softmax(logits / temperature)``; GRPO scores
+    at its sampling temperature). Computed from the final hidden states and the row's output head
+    (:func:`head_logprobs`) when the model has one, else from the model's logits, chunk by chunk either way; no host
+    sync. Hits are counted only with ``count_hits`` (zeros otherwise)."""
+    seq, count = _groups(targets, per)
     head = find_head(model, head_name)
     if head is not None:
-        return head_logprobs(model, inputs, targets, seq, count, head, count_hits)
+        return head_logprobs(model, inputs, targets, seq, count, head, count_hits, temperature=temperature)
     out = model(**inputs)
     logits = out.logits if hasattr(out, "logits") else out
     return sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count,
-                             count_hits=count_hits)
+                             count_hits=count_hits, temperature=temperature)

@@ -37,3 +37,30 @@ def test_find_head_takes_the_shallowest_module_of_that_name() -> None:
     model = torch.nn.ModuleDict({"body": torch.nn.ModuleDict({"lm_head": torch.nn.Linear(2, 2)}), "lm_head": outer})
     assert find_head(model, "lm_head") is outer
     assert find_head(model, "missing") is None and find_head(model, None) is None
+
+
+@pytest.mark.parametrize("head_name", ["lm_head", None], ids=["through-the-head", "from-the-logits"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_target_logprobs_sums_per_batch_sequence_and_token_as_log_softmax_does(llama, head_name, temperature) -> None:
+    """The one primitive against the formula written out: ``log_softmax(logits / temperature)`` at each next-token
+    target, 0 where the target is ignored, summed over the batch, per sequence, or kept per token."""
+    from finetune.tasks.logprobs import next_token_targets, target_logprobs
+
+    torch.manual_seed(3)
+    ids = torch.randint(3, 64, (3, 7))
+    labels = ids.clone()
+    labels[0, :3] = IGNORE
+    labels[2, 5:] = IGNORE
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    targets = next_token_targets(labels)
+    with torch.no_grad():
+        logits = llama(input_ids=ids, attention_mask=torch.ones_like(ids)).logits.float()
+        logp = torch.log_softmax(logits / temperature, dim=-1)
+        valid = targets != IGNORE
+        expected = torch.where(valid, logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
+        token, _ = target_logprobs(llama, inputs, targets, head_name, per="token", temperature=temperature)
+        sequence, _ = target_logprobs(llama, inputs, targets, head_name, per="sequence", temperature=temperature)
+        batch, _ = target_logprobs(llama, inputs, targets, head_name, per="batch", temperature=temperature)
+    torch.testing.assert_close(token.reshape(3, 7), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sequence, expected.sum(dim=1), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(batch, expected.sum().reshape(1), rtol=1e-5, atol=1e-4)
