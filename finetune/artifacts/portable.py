@@ -14,6 +14,13 @@ native load reads it only on the layout that wrote it. This module is the one wa
 - :func:`load_full_state`: a FullState into the built, prepared model and optimizer of any backend, on every rank.
 - :func:`resume_targets` / :func:`reshard_problem`: where a checkpoint can resume, from its manifest alone.
 
+How one family's files are read and how whole tensors go into one family's built model is that family's own answer
+(:meth:`finetune.backends.base.Backend.read_full_state` / :meth:`~finetune.backends.base.Backend.load_full_state`:
+safetensors in :mod:`finetune.backends.whole`, DCP folders in :mod:`finetune.backends.fsdp`, DeepSpeed's converters
+and engine in :mod:`finetune.backends.deepspeed`, the parts they share in :mod:`finetune.backends.fullstate`). This
+module holds what is the same for every layout: the manifest's checks, the parameter names, peft's adapter keys
+and the order of a resume.
+
 Everything read here is data: safetensors, JSON, and ``torch.load`` with ``weights_only`` (forced for the whole
 process by finetune.artifacts.checkpoint.forbid_unpickling, with the backend's own records allow-listed by
 finetune.backends.restrict_checkpoint_loading).
@@ -21,30 +28,21 @@ finetune.backends.restrict_checkpoint_loading).
 
 from __future__ import annotations
 
-import contextlib
-import io
-import json
-import warnings
-from argparse import Namespace
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from finetune.artifacts.checkpoint import KERNEL_KEYS, forbid_unpickling, keep_kernel_choice
-from finetune.backends import Backend, backend_named, restrict_dcp_metadata
+from finetune.backends import Backend, backend_named
+from finetune.backends.fullstate import PARAM_NAMES, Kernels, check_keys, clean_name, quiet, tied_aliases
 from finetune.errors import RunDirError
 from finetune.storage import layout, rundir
 from finetune.storage.checkpoints import read_state
 
-PARAM_NAMES = "param_names"
-"""The checkpointed object (``param_names.json``) that names the optimizer's parameters: what makes a checkpoint
-portable. Checkpoints written before it existed resume only on their own layout (or single <-> DDP)."""
+__all__ = ["PARAM_NAMES", "FullState", "ParamNames", "apply_model_state", "clean_name", "load_full_state", "peft_key",
+           "read_full_state", "reshard_problem", "resume_from", "resume_targets"]
 
-_ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter moments, what DeepSpeed's universal format holds
-_WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
-_UNIVERSAL = "universal"  # inside the scratch folder: DeepSpeed's universal checkpoint
-_CONVERTED = "converted.json"  # inside the scratch folder: written last, once the conversion is complete
+_KERNELS = Kernels(KERNEL_KEYS, keep_kernel_choice)  # this build's optimizer kernels survive a load (checkpoint.py)
 
 
 @dataclass
@@ -151,12 +149,10 @@ def read_full_state(ckpt: Path, *, optimizer: bool = True, scratch: Path | None 
         backend = backend_named(name)
     except ValueError:
         raise RunDirError(f"{ckpt}: written by an unknown backend {name!r}; it cannot be read here") from None
-    with _quiet():  # (registering DeepSpeed's records imports DeepSpeed, which prints)
+    with quiet():  # (registering DeepSpeed's records imports DeepSpeed, which prints)
         forbid_unpickling(backend)  # data only, also in a process that is not a training worker (finetune export)
     groups = _param_groups(ckpt, manifest) if optimizer else None
-    read = backend.pick(whole=lambda: _read_whole(ckpt, groups), fsdp=lambda: _read_fsdp(ckpt, backend, groups),
-                        deepspeed=lambda: _read_deepspeed(ckpt, groups, scratch))
-    model, optim = read()
+    model, optim = backend.read_full_state(ckpt, groups, scratch)
     return FullState(model, optim, name, world)
 
 
@@ -171,237 +167,7 @@ def _param_groups(ckpt: Path, manifest: dict[str, Any]) -> list[list[str]]:
     return groups
 
 
-def _strip_prefix(state: dict[str, Any], prefix: str) -> dict[str, Any]:
-    """``state`` without ``prefix`` on its keys when every key has it (a wrapper's name, e.g. DDP's ``module.``)."""
-    if state and all(k.startswith(prefix) for k in state):
-        return {k[len(prefix):]: v for k, v in state.items()}
-    return state
-
-
-def _by_name(optim: dict[str, Any], groups: list[list[str]], where: Path) -> dict[str, Any]:
-    """A torch optimizer state dict keyed by parameter index, keyed by FQN instead (``groups``: the names of each
-    param group's parameters, in order)."""
-    saved = optim.get("param_groups") or []
-    if [len(g.get("params", [])) for g in saved] != [len(g) for g in groups]:
-        raise RunDirError(f"{where}: its param groups ({[len(g.get('params', [])) for g in saved]} parameters) do "
-                          f"not match {PARAM_NAMES}.json ({[len(g) for g in groups]}); the checkpoint is inconsistent")
-    index = {i: name for group, names in zip(saved, groups, strict=True) for i, name in zip(group["params"], names,
-                                                                                              strict=True)}
-    state = {index[i]: dict(value) for i, value in (optim.get("state") or {}).items()}
-    return {"state": state, "param_groups": [{**g, "params": list(names)} for g, names in zip(saved, groups,
-                                                                                               strict=True)]}
-
-
-def _read_whole(ckpt: Path, groups: list[list[str]] | None) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """single / DDP: ``model.safetensors`` (adapter-only for LoRA) and ``optimizer.bin`` (state by index)."""
-    import torch  # lazy: heavy
-    from safetensors.torch import load_file  # lazy: heavy
-
-    model = _strip_prefix(load_file(str(ckpt / "model.safetensors")), "module.")
-    if groups is None:
-        return model, None
-    optim = torch.load(ckpt / "optimizer.bin", map_location="cpu", weights_only=True)  # safe: data only
-    return model, _by_name(optim, groups, ckpt / "optimizer.bin")
-
-
-def _read_dcp(folder: Path) -> dict[str, Any]:
-    """Every key of a torch.distributed.checkpoint folder, loaded whole in this process without a process group
-    (what torch's own ``format_utils.dcp_to_torch_save`` does; the public ``dcp.load`` fills only keys it is
-    given)."""
-    from torch.distributed.checkpoint import FileSystemReader  # lazy: heavy
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # lazy: heavy
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # lazy: heavy
-
-
-    restrict_dcp_metadata()
-    state: dict[str, Any] = {}
-    with _quiet():
-        _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
-    return state
-
-
-def _in_groups(state: dict[str, Any], param_groups: list[dict[str, Any]], groups: list[list[str]],
-               where: Path) -> dict[str, Any]:
-    """An FQN-keyed optimizer state whose param groups are re-ordered as ``groups`` (the checkpoint's names);
-    every named parameter must be in exactly one saved group."""
-    owner = {name: i for i, group in enumerate(param_groups) for name in group.get("params", [])}
-    missing = [name for names in groups for name in names if name not in owner]
-    if missing:
-        raise RunDirError(f"{where}: no optimizer param group holds {missing[0]}; the checkpoint is inconsistent")
-    out = []
-    for names in groups:
-        saved = param_groups[owner[names[0]]] if names else {}
-        out.append({**{k: v for k, v in saved.items() if k != "params"}, "params": list(names)})
-    return {"state": {k: dict(v) for k, v in state.items()}, "param_groups": out}
-
-
-def _read_fsdp(ckpt: Path, backend: Backend, groups: list[list[str]] | None
-               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """FSDP1 / FSDP2: the DCP model folder (clean FQN keys); the optimizer from FSDP1's whole copy
-    (``fsdp1_optimizer``) or FSDP2's DCP optimizer folder."""
-
-    model = _read_dcp(ckpt / "pytorch_model_fsdp_0").get("model")
-    if not isinstance(model, dict):
-        raise RunDirError(f"{ckpt / 'pytorch_model_fsdp_0'}: holds no model state")
-    model = {k: v.contiguous() for k, v in model.items()}
-    if groups is None:
-        return model, None
-    if backend.fsdp_version == 1:
-        optim = read_state(ckpt, "fsdp1_optimizer")
-    else:
-        optim = _read_dcp(ckpt / "optimizer_0").get("optimizer")
-    if not isinstance(optim, dict) or not isinstance(optim.get("param_groups"), list):
-        raise RunDirError(f"{ckpt}: holds no FSDP optimizer state")
-    return model, _in_groups(optim.get("state") or {}, optim["param_groups"], groups, ckpt)
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    """Third-party progress prints and bars (DeepSpeed's converter, DCP's warnings) go nowhere."""
-
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
-def _read_deepspeed(ckpt: Path, groups: list[list[str]] | None, scratch: Path | None
-                    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """DeepSpeed ZeRO 1/2/3: the model through DeepSpeed's zero_to_fp32 (fp32 masters of the trainable parameters,
-    frozen parameters and buffers as saved; ZeRO-1's frozen parameters from its model states file, see
-    :func:`_zero12_frozen`); the optimizer through DeepSpeed's universal checkpoint (one folder per
-    parameter with its fp32 value and Adam moments), converted into ``scratch``."""
-    with _quiet():
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # lazy: heavy
-
-        model = {k: v.detach() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="pytorch_model")
-                 .items()}
-    model.update(_zero12_frozen(ckpt / "pytorch_model", model))
-    if groups is None:
-        return model, None
-    if scratch is None:
-        raise ValueError("reading a DeepSpeed optimizer needs a scratch folder")
-    universal = convert_deepspeed(ckpt, scratch)
-    return model, _read_universal(universal, groups, model, ckpt)
-
-
-def _zero12_frozen(folder: Path, model: dict[str, Any]) -> dict[str, Any]:
-    """The parameters of a ZeRO-1/2 checkpoint that zero_to_fp32 does not return: the frozen ones of ZeRO-1.
-
-    DeepSpeed's engine records ``frozen_param_shapes`` / ``frozen_param_fragments`` (what zero_to_fp32 reads frozen
-    parameters from) only from ZeRO-2 on (``zero_optimization_partition_gradients``), so a ZeRO-1 checkpoint, in
-    fp32 as in bf16, yields its trainable fp32 masters and buffers alone. Under ZeRO 1/2 every rank keeps the whole
-    module, and the model states file (``mp_rank_00_model_states.pt``, "module") holds its full state dict: frozen
-    parameters included, whole, in the engine's dtype. They are taken from there, as saved: under bf16 they are the
-    bf16 values DeepSpeed cast the module to when it built the engine (it keeps no fp32 copy of a parameter no
-    optimizer steps), which are the values the run trained with and exported (fp32 weights before that are lost).
-    ZeRO-3's model states hold partitioned placeholders, and its frozen parameters are recorded: nothing is taken."""
-    import torch  # lazy: heavy
-
-    states = folder / "mp_rank_00_model_states.pt"  # (ZeRO-3's is zero_pp_rank_0_mp_rank_00_model_states.pt)
-    if not states.is_file():
-        return {}
-    saved = torch.load(states, map_location="cpu", weights_only=True)  # safe: data only
-    module = saved.get("module") if isinstance(saved, dict) else None
-    if not isinstance(module, dict):
-        raise RunDirError(f"{states}: holds no module state")
-    return {k: v.detach() for k, v in module.items() if k not in model and torch.is_tensor(v)}
-
-
-def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
-    """DeepSpeed's universal checkpoint of ``ckpt`` in ``scratch`` (converted now unless a complete conversion of
-    this very checkpoint is there already); returns its folder. The checkpoint itself is only read."""
-
-    if not scratch.name.endswith(rundir.TMP):
-        raise AssertionError(f"not a scratch folder: {scratch}")
-    done, out = scratch / _CONVERTED, scratch / _UNIVERSAL
-    source = str(ckpt.resolve())
-    if done.is_file() and json.loads(done.read_text(encoding="utf-8")).get("source") == source:
-        return out
-    if scratch.exists():
-        rundir.remove_scratch(scratch)
-    scratch.mkdir(parents=True)
-    with _quiet():
-        from deepspeed.checkpoint import ds_to_universal  # lazy: heavy
-
-        args = Namespace(input_folder=str(ckpt / "pytorch_model"), output_folder=str(out), num_extract_workers=1,
-                         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
-        ds_to_universal.main(args)  # (its own temporary files stay inside the scratch, which is removed whole)
-    done.write_text(json.dumps({"source": source}), encoding="utf-8")
-    return out
-
-
-def _universal_tensor(path: Path) -> Any:
-    import torch  # lazy: heavy
-
-    value = torch.load(path, map_location="cpu", weights_only=True)  # safe: data only
-    return value.get("param") if isinstance(value, dict) else value
-
-
-def _read_universal(universal: Path, groups: list[list[str]], model: dict[str, Any], ckpt: Path) -> dict[str, Any]:
-    """The FQN-keyed optimizer state of a universal checkpoint (``zero/<fqn>/{fp32,exp_avg,exp_avg_sq,step}.pt``
-    and ``zero/optimizer_state.pt``). Its fp32 values must equal zero_to_fp32's: two DeepSpeed tools, one truth."""
-    import torch  # lazy: heavy
-
-    zero = universal / "zero"
-    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)  # safe: data only
-    saved_groups = common.get("param_groups") or []
-    if len(saved_groups) != len(groups):
-        raise RunDirError(f"{ckpt}: {len(saved_groups)} optimizer param groups, but {PARAM_NAMES}.json names "
-                          f"{len(groups)}; the checkpoint is inconsistent")
-    step = _universal_step(common)
-    state: dict[str, Any] = {}
-    for name in (n for names in groups for n in names):
-        folder = zero / name
-        if not (folder / "fp32.pt").is_file():
-            raise RunDirError(f"{ckpt}: DeepSpeed's universal checkpoint has no state for {name}")
-        if name not in model:
-            raise RunDirError(f"{ckpt}: zero_to_fp32 found no weights for {name}; the checkpoint is inconsistent")
-        shape = model[name].shape  # (ZeRO-3's universal tensors are flat)
-        fp32 = _universal_tensor(folder / "fp32.pt").reshape(shape)
-        if not torch.equal(fp32, model[name].float()):
-            raise AssertionError(f"DeepSpeed's universal and zero_to_fp32 values of {name} differ")
-        entry = {key: _universal_tensor(folder / f"{key}.pt").reshape(shape)
-                 for key in _ADAM_KEYS if (folder / f"{key}.pt").is_file()}
-        own_step = _universal_tensor(folder / "step.pt") if (folder / "step.pt").is_file() else step
-        if own_step is None:
-            raise RunDirError(f"{ckpt}: DeepSpeed's universal checkpoint has no optimizer step for {name}")
-        entry["step"] = torch.as_tensor(float(own_step), dtype=torch.float32)
-        state[name] = entry
-    param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
-                    for g, names in zip(saved_groups, groups, strict=True)]
-    return {"state": state, "param_groups": param_groups}
-
-
-def _universal_step(common: dict[str, Any]) -> Any:
-    """ZeRO-3's converter keeps the optimizer step in the common state (ZeRO 1/2 write it per parameter)."""
-    inner = common.get("optimizer_state_dict")
-    if isinstance(inner, dict):
-        for value in (inner.get("state") or {}).values():
-            if isinstance(value, dict) and "step" in value:
-                return value["step"]
-    return None
-
-
 # --- whole tensors into a model -------------------------------------------------------------------------------------
-
-
-def clean_name(name: str) -> str:
-    """A parameter name without the wrappers' parts (FSDP1, activation checkpointing, torch.compile)."""
-    return ".".join(part for part in name.split(".") if part not in _WRAPPER_PARTS)
-
-
-def _tied_aliases(model: Any) -> dict[str, str]:
-    """Names under which a parameter is reachable besides its first name (tied weights): alias -> first name."""
-    first: dict[int, str] = {}
-    aliases = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if id(param) in first:
-            aliases[clean_name(name)] = first[id(param)]
-        else:
-            first[id(param)] = clean_name(name)
-    return aliases
 
 
 def _adapter_name(model: Any) -> str | None:
@@ -425,18 +191,6 @@ def peft_key(full: str, adapter: str = "default") -> str:
     return full.replace("modules_to_save.", "").replace(f".{adapter}", "")
 
 
-def _check_keys(missing: list[str], unexpected: list[str], allowed_missing: set[str], what: str) -> None:
-    missing = sorted(k for k in missing if k not in allowed_missing)
-    if unexpected:
-        raise RunDirError(f"{what}: the checkpoint holds {sorted(unexpected)[0]}"
-                          f"{f' (and {len(unexpected) - 1} more keys)' if len(unexpected) > 1 else ''}, which this "
-                          "model does not have; the checkpoint is of another model or configuration")
-    if missing:
-        raise RunDirError(f"{what}: the checkpoint lacks {missing[0]}"
-                          f"{f' (and {len(missing) - 1} more keys)' if len(missing) > 1 else ''}; the checkpoint is "
-                          "of another model or configuration")
-
-
 def apply_model_state(model: Any, state_dict: dict[str, Any]) -> None:
     """Load a FullState's model into an UNWRAPPED plain or PEFT model: full keys, or (PEFT) peft's adapter-only
     keys through ``peft.set_peft_model_state_dict``. Tied-weight aliases may be missing; any other missing or
@@ -445,13 +199,13 @@ def apply_model_state(model: Any, state_dict: dict[str, Any]) -> None:
         from peft import get_peft_model_state_dict, set_peft_model_state_dict  # lazy: heavy
 
         expected = set(get_peft_model_state_dict(model))
-        _check_keys(sorted(expected - set(state_dict)), sorted(set(state_dict) - expected), set(), "adapter")
+        check_keys(sorted(expected - set(state_dict)), sorted(set(state_dict) - expected), set(), "adapter")
         result = set_peft_model_state_dict(model, state_dict)
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
-        _check_keys([], unexpected, set(), "adapter")
+        check_keys([], unexpected, set(), "adapter")
         return
     result = model.load_state_dict(state_dict, strict=False)
-    _check_keys(list(result.missing_keys), list(result.unexpected_keys), set(_tied_aliases(model)), "model")
+    check_keys(list(result.missing_keys), list(result.unexpected_keys), set(tied_aliases(model)), "model")
 
 
 def _full_keys(model: Any, state: FullState) -> tuple[dict[str, Any], bool]:
@@ -482,129 +236,9 @@ def load_full_state(accelerator: Any, backend: Backend, model: Any, optimizer: A
     choice, finetune.artifacts.checkpoint.KERNEL_KEYS, is kept)."""
     if state.optimizer is None:
         raise ValueError("a resume needs the optimizer state: read_full_state(..., optimizer=True)")
-    unwrapped = accelerator.unwrap_model(model)
-    full, adapter_only = _full_keys(unwrapped, state)
-    if backend.pick(whole=False, fsdp=False, deepspeed=True):  # the engine holds its own optimizer partitions
-        _load_deepspeed(model, optimizer, full, state.optimizer, unwrapped)
-    else:
-        _load_torch(model, optimizer, full, state.optimizer, unwrapped, adapter_only)
-
-
-def _live_groups(saved: dict[str, Any], inner: Any) -> dict[str, Any]:
-    """``saved`` with this build's kernel keys in every param group (what the checkpoint says is how that machine
-    computed a step, not what the step is; finetune.artifacts.checkpoint.keep_kernel_choice)."""
-
-    if len(saved["param_groups"]) != len(inner.param_groups):
-        raise RunDirError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
-                          f"{len(inner.param_groups)}; the checkpoint is of another configuration")
-    groups = [{**g, **{k: live[k] for k in KERNEL_KEYS if k in live}}
-              for g, live in zip(saved["param_groups"], inner.param_groups, strict=True)]
-    return {"state": saved["state"], "param_groups": groups}
-
-
-def _load_torch(model: Any, optimizer: Any, full: dict[str, Any], optim: dict[str, Any], unwrapped: Any,
-                adapter_only: bool) -> None:
-    """single / DDP / FSDP1 / FSDP2: torch.distributed.checkpoint.state_dict with full state dicts (each rank holds
-    all of it and keeps its shard). ``adapter_only``: ``full`` holds a LoRA run's trainable parameters only (the
-    frozen base is what this build made, as in a native LoRA resume)."""
-    import torch  # lazy: heavy
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )  # lazy: heavy
-
-
-    inner = getattr(optimizer, "optimizer", optimizer)
-    options = StateDictOptions(full_state_dict=True, strict=False, cpu_offload=torch.cuda.is_available())
-    trainable = {clean_name(n) for n, p in unwrapped.named_parameters() if p.requires_grad}
-    result = set_model_state_dict(model, full, options=options)
-    allowed = set(_tied_aliases(unwrapped))
-    if adapter_only:  # a LoRA checkpoint of whole tensors holds the trainable parameters only (the base is built)
-        allowed |= {clean_name(k) for k in result.missing_keys if clean_name(k) not in trainable}
-    _check_keys([clean_name(k) for k in result.missing_keys], [clean_name(k) for k in result.unexpected_keys],
-                allowed, "model")
-    choice = [{k: g[k] for k in KERNEL_KEYS if k in g} for g in inner.param_groups]
-    set_optimizer_state_dict(model, inner, optim_state_dict=_live_groups(optim, inner), options=options)
-    keep_kernel_choice(inner, choice)
-
-
-def _deepspeed_flat_params(zero: Any) -> list[Any]:
-    """The fp32 flat partitions a ZeRO optimizer steps (one per param group or sub-group)."""
-    flat = getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
-    return list(flat if flat is not None else zero.single_partition_of_fp32_groups)  # ZeRO 1/2
-
-
-def _load_deepspeed(engine: Any, optimizer: Any, full: dict[str, Any], optim: dict[str, Any],
-                    unwrapped: Any) -> None:
-    """DeepSpeed ZeRO 1/2/3: the fp32 masters and Adam moments through deepspeed.utils' safe_set_full_* (each rank
-    keeps its partition), the module's own (low-precision) weights from the same values, the base optimizer's step
-    counts and the param groups' hyperparameters (lr included) from the checkpoint."""
-    import torch  # lazy: heavy
-    from deepspeed.utils import (
-        lazy_init_hp_params_optimizer_state,
-        safe_set_full_fp32_param,
-        safe_set_full_optimizer_state,
-    )  # lazy: heavy
-
-    zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
-    base = zero.optimizer  # the torch optimizer it steps on its flat fp32 partitions
-    saved = _live_groups(optim, base)
-    names = {clean_name(n): p for n, p in unwrapped.named_parameters()}
-    unexpected = sorted(k for k in full if k not in names and k not in dict(unwrapped.named_buffers()))
-    _check_keys([], unexpected, set(), "model")
-    steps = {float(s["step"]) for s in saved["state"].values() if "step" in s}
-    if len(steps) > 1:
-        raise RunDirError(f"the checkpoint's optimizer step counts differ between parameters ({sorted(steps)}); "
-                          "DeepSpeed keeps one per param group")
-    step = steps.pop() if steps else 0.0
-    keys = sorted({k for s in saved["state"].values() for k, v in s.items() if k != "step" and torch.is_tensor(v)})
-    for flat in _deepspeed_flat_params(zero):  # torch's optimizers create their state at the first step: now
-        entry = base.state[flat]
-        entry.setdefault("step", torch.tensor(step, dtype=torch.float32))
-        entry["step"] = torch.tensor(step, dtype=entry["step"].dtype) if torch.is_tensor(entry["step"]) else step
-        for key in keys:
-            entry.setdefault(key, torch.zeros_like(flat))
-    if hasattr(zero, "bit16_groups"):  # ZeRO 1/2 point each parameter at its fragment of that state once linked
-        for lp_group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups, strict=True):
-            lazy_init_hp_params_optimizer_state(lp_group, flat, base.state)
-        zero._hp_optimizer_states_linked = True
-    trainable = [(n, p) for n, p in names.items() if p.requires_grad]
-    for name, param in trainable:
-        if name not in full:
-            raise RunDirError(f"model: the checkpoint lacks {name}; the checkpoint is of another model or "
-                              "configuration")
-        safe_set_full_fp32_param(param, full[name].float())
-        for key in keys:
-            if name in saved["state"] and key in saved["state"][name]:
-                safe_set_full_optimizer_state(param, saved["state"][name][key].float(), key)
-    _set_module_weights(engine, unwrapped, names, full)
-    for group, loaded in zip(base.param_groups, saved["param_groups"], strict=True):
-        group.update({k: v for k, v in loaded.items() if k != "params"})
-
-
-def _set_module_weights(engine: Any, unwrapped: Any, params: dict[str, Any], full: dict[str, Any]) -> None:
-    """The module's own parameters (what the next forward uses; low precision under bf16) and buffers from
-    ``full``. ZeRO-3 parameters are gathered, set on every rank and partitioned again (deepspeed.zero's
-    GatheredParameters); ZeRO 1/2 keep whole parameters on every rank."""
-    import torch  # lazy: heavy
-
-    todo = [(name, p) for name, p in params.items() if name in full]
-    zero3 = [p for _, p in todo if hasattr(p, "ds_id")]
-    ctx: Any = contextlib.nullcontext()
-    if zero3:
-        import deepspeed  # lazy: heavy
-
-        ctx = deepspeed.zero.GatheredParameters(zero3, modifier_rank=0)
-    with ctx, torch.no_grad():
-        for name, param in todo:
-            param.data.copy_(full[name].reshape(param.data.shape).to(param.dtype))
-    buffers = dict(unwrapped.named_buffers())
-    with torch.no_grad():
-        for name, buffer in buffers.items():
-            key = clean_name(name)
-            if key in full and full[key].shape == buffer.shape:
-                buffer.copy_(full[key].to(buffer.dtype))
+    full, adapter_only = _full_keys(accelerator.unwrap_model(model), state)
+    backend.load_full_state(accelerator, model, optimizer, full, state.optimizer, adapter_only=adapter_only,
+                            kernels=_KERNELS)
 
 
 # --- the resume path ----------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
-"""The protocol every backend answers: what it shards, who casts, how it saves and reads a full state, its frozen
-copy, its accelerate setup, its layout record, its plan figures, its resume rules and its weight distribution.
+"""The protocol every backend answers: what it shards, who casts, how it saves, reads and loads a full state, its
+frozen copy, its accelerate setup, its layout record, its plan figures, its resume rules and its weight distribution.
 
 The rest of finetune asks a :class:`Backend` object and never tests which backend it is: each family (whole models
 in :mod:`finetune.backends.whole`, FSDP in :mod:`finetune.backends.fsdp`, DeepSpeed in
@@ -14,13 +14,13 @@ import contextlib
 import copy
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar
 
 from finetune.backends import setup
+from finetune.backends.fullstate import Kernels, ReadState
 from finetune.config import RecipeConfig
 from finetune.registry import SupportedModel
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,10 +72,6 @@ class Backend:
     def launcher_config(self) -> str:
         """The accelerate_configs/ name that matches what a launcher started (recorded in the resolved recipe)."""
         return self.name
-
-    def pick(self, *, whole: T, fsdp: T, deepspeed: T) -> T:
-        """The one of three things (readers, loaders) that belongs to this backend's family."""
-        raise NotImplementedError
 
     # --- precision and gradients ------------------------------------------------------------------------------
 
@@ -204,6 +200,23 @@ class Backend:
         """Whether the backend's own load reads this checkpoint (see :meth:`resume_problem`)."""
         same_format = saved_by == self.name or (self.whole_tensors and _whole_name(saved_by))
         return same_format and not (self.rank_bound_state and saved_world != world)
+
+    def read_full_state(self, ckpt: Path, groups: list[list[str]] | None, scratch: Path | None) -> ReadState:
+        """Checkpoint ``ckpt``, written by this backend on any world size, as whole CPU tensors in this one process
+        without a process group: the model by the unwrapped model's state-dict key (fp32 masters where the backend
+        keeps them) and, when ``groups`` (the checkpoint's ``param_names.json``: each param group's parameter
+        names) is given, torch's full optimizer state dict keyed by parameter FQN, else None. ``scratch``: a
+        ``.tmp`` folder the caller owns, for a family that must convert its files before reading them."""
+        raise NotImplementedError
+
+    def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
+                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+        """Whole tensors into this backend's built and prepared ``model`` / ``optimizer``, on every rank with the
+        same arguments (each rank keeps its part): ``full``, the model under the unwrapped model's full keys
+        (``adapter_only``: a LoRA run's trainable parameters only, the frozen base being this build's); ``optim``,
+        the FQN-keyed optimizer state, whose param groups' hyperparameters are loaded but whose ``kernels`` (how
+        this build computes a step) are kept."""
+        raise NotImplementedError
 
     def extra_checkpoint_state(self, model: Any, optimizer: Any) -> dict[str, Any]:
         """Objects to checkpoint (by name) on top of what accelerate saves for this backend."""

@@ -9,24 +9,30 @@ keeps fp32 master weights). On CPU-only machines DeepSpeed needs a gloo process 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+from argparse import Namespace
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 from finetune.backends import setup
 from finetune.backends.base import Backend, Sharding
 from finetune.backends.frozen import FrozenShards
+from finetune.backends.fullstate import PARAM_NAMES, Kernels, ReadState, check_keys, clean_name, live_groups, quiet
 from finetune.config import RecipeConfig
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, RunDirError
 from finetune.registry import SupportedModel
-
-T = TypeVar("T")
+from finetune.storage import rundir
 
 DEEPSPEED_REDUCE_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (elements)
 ZERO3_PERSISTENCE_THRESHOLD = 100_000  # DeepSpeed's stage3_param_persistence_threshold default (not set by us)
 _SHARDING = {(1, False): "ZeRO-1 optimizer partitions", (2, False): "ZeRO-2 optimizer and gradient partitions",
              (3, False): "ZeRO-3 partitions", (3, True): "ZeRO-3 partitions, optimizer on CPU"}
+_ADAM_KEYS = ("exp_avg", "exp_avg_sq")  # AdamW's per-parameter moments, what DeepSpeed's universal format holds
+_UNIVERSAL = "universal"  # inside the scratch folder: DeepSpeed's universal checkpoint
+_CONVERTED = "converted.json"  # inside the scratch folder: written last, once the conversion is complete
 
 
 @dataclass(frozen=True)
@@ -54,9 +60,6 @@ class DeepSpeed(Backend):
     @property
     def name(self) -> str:
         return f"zero{self.zero_stage}" + ("_offload" if self.offloads_optimizer else "")
-
-    def pick(self, *, whole: T, fsdp: T, deepspeed: T) -> T:
-        return deepspeed
 
     @property
     def engine_owns_precision(self) -> bool:
@@ -98,6 +101,32 @@ class DeepSpeed(Backend):
         from deepspeed.utils.tensor_fragment import fragment_address  # lazy: heavy
 
         torch.serialization.add_safe_globals([ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address])
+
+    def read_full_state(self, ckpt: Path, groups: list[list[str]] | None, scratch: Path | None) -> ReadState:
+        """The model through DeepSpeed's zero_to_fp32 (fp32 masters of the trainable parameters, frozen parameters
+        and buffers as saved; ZeRO-1's frozen parameters from its model states file, see :func:`_zero12_frozen`);
+        the optimizer through DeepSpeed's universal checkpoint (one folder per parameter with its fp32 value and
+        Adam moments), converted into ``scratch`` (:func:`convert_deepspeed`)."""
+        with quiet():
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint  # lazy: heavy
+
+            model = {k: v.detach() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(ckpt),
+                                                                                         tag="pytorch_model").items()}
+        model.update(_zero12_frozen(ckpt / "pytorch_model", model))
+        if groups is None:
+            return model, None
+        if scratch is None:
+            raise ValueError("reading a DeepSpeed optimizer needs a scratch folder")
+        universal = convert_deepspeed(ckpt, scratch)
+        return model, _read_universal(universal, groups, model, ckpt)
+
+    def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
+                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+        """The engine holds its own optimizer partitions: the fp32 masters and Adam moments through deepspeed.utils'
+        safe_set_full_* (each rank keeps its partition), the module's own (low-precision) weights from the same
+        values, the base optimizer's step counts and the param groups' hyperparameters (lr included) from the
+        checkpoint. ``adapter_only`` changes nothing here: only the trainable parameters are required."""
+        _load_deepspeed(model, optimizer, full, optim, accelerator.unwrap_model(model), kernels)
 
     def full_state_dict(self, accelerator: Any, model: Any) -> dict[str, Any] | None:
         """ZeRO-3 needs ``stage3_gather_16bit_weights_on_model_save``, which the generated config always sets; a
@@ -259,3 +288,186 @@ def _with_fp32_masters(accelerator: Any, engine: Any, state_dict: dict[str, Any]
     return {key: (masters[key].detach().to("cpu", torch.float32).reshape(value.shape) if key in masters
                   else value.float() if torch.is_tensor(value) and value.is_floating_point() else value)
             for key, value in state_dict.items()}
+
+
+# --- a checkpoint read as one full state (one process, no process group) --------------------------------------------
+
+
+def _zero12_frozen(folder: Path, model: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of a ZeRO-1/2 checkpoint that zero_to_fp32 does not return: the frozen ones of ZeRO-1.
+
+    DeepSpeed's engine records ``frozen_param_shapes`` / ``frozen_param_fragments`` (what zero_to_fp32 reads frozen
+    parameters from) only from ZeRO-2 on (``zero_optimization_partition_gradients``), so a ZeRO-1 checkpoint, in
+    fp32 as in bf16, yields its trainable fp32 masters and buffers alone. Under ZeRO 1/2 every rank keeps the whole
+    module, and the model states file (``mp_rank_00_model_states.pt``, "module") holds its full state dict: frozen
+    parameters included, whole, in the engine's dtype. They are taken from there, as saved: under bf16 they are the
+    bf16 values DeepSpeed cast the module to when it built the engine (it keeps no fp32 copy of a parameter no
+    optimizer steps), which are the values the run trained with and exported (fp32 weights before that are lost).
+    ZeRO-3's model states hold partitioned placeholders, and its frozen parameters are recorded: nothing is taken."""
+    import torch  # lazy: heavy
+
+    states = folder / "mp_rank_00_model_states.pt"  # (ZeRO-3's is zero_pp_rank_0_mp_rank_00_model_states.pt)
+    if not states.is_file():
+        return {}
+    saved = torch.load(states, map_location="cpu", weights_only=True)  # safe: data only
+    module = saved.get("module") if isinstance(saved, dict) else None
+    if not isinstance(module, dict):
+        raise RunDirError(f"{states}: holds no module state")
+    return {k: v.detach() for k, v in module.items() if k not in model and torch.is_tensor(v)}
+
+
+def convert_deepspeed(ckpt: Path, scratch: Path) -> Path:
+    """DeepSpeed's universal checkpoint of ``ckpt`` in ``scratch`` (converted now unless a complete conversion of
+    this very checkpoint is there already); returns its folder. The checkpoint itself is only read."""
+
+    if not scratch.name.endswith(rundir.TMP):
+        raise AssertionError(f"not a scratch folder: {scratch}")
+    done, out = scratch / _CONVERTED, scratch / _UNIVERSAL
+    source = str(ckpt.resolve())
+    if done.is_file() and json.loads(done.read_text(encoding="utf-8")).get("source") == source:
+        return out
+    if scratch.exists():
+        rundir.remove_scratch(scratch)
+    scratch.mkdir(parents=True)
+    with quiet():
+        from deepspeed.checkpoint import ds_to_universal  # lazy: heavy
+
+        args = Namespace(input_folder=str(ckpt / "pytorch_model"), output_folder=str(out), num_extract_workers=1,
+                         num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)
+        ds_to_universal.main(args)  # (its own temporary files stay inside the scratch, which is removed whole)
+    done.write_text(json.dumps({"source": source}), encoding="utf-8")
+    return out
+
+
+def _universal_tensor(path: Path) -> Any:
+    """One tensor file of a universal checkpoint: the tensor itself, or a record holding it under ``param``."""
+    import torch  # lazy: heavy
+
+    value = torch.load(path, map_location="cpu", weights_only=True)  # safe: data only
+    return value.get("param") if isinstance(value, dict) else value
+
+
+def _read_universal(universal: Path, groups: list[list[str]], model: dict[str, Any], ckpt: Path) -> dict[str, Any]:
+    """The FQN-keyed optimizer state of a universal checkpoint (``zero/<fqn>/{fp32,exp_avg,exp_avg_sq,step}.pt``
+    and ``zero/optimizer_state.pt``). Its fp32 values must equal zero_to_fp32's: two DeepSpeed tools, one truth."""
+    import torch  # lazy: heavy
+
+    zero = universal / "zero"
+    common = torch.load(zero / "optimizer_state.pt", map_location="cpu", weights_only=True)  # safe: data only
+    saved_groups = common.get("param_groups") or []
+    if len(saved_groups) != len(groups):
+        raise RunDirError(f"{ckpt}: {len(saved_groups)} optimizer param groups, but {PARAM_NAMES}.json names "
+                          f"{len(groups)}; the checkpoint is inconsistent")
+    step = _universal_step(common)
+    state: dict[str, Any] = {}
+    for name in (n for names in groups for n in names):
+        folder = zero / name
+        if not (folder / "fp32.pt").is_file():
+            raise RunDirError(f"{ckpt}: DeepSpeed's universal checkpoint has no state for {name}")
+        if name not in model:
+            raise RunDirError(f"{ckpt}: zero_to_fp32 found no weights for {name}; the checkpoint is inconsistent")
+        shape = model[name].shape  # (ZeRO-3's universal tensors are flat)
+        fp32 = _universal_tensor(folder / "fp32.pt").reshape(shape)
+        if not torch.equal(fp32, model[name].float()):
+            raise AssertionError(f"DeepSpeed's universal and zero_to_fp32 values of {name} differ")
+        entry = {key: _universal_tensor(folder / f"{key}.pt").reshape(shape)
+                 for key in _ADAM_KEYS if (folder / f"{key}.pt").is_file()}
+        own_step = _universal_tensor(folder / "step.pt") if (folder / "step.pt").is_file() else step
+        if own_step is None:
+            raise RunDirError(f"{ckpt}: DeepSpeed's universal checkpoint has no optimizer step for {name}")
+        entry["step"] = torch.as_tensor(float(own_step), dtype=torch.float32)
+        state[name] = entry
+    param_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(names)}
+                    for g, names in zip(saved_groups, groups, strict=True)]
+    return {"state": state, "param_groups": param_groups}
+
+
+def _universal_step(common: dict[str, Any]) -> Any:
+    """ZeRO-3's converter keeps the optimizer step in the common state (ZeRO 1/2 write it per parameter)."""
+    inner = common.get("optimizer_state_dict")
+    if isinstance(inner, dict):
+        for value in (inner.get("state") or {}).values():
+            if isinstance(value, dict) and "step" in value:
+                return value["step"]
+    return None
+
+
+# --- a full state loaded into the engine (every rank) ---------------------------------------------------------------
+
+
+def _deepspeed_flat_params(zero: Any) -> list[Any]:
+    """The fp32 flat partitions a ZeRO optimizer steps (one per param group or sub-group)."""
+    flat = getattr(zero, "fp32_partitioned_groups_flat", None)  # ZeRO-3
+    return list(flat if flat is not None else zero.single_partition_of_fp32_groups)  # ZeRO 1/2
+
+
+def _load_deepspeed(engine: Any, optimizer: Any, full: dict[str, Any], optim: dict[str, Any], unwrapped: Any,
+                    kernels: Kernels) -> None:
+    """DeepSpeed ZeRO 1/2/3: the fp32 masters and Adam moments through deepspeed.utils' safe_set_full_* (each rank
+    keeps its partition), the module's own (low-precision) weights from the same values, the base optimizer's step
+    counts and the param groups' hyperparameters (lr included) from the checkpoint."""
+    import torch  # lazy: heavy
+    from deepspeed.utils import (
+        lazy_init_hp_params_optimizer_state,
+        safe_set_full_fp32_param,
+        safe_set_full_optimizer_state,
+    )  # lazy: heavy
+
+    zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
+    base = zero.optimizer  # the torch optimizer it steps on its flat fp32 partitions
+    saved = live_groups(optim, base, kernels)
+    names = {clean_name(n): p for n, p in unwrapped.named_parameters()}
+    unexpected = sorted(k for k in full if k not in names and k not in dict(unwrapped.named_buffers()))
+    check_keys([], unexpected, set(), "model")
+    steps = {float(s["step"]) for s in saved["state"].values() if "step" in s}
+    if len(steps) > 1:
+        raise RunDirError(f"the checkpoint's optimizer step counts differ between parameters ({sorted(steps)}); "
+                          "DeepSpeed keeps one per param group")
+    step = steps.pop() if steps else 0.0
+    keys = sorted({k for s in saved["state"].values() for k, v in s.items() if k != "step" and torch.is_tensor(v)})
+    for flat in _deepspeed_flat_params(zero):  # torch's optimizers create their state at the first step: now
+        entry = base.state[flat]
+        entry.setdefault("step", torch.tensor(step, dtype=torch.float32))
+        entry["step"] = torch.tensor(step, dtype=entry["step"].dtype) if torch.is_tensor(entry["step"]) else step
+        for key in keys:
+            entry.setdefault(key, torch.zeros_like(flat))
+    if hasattr(zero, "bit16_groups"):  # ZeRO 1/2 point each parameter at its fragment of that state once linked
+        for lp_group, flat in zip(zero.bit16_groups, zero.single_partition_of_fp32_groups, strict=True):
+            lazy_init_hp_params_optimizer_state(lp_group, flat, base.state)
+        zero._hp_optimizer_states_linked = True
+    trainable = [(n, p) for n, p in names.items() if p.requires_grad]
+    for name, param in trainable:
+        if name not in full:
+            raise RunDirError(f"model: the checkpoint lacks {name}; the checkpoint is of another model or "
+                              "configuration")
+        safe_set_full_fp32_param(param, full[name].float())
+        for key in keys:
+            if name in saved["state"] and key in saved["state"][name]:
+                safe_set_full_optimizer_state(param, saved["state"][name][key].float(), key)
+    _set_module_weights(engine, unwrapped, names, full)
+    for group, loaded in zip(base.param_groups, saved["param_groups"], strict=True):
+        group.update({k: v for k, v in loaded.items() if k != "params"})
+
+
+def _set_module_weights(engine: Any, unwrapped: Any, params: dict[str, Any], full: dict[str, Any]) -> None:
+    """The module's own parameters (what the next forward uses; low precision under bf16) and buffers from
+    ``full``. ZeRO-3 parameters are gathered, set on every rank and partitioned again (deepspeed.zero's
+    GatheredParameters); ZeRO 1/2 keep whole parameters on every rank."""
+    import torch  # lazy: heavy
+
+    todo = [(name, p) for name, p in params.items() if name in full]
+    zero3 = [p for _, p in todo if hasattr(p, "ds_id")]
+    ctx: Any = contextlib.nullcontext()
+    if zero3:
+        import deepspeed  # lazy: heavy
+
+        ctx = deepspeed.zero.GatheredParameters(zero3, modifier_rank=0)
+    with ctx, torch.no_grad():
+        for name, param in todo:
+            param.data.copy_(full[name].reshape(param.data.shape).to(param.dtype))
+    buffers = dict(unwrapped.named_buffers())
+    with torch.no_grad():
+        for name, buffer in buffers.items():
+            key = clean_name(name)
+            if key in full and full[key].shape == buffer.shape:
+                buffer.copy_(full[key].to(buffer.dtype))

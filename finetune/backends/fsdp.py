@@ -13,16 +13,17 @@ import pickle
 import types
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
 from finetune.backends import setup
 from finetune.backends.base import Backend, Sharding
 from finetune.backends.frozen import FrozenShards
+from finetune.backends.fullstate import Kernels, ReadState, in_groups, load_torch, quiet
 from finetune.config import RecipeConfig
-from finetune.errors import ConfigError
+from finetune.errors import ConfigError, RunDirError
 from finetune.registry import SupportedModel
-
-T = TypeVar("T")
+from finetune.storage.checkpoints import read_state
 
 FSDP_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
 _TRUE = ("true", "1", "yes")
@@ -50,9 +51,6 @@ class Fsdp(Backend):
     @property
     def name(self) -> str:
         return f"fsdp{self.fsdp_version}"
-
-    def pick(self, *, whole: T, fsdp: T, deepspeed: T) -> T:
-        return fsdp
 
     @property
     def flat(self) -> bool:
@@ -126,6 +124,28 @@ class Fsdp(Backend):
     def restrict_checkpoint_loading(self) -> None:
         """DCP's ``.metadata`` pickle goes through :func:`restrict_dcp_metadata`."""
         restrict_dcp_metadata()
+
+    def read_full_state(self, ckpt: Path, groups: list[list[str]] | None, scratch: Path | None) -> ReadState:
+        """The DCP model folder (clean FQN keys); the optimizer from FSDP1's whole copy (``fsdp1_optimizer``) or
+        FSDP2's DCP optimizer folder. Both are read in place: ``scratch`` is unused."""
+
+        model = read_dcp(ckpt / "pytorch_model_fsdp_0").get("model")
+        if not isinstance(model, dict):
+            raise RunDirError(f"{ckpt / 'pytorch_model_fsdp_0'}: holds no model state")
+        model = {k: v.contiguous() for k, v in model.items()}
+        if groups is None:
+            return model, None
+        optim = (read_state(ckpt, "fsdp1_optimizer") if self.flat  # FSDP1: our whole copy; FSDP2: a DCP folder
+                 else read_dcp(ckpt / "optimizer_0").get("optimizer"))
+        if not isinstance(optim, dict) or not isinstance(optim.get("param_groups"), list):
+            raise RunDirError(f"{ckpt}: holds no FSDP optimizer state")
+        return model, in_groups(optim.get("state") or {}, optim["param_groups"], groups, ckpt)
+
+    def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
+                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+        """torch.distributed.checkpoint's full-state-dict setters (:func:`~finetune.backends.fullstate.load_torch`):
+        each rank keeps its shards of the whole tensors."""
+        load_torch(model, optimizer, full, optim, accelerator.unwrap_model(model), adapter_only, kernels)
 
     def full_state_dict(self, accelerator: Any, model: Any) -> dict[str, Any] | None:
         """FSDP1's default full-state-dict gather offloads to CPU and segfaults on a CPU-only run
@@ -329,3 +349,19 @@ def restrict_dcp_metadata() -> None:
 
     dcp_fs.pickle = types.SimpleNamespace(  # type: ignore[attr-defined]
         load=lambda file, **_: MetadataUnpickler(file).load(), dump=pickle.dump, restricted=True)  # safe: restricted
+
+
+def read_dcp(folder: Path) -> dict[str, Any]:
+    """Every key of a torch.distributed.checkpoint folder, loaded whole in this process without a process group
+    (what torch's own ``format_utils.dcp_to_torch_save`` does; the public ``dcp.load`` fills only keys it is
+    given)."""
+    from torch.distributed.checkpoint import FileSystemReader  # lazy: heavy
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner  # lazy: heavy
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # lazy: heavy
+
+    restrict_dcp_metadata()
+    state: dict[str, Any] = {}
+    with quiet():
+        _load_state_dict(state, storage_reader=FileSystemReader(str(folder)), planner=_EmptyStateDictLoadPlanner(),
+                         no_dist=True)
+    return state

@@ -4,11 +4,11 @@ their checkpoints move between the two and any world size."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from pathlib import Path
+from typing import Any
 
 from finetune.backends.base import Backend, Sharding, alone
-
-T = TypeVar("T")
+from finetune.backends.fullstate import Kernels, ReadState, by_name, load_torch, strip_prefix
 
 
 @dataclass(frozen=True)
@@ -29,9 +29,6 @@ class WholeModel(Backend):
     def launcher_config(self) -> str:
         return "cpu" if self.single_process else self.name
 
-    def pick(self, *, whole: T, fsdp: T, deepspeed: T) -> T:
-        return whole
-
     @property
     def whole_tensors(self) -> bool:
         return True
@@ -51,6 +48,23 @@ class WholeModel(Backend):
     @property
     def format_text(self) -> str:
         return "model.safetensors + optimizer.bin"
+
+    def read_full_state(self, ckpt: Path, groups: list[list[str]] | None, scratch: Path | None) -> ReadState:
+        """``model.safetensors`` (adapter-only for LoRA) and ``optimizer.bin`` (state by index, re-keyed by the
+        parameter names in ``groups``). Nothing to convert: ``scratch`` is unused."""
+        import torch  # lazy: heavy
+        from safetensors.torch import load_file  # lazy: heavy
+
+        model = strip_prefix(load_file(str(ckpt / "model.safetensors")), "module.")
+        if groups is None:
+            return model, None
+        optim = torch.load(ckpt / "optimizer.bin", map_location="cpu", weights_only=True)  # safe: data only
+        return model, by_name(optim, groups, ckpt / "optimizer.bin")
+
+    def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
+                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+        """torch.distributed.checkpoint's full-state-dict setters (:func:`~finetune.backends.fullstate.load_torch`)."""
+        load_torch(model, optimizer, full, optim, accelerator.unwrap_model(model), adapter_only, kernels)
 
     @property
     def keeps_gradient_buckets(self) -> bool:
