@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune import hooks
 from finetune.backends import layout, restrict_checkpoint_loading
+from finetune.backends.fullstate import keep_kernel_choice, kernel_choice
 from finetune.config import to_yaml
 from finetune.errors import RunDirError
 from finetune.storage import restored, rundir
@@ -209,10 +210,6 @@ def _write_failure(what: str, exc: Exception, run_dir: Path) -> str:
             f"{kept}; free space or fix permissions")
 
 
-KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
-"""Optimizer param-group keys that choose HOW this machine computes a step, not what the step is."""
-
-
 def _torch_optimizers(candidates: list[Any]) -> list[Any]:
     """The torch optimizers among ``candidates`` (accelerate's wrappers are unwrapped; DeepSpeed's own optimizers,
     which are not torch optimizers, keep their own rules)."""
@@ -224,26 +221,6 @@ def _torch_optimizers(candidates: list[Any]) -> list[Any]:
         if isinstance(inner, torch.optim.Optimizer) and all(inner is not seen for seen in found):
             found.append(inner)
     return found
-
-
-def keep_kernel_choice(optimizer: Any, choice: list[dict[str, Any]]) -> None:
-    """Put back this build's kernel choice (``choice``: per param group, the :data:`KERNEL_KEYS` it had before
-    the load) after ``load_state_dict``, which copies every group key from the checkpoint.
-
-    Why: a checkpoint written on CPU (plain AdamW) and resumed on CUDA, where ``optim.fused: null`` means fused,
-    would otherwise stay unfused (and one from CUDA resumed on CPU would turn fused), against the recipe. The
-    optimizer's ``step`` counters move to where that kernel keeps them (the parameter's device as fp32 for fused
-    or capturable, the host otherwise); their values are integers, so nothing of the math changes."""
-    if len(choice) != len(optimizer.param_groups):
-        return
-    for group, keys in zip(optimizer.param_groups, choice, strict=True):
-        group.update(keys)
-        on_device = bool(group.get("fused") or group.get("capturable"))
-        for param in group["params"]:
-            step = optimizer.state.get(param, {}).get("step")
-            if step is not None and hasattr(step, "to"):
-                device = param.device if on_device else "cpu"
-                optimizer.state[param]["step"] = step.to(device=device, dtype=step.dtype)
 
 
 def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any], *,
@@ -259,7 +236,7 @@ def load(accelerator: Any, ckpt: Path, state: TrainState, objects: dict[str, Any
     restored.check(ckpt, read_state, {name: objects[name].state_dict() for name in ("scheduler", "scaler")
                                       if name in objects}, manifest)  # before anything loads
     optimizers = _torch_optimizers([*getattr(accelerator, "_optimizers", []), *objects.values()])
-    kernels = [[{k: group[k] for k in KERNEL_KEYS if k in group} for group in opt.param_groups] for opt in optimizers]
+    kernels = [kernel_choice(opt) for opt in optimizers]
     if model_and_optimizer:
         accelerator.load_state(str(ckpt))
     for name, obj in objects.items():

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from finetune.artifacts.checkpoint import KERNEL_KEYS, forbid_unpickling, keep_kernel_choice
+from finetune.artifacts.checkpoint import forbid_unpickling
 from finetune.backends import Backend, backend_named
-from finetune.backends.fullstate import PARAM_NAMES, Kernels, check_keys, clean_name, quiet, tied_aliases
+from finetune.backends.fullstate import PARAM_NAMES, check_keys, clean_name, quiet, tied_aliases
 from finetune.errors import RunDirError
 from finetune.storage import layout, rundir
 from finetune.storage.checkpoints import read_state
@@ -42,7 +42,6 @@ from finetune.storage.checkpoints import read_state
 __all__ = ["PARAM_NAMES", "FullState", "ParamNames", "apply_model_state", "clean_name", "load_full_state", "peft_key",
            "read_full_state", "reshard_problem", "resume_from", "resume_targets"]
 
-_KERNELS = Kernels(KERNEL_KEYS, keep_kernel_choice)  # this build's optimizer kernels survive a load (checkpoint.py)
 
 
 @dataclass
@@ -233,12 +232,11 @@ def load_full_state(accelerator: Any, backend: Backend, model: Any, optimizer: A
     """Load ``state`` into the built and prepared ``model`` / ``optimizer`` of ``backend``; every rank calls this
     with the same ``state``. After it the next forward uses the loaded weights and the next optimizer step is the
     one the saved run would have taken (moments, step counts, param-group hyperparameters; this build's kernel
-    choice, finetune.artifacts.checkpoint.KERNEL_KEYS, is kept)."""
+    choice, finetune.backends.fullstate.KERNEL_KEYS, is kept)."""
     if state.optimizer is None:
         raise ValueError("a resume needs the optimizer state: read_full_state(..., optimizer=True)")
     full, adapter_only = _full_keys(accelerator.unwrap_model(model), state)
-    backend.load_full_state(accelerator, model, optimizer, full, state.optimizer, adapter_only=adapter_only,
-                            kernels=_KERNELS)
+    backend.load_full_state(accelerator, model, optimizer, full, state.optimizer, adapter_only=adapter_only)
 
 
 # --- the resume path ----------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from finetune.backends import setup
-from finetune.backends.fullstate import Kernels, ReadState
+from finetune.backends.fullstate import ReadState
 from finetune.config import RecipeConfig
 from finetune.registry import SupportedModel
 
@@ -210,7 +210,7 @@ class Backend:
         raise NotImplementedError
 
     def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
-                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+                        optim: dict[str, Any], *, adapter_only: bool) -> None:
         """Whole tensors into this backend's built and prepared ``model`` / ``optimizer``, on every rank with the
         same arguments (each rank keeps its part): ``full``, the model under the unwrapped model's full keys
         (``adapter_only``: a LoRA run's trainable parameters only, the frozen base being this build's); ``optim``,

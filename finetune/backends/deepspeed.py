@@ -20,7 +20,7 @@ from typing import Any
 from finetune.backends import setup
 from finetune.backends.base import Backend, Sharding
 from finetune.backends.frozen import FrozenShards
-from finetune.backends.fullstate import PARAM_NAMES, Kernels, ReadState, check_keys, clean_name, live_groups, quiet
+from finetune.backends.fullstate import PARAM_NAMES, ReadState, check_keys, clean_name, live_groups, quiet
 from finetune.config import RecipeConfig
 from finetune.errors import ConfigError, RunDirError
 from finetune.registry import SupportedModel
@@ -121,12 +121,12 @@ class DeepSpeed(Backend):
         return model, _read_universal(universal, groups, model, ckpt)
 
     def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
-                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+                        optim: dict[str, Any], *, adapter_only: bool) -> None:
         """The engine holds its own optimizer partitions: the fp32 masters and Adam moments through deepspeed.utils'
         safe_set_full_* (each rank keeps its partition), the module's own (low-precision) weights from the same
         values, the base optimizer's step counts and the param groups' hyperparameters (lr included) from the
         checkpoint. ``adapter_only`` changes nothing here: only the trainable parameters are required."""
-        _load_deepspeed(model, optimizer, full, optim, accelerator.unwrap_model(model), kernels)
+        _load_deepspeed(model, optimizer, full, optim, accelerator.unwrap_model(model))
 
     def full_state_dict(self, accelerator: Any, model: Any) -> dict[str, Any] | None:
         """ZeRO-3 needs ``stage3_gather_16bit_weights_on_model_save``, which the generated config always sets; a
@@ -401,8 +401,8 @@ def _deepspeed_flat_params(zero: Any) -> list[Any]:
     return list(flat if flat is not None else zero.single_partition_of_fp32_groups)  # ZeRO 1/2
 
 
-def _load_deepspeed(engine: Any, optimizer: Any, full: dict[str, Any], optim: dict[str, Any], unwrapped: Any,
-                    kernels: Kernels) -> None:
+def _load_deepspeed(engine: Any, optimizer: Any, full: dict[str, Any], optim: dict[str, Any],
+                    unwrapped: Any) -> None:
     """DeepSpeed ZeRO 1/2/3: the fp32 masters and Adam moments through deepspeed.utils' safe_set_full_* (each rank
     keeps its partition), the module's own (low-precision) weights from the same values, the base optimizer's step
     counts and the param groups' hyperparameters (lr included) from the checkpoint."""
@@ -415,7 +415,7 @@ def _load_deepspeed(engine: Any, optimizer: Any, full: dict[str, Any], optim: di
 
     zero = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper -> DeepSpeed's ZeRO optimizer
     base = zero.optimizer  # the torch optimizer it steps on its flat fp32 partitions
-    saved = live_groups(optim, base, kernels)
+    saved = live_groups(optim, base)
     names = {clean_name(n): p for n, p in unwrapped.named_parameters()}
     unexpected = sorted(k for k in full if k not in names and k not in dict(unwrapped.named_buffers()))
     check_keys([], unexpected, set(), "model")

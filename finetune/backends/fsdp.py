@@ -19,7 +19,7 @@ from typing import Any
 from finetune.backends import setup
 from finetune.backends.base import Backend, Sharding
 from finetune.backends.frozen import FrozenShards
-from finetune.backends.fullstate import Kernels, ReadState, in_groups, load_torch, quiet
+from finetune.backends.fullstate import ReadState, in_groups, load_torch, quiet
 from finetune.config import RecipeConfig
 from finetune.errors import ConfigError, RunDirError
 from finetune.registry import SupportedModel
@@ -142,10 +142,10 @@ class Fsdp(Backend):
         return model, in_groups(optim.get("state") or {}, optim["param_groups"], groups, ckpt)
 
     def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
-                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+                        optim: dict[str, Any], *, adapter_only: bool) -> None:
         """torch.distributed.checkpoint's full-state-dict setters (:func:`~finetune.backends.fullstate.load_torch`):
         each rank keeps its shards of the whole tensors."""
-        load_torch(model, optimizer, full, optim, accelerator.unwrap_model(model), adapter_only, kernels)
+        load_torch(model, optimizer, full, optim, accelerator.unwrap_model(model), adapter_only)
 
     def full_state_dict(self, accelerator: Any, model: Any) -> dict[str, Any] | None:
         """FSDP1's default full-state-dict gather offloads to CPU and segfaults on a CPU-only run

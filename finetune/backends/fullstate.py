@@ -15,8 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import warnings
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,19 +31,33 @@ ReadState = tuple[dict[str, Any], dict[str, Any] | None]
 _WRAPPER_PARTS = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
 
 
-@dataclass(frozen=True)
-class Kernels:
-    """How this build computes an optimizer step (``fused``, ``foreach``, ...), which a loaded state must not
-    change: ``keys``, the param-group keys that choose it, and ``keep``, which puts a recorded choice back after a
-    load. finetune.artifacts.checkpoint owns both rules (its native load obeys them too) and hands them down here,
-    so that the two loads cannot disagree and the backends need not import upwards."""
+KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""Optimizer param-group keys that choose HOW this machine computes a step, not what the step is."""
 
-    keys: tuple[str, ...]
-    keep: Callable[[Any, list[dict[str, Any]]], None]
 
-    def choice(self, optimizer: Any) -> list[dict[str, Any]]:
-        """``optimizer``'s kernel keys now, per param group (what :attr:`keep` puts back)."""
-        return [{k: g[k] for k in self.keys if k in g} for g in optimizer.param_groups]
+def kernel_choice(optimizer: Any) -> list[dict[str, Any]]:
+    """``optimizer``'s kernel keys now, per param group (what :func:`keep_kernel_choice` puts back after a load)."""
+    return [{k: g[k] for k in KERNEL_KEYS if k in g} for g in optimizer.param_groups]
+
+
+def keep_kernel_choice(optimizer: Any, choice: list[dict[str, Any]]) -> None:
+    """Put back this build's kernel choice (``choice``: per param group, the :data:`KERNEL_KEYS` it had before
+    the load) after ``load_state_dict``, which copies every group key from the checkpoint.
+
+    Why: a checkpoint written on CPU (plain AdamW) and resumed on CUDA, where ``optim.fused: null`` means fused,
+    would otherwise stay unfused (and one from CUDA resumed on CPU would turn fused), against the recipe. The
+    optimizer's ``step`` counters move to where that kernel keeps them (the parameter's device as fp32 for fused
+    or capturable, the host otherwise); their values are integers, so nothing of the math changes."""
+    if len(choice) != len(optimizer.param_groups):
+        return
+    for group, keys in zip(optimizer.param_groups, choice, strict=True):
+        group.update(keys)
+        on_device = bool(group.get("fused") or group.get("capturable"))
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if step is not None and hasattr(step, "to"):
+                device = param.device if on_device else "cpu"
+                optimizer.state[param]["step"] = step.to(device=device, dtype=step.dtype)
 
 
 @contextlib.contextmanager
@@ -130,14 +143,14 @@ def in_groups(state: dict[str, Any], param_groups: list[dict[str, Any]], groups:
     return {"state": {k: dict(v) for k, v in state.items()}, "param_groups": out}
 
 
-def live_groups(saved: dict[str, Any], inner: Any, kernels: Kernels) -> dict[str, Any]:
+def live_groups(saved: dict[str, Any], inner: Any) -> dict[str, Any]:
     """``saved`` with this build's kernel keys in every param group (what the checkpoint says is how that machine
-    computed a step, not what the step is; :class:`Kernels`)."""
+    computed a step, not what the step is; :data:`KERNEL_KEYS`)."""
 
     if len(saved["param_groups"]) != len(inner.param_groups):
         raise RunDirError(f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, this one "
                           f"{len(inner.param_groups)}; the checkpoint is of another configuration")
-    groups = [{**g, **{k: live[k] for k in kernels.keys if k in live}}
+    groups = [{**g, **{k: live[k] for k in KERNEL_KEYS if k in live}}
               for g, live in zip(saved["param_groups"], inner.param_groups, strict=True)]
     return {"state": saved["state"], "param_groups": groups}
 
@@ -146,7 +159,7 @@ def live_groups(saved: dict[str, Any], inner: Any, kernels: Kernels) -> dict[str
 
 
 def load_torch(model: Any, optimizer: Any, full: dict[str, Any], optim: dict[str, Any], unwrapped: Any,
-               adapter_only: bool, kernels: Kernels) -> None:
+               adapter_only: bool) -> None:
     """single / DDP / FSDP1 / FSDP2: torch.distributed.checkpoint.state_dict with full state dicts (each rank holds
     all of it and keeps its shard). ``adapter_only``: ``full`` holds a LoRA run's trainable parameters only (the
     frozen base is what this build made, as in a native LoRA resume)."""
@@ -166,6 +179,6 @@ def load_torch(model: Any, optimizer: Any, full: dict[str, Any], optim: dict[str
         allowed |= {clean_name(k) for k in result.missing_keys if clean_name(k) not in trainable}
     check_keys([clean_name(k) for k in result.missing_keys], [clean_name(k) for k in result.unexpected_keys],
                allowed, "model")
-    choice = kernels.choice(inner)
-    set_optimizer_state_dict(model, inner, optim_state_dict=live_groups(optim, inner, kernels), options=options)
-    kernels.keep(inner, choice)
+    choice = kernel_choice(inner)
+    set_optimizer_state_dict(model, inner, optim_state_dict=live_groups(optim, inner), options=options)
+    keep_kernel_choice(inner, choice)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from finetune.backends.base import Backend, Sharding, alone
-from finetune.backends.fullstate import Kernels, ReadState, by_name, load_torch, strip_prefix
+from finetune.backends.fullstate import ReadState, by_name, load_torch, strip_prefix
 
 
 @dataclass(frozen=True)
@@ -62,9 +62,9 @@ class WholeModel(Backend):
         return model, by_name(optim, groups, ckpt / "optimizer.bin")
 
     def load_full_state(self, accelerator: Any, model: Any, optimizer: Any, full: dict[str, Any],
-                        optim: dict[str, Any], *, adapter_only: bool, kernels: Kernels) -> None:
+                        optim: dict[str, Any], *, adapter_only: bool) -> None:
         """torch.distributed.checkpoint's full-state-dict setters (:func:`~finetune.backends.fullstate.load_torch`)."""
-        load_torch(model, optimizer, full, optim, accelerator.unwrap_model(model), adapter_only, kernels)
+        load_torch(model, optimizer, full, optim, accelerator.unwrap_model(model), adapter_only)
 
     @property
     def keeps_gradient_buckets(self) -> bool:

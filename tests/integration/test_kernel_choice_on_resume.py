@@ -1,5 +1,5 @@
 """A checkpoint carries the optimizer's state, not this machine's kernel choice: resuming keeps the fused /
-foreach setting the current build chose (finetune.artifacts.checkpoint.keep_kernel_choice). On CPU torch has a fused
+foreach setting the current build chose (finetune.backends.fullstate.keep_kernel_choice). On CPU torch has a fused
 AdamW, so both directions run here: a plain checkpoint resumed with optim.fused=true, and a fused one resumed plain."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from finetune.artifacts.checkpoint import KERNEL_KEYS, keep_kernel_choice
+from finetune.backends.fullstate import KERNEL_KEYS, keep_kernel_choice
 from tests.integration.conftest import new_trainer, tiny_recipe
 
 pytestmark = pytest.mark.integration
@@ -68,7 +68,7 @@ def test_resume_through_checkpoint_load_keeps_the_recipes_kernel(tmp_path: Path)
     ckpt = tmp_path / "plain" / "checkpoints" / "step-000002"
     assert ckpt.is_dir()
     fused = trainer("fused", True)
-    checkpoint.load(fused.accelerator, ckpt, fused.state, fused.objects)
-    groups = [g for opt in checkpoint._torch_optimizers(fused.accelerator._optimizers) for g in opt.param_groups]
+    checkpoint.load(fused.ctx.accelerator, ckpt, fused.state, fused.objects)
+    groups = [g for opt in checkpoint._torch_optimizers(fused.ctx.accelerator._optimizers) for g in opt.param_groups]
     assert groups and all(g["fused"] is True for g in groups)
     assert fused.state.step == 2

@@ -1,5 +1,5 @@
 """finetune.artifacts.checkpoint on one CPU process: a saved checkpoint loads back the train state, the run's objects,
-the model and every RNG; a failed write leaves nothing behind; a load keeps this build's optimizer kernel; rank 0's
+the model and every RNG; a failed write leaves nothing behind; rank 0's
 publishing on a thread raises its failure where it is waited for."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from finetune.artifacts import checkpoint
-from finetune.artifacts.checkpoint import keep_kernel_choice, rng_state, set_rng_state
+from finetune.artifacts.checkpoint import rng_state, set_rng_state
 from finetune.config import RecipeConfig
 from finetune.errors import RunDirError
 from finetune.registry import SUPPORTED_MODELS
@@ -98,18 +98,6 @@ def test_a_failed_save_removes_its_partial_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(RunDirError, match=r"cannot write checkpoint step-000003 \(OSError: No space left on device"):
         checkpoint.save(ctx, TrainState(step=3, samples_seen=6, train_size=4), {"cursor": _Full(1)})
     assert list((tmp_path / "run" / "checkpoints").iterdir()) == []
-
-
-def test_a_load_keeps_this_builds_kernel_choice() -> None:
-    param = torch.nn.Parameter(torch.ones(2))
-    optimizer = torch.optim.AdamW([param], foreach=False)
-    param.grad = torch.ones(2)
-    optimizer.step()
-    keep_kernel_choice(optimizer, [{"foreach": True}])
-    assert optimizer.param_groups[0]["foreach"] is True
-    assert optimizer.state[param]["step"].device.type == "cpu" and float(optimizer.state[param]["step"]) == 1.0
-    keep_kernel_choice(optimizer, [{"foreach": False}, {"foreach": False}])  # another grouping: left as loaded
-    assert optimizer.param_groups[0]["foreach"] is True
 
 
 def test_rng_state_restores_every_generator(tmp_path: Path) -> None:
