@@ -22,6 +22,7 @@ from finetune.config.schema import RecipeConfig
 from finetune.data import DataBundle
 from finetune.data.batching import Collator, PackingCollator, PreferenceCollator, StreamSampler, eval_shard
 from finetune.registry import SupportedModel, recipe_row
+from finetune.tasks.logprobs import Forward
 
 
 @dataclass
@@ -125,6 +126,7 @@ class TaskData:
         if row is None and getattr(cfg, "model", None) is not None:
             row = recipe_row(cfg)  # a task built without build_task (tests): resolved here, once
         self.row = row
+        self.forward = Forward.of(row)  # how its training forward calls the model (tasks.logprobs)
 
     def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]:
         """``train``: this rank's micro-batches from stream position ``start_sample``; ``eval``: its shard."""

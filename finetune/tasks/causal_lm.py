@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 
-from finetune import registry
 from finetune.data.rows import IGNORE
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.decoding import greedy_generate
@@ -33,28 +32,20 @@ class CausalLMTask(TaskData):
     def __init__(self, *args: Any, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tokenizer = tokenizer
-        row = self.row  # None: a hand-made config of the task's own fields (an HF model)
-        self.model_inputs: tuple[str, ...] = row.model_inputs if row is not None else registry.MODEL_INPUTS
-        self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
-        self.output_head = row.output_head if row is not None else registry.OUTPUT_HEAD
 
     def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The full logits of a batch (tests and probes; the loss never builds them: :meth:`_answer`). A padded
         batch has an attention mask; a packed one (data.packing) position ids and no mask (None). Never a KV cache:
         with one, transformers skips the packed-sequence detection and samples attend to each other."""
-        out = model(**self._inputs(batch))
+        out = model(**self.forward.inputs(batch))
         return out.logits if hasattr(out, "logits") else out
-
-    def _inputs(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """The forward's keyword arguments: the row's ``model_inputs`` from the batch and the forward flags."""
-        return {**{key: batch.get(key) for key in self.model_inputs}, **self.forward_flags}
 
     def _answer(self, model: Any, batch: dict[str, Any],
                 count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The summed next-token loss (fp32), the argmax hits (with ``count_hits``) and the number of targets of a
         batch, from the final hidden states and the output head chunk by chunk (:func:`target_logprobs`)."""
         targets = next_token_targets(batch["labels"])
-        sums, hits = target_logprobs(model, self._inputs(batch), targets, self.output_head, per="batch",
+        sums, hits = target_logprobs(model, self.forward.inputs(batch), targets, self.forward.head, per="batch",
                                      count_hits=count_hits)
         return -sums.sum(), hits.sum(), (targets != IGNORE).sum()
 

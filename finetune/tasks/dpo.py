@@ -38,9 +38,8 @@ import torch.nn.functional as F
 
 from finetune.data.batching import PreferenceCollator
 from finetune.data.rows import IGNORE
-from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, PairTask
-from finetune.tasks.logprobs import next_token_targets, target_logprobs
+from finetune.tasks.logprobs import FORWARD, Forward, next_token_targets, target_logprobs
 from finetune.tasks.losses import sequence_logprobs
 
 PROGRESS_EVERY_S = 30.0  # a reference pass that runs longer reports its progress this often
@@ -59,15 +58,13 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int 
     return sequence_logprobs(logits.reshape(-1, vocab), targets.reshape(-1), seq, sequences, chunk_rows=chunk_rows)[0]
 
 
-def policy_logps(model: Any, batch: dict[str, Any], output_head: str | None = OUTPUT_HEAD) -> tuple[torch.Tensor,
-                                                                                                   torch.Tensor]:
+def policy_logps(model: Any, batch: dict[str, Any], forward: Forward = FORWARD) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's summed answer log-prob of every sequence of a preference batch (``[2B]`` fp32) and the number
-    of answer tokens of each, from the final hidden states and the row's ``output_head`` chunk by chunk (no
+    of answer tokens of each, from the final hidden states and the row's output head (``forward``) chunk by chunk (no
     ``[tokens x vocab]`` logits, no host sync: :func:`finetune.tasks.logprobs.target_logprobs`). Never a KV cache
     (training forwards; see CausalLMTask)."""
     targets = next_token_targets(batch["labels"])
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"], "use_cache": False}
-    logps, _ = target_logprobs(model, inputs, targets, output_head, per="sequence")
+    logps, _ = target_logprobs(model, forward.inputs(batch), targets, forward.head, per="sequence")
     return logps, (targets != IGNORE).sum(1)
 
 
@@ -87,17 +84,12 @@ class DPOTask(PairTask):
 
     eval_means = ("reward_margin", "logps_chosen", "logps_rejected")
 
-    @property
-    def output_head(self) -> str | None:
-        """The row's output head, which the log-probs are computed from (the default for a hand-made config)."""
-        return self.row.output_head if self.row is not None else OUTPUT_HEAD
-
     def _pairs(self, model: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per pair: the loss and ``h``; and the policy's summed log-probs of the 2B sequences."""
         if "ref_logps" not in batch:
             raise RuntimeError("task dpo: the batch has no ref_logps; compute_reference() must run before training "
                                "and evaluation")
-        logps, tokens = policy_logps(model, batch, self.output_head)
+        logps, tokens = policy_logps(model, batch, self.forward)
         policy, reference = logps, batch["ref_logps"].to(logps.device, torch.float32)
         dpo = self.cfg.dpo
         if dpo.loss == "ipo":  # per-token averages (IPO), the reference likewise
@@ -206,7 +198,7 @@ def compute_reference(task: DPOTask, model: Any, accelerator: Any, precision: An
 
     def score(batch: dict[str, Any]) -> torch.Tensor:
         with precision.autocast():
-            return policy_logps(model, batch, task.output_head)[0]
+            return policy_logps(model, batch, task.forward)[0]
 
     was_training = model.training
     model.eval()

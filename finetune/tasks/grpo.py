@@ -69,11 +69,10 @@ import torch
 from finetune.data.prompt_rows import PromptCollator
 from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError, FinetuneError, RunDirError
-from finetune.registry import OUTPUT_HEAD
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.causal_lm import normalize
 from finetune.tasks.decoding import Sampling, generate_tokens
-from finetune.tasks.logprobs import next_token_targets, target_logprobs
+from finetune.tasks.logprobs import Forward, next_token_targets, target_logprobs
 from finetune.tasks.rewards import build_rewards
 
 CACHE_NAME = "grpo_rollouts"  # the checkpoint object holding a generation batch that a later step still uses
@@ -184,17 +183,14 @@ def sequences(prompts: dict[str, Any], completions: torch.Tensor, group_size: in
             "completion_mask": mask}
 
 
-def completion_logprobs(model: Any, batch: dict[str, Any], head_name: str | None, flags: dict[str, Any],
-                        temperature: float = 1.0) -> torch.Tensor:
+def completion_logprobs(model: Any, batch: dict[str, Any], forward: Forward, temperature: float = 1.0) -> torch.Tensor:
     """``[N, M]``: the log-prob of each completion token of a :func:`sequences` batch (0 after its stop) at
     ``temperature``: the policy's, the old and the reference's log-probs are all scored at ``grpo.temperature``, the
     one the completions were sampled at (see the module docstring)."""
     targets = next_token_targets(batch["labels"])
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
-              "position_ids": batch["position_ids"], **flags}
     width = batch["completion_mask"].size(1)
     start = batch["input_ids"].size(1) - width - 1  # the position whose target is the first completion token
-    return token_logprobs(model, inputs, targets, head_name, temperature)[:, start:start + width]
+    return token_logprobs(model, forward.inputs(batch), targets, forward.head, temperature)[:, start:start + width]
 
 
 def policy_loss(logp: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, advantage: torch.Tensor,
@@ -346,9 +342,6 @@ class GRPOTask(TaskData):
         like the policy on FSDP2 / ZeRO-3); None: a deep copy, refused where parameters are sharded."""
         super().__init__(*args, **kwargs)
         self.tokenizer, self.allow_plugin, self.frozen_copy = tokenizer, allow_plugin, frozen_copy
-        row = self.row
-        self.output_head = row.output_head if row is not None else OUTPUT_HEAD
-        self.forward_flags: dict[str, Any] = {} if row is not None and row.factory else {"use_cache": False}
         eos = getattr(tokenizer, "eos_token_id", None)
         self.stop_ids: list[int] = [] if eos is None else [eos]
         self.model: Any = None
@@ -425,7 +418,7 @@ class GRPOTask(TaskData):
         """The loss sum of a rollout micro-batch (see :func:`policy_loss`); its metric sums are kept for
         :meth:`step_metrics`."""
         grpo = self.cfg.grpo
-        logp = completion_logprobs(model, batch, self.output_head, self.forward_flags, grpo.temperature)
+        logp = completion_logprobs(model, batch, self.forward, grpo.temperature)
         old = batch["old_logps"] if "old_logps" in batch else logp.detach()
         loss, stats = policy_loss(logp, old.to(logp.dtype), batch.get("ref_logps"), batch["advantages"],
                                   batch["completion_mask"], grpo.epsilon, grpo.beta, grpo.loss, grpo.max_new_tokens)
@@ -532,8 +525,7 @@ class GRPOTask(TaskData):
         model.eval()
         try:
             with context, torch.no_grad(), self.precision.autocast():
-                return completion_logprobs(model, batch, self.output_head, self.forward_flags,
-                                           self.cfg.grpo.temperature).float()
+                return completion_logprobs(model, batch, self.forward, self.cfg.grpo.temperature).float()
         finally:
             model.train(was_training)
 

@@ -9,6 +9,8 @@ per-completion scores (finetune.tasks.grpo) and eval's token accuracy all call :
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -16,7 +18,36 @@ import torch.nn.functional as F
 
 from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError
+from finetune.registry import MODEL_INPUTS, OUTPUT_HEAD, SupportedModel
 from finetune.tasks.losses import sequence_logprobs, summed_cross_entropy
+
+
+@dataclass(frozen=True)
+class Forward:
+    """How every task's training forward calls its model, one rule for SFT, DPO and GRPO: the batch keys it passes
+    (the row's ``model_inputs``: a custom row's forward may take fewer than a Hugging Face model's; a key the batch
+    lacks goes as None, the model's default), the flags it adds (``use_cache=False`` for a Hugging Face model: never
+    a KV cache in a training forward, with one transformers skips the packed-sequence detection; nothing for a
+    custom row, whose forward takes no such flag) and the output head the log-probs are computed from."""
+
+    keys: tuple[str, ...] = MODEL_INPUTS
+    flags: Mapping[str, Any] = field(default_factory=lambda: {"use_cache": False})
+    head: str | None = OUTPUT_HEAD
+
+    @classmethod
+    def of(cls, row: SupportedModel | None) -> Forward:
+        """The forward of ``row`` (None: a hand-made config of a task's own fields, a Hugging Face model)."""
+        if row is None:
+            return cls()
+        return cls(row.model_inputs, {} if row.factory else {"use_cache": False}, row.output_head)
+
+    def inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
+        """The forward's keyword arguments for ``batch``."""
+        return {**{key: batch.get(key) for key in self.keys}, **self.flags}
+
+
+FORWARD = Forward()
+"""The forward of a hand-made config of a task's own fields (a Hugging Face model)."""
 
 
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from finetune.tasks.grpo import (
     targets_of,
     token_logprobs,
 )
-from finetune.tasks.logprobs import next_token_targets
+from finetune.tasks.logprobs import FORWARD, next_token_targets
 
 EOS, PAD = 2, 0
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 50, 51], [1, 60, 61, 62, 63], [1, 70]]
@@ -163,7 +163,7 @@ def test_token_logprobs_equal_a_full_log_softmax(llama) -> None:
     naive = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0)[..., None])[..., 0]
     naive = torch.where(targets != IGNORE, naive, 0.0)
     assert torch.allclose(got.double(), naive, atol=1e-5)
-    window = completion_logprobs(llama, batch, "lm_head", {"use_cache": False})
+    window = completion_logprobs(llama, batch, FORWARD)
     assert window.shape == (4, 3)
     assert torch.allclose(window.double(), naive[:, -4:-1], atol=1e-5)
 

@@ -64,3 +64,23 @@ def test_target_logprobs_sums_per_batch_sequence_and_token_as_log_softmax_does(l
     torch.testing.assert_close(token.reshape(3, 7), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sequence, expected.sum(dim=1), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(batch, expected.sum().reshape(1), rtol=1e-5, atol=1e-4)
+
+
+def test_one_forward_rule_for_every_task() -> None:
+    """A Hugging Face row's forward gets its model_inputs and use_cache=False; a custom row's only the keys it
+    lists (its forward takes no flag); a key the batch lacks goes as None (the model's default)."""
+    from finetune.registry import SUPPORTED_MODELS, SupportedModel
+    from finetune.tasks.logprobs import FORWARD, Forward
+
+    llama = Forward.of(SUPPORTED_MODELS["tiny-llama"])
+    assert (llama.keys, dict(llama.flags), llama.head) == (
+        ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+         "max_length_k"), {"use_cache": False}, "lm_head")
+    assert Forward.of(None) == FORWARD
+    assert (FORWARD.keys, dict(FORWARD.flags)) == (("input_ids", "attention_mask", "position_ids"), {"use_cache": False})
+    custom = Forward.of(SupportedModel(name="my-lm", task="causal_lm", factory="mypkg.models:build",
+                                       decoder_layer="Block", tiny_config={}, tokenizer="tiny-llama-tokenizer",
+                                       model_inputs=("input_ids", "attention_mask"), output_head=None))
+    batch = {"input_ids": 1, "attention_mask": 2, "labels": 3}
+    assert custom.inputs(batch) == {"input_ids": 1, "attention_mask": 2}
+    assert FORWARD.inputs(batch) == {"input_ids": 1, "attention_mask": 2, "position_ids": None, "use_cache": False}

@@ -456,7 +456,7 @@ def _text_batch(vocab: int, rows: int, length: int, pads: list[int], seed: int =
 
 def _reference_loss(model: Any, task: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """The plain path: full logits, then ``F.cross_entropy`` over the shifted fp32 logits; and the hits."""
-    logits = model(**task._inputs(batch)).logits
+    logits = model(**task.forward.inputs(batch)).logits
     shifted, labels = logits[:, :-1].float(), batch["labels"][:, 1:]
     loss = F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels.reshape(-1), ignore_index=IGNORE,
                            reduction="sum")
