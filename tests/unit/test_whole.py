@@ -25,4 +25,3 @@ def test_ddp_splits_nothing_and_keeps_gradient_buckets() -> None:
     assert WholeModel("ddp").keeps_gradient_buckets and not WholeModel("single").keeps_gradient_buckets
     alone = WholeModel("ddp").split(1)  # DDP on one process is one process
     assert (alone.backend, alone.kind, alone.world) == ("single", "single", 1)
-    assert WholeModel("ddp").pick(whole="w", fsdp="f", deepspeed="d") == "w"
