@@ -77,7 +77,8 @@ def test_one_forward_rule_for_every_task() -> None:
         ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
          "max_length_k"), {"use_cache": False}, "lm_head")
     assert Forward.of(None) == FORWARD
-    assert (FORWARD.keys, dict(FORWARD.flags)) == (("input_ids", "attention_mask", "position_ids"), {"use_cache": False})
+    assert FORWARD.keys == ("input_ids", "attention_mask", "position_ids")
+    assert dict(FORWARD.flags) == {"use_cache": False}
     custom = Forward.of(SupportedModel(name="my-lm", task="causal_lm", factory="mypkg.models:build",
                                        decoder_layer="Block", tiny_config={}, tokenizer="tiny-llama-tokenizer",
                                        model_inputs=("input_ids", "attention_mask"), output_head=None))
