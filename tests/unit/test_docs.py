@@ -43,3 +43,51 @@ def test_the_pattern_finds_references() -> None:
     """The check above can fail: it sees the references this file's own docstring makes."""
     found = PATH.findall(Path(__file__).read_text(encoding="utf-8").split('"""')[1])
     assert "docs/platform-notes.md" in found and "recipes/presets/lora.yaml" in found
+
+
+# The annotated recipe in the README: keys a user sets for their own run (no default, or an example of one), and
+# what the schema would give them. Every other value shown is the schema's default, and every key is shown.
+USER_SET = {("extends",), ("name",), ("model", "type"), ("data", "format"), ("data", "train"), ("data", "eval"),
+            ("train", "max_steps")}
+
+
+def _schema_defaults(model: type) -> dict:
+    """The schema's own default of every key (``<required>`` where a user must give one), nested as recipes are;
+    read from the pydantic fields, not from a validated recipe (validation resolves some nulls, e.g. dropout)."""
+    from pydantic import BaseModel
+
+    out: dict = {}
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            out[name] = _schema_defaults(kind)
+        else:
+            value = "<required>" if field.is_required() else field.get_default(call_default_factory=True)
+            out[name] = list(value) if isinstance(value, tuple) else value  # YAML has no tuples
+    return out
+
+
+def _leaves(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
+    found: dict[tuple[str, ...], object] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            found |= _leaves(value, (*prefix, key))
+        else:
+            found[(*prefix, key)] = value
+    return found
+
+
+def test_the_annotated_recipe_shows_every_key_with_its_real_default() -> None:
+    import yaml
+
+    from finetune.config import RecipeConfig
+
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    start = text.index("```yaml\nextends: [presets/fp16.yaml]")
+    shown = _leaves(yaml.safe_load(text[start + len("```yaml\n"):text.index("```", start + 7)]))
+    schema = _leaves(_schema_defaults(RecipeConfig))
+    wrong = {".".join(k): (v, schema.get(k, "<not a key>")) for k, v in shown.items()
+             if k not in USER_SET and (k not in schema or v != schema[k])}
+    assert not wrong, f"README value -> schema default: {wrong}"
+    missing = sorted(".".join(k) for k in schema if k not in shown and k[:1] not in {("extends",)})
+    assert not missing, f"keys the annotated recipe does not show: {missing}"
