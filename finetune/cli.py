@@ -8,6 +8,7 @@ traceback). """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -94,8 +95,11 @@ def plan(
 ) -> None:
     """Print the per-rank memory plan (parameters, gradients, optimizer states, activations) before launching.
     model.path may be a folder or hub name with only config.json: no weights or tokenizer are read."""
-    cfg = train.plan_recipe(recipe, overrides, accelerate_config=accelerate_config, num_processes=num_processes)
+    cfg, note = train.plan_recipe(recipe, overrides, accelerate_config=accelerate_config,
+                                  num_processes=num_processes)
     memory = build_plan(cfg)
+    if note is not None:
+        memory = dataclasses.replace(memory, notes=(note, *memory.notes))
     typer.echo(to_json(memory) if as_json else render(memory))
 
 

@@ -21,8 +21,8 @@ import yaml
 from finetune import backends, registry
 from finetune.artifacts.checkpoint import publishing
 from finetune.commands.plan import render
-from finetune.config import Composed, load_recipe, outputs, resources, to_yaml
-from finetune.config.schema import RecipeConfig
+from finetune.config import Composed, compose, load_recipe, outputs, resources, to_yaml, validate
+from finetune.config.schema import LaunchConfig, RecipeConfig, TrainConfig, batch_hint
 from finetune.errors import RunDirError
 from finetune.registry import SupportedModel
 from finetune.runtime import launch, prepare, worker
@@ -101,13 +101,19 @@ def resume(run_dir: Path, overrides: list[str] | None, *, from_: str | None = No
           allow_plugin=trust_remote_code)
 
 
+FLAG_KEYS = {"output_dir": "output_dir", "accelerate_config": "launch.accelerate_config",
+             "num_processes": "launch.num_processes"}  # a command-line flag -> the recipe key it stands for
+
+
+def with_flags(overrides: list[str] | None, flags: dict[str, Any]) -> list[str]:
+    """The positional overrides, then the CLI flags as the overrides they stand for."""
+    return [*(overrides or []), *(f"{FLAG_KEYS[k]}={v}" for k, v in flags.items() if v is not None)]
+
+
 def recipe_with_flags(recipe: str, overrides: list[str] | None, *, weights: bool = True,
                       **flags: Any) -> tuple[RecipeConfig, Any]:
     """Compose + validate; CLI flags are applied as the overrides they stand for (after the positional ones)."""
-    mapping = {"output_dir": "output_dir", "accelerate_config": "launch.accelerate_config",
-               "num_processes": "launch.num_processes"}
-    extra = [f"{mapping[k]}={v}" for k, v in flags.items() if v is not None]
-    return load_recipe(resources.resolve_recipe(recipe), [*(overrides or []), *extra], weights=weights)
+    return load_recipe(resources.resolve_recipe(recipe), with_flags(overrides, flags), weights=weights)
 
 
 def protected_inputs(cfg: RecipeConfig, composed: Composed) -> list[outputs.Input]:
@@ -122,10 +128,44 @@ def is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def plan_recipe(recipe: str, overrides: list[str] | None, **flags: Any) -> RecipeConfig:
-    """The recipe to plan: validated as for a run, except that a model folder may hold only config.json (the plan
-    builds the model on the meta device from its config; weights are what a run needs, not a plan)."""
-    return recipe_with_flags(recipe, overrides, weights=False, **flags)[0]
+def plan_recipe(recipe: str, overrides: list[str] | None, **flags: Any) -> tuple[RecipeConfig, str | None]:
+    """The recipe to plan, and a note when it was planned with another global batch: validated as for a run, except
+    that a model folder may hold only config.json (the plan builds the model on the meta device from its config;
+    weights are what a run needs, not a plan), and that a global batch the asked processes cannot split is planned
+    at the next one they can (:func:`splittable_batch`): `finetune plan recipe.yaml --num-processes 8` answers the
+    question it asks, what each of 8 ranks holds, where `finetune run` refuses that batch."""
+    path, given = resources.resolve_recipe(recipe), with_flags(overrides, flags)
+    composed = compose(path, given)
+    batch = splittable_batch(composed.data)
+    if batch is None:
+        return validate(composed, weights=False), None
+    planned, note = batch
+    return validate(compose(path, [*given, f"train.global_batch_size={planned}"]), weights=False), note
+
+
+DEFAULT_BATCH = {("train", "global_batch_size"): TrainConfig.model_fields["global_batch_size"].default,
+                 ("train", "micro_batch_size"): TrainConfig.model_fields["micro_batch_size"].default,
+                 ("launch", "num_processes"): LaunchConfig.model_fields["num_processes"].default}
+
+
+def splittable_batch(recipe: dict[str, Any]) -> tuple[int, str] | None:
+    """For a composed recipe whose ``train.global_batch_size`` is not a multiple of ``train.micro_batch_size`` x
+    ``launch.num_processes``: the next global batch that is, and the note that says so (per-rank memory depends on
+    the micro-batch, not the global batch); None when it splits, or when a value is not a positive integer (then
+    validation names the key)."""
+    def number(section: str, key: str) -> int | None:
+        part = recipe.get(section)
+        value = part.get(key, DEFAULT_BATCH[section, key]) if isinstance(part, dict) else DEFAULT_BATCH[section, key]
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    total, micro = number("train", "global_batch_size"), number("train", "micro_batch_size")
+    procs = number("launch", "num_processes")
+    if total is None or micro is None or procs is None or total % (micro * procs) == 0:
+        return None
+    step = micro * procs
+    planned = -(-total // step) * step
+    return planned, (f"planned with train.global_batch_size={planned}: {batch_hint(total, micro, procs)} "
+                     "(a run refuses it; per-rank memory depends on the micro-batch only)")
 
 
 def effective_settings(cfg: RecipeConfig, row: SupportedModel) -> str:
