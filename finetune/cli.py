@@ -83,6 +83,8 @@ def preprocess(
     inputs = prepare.inputs(cfg, registry.recipe_row(cfg))
     for line in prepare.report(cfg, inputs.data):
         typer.echo(line)
+    for line in inputs.data.warnings(cfg.data.max_seq_len):
+        typer.echo(line, err=True)
 
 
 @app.command()

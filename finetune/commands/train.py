@@ -74,6 +74,8 @@ def run(recipe: str, overrides: list[str] | None, *, output_dir: str | None = No
     inputs = prepare.inputs(cfg, row)
     for line in prepare.report(cfg, inputs.data, hits_only=True):  # a source tokenized now said so as it went
         typer.echo(line)
+    for line in inputs.data.warnings(cfg.data.max_seq_len):
+        typer.echo(line, err=True)
     made = unstarted.first_missing(run_dir)
     lock = rundir.create(run_dir, overwrite=overwrite, protected=protected, command=f"finetune run {recipe}")
     try:

@@ -83,6 +83,30 @@ class DataBundle:
         return lines
 
 
+    def warnings(self, max_seq_len: int) -> list[str]:
+        """The lines a user must see on stderr, not only in train.log: a split (or source) of which at least half the
+        rows are longer than what a sample may hold (``data.max_seq_len``, less a prompt row's completion room),
+        with the counts and the fix. Truncated rows train on their start only, dropped ones not at all: a limit
+        below most rows is usually a mistake (a recipe copied from a model with a longer context, or the wrong
+        column). A streamed split's counts are not known ahead."""
+        if self.stream is not None:
+            return []
+        limit = max_seq_len - self.prompt_room
+        key = "data.max_seq_len - grpo.max_new_tokens" if self.prompt_room else "data.max_seq_len"
+        lines = []
+        for split, name, parts in ((self.train, "data.train", self.train_parts),
+                                   (self.eval, "data.eval", self.eval_parts)):
+            for label, counts in ([(f"{p.key} {p.name}", p.tokenized) for p in parts] or [(name, split)]):
+                if counts is None:
+                    continue
+                over = counts.truncated + counts.dropped
+                rows = len(counts.dataset) + counts.dropped + counts.no_answer
+                if over and 2 * over >= rows:
+                    lines.append(f"warning: {label}: {over} of {rows} rows are longer than {key} = {limit} tokens "
+                                 f"({counts.truncated} truncated, {counts.dropped} dropped); raise data.max_seq_len "
+                                 "if the model's context allows, or check the rows")
+        return lines
+
 def source_name(source: DataSource) -> str:
     """How messages name a source: its path, plus the hub subset and split when they are not the defaults."""
     picked = [f"subset={source.subset}"] * (source.subset is not None) + [f"split={source.split}"] * (
