@@ -367,6 +367,22 @@ def check_fits(model: Any, tokenizer: Any, max_seq_len: int) -> None:
     if absolute is not None and max_seq_len > absolute:
         raise ConfigError(f"data.max_seq_len={max_seq_len} is longer than the {absolute} positions this model can "
                           f"embed; set data.max_seq_len to at most {absolute}")
+    trained = position_limit(config)
+    if absolute is None and trained is not None and max_seq_len > trained:
+        raise ConfigError(f"data.max_seq_len={max_seq_len} is longer than the {trained} positions this model was "
+                          f"trained for (max_position_embeddings in its config); set data.max_seq_len to at most "
+                          f"{trained}, or extend its context with model.config_overrides (rope_scaling and "
+                          "max_position_embeddings)")
+
+
+def position_limit(config: Any) -> int | None:
+    """The positions a rotary model was trained for: ``max_position_embeddings`` of its config (a vision-language
+    model's text config), or None where the config names none (a custom row)."""
+    for part in (config, getattr(config, "text_config", None)):
+        value = getattr(part, "max_position_embeddings", None) if part is not None else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def enable_checkpointing(model: Any) -> None:

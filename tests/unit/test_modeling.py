@@ -34,3 +34,18 @@ def test_building_a_model_keeps_attention_off_cudnn(attn: str | None) -> None:
     build_model(ModelConfig(type="tiny-llama", attn_implementation=attn), ROW)
     assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+
+
+def test_max_seq_len_beyond_the_positions_a_rotary_model_was_trained_for_is_one_line(llama, tok) -> None:
+    """A rotary model has no position table to overflow, but its config says how far it was trained: a longer
+    data.max_seq_len is refused naming both numbers and the fix; up to it is accepted."""
+    from finetune.errors import ConfigError
+    from finetune.runtime.modeling import check_fits, position_limit
+
+    assert position_limit(llama.config) == 2048  # LlamaConfig's default: the tiny config names none
+    check_fits(llama, tok, 2048)
+    with pytest.raises(ConfigError, match=r"^data.max_seq_len=2049 is longer than the 2048 positions this model was "
+                                          r"trained for \(max_position_embeddings in its config\); set "
+                                          r"data.max_seq_len to at most 2048"):
+        check_fits(llama, tok, 2049)
+    assert position_limit(object()) is None  # a custom model's config names none
