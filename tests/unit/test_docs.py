@@ -47,8 +47,7 @@ def test_the_pattern_finds_references() -> None:
 
 # The annotated recipe in the README: keys a user sets for their own run (no default, or an example of one), and
 # what the schema would give them. Every other value shown is the schema's default, and every key is shown.
-USER_SET = {("extends",), ("name",), ("model", "type"), ("data", "format"), ("data", "train"), ("data", "eval"),
-            ("train", "max_steps")}
+USER_SET = {"extends", "name", "model.type", "data.format", "data.train", "data.eval", "train.max_steps"}
 
 
 def _schema_defaults(model: type) -> dict:
@@ -67,27 +66,18 @@ def _schema_defaults(model: type) -> dict:
     return out
 
 
-def _leaves(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
-    found: dict[tuple[str, ...], object] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            found |= _leaves(value, (*prefix, key))
-        else:
-            found[(*prefix, key)] = value
-    return found
-
-
 def test_the_annotated_recipe_shows_every_key_with_its_real_default() -> None:
     import yaml
 
     from finetune.config import RecipeConfig
+    from finetune.config.compose import flatten
 
     text = (REPO / "README.md").read_text(encoding="utf-8")
     start = text.index("```yaml\nextends: [presets/fp16.yaml]")
-    shown = _leaves(yaml.safe_load(text[start + len("```yaml\n"):text.index("```", start + 7)]))
-    schema = _leaves(_schema_defaults(RecipeConfig))
-    wrong = {".".join(k): (v, schema.get(k, "<not a key>")) for k, v in shown.items()
-             if k not in USER_SET and (k not in schema or v != schema[k])}
+    shown = flatten(yaml.safe_load(text[start + len("```yaml\n"):text.index("```", start + 7)]))
+    schema = flatten(_schema_defaults(RecipeConfig))
+    wrong = {key: (value, schema.get(key, "<not a key>")) for key, value in shown.items()
+             if key not in USER_SET and (key not in schema or value != schema[key])}
     assert not wrong, f"README value -> schema default: {wrong}"
-    missing = sorted(".".join(k) for k in schema if k not in shown and k[:1] not in {("extends",)})
+    missing = sorted(key for key in schema if key not in shown)
     assert not missing, f"keys the annotated recipe does not show: {missing}"
