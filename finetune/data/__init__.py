@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,19 +70,16 @@ class DataBundle:
                                for p in self.train_parts)
             lines.append(f"data: mixture of {len(self.train_parts)} sources, {self.mixture.epoch_size} samples per "
                          f"epoch: {shares}")
-        for split, parts in ((self.train, self.train_parts), (self.eval, self.eval_parts)):
-            if split is None:
-                continue
-            for prefix, counts in ([(f"{p.key} {p.name}: ", p.tokenized) for p in parts] or [("", split)]):
-                if self.prompt_room and (counts.truncated or counts.dropped):
-                    lines.append(f"data: {prefix}{counts.truncated} prompts truncated (their end kept), "
-                                 f"{counts.dropped} dropped (longer than data.max_seq_len - grpo.max_new_tokens = "
-                                 f"{max_seq_len - self.prompt_room} tokens)")
-                elif counts.truncated or counts.dropped or counts.no_answer:
-                    lines.append(f"data: {prefix}{counts.truncated} truncated, {counts.dropped} dropped (longer than "
-                                 f"data.max_seq_len={max_seq_len}), {counts.no_answer} without answer tokens skipped")
+        for _, source, counts in self._counted():
+            prefix = f"{source}: " if source else ""
+            if self.prompt_room and (counts.truncated or counts.dropped):
+                lines.append(f"data: {prefix}{counts.truncated} prompts truncated (their end kept), "
+                             f"{counts.dropped} dropped (longer than data.max_seq_len - grpo.max_new_tokens = "
+                             f"{max_seq_len - self.prompt_room} tokens)")
+            elif counts.truncated or counts.dropped or counts.no_answer:
+                lines.append(f"data: {prefix}{counts.truncated} truncated, {counts.dropped} dropped (longer than "
+                             f"data.max_seq_len={max_seq_len}), {counts.no_answer} without answer tokens skipped")
         return lines
-
 
     def warnings(self, max_seq_len: int) -> list[str]:
         """The lines a user must see on stderr, not only in train.log: a split (or source) of which at least half the
@@ -94,18 +92,26 @@ class DataBundle:
         limit = max_seq_len - self.prompt_room
         key = "data.max_seq_len - grpo.max_new_tokens" if self.prompt_room else "data.max_seq_len"
         lines = []
-        for split, name, parts in ((self.train, "data.train", self.train_parts),
-                                   (self.eval, "data.eval", self.eval_parts)):
-            for label, counts in ([(f"{p.key} {p.name}", p.tokenized) for p in parts] or [(name, split)]):
-                if counts is None:
-                    continue
-                over = counts.truncated + counts.dropped
-                rows = len(counts.dataset) + counts.dropped + counts.no_answer
-                if over and 2 * over >= rows:
-                    lines.append(f"warning: {label}: {over} of {rows} rows are longer than {key} = {limit} tokens "
-                                 f"({counts.truncated} truncated, {counts.dropped} dropped); raise data.max_seq_len "
-                                 "if the model's context allows, or check the rows")
+        for split, source, counts in self._counted():
+            over = counts.truncated + counts.dropped
+            rows = len(counts.dataset) + counts.dropped + counts.no_answer
+            if over and 2 * over >= rows:
+                lines.append(f"warning: {source or split}: {over} of {rows} rows are longer than {key} = {limit} "
+                             f"tokens ({counts.truncated} truncated, {counts.dropped} dropped); raise "
+                             "data.max_seq_len if the model's context allows, or check the rows")
         return lines
+
+    def _counted(self) -> Iterator[tuple[str, str | None, Tokenized]]:
+        """What fitting max_seq_len did, per split (``data.train``, ``data.eval``) or, when a split is a list of
+        sources, per source (named ``data.train[1] b.jsonl``; None for a single source)."""
+        for split, whole, parts in (("data.train", self.train, self.train_parts),
+                                    ("data.eval", self.eval, self.eval_parts)):
+            if whole is None:
+                continue
+            if parts:
+                yield from ((split, f"{p.key} {p.name}", p.tokenized) for p in parts)
+            else:
+                yield split, None, whole
 
 def source_name(source: DataSource) -> str:
     """How messages name a source: its path, plus the hub subset and split when they are not the defaults."""
