@@ -45,7 +45,11 @@ class ModelConfig(Section):
         description="hub id, local folder, or pkg://<module> (a Python package that ships weights); "
         "null builds the row's debug config (tiny-llama)",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32",
+        description="the dtype the model's weights are built or loaded in and trained in (autocast is "
+        "train.mixed_precision)",
+    )
     trust_remote_code: bool = False
     plugin: str | None = Field(default=None, description="module that registers extra SupportedModel rows")
     config_overrides: dict[str, int | float | str | bool | None] = Field(
@@ -157,7 +161,9 @@ class DataConfig(Section):
         default=None,
         description="file or hub dataset name, or a list of sources {path, format, subset, split} (concatenated)",
     )
-    max_seq_len: int = Field(default=256, gt=1)
+    max_seq_len: int = Field(
+        default=256, gt=1, description="tokens per sample at most; a longer sample is handled as data.overlong says",
+    )
     overlong: Literal["truncate", "drop"] = Field(
         default="truncate", description="what to do with samples longer than max_seq_len"
     )
@@ -174,7 +180,10 @@ class DataConfig(Section):
         "ceil(micro_batch_size x max_seq_len / this) row lengths and compiles each once; null: rows as long as "
         "their samples",
     )
-    train_on_prompt: bool = False
+    train_on_prompt: bool = Field(
+        default=False, description="false: the prompt's tokens are masked from the loss, only the answer is trained; "
+        "true: every token is trained",
+    )
     add_bos: Literal["auto", "always"] = Field(
         default="auto",
         description="the special tokens before a sample's or prompt's tokens. auto: as the model is served: a chat "
@@ -285,10 +294,19 @@ class TrainConfig(Section):
         default=32, ge=1, description="samples per optimizer step over all processes (task grpo: prompts, each "
                                       "giving grpo.group_size completions)",
     )
-    max_steps: int | None = Field(default=None, ge=1)
-    epochs: float | None = Field(default=None, gt=0)
+    max_steps: int | None = Field(
+        default=None, ge=1, description="optimizer steps to train; set exactly one of train.max_steps or train.epochs",
+    )
+    epochs: float | None = Field(
+        default=None, gt=0,
+        description="passes over the training set (mixture epochs for a list of sources; may be fractional), "
+        "turned into optimizer steps; set exactly one of train.max_steps or train.epochs",
+    )
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    max_grad_norm: float | None = Field(
+        default=1.0, gt=0, description="the gradients' total norm is clipped to this before each optimizer step; "
+        "null: no clipping (the norm is still logged)",
+    )
     gradient_checkpointing: bool = False
     dropout: bool | None = Field(
         default=None,
@@ -565,7 +583,10 @@ class WandbConfig(Section):
 class LoggingConfig(Section):
     """Where metrics go; metrics.jsonl and train.log are always written."""
 
-    every_steps: int = Field(default=10, ge=1)
+    every_steps: int = Field(
+        default=10, ge=1, description="the training metrics are logged every this many optimizer steps (and at the "
+        "last step)",
+    )
     progress: bool = Field(default=True, description="rich progress bar on rank 0 (only on a terminal)")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     tensorboard: bool = False
@@ -575,8 +596,12 @@ class LaunchConfig(Section):
     """How many processes, which accelerate config (a name in accelerate_configs/ or a path), and how long a
     collective may wait for a rank."""
 
-    accelerate_config: str = "cpu"
-    num_processes: int = Field(default=1, ge=1)
+    accelerate_config: str = Field(
+        default="cpu", description="a name in accelerate_configs/ or a path (the --accelerate-config flag sets it)",
+    )
+    num_processes: int = Field(
+        default=1, ge=1, description="processes (data-parallel ranks; the --num-processes flag sets it)",
+    )
     timeout_minutes: float = Field(
         default=30.0, gt=0,
         description="how long a collective (all-reduce, barrier, process-group setup) may wait for the slowest rank "
