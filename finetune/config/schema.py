@@ -50,7 +50,11 @@ class ModelConfig(Section):
         description="the dtype the model's weights are built or loaded in and trained in (autocast is "
         "train.mixed_precision)",
     )
-    trust_remote_code: bool = False
+    trust_remote_code: bool = Field(
+        default=False,
+        description="let transformers run the model folder's or hub repository's own Python code (auto_map); the "
+        "--trust-remote-code flag sets it. Only for code you trust",
+    )
     plugin: str | None = Field(default=None, description="module that registers extra SupportedModel rows")
     config_overrides: dict[str, int | float | str | bool | None] = Field(
         default_factory=dict,
@@ -167,7 +171,10 @@ class DataConfig(Section):
     overlong: Literal["truncate", "drop"] = Field(
         default="truncate", description="what to do with samples longer than max_seq_len"
     )
-    shuffle: bool = True
+    shuffle: bool = Field(
+        default=True, description="shuffle the training samples each epoch with a permutation seeded by train.seed; "
+        "false: file order",
+    )
     packing: bool = Field(
         default=False,
         description="padding-free packing: each training micro-batch's samples are concatenated into one row with "
@@ -285,7 +292,10 @@ def data_formats() -> tuple[str, ...]:
 class TrainConfig(Section):
     """Batch arithmetic, length of training, precision."""
 
-    seed: int = Field(default=42, ge=0, lt=2**32)
+    seed: int = Field(
+        default=42, ge=0, lt=2**32,
+        description="seeds the data order, the initialisation of new weights (heads, LoRA), dropout and sampling",
+    )
     micro_batch_size: int = Field(
         default=8, ge=1, description="samples per forward pass on each process (task grpo: prompts, each giving "
                                      "grpo.group_size completions)",
@@ -302,12 +312,18 @@ class TrainConfig(Section):
         description="passes over the training set (mixture epochs for a list of sources; may be fractional), "
         "turned into optimizer steps; set exactly one of train.max_steps or train.epochs",
     )
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
+        default="no", description="autocast compute precision over the weights of model.dtype; fp16 adds dynamic "
+        "loss scaling",
+    )
     max_grad_norm: float | None = Field(
         default=1.0, gt=0, description="the gradients' total norm is clipped to this before each optimizer step; "
         "null: no clipping (the norm is still logged)",
     )
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(
+        default=False, description="recompute each decoder layer's activations in backward: less activation "
+        "memory for about one more forward pass of compute",
+    )
     dropout: bool | None = Field(
         default=None,
         description="the model's dropout while training: true keeps every rate its config (and peft.dropout) sets; "
@@ -344,11 +360,11 @@ class TrainConfig(Section):
 class OptimConfig(Section):
     """The optimizer."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(default=3.0e-4, gt=0)
-    weight_decay: float = Field(default=0.0, ge=0)
-    betas: tuple[Beta, Beta] = (0.9, 0.999)
-    eps: float = Field(default=1.0e-8, gt=0)
+    name: Literal["adamw", "sgd"] = Field(default="adamw", description="the optimizer: torch's AdamW or SGD")
+    lr: float = Field(default=3.0e-4, gt=0, description="peak learning rate (the scheduler scales it per step)")
+    weight_decay: float = Field(default=0.0, ge=0, description="decoupled weight decay (adamw), L2 (sgd)")
+    betas: tuple[Beta, Beta] = Field(default=(0.9, 0.999), description="adamw only: the moment decay rates")
+    eps: float = Field(default=1.0e-8, gt=0, description="adamw only: added to the denominator")
     momentum: float = Field(default=0.0, ge=0, description="sgd only")
     fused: bool | None = Field(
         default=None,
@@ -371,9 +387,11 @@ class OptimConfig(Section):
 class SchedulerConfig(Section):
     """Learning-rate schedule: linear warmup, then constant, linear or cosine decay to min_lr_ratio x lr."""
 
-    name: Literal["constant", "linear", "cosine"] = "cosine"
-    warmup_steps: int = Field(default=0, ge=0)
-    min_lr_ratio: float = Field(default=0.0, ge=0, le=1)
+    name: Literal["constant", "linear", "cosine"] = Field(
+        default="cosine", description="the shape after warmup: constant, or a linear or cosine decay to the last step",
+    )
+    warmup_steps: int = Field(default=0, ge=0, description="optimizer steps of linear warmup from lr/warmup_steps")
+    min_lr_ratio: float = Field(default=0.0, ge=0, le=1, description="the decay ends at this fraction of optim.lr")
 
 
 class EvalConfig(Section):
@@ -387,7 +405,7 @@ class EvalConfig(Section):
         "preference_accuracy. Loss/perplexity always.",
     )
     max_new_tokens: int = Field(default=16, ge=1, description="exact_match: greedy tokens generated")
-    batch_size: int = Field(default=16, ge=1)
+    batch_size: int = Field(default=16, ge=1, description="samples per forward pass during evaluation, per process")
 
 
 class DPOConfig(Section):
@@ -560,12 +578,19 @@ class CheckpointConfig(Section):
 class PeftConfig(Section):
     """Parameter-efficient fine-tuning. Presets resolve to module names through the model's SupportedModel row."""
 
-    method: Literal["none", "lora", "dora", "qlora"] = "none"
-    preset: Literal["attn", "attn_mlp", "all_linear"] = "attn_mlp"
+    method: Literal["none", "lora", "dora", "qlora"] = Field(
+        default="none", description="none: full fine-tuning; lora; dora (weight-decomposed LoRA); qlora (LoRA over "
+        "4-bit NF4 base weights, needs bitsandbytes)",
+    )
+    preset: Literal["attn", "attn_mlp", "all_linear"] = Field(
+        default="attn_mlp", description="which modules get adapters, as the model's SupportedModel row names them: "
+        "attention projections, attention and MLP, or every linear layer",
+    )
     target_modules: list[str] | None = Field(default=None, description="explicit module names; overrides preset")
-    r: int = Field(default=8, ge=1)
-    alpha: float = Field(default=16, gt=0)
-    dropout: float = Field(default=0.05, ge=0, lt=1)
+    r: int = Field(default=8, ge=1, description="the adapters' rank")
+    alpha: float = Field(default=16, gt=0, description="the adapters' scale is alpha / r")
+    dropout: float = Field(default=0.05, ge=0, lt=1, description="dropout on the adapters' input (train.dropout "
+                           "false sets it to 0)")
     modules_to_save: list[str] | None = Field(
         default=None, description="trained in full and saved with the adapter; null: the classification head"
     )
@@ -574,10 +599,12 @@ class PeftConfig(Section):
 class WandbConfig(Section):
     """Weights & Biases sink; offline unless mode says otherwise (an online run with no key would prompt)."""
 
-    enabled: bool = False
-    project: str = "finetune"
-    entity: str | None = None
-    mode: Literal["offline", "online"] = "offline"
+    enabled: bool = Field(default=False, description="send the metrics to Weights & Biases (needs wandb installed)")
+    project: str = Field(default="finetune", description="the W&B project")
+    entity: str | None = Field(default=None, description="the W&B team or user; null: your default entity")
+    mode: Literal["offline", "online"] = Field(
+        default="offline", description="offline writes under the run directory for `wandb sync`; online uploads",
+    )
 
 
 class LoggingConfig(Section):
@@ -589,7 +616,9 @@ class LoggingConfig(Section):
     )
     progress: bool = Field(default=True, description="rich progress bar on rank 0 (only on a terminal)")
     wandb: WandbConfig = Field(default_factory=WandbConfig)
-    tensorboard: bool = False
+    tensorboard: bool = Field(
+        default=False, description="also write TensorBoard scalars to <output_dir>/tensorboard (needs tensorboard)",
+    )
 
 
 class LaunchConfig(Section):
