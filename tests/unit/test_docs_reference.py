@@ -277,3 +277,11 @@ def test_check_says_what_to_run_and_writing_makes_it_pass(generator: ModuleType,
     assert generator.main([]) == 0
     assert generator.main(["--check"]) == 0
     assert (tmp_path / "docs/reference/recipe.md").read_text() == generator.recipe_page()[0]
+
+
+def test_every_schema_key_has_a_description() -> None:
+    """The reference page shows the schema's own text, so a key without a description is a blank row a user
+    cannot read: every key (top-level scalars, section keys, list items' keys) carries one."""
+    bare = sorted(key for key, (model, name) in schema_leaves(RecipeConfig).items()
+                  if not (model.model_fields[name].description or "").strip())
+    assert not bare, f"schema keys without a description: {bare}"
