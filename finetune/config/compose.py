@@ -2,9 +2,10 @@
 
 Pure functions, no torch. Every leaf key remembers which file (and line) or override set it, so
 ``finetune config --provenance`` can answer "where does this value come from?". Relative file paths in
-``data.train`` / ``data.eval`` / ``model.path`` are resolved against the directory of the file that set them
-(overrides: against the working directory), so a recipe works from any working directory; so is the ``path`` of
-each source when ``data.train`` / ``data.eval`` is a list of sources (or one source mapping).
+``data.train`` / ``data.eval`` / ``model.path`` / ``model.chat_template`` (a file, not a template's name) are
+resolved against the directory of the file that set them (overrides: against the working directory), so a recipe
+works from any working directory; so is the ``path`` of each source when ``data.train`` / ``data.eval`` is a list
+of sources (or one source mapping).
 
 Recipe YAML (files and override values alike) is read within bounds: file size, UTF-8, nesting depth, number of
 values and aliases (counted as if expanded, so an alias bomb is refused before it is built), text keys only, no
@@ -26,11 +27,13 @@ from typing import Annotated, Any, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel
 
+from finetune.config import chat_templates
 from finetune.config.resources import is_recipe_name, recipe_names, recipes_dir, shipped_recipe
 from finetune.config.schema import STORED_DEFAULTS, RecipeConfig
 from finetune.errors import ConfigError
 
-PATH_KEYS = ("data.train", "data.eval", "model.path")
+PATH_KEYS = ("data.train", "data.eval", "model.path", "model.chat_template")
+TEMPLATE_KEY = "model.chat_template"  # a template's name, or a file's path (resolved whether or not it exists)
 SOURCE_KEYS = ("data.train", "data.eval")  # a path, or a list of sources {path, ...} whose paths resolve alike
 DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 
@@ -434,6 +437,17 @@ def _resolved(value: Any, base: Path) -> Any:
     return value
 
 
+def _resolved_file(value: str, base: Path) -> str:
+    """``value`` made absolute against ``base`` (absolute as given; a path the OS refuses stays as written, and
+    validation reports it)."""
+    if Path(value).is_absolute():
+        return value
+    try:
+        return str((base / value).resolve())
+    except (OSError, RuntimeError, ValueError):
+        return value
+
+
 def _resolve_paths(data: dict[str, Any], base: Path, keys: tuple[str, ...] = PATH_KEYS) -> None:
     """Make relative file paths in ``keys`` absolute against ``base`` where such a file or folder exists; in a
     list of data sources (or one source mapping), each source's ``path``."""
@@ -442,7 +456,10 @@ def _resolve_paths(data: dict[str, Any], base: Path, keys: tuple[str, ...] = PAT
         if not isinstance(data.get(section), dict) or key not in data[section]:
             continue
         value = data[section][key]
-        if dotted in SOURCE_KEYS and isinstance(value, list | dict):
+        if dotted == TEMPLATE_KEY:  # a path (not a name) names a file whether or not it exists yet
+            if isinstance(value, str) and value.strip() and not chat_templates.is_name(value):
+                data[section][key] = _resolved_file(value, base)
+        elif dotted in SOURCE_KEYS and isinstance(value, list | dict):
             sources = value if isinstance(value, list) else [value]
             for source in sources:
                 if isinstance(source, dict) and "path" in source:

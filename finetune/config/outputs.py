@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.config import accelerate
+from finetune.config import accelerate, chat_templates
 from finetune.errors import RunDirError
 
 if TYPE_CHECKING:
@@ -81,6 +81,11 @@ def reward_files(value: str) -> list[Path]:
     return [*local(folder), *local(folder / REWARD_EXPORT)]
 
 
+def template_file(value: str) -> list[Path]:
+    """The Jinja file ``model.chat_template`` names (none for a named template)."""
+    return [] if chat_templates.is_name(value) else local(value)
+
+
 def accelerate_file(value: str) -> list[Path]:
     """The accelerate config file ``launch.accelerate_config`` names (a path, or a shipped config's name)."""
     found = accelerate.locate(value)
@@ -116,6 +121,7 @@ class Kind:
 KINDS: tuple[Kind, ...] = (
     Kind("the model", lambda cfg: [("model.path", cfg.model.path)], model_files),
     Kind("the model plugin", lambda cfg: [("model.plugin", cfg.model.plugin)], module_files),
+    Kind("the chat template", lambda cfg: [("model.chat_template", cfg.model.chat_template)], template_file),
     Kind("a data file", lambda cfg: _sources("data.train", cfg.data.train), local),
     Kind("a data file", lambda cfg: _sources("data.eval", cfg.data.eval), local),
     Kind("the reward model", lambda cfg: _each(cfg.grpo.rewards, "grpo.rewards", "reward_model"), reward_files),

@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from finetune import objectives
+from finetune.config import chat_templates
 
 # One path component that cannot climb out of runs/ or name a hidden or special folder ("", ".", "..", "a/b").
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,99}$"
@@ -72,6 +73,21 @@ class ModelConfig(Section):
         description="parts of the model not trained, as the model type names them (vision-language types: vision, "
         "projector, language; e.g. [vision] trains the projector and the language model)",
     )
+    chat_template: str | None = Field(
+        default=None,
+        description="the chat template every chat render uses (training, eval, generate, GRPO prompts), for a "
+        "tokenizer that has none or to replace its own: a named template (chatml) or the path of a Jinja file "
+        "(relative to the recipe file); it is saved with the export's tokenizer. null: the tokenizer's own",
+    )
+
+    @field_validator("chat_template")
+    @classmethod
+    def _known_template(cls, value: str | None) -> str | None:
+        """A name must be one of the named templates (one line listing them); a file is checked by validation."""
+        problem = None if value is None else chat_templates.name_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("config_overrides", mode="before")
     @classmethod

@@ -19,7 +19,7 @@ from typing import Any, get_args
 from pydantic import BaseModel, ValidationError
 
 from finetune import objectives, registry
-from finetune.config import accelerate
+from finetune.config import accelerate, chat_templates
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
 from finetune.config.compose import DATA_SUFFIXES, Composed, _file_kind, compose_stored
 from finetune.config.schema import (
@@ -229,6 +229,9 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             lines.append("model.attn_implementation: flash_attention_2 runs in fp16/bf16 only, but model.dtype is "
                          "float32 without autocast; set train.mixed_precision=bf16 (or model.dtype=bfloat16), or use "
                          "model.attn_implementation=sdpa")
+    if cfg.model is not None and cfg.model.chat_template and train_files:
+        problem = chat_templates.file_problem(cfg.model.chat_template)
+        lines += [problem] if problem else []
     if cfg.data is not None and cfg.data.pack_to_multiple_of is not None and not cfg.data.packing:
         lines.append("data.pack_to_multiple_of: pads packed rows, but data.packing is false; set data.packing=true "
                      "or remove data.pack_to_multiple_of")
@@ -443,7 +446,9 @@ def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool
     an export (eval, export, merge, generate, resume, and the processes they start) it is the command line's
     ``--trust-remote-code``, and without it a recipe naming a plugin is refused in one line
     (:func:`plugin_refusal`) before anything is imported. ``train_files=False``: data.train's files need not exist
-    (a recipe read to open what a run left behind: eval, export, merge, generate read no training data).
+    (a recipe read to open what a run left behind: eval, export, merge, generate read no training data), nor the
+    file of model.chat_template (an export's tokenizer carries its template; a checkpoint's tokenizer reads the file
+    and says so when it is gone).
     ``weights=False``: a local model folder may hold config.json alone (``finetune plan`` builds the model on the
     meta device from its config; weights are what a run needs, not a plan)."""
     refusal = None if allow_plugin else plugin_refusal(composed)

@@ -41,7 +41,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 
 from finetune import hooks
-from finetune.data import prompts, vision
+from finetune.data import prompts, shapes, vision
 from finetune.data.bos import Lead
 from finetune.data.formats import Rendered, prerender_chats, render, render_preference
 from finetune.data.loading import check_row
@@ -503,25 +503,27 @@ CAUSAL_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "overlong", 
 
 
 def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
-                 add_bos: str, source: str, code_version: str = "") -> dict[str, list]:
-    """Alpaca, completion and chat rows: checked, rendered (``train_on_prompt``: the whole text is the answer),
-    tokenized, cut to ``max_len`` (training keeps the start; a generation prompt keeps its end, the cue): the
-    columns of :func:`causal_table` as Python lists (what a stream's reader takes)."""
+                 add_bos: str, source: str, reading: shapes.Reading = (), code_version: str = "") -> dict[str, list]:
+    """Alpaca, completion and chat rows: read as the format's own fields (``reading``: the shapes of
+    :mod:`finetune.data.shapes`, e.g. ShareGPT chat rows), checked, rendered (``train_on_prompt``: the whole text is
+    the answer), tokenized, cut to ``max_len`` (training keeps the start; a generation prompt keeps its end, the
+    cue): the columns of :func:`causal_table` as Python lists (what a stream's reader takes)."""
     table = causal_table(batch, indices, fmt=fmt, tokenizer=tokenizer, max_len=max_len,
-                         train_on_prompt=train_on_prompt, add_bos=add_bos, source=source)
+                         train_on_prompt=train_on_prompt, add_bos=add_bos, source=source, reading=reading)
     return table if isinstance(table, dict) else table.to_pydict()
 
 
 def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
-                 add_bos: str, source: str, code_version: str = "") -> Any:
+                 add_bos: str, source: str, reading: shapes.Reading = (), code_version: str = "") -> Any:
     """:func:`causal_batch`'s columns as the arrow table ``tokenize_rows``' map writes, typed as the output features
     type them (int32 ids, int64 labels and prompts: ``datasets`` would otherwise infer int64 and cast). The token
     columns are built in one pass each (:func:`_token_arrays`), never as a Python list per sample's labels; a batch
     of no rows is Python lists. ``code_version`` is unused here: it is part of the map cache key (see
-    :mod:`finetune.data.tokenize`)."""
+    :mod:`finetune.data.tokenize`), as ``reading`` is besides choosing the shapes."""
     import pyarrow as pa  # lazy: heavy (the CLI imports no pyarrow)
 
     what = "the tokenizer's chat template rejects this conversation" if fmt == "chat" else "cannot render this row"
+    batch = shapes.normalize_batch(batch, indices, reading, source)  # e.g. ShareGPT conversations -> messages
     outs: list[Rendered] = []
     # chat: every row's template renders in two batched calls (None: a row is bad, so rendered row by row below)
     chats = prerender_chats(list(batch["messages"]), tokenizer) if fmt == "chat" and "messages" in batch else None

@@ -47,9 +47,22 @@ def render_completion(row: dict[str, Any]) -> Rendered:
     return Rendered(text, ((0, len(text)),), "", text, add_eos=True)
 
 
+# The fix every "no chat template" error names (the key is finetune.config.chat_templates.KEY)
+TEMPLATE_FIX = "set model.chat_template (a named template: chatml, or the path of a .jinja file)"
+
+
+def require_template(tokenizer: Any, what: str, otherwise: str) -> None:
+    """One DataError line when ``tokenizer`` has no chat template: ``what`` needs one, the fix is
+    ``model.chat_template`` (:data:`TEMPLATE_FIX`) or ``otherwise`` (the way to write the data without one)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{what}: rendered with the tokenizer's chat template, but this model's tokenizer has none; "
+                        f"{TEMPLATE_FIX}, or {otherwise}")
+
+
 def generation_prompt(messages: list[dict[str, Any]], tokenizer: Any) -> str:
     """``messages`` through the tokenizer's chat template with its generation prompt: the text a model continues
     with the assistant's turn (the prompt of a chat row, and what :mod:`finetune.data.prompts` renders)."""
+    require_template(tokenizer, "a prompt written as messages", "write the prompt as text")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -173,9 +186,7 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
     The span of turn i is found by rendering the conversation up to turn i with and without it: the template
     must render a prefix of the conversation as a prefix of the text (true of every common template).
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("data.format: chat needs a tokenizer with a chat template; this model's tokenizer has none "
-                        "(use alpaca or completion)")
+    require_template(tokenizer, "data.format chat", "use data.format alpaca or completion")
     messages = row["messages"]
     if texts is None:  # one template call per render that chat_renders lists
         texts = {(n, gen): tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=gen)
@@ -247,7 +258,6 @@ def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Re
         return tuple(  # type: ignore[return-value]
             Rendered(prompt + answer, ((len(prompt), len(prompt) + len(answer)),), prompt, answer, add_eos=True)
             for answer in (chosen, rejected))
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError("data.format: preference pairs given as message lists need a tokenizer with a chat template; "
-                        "this model's tokenizer has none (write them as {prompt, chosen, rejected} strings)")
+    require_template(tokenizer, "preference pairs given as message lists",
+                     "write them as {prompt, chosen, rejected} strings")
     return _chat_answer(chosen, tokenizer), _chat_answer(rejected, tokenizer)

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from finetune.config.compose import _file_kind
-from finetune.data import cache, sources, vision
+from finetune.data import cache, shapes, sources, vision
 from finetune.data.rows import check_turns, error_detail, line_of, short_repr
 from finetune.errors import DataError
 
@@ -44,7 +44,7 @@ FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "alpaca": (("instruction", "output"), ("input",)),
     "completion": (("text",), ()),
     "classification": (("text", "label"), ()),
-    "chat": (("messages",), ()),
+    "chat": (("messages",), ()),  # or ShareGPT conversations (finetune.data.shapes)
     "preference": (("chosen", "rejected"), ("prompt",)),  # checked by _check_preference (two row forms)
     "vision_chat": (("messages",), ()),  # checked by finetune.data.vision.check_row (image parts, 'images')
 }
@@ -565,22 +565,27 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
 
 
 def check_columns(dataset: Dataset, fmt: str, source: str) -> None:
-    """Cheap checks of the whole table: rows exist and the format's columns are there."""
+    """Cheap checks of the whole table: rows exist and the format's columns are there (written in the format's own
+    fields, or in a shape that gives them: :mod:`finetune.data.shapes`)."""
     required, _ = FIELDS[fmt]
     if not len(dataset):
         raise DataError(f"{source}: no rows")
-    missing = [f for f in required if f not in dataset.column_names]
+    given = shapes.columns(fmt, dataset.column_names)
+    missing = [f for f in required if f not in given]
     if missing:
         found = ", ".join(dataset.column_names) or "none"
+        also = shapes.alternatives(fmt, missing[0])
         if Path(source).suffix == ".csv":
-            raise DataError(f"{source}:1: the header has no column {missing[0]!r} ({fmt} needs columns "
+            raise DataError(f"{source}:1: the header has no column {missing[0]!r}{also} ({fmt} needs columns "
                             f"{', '.join(required)}; the header has {found})")
-        raise DataError(f"{line_of(source, 0)}: missing field {missing[0]!r} ({fmt} rows need {', '.join(required)}; "
-                        f"the rows have {found})")
+        raise DataError(f"{line_of(source, 0)}: missing field {missing[0]!r}{also} ({fmt} rows need "
+                        f"{', '.join(required)}; the rows have {found})")
 
 
 def check_rows(dataset: Dataset, fmt: str, source: str) -> None:
-    """Check every row (tokenization does the same row by row inside its cached ``map``)."""
+    """Check every row, each read as the format's own fields first (tokenization does the same row by row inside
+    its cached ``map``)."""
     check_columns(dataset, fmt, source)
+    read = shapes.reading(fmt)
     for index, row in enumerate(dataset):
-        check_row(row, index, fmt, source)
+        check_row(shapes.normalize_row(row, read, line_of(source, index)), index, fmt, source)

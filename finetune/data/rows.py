@@ -12,7 +12,7 @@ from typing import Any
 
 from finetune.errors import DataError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # a tool turn (a tool's result) is prompt, as a user turn is
 IGNORE = -100  # the label of a token that is not trained on (prompt, padding, image tokens)
 
 

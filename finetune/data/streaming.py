@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource
-from finetune.data import batched
+from finetune.data import batched, shapes
 from finetune.data.loading import (
     BUILDERS,
     check_file,
@@ -203,7 +203,8 @@ def row_function(fmt: str, cfg: DataConfig, tokenizer: Any, images: Any, labels:
         return batched.preference_batch, {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "add_bos": cfg.add_bos}
     assert fmt in CAUSAL_FORMATS, fmt
     return batched.causal_batch, {"fmt": fmt, "tokenizer": tokenizer, "max_len": cfg.max_seq_len,
-                                  "train_on_prompt": cfg.train_on_prompt, "add_bos": cfg.add_bos}
+                                  "train_on_prompt": cfg.train_on_prompt, "add_bos": cfg.add_bos,
+                                  "reading": shapes.reading(fmt)}
 
 
 def tokenize_chunk(rows: list[Row], fn: Callable[..., dict[str, list]], kwargs: dict[str, Any], *, source: str,

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from finetune.data import batched, cache, prompt_rows
+from finetune.data import batched, cache, prompt_rows, shapes
 from finetune.data.batched import Progress
 from finetune.data.loading import check_columns, label_error, quiet_datasets, raw_values
 from finetune.data.rows import IGNORE, line_of
@@ -49,7 +49,7 @@ __all__ = ["CODE_VERSION", "IGNORE", "Progress", "Tokenized", "check_labels", "c
 MAX_LABEL_ID = 1_000_000  # integer ids make max+1 classes: a larger id is a wrong column, not a classifier
 # what decides a tokenized row
 RENDERING = ("formats.py", "rows.py", "prompts.py", "tokenize.py", "vision.py", "batched.py", "prompt_rows.py",
-             "bos.py")
+             "bos.py", "shapes.py")
 CODE_VERSION = hashlib.sha256(b"".join(Path(__file__).with_name(name).read_bytes()
                                        for name in RENDERING)).hexdigest()[:16]
 
@@ -211,9 +211,10 @@ def tokenize_rows(
                                             "train_on_prompt": train_on_prompt, "add_bos": add_bos}
     elif fmt == "preference":  # the prompt is always masked: train_on_prompt does not apply (validation refuses it)
         fn, kwargs = batched.preference_table, {"tokenizer": tokenizer, "max_len": max_len, "add_bos": add_bos}
-    else:
+    else:  # reading: the shapes a row may be written in, with their rules (so the cache key holds them)
         fn, kwargs = batched.causal_table, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
-                                            "train_on_prompt": train_on_prompt, "add_bos": add_bos}
+                                            "train_on_prompt": train_on_prompt, "add_bos": add_bos,
+                                            "reading": shapes.reading(fmt)}
     procs = batched.processes(num_proc, len(dataset))
     fn_kwargs = {**kwargs, "source": source, "code_version": CODE_VERSION}
     features = output_features(fmt)

@@ -26,6 +26,7 @@ import transformers
 from transformers.modeling_outputs import CausalLMOutput
 
 from finetune.backends import full_numel
+from finetune.config import chat_templates
 from finetune.config.schema import ModelConfig
 from finetune.data.vision import ImageInputs
 from finetune.errors import ConfigError, FinetuneError
@@ -135,16 +136,41 @@ def attention_support(cfg: ModelConfig, row: SupportedModel) -> Iterator[None]:
 
 
 def build_tokenizer(cfg: ModelConfig, row: SupportedModel, source: str | None = None) -> Any:
-    """The tokenizer of ``source`` (an exported model), else the model's, else the row's bundled one."""
+    """The tokenizer of ``source`` (an exported model), else the model's, else the row's bundled one. The model's
+    gets ``model.chat_template`` when the recipe sets one (:func:`use_chat_template`); an export's tokenizer already
+    holds the template its run trained with (the recipe's file may have changed or gone since)."""
     where = source or (resolve_model_path(cfg.path) if cfg.path else _row_tokenizer(row))
     with loading("tokenizer", where):
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
+    if source is None and cfg.chat_template is not None:
+        use_chat_template(tokenizer, cfg.chat_template)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # decoders without a pad token: padding is masked anyway
     if row.image_token is not None:  # kept with the tokenizer: saved beside it (save_tokenizer), read by image_inputs
         tokenizer.image_processor = _image_processor(cfg, row, where)
     return tokenizer
+
+
+def use_chat_template(tokenizer: Any, value: str) -> None:
+    """Give ``tokenizer`` the chat template ``value`` names (``model.chat_template``: a named template or a Jinja
+    file), replacing its own. Set on the tokenizer itself, so every render, the tokenized-data cache key, the run's
+    tokenizer fingerprint and the export's saved tokenizer hold it. A template Jinja cannot compile is one
+    ConfigError line here, not an error on every row."""
+    from transformers.utils import chat_template_utils  # heavy: transformers
+
+    text = chat_templates.text_of(value)
+    compile_template = getattr(chat_template_utils, "_compile_jinja_template", None)  # private: may move
+    try:
+        if compile_template is not None:
+            compile_template(text)
+    except Exception as exc:  # jinja2's TemplateSyntaxError (with its line), or any other refusal
+        line = getattr(exc, "lineno", None)
+        at = f"line {line}: " if line else ""
+        detail = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ConfigError(f"{chat_templates.KEY}: {value} is not a valid Jinja chat template ({at}{detail})") \
+            from None
+    tokenizer.chat_template = text
 
 
 def _image_processor(cfg: ModelConfig, row: SupportedModel, where: str) -> Any:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,3 +39,17 @@ def tools() -> tuple:
 
     tokenizer = build_tokenizer(ModelConfig(type="tiny-qwen2-vl"), ROW)
     return tokenizer, image_inputs(tokenizer, ROW)
+
+
+@pytest.fixture
+def bare_tokenizer(tmp_path: Path) -> Path:
+    """A folder holding the bundled tiny-llama tokenizer without its chat template (the asset has one): a model
+    whose tokenizer has none."""
+    folder = tmp_path / "bare-tokenizer"
+    shutil.copytree(TOKENIZER, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert transformers.AutoTokenizer.from_pretrained(str(folder)).chat_template is None
+    return folder

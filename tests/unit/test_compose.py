@@ -252,6 +252,28 @@ def test_hub_names_and_absolute_paths_are_left_alone(write_recipe, minimal_recip
     assert cfg.data.eval == str((tmp_path / "eval.jsonl").resolve())
 
 
+def test_a_chat_template_file_resolves_against_the_recipe_and_a_name_stays_a_name(write_recipe, minimal_recipe,
+                                                                                   tmp_path, monkeypatch):
+    """model.chat_template: a path (here not written yet: resolved all the same, so the missing-file line names where
+    it was looked for) is made absolute against the file that set it, or the working directory for an override; a
+    template's name is left as written, even where a file of that name lies beside the recipe."""
+    recipe_dir, cwd = tmp_path / "recipes", tmp_path / "cwd"
+    cwd.mkdir()
+    (recipe_dir / "templates").mkdir(parents=True)
+    (recipe_dir / "templates" / "mine.jinja").write_text("{{ messages[0]['content'] }}")
+    (recipe_dir / "chatml").write_text("not read")
+    minimal_recipe["model"]["chat_template"] = "templates/mine.jinja"
+    recipe = write_recipe(minimal_recipe, folder=recipe_dir)
+    monkeypatch.chdir(cwd)
+    cfg, _ = load_recipe(recipe)
+    assert cfg.model.chat_template == str(recipe_dir / "templates" / "mine.jinja")
+    assert compose(recipe, ["model.chat_template=chatml"]).data["model"]["chat_template"] == "chatml"
+    assert compose(recipe, ["model.chat_template=other.jinja"]).data["model"]["chat_template"] == \
+        str(cwd / "other.jinja")
+    minimal_recipe["model"]["chat_template"] = "chatml"
+    assert load_recipe(write_recipe(minimal_recipe, folder=recipe_dir))[0].model.chat_template == "chatml"
+
+
 # --- files: YAML errors -------------------------------------------------------------------------------------------
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.data.formats import render
+from finetune.data.formats import generation_prompt, render, render_preference
 from finetune.errors import DataError
 from tests.data_files import CHAT_TWO_TURNS
 
@@ -26,8 +26,18 @@ def test_chat_render_prompt_is_template_with_generation_prompt(tok: Any) -> None
     assert [out.text[a:b] for a, b in out.spans] == ["d</s>", "f</s>"]
 
 
-def test_chat_without_template_is_a_data_error(tok: Any) -> None:
+def test_chat_without_template_is_a_data_error_naming_the_key_that_fixes_it(tok: Any) -> None:
+    """Every render that needs a template (a chat row, a chat preference pair, a prompt written as messages) says
+    in one line that the tokenizer has none and that model.chat_template gives one."""
     bare = AutoTokenizer.from_pretrained(str(TOKENIZER))
     bare.chat_template = None
-    with pytest.raises(DataError, match="chat template"):
-        render(CHAT_TWO_TURNS, "chat", bare, train_on_prompt=False)
+    pair = {"chosen": CHAT_TWO_TURNS["messages"],
+            "rejected": [*CHAT_TWO_TURNS["messages"][:-1], {"role": "assistant", "content": "g"}]}
+    for call in (lambda: render(CHAT_TWO_TURNS, "chat", bare, train_on_prompt=False),
+                 lambda: render_preference(pair, bare),
+                 lambda: generation_prompt(CHAT_TWO_TURNS["messages"][:-1], bare)):
+        with pytest.raises(DataError) as info:
+            call()
+        message = str(info.value)
+        assert "\n" not in message and "has none" in message and "set model.chat_template" in message, message
+        assert "chatml" in message and ".jinja" in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 
 import pytest
@@ -49,3 +50,58 @@ def test_max_seq_len_beyond_the_positions_a_rotary_model_was_trained_for_is_one_
                                           r"data.max_seq_len to at most 2048"):
         check_fits(llama, tok, 2049)
     assert position_limit(object()) is None  # a custom model's config names none
+
+
+MESSAGES = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+
+
+def test_a_recipe_chat_template_is_the_tokenizers_and_part_of_its_fingerprint(bare_tokenizer, tmp_path) -> None:
+    """model.chat_template gives a model whose tokenizer has none a template (a named one or a file), and replaces
+    a tokenizer's own: every render then goes through it, and the fingerprint a resume compares holds it."""
+    from finetune.config.chat_templates import CHATML
+    from finetune.runtime.modeling import build_tokenizer
+    from finetune.storage.checkpoints import tokenizer_fingerprint
+
+    bare = build_tokenizer(ModelConfig(type="tiny-llama", path=str(bare_tokenizer)), ROW)
+    assert bare.chat_template is None
+    named = build_tokenizer(ModelConfig(type="tiny-llama", path=str(bare_tokenizer), chat_template="chatml"), ROW)
+    assert named.chat_template == CHATML
+    assert named.apply_chat_template(MESSAGES, tokenize=False) == "<|im_start|>user\n2+2?<|im_end|>\n" \
+                                                                  "<|im_start|>assistant\n4<|im_end|>\n"
+    mine = tmp_path / "mine.jinja"
+    mine.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    own = build_tokenizer(ModelConfig(type="tiny-llama"), ROW)  # the bundled tokenizer has a template of its own
+    replaced = build_tokenizer(ModelConfig(type="tiny-llama", chat_template=str(mine)), ROW)
+    assert own.chat_template and own.chat_template != replaced.chat_template == mine.read_text()
+    assert replaced.apply_chat_template(MESSAGES, tokenize=False) == "[user] 2+2?\n[assistant] 4\n"
+    prints = {tokenizer_fingerprint(t) for t in (bare, named, own, replaced)}
+    assert len(prints) == 4, "a tokenizer's fingerprint must change with its chat template"
+    mine.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")  # the same path, another text
+    edited = build_tokenizer(ModelConfig(type="tiny-llama", chat_template=str(mine)), ROW)
+    assert tokenizer_fingerprint(edited) not in prints
+
+
+def test_an_export_keeps_the_template_it_was_saved_with(bare_tokenizer, tmp_path) -> None:
+    """An export's tokenizer (``source``) is read as saved: the recipe's template file may have changed or gone."""
+    from finetune.runtime.modeling import build_tokenizer, save_tokenizer
+
+    mine = tmp_path / "mine.jinja"
+    mine.write_text("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}")
+    cfg = ModelConfig(type="tiny-llama", path=str(bare_tokenizer), chat_template=str(mine))
+    save_tokenizer(build_tokenizer(cfg, ROW), tmp_path / "export")
+    mine.unlink()
+    assert build_tokenizer(cfg, ROW, source=str(tmp_path / "export")).apply_chat_template(
+        MESSAGES, tokenize=False) == "<user>2+2?<assistant>4"
+
+
+def test_a_template_that_does_not_compile_or_is_gone_is_one_line(tmp_path) -> None:
+    from finetune.errors import ConfigError
+    from finetune.runtime.modeling import build_tokenizer
+
+    broken, gone = tmp_path / "broken.jinja", tmp_path / "gone.jinja"
+    broken.write_text("{% for m in messages %}\n{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(f'model.chat_template: {broken}')} is not a valid Jinja chat "
+                                          r"template \(line 2: [^\n]+\)$"):
+        build_tokenizer(ModelConfig(type="tiny-llama", chat_template=str(broken)), ROW)
+    with pytest.raises(ConfigError, match=f"^{re.escape(f'model.chat_template: file not found: {gone}')}$"):
+        build_tokenizer(ModelConfig(type="tiny-llama", chat_template=str(gone)), ROW)

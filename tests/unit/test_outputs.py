@@ -1,7 +1,7 @@
-"""No output may be an input: every kind of input a recipe reads (its files, the model, the plugin, the data, the reward
-models and functions, the accelerate config, the Hugging Face caches) is refused as an output that is it, contains it
-or lies inside it, by the one list (finetune.config.outputs.recipe_inputs) and by `finetune run`, in one line naming
-the key and the path, before anything is created, read or deleted."""
+"""No output may be an input: every kind of input a recipe reads (its files, the model, the plugin, the chat template
+file, the data, the reward models and functions, the accelerate config, the Hugging Face caches) is refused as an
+output that is it, contains it or lies inside it, by the one list (finetune.config.outputs.recipe_inputs) and by
+`finetune run`, in one line naming the key and the path, before anything is created, read or deleted."""
 
 from __future__ import annotations
 
@@ -72,7 +72,8 @@ def every_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Inp
     base = write_recipe_file(_file(root / "base" / "base.yaml"), {"train": {"max_steps": 1}})
     recipe = write_recipe_file(_file(root / "recipe" / "recipe.yaml"), {
         "extends": [str(base)], "name": "probe", "task": "grpo",
-        "model": {"type": "tiny-llama", "path": str(_model(root / "model" / "weights")), "plugin": PLUGIN},
+        "model": {"type": "tiny-llama", "path": str(_model(root / "model" / "weights")), "plugin": PLUGIN,
+                  "chat_template": str(_file(root / "template" / "chat.jinja", "{{ messages[0]['content'] }}"))},
         "data": {"format": "prompt", "train": str(_file(root / "train" / "train.jsonl", prompts)),
                  "eval": [{"path": str(_file(root / "eval" / "eval.jsonl", prompts))}], "max_seq_len": 32},
         "train": {"micro_batch_size": 2, "global_batch_size": 2},
@@ -86,6 +87,7 @@ def every_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Inp
         folder.mkdir(parents=True)
         monkeypatch.setenv(name, str(folder))
     paths = {"the recipe": recipe, "extends:": base, "model.path": root / "model" / "weights", "model.plugin": plugin,
+             "model.chat_template": root / "template" / "chat.jinja",
              "data.train": root / "train" / "train.jsonl", "data.eval[0].path": root / "eval" / "eval.jsonl",
              "grpo.rewards[0].reward_model": reward_run, "grpo.rewards[1].reward_model": linked_export,
              "grpo.rewards[2].function": rewards, "launch.accelerate_config": accelerate,
@@ -98,8 +100,8 @@ def every_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Inp
 # How an output stands to an input (each input is alone in its folder: that folder contains it and nothing else).
 RELATIONS: dict[str, Callable[[Path], Path]] = {
     "is": lambda path: path, "contains": lambda path: path.parent, "lies inside": lambda path: path / "out"}
-KEYS = ["the recipe", "extends:", "model.path", "model.plugin", "data.train", "data.eval[0].path",
-        "grpo.rewards[0].reward_model", "grpo.rewards[1].reward_model", "grpo.rewards[2].function",
+KEYS = ["the recipe", "extends:", "model.path", "model.plugin", "model.chat_template", "data.train",
+        "data.eval[0].path", "grpo.rewards[0].reward_model", "grpo.rewards[1].reward_model", "grpo.rewards[2].function",
         "launch.accelerate_config", "$HF_HOME", "$HF_DATASETS_CACHE", "$HF_HUB_CACHE"]
 
 
@@ -120,7 +122,7 @@ def _run_dir_refusal(out: Path, how: str, key: str, path: Path) -> str:
 
 def test_every_kind_is_listed(every_input: Inputs) -> None:
     """The fixture names every kind the list knows (a kind added to outputs.KINDS needs a case here)."""
-    assert len(outputs.KINDS) == 7
+    assert len(outputs.KINDS) == 8
     composed = compose(every_input.recipe)
     listed = {where for _, where in outputs.recipe_inputs(RecipeConfig.model_validate(composed.data), composed.files)}
     assert {str(Path(p)) for p in every_input.paths.values()} <= {str(Path(p).resolve()) for p in listed}

@@ -20,7 +20,7 @@ from finetune.data import load_splits
 from finetune.data.loading import check_rows, load_raw
 from finetune.data.tokenize import IGNORE, label_names, tokenize_rows
 from finetune.errors import DataError
-from tests.data_files import CHAT_TWO_TURNS, write_jsonl
+from tests.data_files import CHAT_TWO_TURNS, write_jsonl, write_rows
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "recipes" / "data"
@@ -323,3 +323,115 @@ def test_load_splits_reports_a_bad_row_by_line_through_the_cached_map(tmp_path: 
     blank = write_jsonl(tmp_path / "blank.jsonl", [json.dumps(good), "", json.dumps(good)])
     with pytest.raises(DataError, match=r"blank\.jsonl:2: empty line"):
         load_splits(DataConfig(format="alpaca", train=blank), tok)
+
+
+# ------------------------------------------------------------------------------------ ShareGPT rows, chat templates
+
+SHAREGPT_ROWS = [
+    {"conversations": [{"from": "human", "value": "First letter of: d r z?"}, {"from": "gpt", "value": "d"}]},
+    {"system": "Be brief.", "conversations": [
+        {"from": "human", "value": "First letter of: f b v?"}, {"from": "gpt", "value": "f"},
+        {"from": "human", "value": "And of: q a?"}, {"from": "chatgpt", "value": "q"}]},
+    {"system": "", "conversations": [{"from": "system", "value": "Answer in one word."},
+                                     {"from": "user", "value": "Sky colour?"}, {"from": "assistant", "value": "blue"}]},
+]
+SAME_AS_MESSAGES = [  # the rows above written as messages, by hand
+    {"messages": [{"role": "user", "content": "First letter of: d r z?"}, {"role": "assistant", "content": "d"}]},
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "First letter of: f b v?"},
+                  {"role": "assistant", "content": "f"}, {"role": "user", "content": "And of: q a?"},
+                  {"role": "assistant", "content": "q"}]},
+    {"messages": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Sky colour?"},
+                  {"role": "assistant", "content": "blue"}]},
+]
+TOOL_ROW = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "weather()"},
+                              {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]}
+TOOL_AS_MESSAGES = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "weather()"},
+                                 {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}
+TOKEN_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference")
+
+
+def _chatml(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    from finetune.config.chat_templates import CHATML
+
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def _tokenized(path: str, tokenizer: Any, **kwargs: Any) -> Any:
+    return tokenize_rows(load_raw(path), fmt="chat", tokenizer=tokenizer, max_len=512, overlong="truncate",
+                         add_bos="auto", source=path, **kwargs)
+
+
+def _columns(result: Any) -> dict[str, list]:
+    return {name: result.dataset[name] for name in TOKEN_COLUMNS}
+
+
+@pytest.mark.parametrize("template", ["own", "chatml"])
+def test_sharegpt_rows_tokenize_as_the_same_rows_written_as_messages(tmp_path: Path, tok: Any, bare_tokenizer: Path,
+                                                                     template: str) -> None:
+    """Ids, labels (the masks), generation prompts and references of a ShareGPT file equal those of the same rows
+    written as messages, with the tokenizer's own template and with chatml (which renders tool turns too); a file
+    mixing both shapes row by row gives the same again."""
+    tokenizer = tok if template == "own" else _chatml(bare_tokenizer)
+    rows = SHAREGPT_ROWS + ([TOOL_ROW] if template == "chatml" else [])
+    messages = SAME_AS_MESSAGES + ([TOOL_AS_MESSAGES] if template == "chatml" else [])
+    sharegpt = _tokenized(write_rows(tmp_path / "sharegpt.jsonl", rows), tokenizer)
+    plain = _tokenized(write_rows(tmp_path / "messages.jsonl", messages), tokenizer)
+    assert len(plain.dataset) == len(rows) and _columns(sharegpt) == _columns(plain)
+    assert [r for r in sharegpt.dataset["labels"]] and any(x != IGNORE for x in sharegpt.dataset["labels"][0])
+    mixed = [row if i % 2 else message for i, (row, message) in enumerate(zip(rows, messages, strict=True))]
+    assert _columns(_tokenized(write_rows(tmp_path / "mixed.jsonl", mixed), tokenizer)) == _columns(plain)
+
+
+def test_sharegpt_rows_load_as_a_split_and_stream_alike(tmp_path: Path, tok: Any) -> None:
+    """Through load_splits (the column check takes conversations for messages) and through a stream's batch
+    function: the same samples as the rows written as messages."""
+    from finetune.data.streaming import row_function, tokenize_chunk
+
+    path = write_rows(tmp_path / "sharegpt.json", SHAREGPT_ROWS)  # a JSON list, as ShareGPT dumps are
+    split = load_splits(DataConfig(format="chat", train=path, eval=path), tok)
+    plain = _tokenized(write_rows(tmp_path / "messages.jsonl", SAME_AS_MESSAGES), tok)
+    assert split.train is not None and split.eval is not None
+    assert _columns(split.train) == _columns(split.eval) == _columns(plain)
+    cfg = DataConfig(format="chat", train=path, max_seq_len=512)
+    fn, kwargs = row_function("chat", cfg, tok, None, None)
+    streamed = tokenize_chunk(list(enumerate(SHAREGPT_ROWS)), fn, kwargs, source=path, overlong="truncate")
+    assert [[sample[name] for name in TOKEN_COLUMNS] for sample in streamed] == \
+        [list(values) for values in zip(*_columns(plain).values(), strict=True)]
+
+
+def test_a_bad_sharegpt_row_names_its_line_through_the_cached_map(tmp_path: Path, tok: Any) -> None:
+    bad = {"conversations": [{"from": "human", "value": "a"}, {"from": "narrator", "value": "b"}]}
+    path = write_rows(tmp_path / "bad.jsonl", [*SHAREGPT_ROWS, bad])
+    with pytest.raises(DataError, match=r"bad\.jsonl:4: conversations\[1\]\.from 'narrator' is not a known ShareGPT "
+                                        r"speaker; use one of system, human"):
+        load_splits(DataConfig(format="chat", train=path), tok)
+    last_user = {"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}
+    path = write_rows(tmp_path / "ends.jsonl", [last_user])
+    with pytest.raises(DataError, match=r"ends\.jsonl:1: the last message must be the assistant's"):
+        load_splits(DataConfig(format="chat", train=path), tok)
+    neither = write_rows(tmp_path / "neither.jsonl", [{"text": "hi"}])
+    with pytest.raises(DataError, match=r"neither\.jsonl:1: missing field 'messages' \(or sharegpt 'conversations'\)"):
+        load_splits(DataConfig(format="chat", train=neither), tok)
+
+
+def test_the_tokenized_cache_is_keyed_by_the_sharegpt_rule_and_the_chat_template(
+        tmp_path: Path, bare_tokenizer: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cached tokenization of a ShareGPT file is read again only under the same rule and the same template: a
+    changed role table or another chat template (model.chat_template) tokenizes the file again."""
+    from finetune.data import shapes
+
+    path = write_rows(tmp_path / "sharegpt.jsonl", SHAREGPT_ROWS)
+    chatml = _chatml(bare_tokenizer)
+    first = _tokenized(path, chatml)
+    again = _tokenized(path, chatml)
+    assert not first.cached and again.cached and _columns(again) == _columns(first)
+    other = _chatml(bare_tokenizer)
+    other.chat_template = other.chat_template.replace("<|im_end|>", "<|end|>")
+    assert not _tokenized(path, other).cached
+    monkeypatch.setitem(shapes.SHAREGPT_ROLES, "chatgpt", "user")  # the same file under another rule
+    with pytest.raises(DataError, match=r"sharegpt\.jsonl:2: the last message must be the assistant's"):
+        _tokenized(path, chatml)  # not the cache of the old rule: this rule makes row 2 end with a user turn

@@ -137,6 +137,32 @@ def test_missing_data_file_is_an_error(write_recipe):
     assert message.startswith("data.train: file not found") and "missing.jsonl" in message
 
 
+def test_a_chat_template_is_a_known_name_or_an_existing_file(write_recipe, tmp_path):
+    """One line each: an unknown name lists the names; a missing file names the path (resolved against the
+    recipe's folder); the default is null (the tokenizer's own template)."""
+    recipe = write_recipe()
+    assert load_recipe(recipe)[0].model.chat_template is None
+    message = one_error(recipe, ["model.chat_template=chatlm"])
+    assert message.startswith("model.chat_template") and "'chatlm' is not a named chat template" in message
+    assert "use one of chatml" in message
+    message = one_error(recipe, ["model.chat_template=gone.jinja"])
+    assert message == f"model.chat_template: file not found: {Path.cwd() / 'gone.jinja'}"
+    (tmp_path / "mine.jinja").write_text("{{ messages[0]['content'] }}")
+    assert load_recipe(recipe, [f"model.chat_template={tmp_path / 'mine.jinja'}"])[0].model.chat_template == \
+        str(tmp_path / "mine.jinja")
+
+
+def test_a_stored_recipe_may_name_a_chat_template_file_that_is_gone(write_recipe, tmp_path):
+    """A recipe read to open what a run left behind (train_files=False: eval, export, generate) is not refused for
+    a template file removed since: an export's tokenizer carries its template (a checkpoint's says so on load)."""
+    (tmp_path / "mine.jinja").write_text("{{ messages[0]['content'] }}")
+    composed = compose(write_recipe(), [f"model.chat_template={tmp_path / 'mine.jinja'}"])
+    (tmp_path / "mine.jinja").unlink()
+    assert validate(composed, train_files=False).model.chat_template == str(tmp_path / "mine.jinja")
+    with pytest.raises(ConfigError, match=r"model\.chat_template: file not found"):
+        validate(composed)
+
+
 def test_eval_metrics_need_an_eval_set(write_recipe):
     assert one_error(write_recipe(), ["eval.metrics=[exact_match]"]).startswith("data.eval:")
     assert one_error(write_recipe(), ["eval.every_steps=1"]).startswith("data.eval:")
