@@ -36,6 +36,7 @@ from finetune.runtime.plan import build_plan
 from finetune.storage import layout, rundir
 from finetune.storage.choose import inventory
 from finetune.storage.metrics import format_metrics
+from finetune.storage.plot import SMOOTHING as PLOT_SMOOTHING
 from finetune.storage.summary import read_summary
 from finetune.storage.summary import render as summary_lines
 from finetune.version import report
@@ -259,10 +260,14 @@ def plot(
     runs: Annotated[list[Path], typer.Argument(help="run directories (runs/<name>); several are overlaid")],
     output: Annotated[str, typer.Option("-o", "--output", help="the PNG to write")] = "plot.png",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="replace an existing -o file")] = False,
+    smooth: Annotated[float, typer.Option(
+        "--smooth", help="weight of the smoothed line over dense train curves (TensorBoard's debiased moving "
+                         "average), 0 (off) up to, not including, 1")] = PLOT_SMOOTHING,
 ) -> None:
-    """Plot loss, lr, grad norm and every eval metric against step into one PNG, one colour per run."""
+    """Plot each run's metrics against step into one PNG, one colour per run: what its task watches first (GRPO:
+    rewards, completion length, KL), then loss, lr, grad norm and every eval metric."""
 
-    panels = plot_runs(runs, outputs.given(output), overwrite=overwrite)
+    panels = plot_runs(runs, outputs.given(output), overwrite=overwrite, smoothing=smooth)
     typer.echo(f"wrote {output}: {len(panels)} panels ({', '.join(p.key for p in panels)}) for "
                f"{len(runs)} run(s)")
 

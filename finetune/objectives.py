@@ -47,7 +47,11 @@ class Objective:
     (None: the loss first, ``finetune.storage.metrics.LOSS_FIRST``; a ``"loss"`` among the train keys leads only
     where its value carries information, see ``grpo_loss_informative``); ``collapse``: the collapse signature of
     its runs (``finetune.runtime.collapse``): ``"row"`` the model row's, ``"pairs"`` a score pair's, ``"unknown"``
-    a dead loss that is not a known constant, ``"never"`` not checked."""
+    a dead loss that is not a known constant, ``"never"`` not checked. ``panels``: the panels its plot draws
+    first, in order (``finetune.storage.plot``; None: the loss, lr and gradient norm, then every eval metric): train
+    keys, ``eval_`` keys, and ``prefix*`` for every train key with that prefix that a run logged (a reward per
+    function), drawn for a run that logged at least two of them (with one, its curve is the total's); a panel whose
+    key no run logged is left out, and whatever the list does not name follows in the default order."""
 
     name: str
     metrics: frozenset[str] | None
@@ -68,6 +72,7 @@ class Objective:
     reference_copy: bool = False
     headline: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     collapse: Literal["row", "pairs", "unknown", "never"] = "row"
+    panels: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -99,7 +104,9 @@ OBJECTIVES: Mapping[str, Objective] = {
                         data_need="trains on preference pairs", dropout=False, no_streaming=None,
                         row_capability="preference", row_hint=_CAUSAL_HINT, builds="reward", collapse="pairs"),
     # exact_match of greedy completions against each eval row's answer; the mean reward is always reported. Never
-    # checked for collapse: a group whose completions got equal rewards has advantage 0, a zero gradient at any loss
+    # checked for collapse: a group whose completions got equal rewards has advantage 0, a zero gradient at any loss.
+    # Its plot: the rewards and the eval first, then how the completions change (length, and KL to the reference,
+    # logged with grpo.beta > 0), then the optimizer's panels (its loss only where informative: headline)
     "grpo": Objective("grpo", metrics=frozenset({"exact_match"}), data="prompt",
                       data_need="generates from prompt rows", dropout=False,
                       no_streaming="prompt rows are tokenized ahead, like the eval split",
@@ -108,7 +115,8 @@ OBJECTIVES: Mapping[str, Objective] = {
                       row_hint="use a causal LM model type that generates (finetune models)",
                       generates=True, rewards=True, repeats_batches=True, groups=True, reference="beta",
                       reference_copy=True, headline=(("reward", "loss"), ("eval_exact_match", "eval_reward")),
-                      collapse="never"),
+                      collapse="never", panels=("reward", "eval_exact_match", "eval_reward", "reward_*",
+                                                "completion_len", "kl", "loss", "lr", "grad_norm")),
 }
 
 OWNED_FORMATS: Mapping[str, OwnedFormat] = {

@@ -41,11 +41,13 @@ class Headline:
 
     ``train``: the train-row keys a step line starts with, in order, and the ones the summary gives as final values;
     a key left out of it is not shown there at all (it stays in metrics.jsonl). ``eval``: the eval-row keys the
-    summary's final eval and the plot's panels put first, in order."""
+    summary's final eval puts first, in order. ``panels``: the panels the plot draws first, in order (the task
+    record's ``panels``; empty: the plot's default order)."""
 
 
     train: tuple[str, ...] = ("loss",)
     eval: tuple[str, ...] = ()
+    panels: tuple[str, ...] = ()
 
 
     @property
@@ -82,13 +84,15 @@ def headline(task: Any, iterations: Any = 1, beta: Any = 0.0) -> Headline:
     A task whose record names a ``headline`` leads with its keys (GRPO: the mean total ``reward`` of the step's
     completions, then the loss only where its value carries information, :func:`grpo_loss_informative`; the eval's
     ``eval_exact_match`` and ``eval_reward`` first). Every other task, and a ``task`` that is not one (a recipe read
-    back as plain data): :data:`LOSS_FIRST` (what every run showed before GRPO)."""
+    back as plain data): :data:`LOSS_FIRST` (what every run showed before GRPO). The plot's ``panels`` are the
+    record's."""
     record = objectives.objective(task)
+    panels = (record.panels or ()) if record is not None else ()
     if record is None or record.headline is None:
-        return LOSS_FIRST
+        return Headline(panels=panels) if panels else LOSS_FIRST
     train, evaluation = record.headline
     informative = grpo_loss_informative(iterations, beta)
-    return Headline(tuple(key for key in train if key != "loss" or informative), evaluation)
+    return Headline(tuple(key for key in train if key != "loss" or informative), evaluation, panels)
 
 
 def recipe_headline(recipe: Mapping[str, Any]) -> Headline:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from finetune import objectives
 from finetune.errors import RunDirError
 from finetune.storage import rundir
 from finetune.storage.metrics import format_metrics, headline, read_metrics, recipe_headline
@@ -102,3 +103,6 @@ def test_the_headline_is_the_loss_for_every_task_but_grpo() -> None:
     assert recipe_headline({"task": "grpo", "grpo": "nonsense"}).train == ("reward",)
     assert recipe_headline({"task": "grpo", "grpo": {"iterations": "2", "beta": True}}).train == ("reward",)
     assert recipe_headline({"task": "grpo", "grpo": {"beta": 0.1}}).loss
+    # the plot's first panels are the task record's: none of its own for every task but GRPO
+    assert all(headline(task).panels == () for task in (None, "sft", "dpo", "reward"))
+    assert headline("grpo").panels == objectives.OBJECTIVES["grpo"].panels and "reward" in headline("grpo").panels

@@ -76,15 +76,17 @@ def test_every_task_a_recipe_or_a_row_names_has_an_adapter() -> None:
 
 
 # Each recipe task's rules, written out: (row_tasks, row_capability, builds, generates, rewards, repeats_batches,
-# groups, reference, reference_copy, headline, collapse)
+# groups, reference, reference_copy, headline, collapse, panels)
 CAUSAL = frozenset({"causal_lm", "vision_causal_lm"})
 GRPO_HEADLINE = (("reward", "loss"), ("eval_exact_match", "eval_reward"))
+GRPO_PANELS = ("reward", "eval_exact_match", "eval_reward", "reward_*", "completion_len", "kl", "loss", "lr",
+               "grad_norm")
 RECORDS = {
-    "sft": (CAUSAL, None, None, False, False, False, False, "never", False, None, "row"),
-    "dpo": (None, "preference", None, False, False, False, False, "always", False, None, "unknown"),
-    "reward": (None, "preference", "reward", False, False, False, False, "never", False, None, "pairs"),
+    "sft": (CAUSAL, None, None, False, False, False, False, "never", False, None, "row", None),
+    "dpo": (None, "preference", None, False, False, False, False, "always", False, None, "unknown", None),
+    "reward": (None, "preference", "reward", False, False, False, False, "never", False, None, "pairs", None),
     "grpo": (frozenset({"causal_lm"}), "generation", None, True, True, True, True, "beta", True, GRPO_HEADLINE,
-             "never"),
+             "never", GRPO_PANELS),
 }
 
 
@@ -92,7 +94,7 @@ RECORDS = {
 def test_each_record_says_what_its_task_runs(task: str) -> None:
     r = objectives.OBJECTIVES[task]
     assert (r.row_tasks, r.row_capability, r.builds, r.generates, r.rewards, r.repeats_batches, r.groups,
-            r.reference, r.reference_copy, r.headline, r.collapse) == RECORDS[task]
+            r.reference, r.reference_copy, r.headline, r.collapse, r.panels) == RECORDS[task]
 
 
 # Each model row task's rules, written out: (metrics, formats, causal, text_causal, vision, labels, scores)

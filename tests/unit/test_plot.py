@@ -89,14 +89,22 @@ def test_two_runs_are_overlaid_in_every_panel_and_counts_are_not_plotted(tmp_pat
         f"wrote cmp.png: {len(planned)} panels ({', '.join(planned)}) for 2 run(s)"]
 
 
-def grpo_run(folder: Path, grpo: dict[str, float | int], steps: int = 6, eval_every: int = 3) -> Path:
+def grpo_run(folder: Path, grpo: dict[str, float | int], steps: int = 6, eval_every: int = 3,
+             functions: tuple[str, ...] = ("exact_match",)) -> Path:
     """A GRPO run dir: its resolved recipe (task grpo, the given grpo keys) and metrics.jsonl rows shaped like a GRPO
-    run's (train: loss ~0, reward; eval: samples, exact match with counts, mean reward, no loss)."""
+    run's (train: loss ~0, the total reward and each reward function's with their spreads, completion length, the
+    KL with grpo.beta > 0; eval: samples, exact match with counts, mean reward, no loss)."""
     rundir.create(folder, overwrite=False).release()
     write_recipe_file(folder / rundir.RESOLVED, {"model": {"type": "tiny-llama"}, "task": "grpo", "grpo": grpo})
     for step in range(1, steps + 1):
-        log_row(folder, "train", {"step": step, "loss": 1e-9 * (-1) ** step, "lr": 2e-4, "grad_norm": 0.5,
-                                  "reward": 0.1 * step, "reward_std": 0.3, "frac_zero_std": 0.25})
+        row: dict[str, float | int] = {"step": step, "loss": 1e-9 * (-1) ** step, "lr": 2e-4, "grad_norm": 0.5}
+        for name in functions:
+            row |= {f"reward_{name}": 0.05 * step, f"reward_{name}_std": 0.2}
+        row |= {"reward": 0.1 * step, "reward_std": 0.3, "frac_zero_std": 0.25, "completion_len": 5.0 + step,
+                "completion_len_max": 12.0, "truncated": 0.0, "clip_fraction": 0.0}
+        if grpo.get("beta", 0.0):
+            row["kl"] = 0.01 * step
+        log_row(folder, "train", row)
         if step % eval_every == 0:
             log_row(folder, "eval", {"step": step, "eval_samples": 40, "eval_exact_match": step / 40,
                                      "eval_exact_match_correct": step, "eval_exact_match_total": 40,
@@ -104,21 +112,58 @@ def grpo_run(folder: Path, grpo: dict[str, float | int], steps: int = 6, eval_ev
     return folder
 
 
-def test_a_grpo_plot_leads_with_the_reward_and_leaves_out_a_loss_that_carries_nothing(tmp_path) -> None:
-    """GRPO: the train reward panel first, then the eval exact match and the eval reward; the loss panel only where
-    its value carries information (grpo.iterations > 1 or grpo.beta > 0). Overlaid on an SFT run, the loss panel
-    holds the SFT run's loss and not the GRPO run's ~0."""
+def test_a_grpo_plot_shows_rewards_completion_length_and_kl_and_leaves_out_a_loss_that_carries_nothing(
+        tmp_path) -> None:
+    """GRPO (its record's panels): the total train reward, the eval exact match and eval reward, each reward
+    function's reward where there are two or more (one is the total's curve), the completion length, the KL where
+    grpo.beta > 0 logged it, then the loss (only where its value carries information: grpo.iterations > 1 or
+    grpo.beta > 0), lr and grad norm. Spreads (``_std``), the zero-std fraction, the clip fraction are no panels.
+    Overlaid on an SFT run, the loss panel holds the SFT run's loss and not the GRPO run's ~0."""
     plain = grpo_run(tmp_path / "runs" / "grpo", {"iterations": 1, "beta": 0.0})
     assert summary(plain) == {"reward": [("grpo", 6)], "eval_exact_match": [("grpo", 2)],
-                              "eval_reward": [("grpo", 2)], "lr": [("grpo", 6)], "grad_norm": [("grpo", 6)]}
-    assert list(summary(plain))[:3] == ["reward", "eval_exact_match", "eval_reward"]
-    kl = grpo_run(tmp_path / "runs" / "kl", {"beta": 0.05})
-    assert list(summary(kl)) == ["reward", "loss", "eval_exact_match", "eval_reward", "lr", "grad_norm"]
+                              "eval_reward": [("grpo", 2)], "completion_len": [("grpo", 6)], "lr": [("grpo", 6)],
+                              "grad_norm": [("grpo", 6)]}
+    assert list(summary(plain)) == ["reward", "eval_exact_match", "eval_reward", "completion_len", "lr", "grad_norm"]
+    kl = grpo_run(tmp_path / "runs" / "kl", {"beta": 0.05}, functions=("exact_match", "format"))
+    assert list(summary(kl)) == ["reward", "eval_exact_match", "eval_reward", "reward_exact_match", "reward_format",
+                                 "completion_len", "kl", "loss", "lr", "grad_norm"]
+    titles = {panel.key: panel.title for panel in plot.plan_panels(plot.load_runs([kl]))}
+    assert titles["reward"] == "train reward (total)" and titles["reward_format"] == "train reward: format"
+    assert titles["kl"] == "KL to the reference (per token)" and titles["completion_len"] == "completion length (mean)"
     sft = make_run(tmp_path / "runs" / "sft", train_steps=4, eval_every=2)
     both = summary(plain, sft)
     assert both["loss"] == [("sft", 4)] and both["reward"] == [("grpo", 6)]
     assert both["eval_exact_match"] == [("grpo", 2), ("sft", 2)]
+    # a run with two reward functions beside one with one: only the first has per-function panels
+    mixed = summary(plain, kl)
+    assert mixed["reward_format"] == [("kl", 6)] and mixed["reward_exact_match"] == [("kl", 6)]
+    assert mixed["kl"] == [("kl", 6)] and mixed["loss"] == [("kl", 6)]
     assert list(summary(sft)) == [*TRAIN_KEYS, "eval_loss", "eval_ppl", "eval_exact_match"]  # as before GRPO
+
+
+def test_the_grpo_records_panels_name_metrics_a_grpo_run_logs() -> None:
+    """Every train key GRPO's record plots is one its step metrics hold (read from the task's own functions that
+    build a train row), and its ``reward_*`` pattern matches one key per reward function."""
+    import torch  # the task module needs it; the plot never imports it
+
+    from finetune import objectives
+    from finetune.tasks import grpo
+
+    sums = {"reward": torch.tensor([3.0, 5.0, 6.0]), "reward_squared": torch.tensor([3.0, 5.0, 9.0]),
+            "completions": torch.tensor([8.0]), "zero_std_groups": torch.tensor([1.0]), "groups": torch.tensor([2.0]),
+            "completion_tokens": torch.tensor([40.0]), "truncated": torch.tensor([1.0]),
+            "length_histogram": torch.tensor([0.0, 2.0, 6.0]), "clipped": torch.tensor(0.0),
+            "kl": torch.tensor(1.0), "tokens": torch.tensor(40.0)}
+    row = grpo.generation_metrics(sums, ["exact_match", "format"]) | grpo.loss_metrics(sums, with_kl=True)
+    row |= {"step": 1, "loss": 0.0, "lr": 1e-4, "grad_norm": 1.0}  # every task's (the loop's)
+    panels = objectives.OBJECTIVES["grpo"].panels
+    assert panels is not None
+    for key in panels:
+        if key.endswith(plot.PATTERN):
+            assert [k for k in row if k.startswith(key[:-1]) and not k.endswith("_std")] == [
+                "reward_exact_match", "reward_format"]
+        elif not key.startswith("eval_"):
+            assert key in row, key
 
 
 def test_series_hold_the_logged_values_sorted_by_step_and_nonfinite_ones_are_gaps(tmp_path) -> None:
