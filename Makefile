@@ -84,7 +84,7 @@ device-bundle: $(STAMP)
 # error (--strict): a broken internal link or #anchor fails the build. tests/unit/test_docs.py runs the same build, so
 # `make test` (and CI) fails on a broken link too. `$(BIN)/mkdocs serve` previews it while you write.
 docs: $(STAMP)
-	$(BIN)/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
