@@ -175,9 +175,37 @@ def test_the_link_check_can_fail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert [p.split(":")[0] for p in problems] == ["../c.md", "../b.md#nothing", "../../notes.txt"], problems
 
 
+def items_nested_by_two(text: str) -> list[str]:
+    """The list items of a markdown page indented by 1 to 3 spaces (outside code): Python-Markdown nests an item
+    only under 4, so the site would show them at the level above."""
+    return [line.strip() for line in FENCE.sub("", text).splitlines() if re.match(r" {1,3}(?:[-*+]|\d+\.) ", line)]
+
+
+@pytest.mark.parametrize("page", pages()[1:], ids=lambda p: str(p.relative_to(REPO)))
+def test_nested_list_items_are_indented_by_four_spaces(page: Path) -> None:
+    nested = items_nested_by_two(page.read_text(encoding="utf-8"))
+    assert not nested, f"{page.relative_to(REPO)}: indent these items by 4 spaces for the site: {nested}"
+    assert items_nested_by_two("- a\n  - b\n    - c\n```\n  - code\n```\n") == ["- b"]
+
+
+def lists_left_as_text(html: str) -> list[str]:
+    """The list items a page shows as plain text: Python-Markdown (unlike GitHub) reads a list right after a
+    paragraph line as text of the paragraph."""
+    article = re.sub(r"<pre.*?</pre>", "", html, flags=re.S)
+    return [m.group(0).strip() for m in re.finditer(r"\n[ \t]*[-*+] [^\n<]{0,60}", article)]
+
+
+def test_the_list_check_can_fail() -> None:
+    import markdown
+
+    assert lists_left_as_text(markdown.markdown("Intro:\n- a\n- b\n")) == ["- a", "- b"]
+    assert not lists_left_as_text(markdown.markdown("Intro:\n\n- a\n    - nested\n\n```\n- code\n```\n",
+                                                    extensions=["fenced_code"]))
+
+
 def test_the_site_builds_with_no_warning(tmp_path: Path) -> None:
     """``mkdocs build --strict`` (``make docs``): mkdocs.yml makes a broken link or anchor, and a page left out of
-    the navigation, a warning, and --strict makes every warning an error."""
+    the navigation, a warning, and --strict makes every warning an error. No page shows a list as text."""
     import yaml
 
     validation = yaml.safe_load((REPO / "mkdocs.yml").read_text(encoding="utf-8"))["validation"]
@@ -188,3 +216,7 @@ def test_the_site_builds_with_no_warning(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=300, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "site" / "index.html").is_file() and (tmp_path / "site" / "recipes" / "index.html").is_file()
+    for page in sorted((tmp_path / "site").rglob("index.html")):
+        article = re.search(r"<article.*?</article>", page.read_text(encoding="utf-8"), flags=re.S)
+        left = lists_left_as_text(article.group(0) if article else "")
+        assert not left, f"{page.parent.relative_to(tmp_path / 'site')}: list items shown as text: {left}"
