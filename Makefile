@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 LATEST  ?= .venv-latest
 
 .PHONY: setup quickstart quickstart-minilm quickstart-vlm test test-all test-latest constraints lint clean gpu-check gpu-check-dry \
-        device-bundle
+        device-bundle docs
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(PY) -m venv $(VENV)
@@ -80,8 +80,14 @@ gpu-check-dry: $(STAMP)
 device-bundle: $(STAMP)
 	$(BIN)/python scripts/device_bundle.py
 
+# The documentation site (mkdocs.yml: MkDocs + the Material theme, pages from docs/) into site/, with every warning an
+# error (--strict): a broken internal link or #anchor fails the build. tests/unit/test_docs.py runs the same build, so
+# `make test` (and CI) fails on a broken link too. `$(BIN)/mkdocs serve` previews it while you write.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 lint: $(STAMP)
 	$(BIN)/ruff check finetune tests scripts
 
 clean:
-	rm -rf $(VENV) $(LATEST) runs .pytest_cache
+	rm -rf $(VENV) $(LATEST) runs .pytest_cache site

@@ -184,7 +184,7 @@ def _cut(source: Path, rows: int, dest: Path, images: Path | None = None) -> Pat
 
 
 def _quickstart_commands(work: Path, run: Path) -> list[list[str]]:
-    """Every command of the quickstarts (README), made tiny: the shipped recipes by name, a few steps, cut data;
+    """Every command of the quickstarts (the docs), made tiny: the shipped recipes by name, a few steps, cut data;
     export, generate and plot of ``run`` (the module's piped run, whose `run` and `eval` the tests above check)."""
     shapes = DATA / "shapes"
     cut = {name: _cut(DATA / name, rows, work / name)

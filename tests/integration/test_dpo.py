@@ -1,6 +1,6 @@
 """task: dpo on one process: it trains through the shared loop with pair-weighted accumulation, resumes bit for bit,
 works with LoRA (whose reference is the base with the adapter disabled), is evaluated again by `finetune eval`, and
-the shipped DPO quickstart (a short SFT, then DPO) learns what the README promises.
+the shipped DPO quickstart (a short SFT, then DPO) learns what docs/tasks/dpo.md promises.
 """
 
 from __future__ import annotations

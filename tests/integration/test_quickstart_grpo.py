@@ -1,4 +1,5 @@
-"""The GRPO quickstart learns from rewards alone, as the README runs it (checkpoints off, eval at the start and end).
+"""The GRPO quickstart learns from rewards alone, as docs/tasks/grpo.md runs it (checkpoints off, eval at the start
+and end).
 
 A short SFT of the reverse-letters quickstart (180 steps at a constant learning rate) leaves the model partly right
 on the held-out prompts; GRPO with only the exact_match reward, on other prompts of the task and never an answer's

@@ -1,4 +1,4 @@
-"""The VLM quickstart learns what the README promises (see test_quickstarts.py; a file of its own so that a
+"""The VLM quickstart learns what the docs promise (see test_quickstarts.py; a file of its own so that a
 parallel run gives it a worker of its own)."""
 
 from __future__ import annotations

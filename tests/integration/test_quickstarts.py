@@ -1,4 +1,5 @@
-"""The shipped quickstarts learn what the README promises (the same recipes, only checkpoints turned off).
+"""The shipped quickstarts learn what the docs promise (docs/getting-started/quickstart.md, docs/lora.md: the same
+recipes, only checkpoints turned off).
 
 The VLM quickstart is in test_quickstart_vlm.py, a file of its own so that a parallel run (pytest-xdist, one file
 per worker) does not queue the two longest tests behind each other."""
@@ -27,7 +28,7 @@ def test_quickstart_exact_match_from_zero_to_at_least_0_8_and_lora_teaches_it_a_
     assert evals[0]["step"] == 0 and evals[0]["eval_exact_match"] < 0.05
     assert evals[-1]["eval_exact_match"] >= 0.8
     assert evals[-1]["eval_total"] == 200
-    # the LoRA quickstart on this run's export, as the README runs it but 60 steps instead of 200: the base answers
+    # the LoRA quickstart on this run's export, as docs/lora.md runs it but 60 steps instead of 200: the base answers
     # "reverse and shift" with the plain reversal, wrong at every letter, until the adapter teaches it the shift
     # (evaluated on its first 64 eval rows: two 200-row generation passes were most of this part's CI time)
     rows = (REPO / "recipes" / "data" / "shift_eval.jsonl").read_text().splitlines()[:64]

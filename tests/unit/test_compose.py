@@ -68,8 +68,8 @@ def test_extends_falls_back_to_the_shipped_recipes_folder(write_recipe, minimal_
 
 
 @pytest.mark.parametrize("base", ["quickstart.yaml", "quickstart"])
-def test_the_readme_editor_example_trains_into_runs_of_its_own_name(write_recipe, tmp_path, base):
-    """README, Editor support: ``name: mine`` over ``extends: [quickstart.yaml]`` (or the bare name, as
+def test_the_editor_support_example_trains_into_runs_of_its_own_name(write_recipe, tmp_path, base):
+    """docs/recipes.md, Editor support: ``name: mine`` over ``extends: [quickstart.yaml]`` (or the bare name, as
     ``finetune run quickstart`` takes it) is the shipped quickstart renamed, and it trains into runs/mine: no
     shipped recipe pins output_dir, and a bare name finds the same file as the command line does."""
     from finetune.config.resources import resolve_recipe

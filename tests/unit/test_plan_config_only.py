@@ -1,5 +1,6 @@
 """``finetune plan`` needs only a model's config.json: a Llama-2-7B-shaped folder with no weights and no tokenizer
-is planned (the numbers the README shows), while ``finetune run`` on it is still refused before anything starts."""
+is planned (the numbers docs/memory-plan.md shows), while ``finetune run`` on it is still refused before anything
+starts."""
 
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ def test_plan_of_a_config_only_7b_folder(recipe: Path, monkeypatch: pytest.Monke
     code, out, err = main_exit(monkeypatch, capsys, "plan", str(recipe), "--accelerate-config", "zero3",
                                "--num-processes", "8")
     assert code == 0, err
-    print(out)  # the README's 7B example is this output (pytest -s shows it)
+    print(out)  # docs/memory-plan.md's 7B example is this output (pytest -s shows it)
     assert "parameters: 6,738,415,616 total, 6,738,415,616 trainable" in out, out
     assert "sharding: DeepSpeed ZeRO-3: parameters, gradients and optimizer states / 8" in out
     # training needs the weights: still one line before anything is created
