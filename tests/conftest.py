@@ -53,8 +53,8 @@ answer_ctrl_c()
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``--dist loadfile`` xdist hands out files in the order :func:`pytest_collection_modifyitems` leaves
     them, not sorted by how many tests each holds (its default), which put the slowest files last: in the measured
-    14-minute unit + integration run the quickstarts (2 tests, 148 s) and the README commands (1 test, 64 s; now test_doc_commands.py) ran
-    at the end on one worker while the other sat idle for 77 s."""
+    14-minute unit + integration run the quickstarts (2 tests, 148 s) and the README commands (1 test, 64 s; now
+    test_doc_commands.py) ran at the end on one worker while the other sat idle for 77 s."""
     if getattr(config.option, "dist", "no") in ("loadfile", "loadscope"):
         config.option.loadscopereorder = False
 
