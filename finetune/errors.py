@@ -126,8 +126,14 @@ def _io_cause(exc: BaseException) -> OSError | None:
     return None
 
 
-def _command() -> str:
-    """``finetune <command>`` of this process (for a message about what was stopped)."""
+COMMAND_ENV = "FINETUNE_COMMAND"  # the command the user ran, in every process finetune starts for it
+
+
+def command() -> str:
+    """``finetune <command>`` of this process (for a message about what was stopped), or, in a process that
+    finetune started for a command (its launcher, a rank: :data:`COMMAND_ENV`), that command's."""
+    if os.environ.get(COMMAND_ENV):
+        return os.environ[COMMAND_ENV]
     words = [a for a in sys.argv[1:3] if not a.startswith("-")][:1]
     return " ".join(["finetune", *words])
 
@@ -141,7 +147,7 @@ def describe(exc: BaseException) -> tuple[int, list[str]]:
     if isinstance(exc, Aborted):
         return 130, ["aborted (second interrupt): no checkpoint written for the current step"]
     if isinstance(exc, KeyboardInterrupt):  # Ctrl+C where no training loop was there to stop at a step boundary
-        return 130, [f"interrupted (Ctrl+C): `{_command()}` stopped before it finished; nothing it was writing was "
+        return 130, [f"interrupted (Ctrl+C): `{command()}` stopped before it finished; nothing it was writing was "
                      "published (an output appears only complete; a run keeps its checkpoints: resume it)"]
     if isinstance(exc, FinetuneError):
         return exc.exit_code, [f"error: {line}" for line in str(exc).splitlines() or [type(exc).__name__]]
