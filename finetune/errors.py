@@ -126,8 +126,14 @@ def _io_cause(exc: BaseException) -> OSError | None:
     return None
 
 
-def _command() -> str:
-    """``finetune <command>`` of this process (for a message about what was stopped)."""
+COMMAND_ENV = "FINETUNE_COMMAND"  # the command the user ran, in every process finetune starts for it
+
+
+def command() -> str:
+    """``finetune <command>`` of this process (for a message about what was stopped), or, in a process that
+    finetune started for a command (its launcher, a rank: :data:`COMMAND_ENV`), that command's."""
+    if os.environ.get(COMMAND_ENV):
+        return os.environ[COMMAND_ENV]
     words = [a for a in sys.argv[1:3] if not a.startswith("-")][:1]
     return " ".join(["finetune", *words])
 
@@ -141,7 +147,7 @@ def describe(exc: BaseException) -> tuple[int, list[str]]:
     if isinstance(exc, Aborted):
         return 130, ["aborted (second interrupt): no checkpoint written for the current step"]
     if isinstance(exc, KeyboardInterrupt):  # Ctrl+C where no training loop was there to stop at a step boundary
-        return 130, [f"interrupted (Ctrl+C): `{_command()}` stopped before it finished; nothing it was writing was "
+        return 130, [f"interrupted (Ctrl+C): `{command()}` stopped before it finished; nothing it was writing was "
                      "published (an output appears only complete; a run keeps its checkpoints: resume it)"]
     if isinstance(exc, FinetuneError):
         return exc.exit_code, [f"error: {line}" for line in str(exc).splitlines() or [type(exc).__name__]]
@@ -225,9 +231,11 @@ def _on_sigint(signum: int, frame: FrameType | None) -> None:
     raise ctrl_c()
 
 
-def run_main(fn: Callable[[], Any]) -> None:
+def run_main(fn: Callable[[], Any], *, say_stops: bool = True) -> None:
     """Run a command; every way it can fail ends here as one message per problem and its exit code. Output to a
-    closed pipe never stops it (:func:`keep_output_going`), and a Ctrl+C always says what it stopped."""
+    closed pipe never stops it (:func:`keep_output_going`), and a Ctrl+C always says what it stopped.
+    ``say_stops=False``: a stop by a signal (:class:`Interrupted`, a Ctrl+C) exits with its code in silence (a rank
+    of several, whose rank 0 says it for all)."""
     keep_output_going()
     _CTRL_C.clear()  # a Ctrl+C of an earlier command in this process (tests run many) is not this command's
     own_sigint = (threading.current_thread() is threading.main_thread()
@@ -235,17 +243,17 @@ def run_main(fn: Callable[[], Any]) -> None:
     if own_sigint:
         signal.signal(signal.SIGINT, _on_sigint)
     try:
-        _run(fn)
+        _run(fn, say_stops)
     finally:
         if own_sigint:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _run(fn: Callable[[], Any]) -> None:
+def _run(fn: Callable[[], Any], say_stops: bool) -> None:
     try:
         fn()
     except SystemExit as exc:
-        if exc.code == 130 and _CTRL_C:  # a Ctrl+C that Typer ended silently
+        if exc.code == 130 and _CTRL_C and say_stops:  # a Ctrl+C that Typer ended silently
             for line in describe(_CTRL_C[-1])[1]:
                 print(line, file=sys.stderr)
         raise
@@ -253,6 +261,8 @@ def _run(fn: Callable[[], Any]) -> None:
         if os.environ.get("FINETUNE_DEBUG") and not isinstance(exc, Interrupted):
             raise
         code, lines = describe(exc)
+        if not say_stops and (isinstance(exc, Interrupted) or is_ctrl_c(exc)):
+            lines = []
         try:
             sys.stdout.flush()
         except BrokenPipeError:

@@ -11,7 +11,9 @@ uses the standard library only and imports nothing heavy. ``logging`` is importe
 (the current folder is not first on it), so that ``python -m finetune`` never imports a ``logging.py`` from the
 folder it runs in; ``finetune/__main__.py`` calls :func:`install` again after it has made the path safe.
 :func:`library_warnings_off` applies the same warning filters inside a block, ahead of any filter a caller set
-(pytest's ``-W error``, say), around the library calls known to warn.
+(pytest's ``-W error``, say), around the library calls known to warn. One thing is kept off elsewhere, because it
+depends on a moment rather than a line: torch elastic's warnings while it shuts the ranks down on Ctrl+C or SIGTERM
+(finetune/runtime/launcher.py, the process that runs it).
 """
 
 from __future__ import annotations

@@ -540,7 +540,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     options = Options(args.max_new_tokens, args.temperature, args.top_p, args.seed, args.batch_size, args.overwrite,
                       args.trust_remote_code)
-    run_main(lambda: generate(Path(args.target), Path(args.prompts), Path(args.output), options))
+    run_main(lambda: generate(Path(args.target), Path(args.prompts), Path(args.output), options),
+             say_stops=os.environ.get("RANK", "0") == "0")  # a Ctrl+C stops every rank; rank 0 says so, once
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""How a run is started: in this process, or re-launched through ``accelerate launch``.
+"""How a run is started: in this process, or re-launched through ``accelerate launch`` (run by finetune's own launcher
+process, :mod:`finetune.runtime.launcher`).
 
 Pure functions (no torch): the CLI prints the plan for ``--dry-run`` and executes it otherwise.
 """
@@ -15,9 +16,10 @@ from pathlib import Path
 
 from finetune import backends
 from finetune.config.schema import RecipeConfig
-from finetune.errors import ConfigError
+from finetune.errors import COMMAND_ENV, ConfigError, command
 
 LAUNCHER_ENV = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED")
+LAUNCHER = "finetune.runtime.launcher"  # runs `accelerate launch` in-process: a stop signal is one line and 130/143
 
 
 def isolate_sys_path() -> None:
@@ -34,9 +36,10 @@ def isolate_sys_path() -> None:
 
 def child_env() -> dict[str, str]:
     """The environment of every process finetune starts (``accelerate launch`` and, through it, every rank):
-    ``PYTHONSAFEPATH`` keeps the current folder off their ``sys.path`` (``python -m accelerate.commands.launch`` and
-    torchrun's ``python -m finetune.runtime.worker`` would otherwise import a yaml.py or typer.py planted there)."""
-    return {**os.environ, "PYTHONSAFEPATH": "1"}
+    ``PYTHONSAFEPATH`` keeps the current folder off their ``sys.path`` (``python -m finetune.runtime.launcher`` and
+    torchrun's ``python -m finetune.runtime.worker`` would otherwise import a yaml.py or typer.py planted there);
+    ``FINETUNE_COMMAND`` names the command they run for (``finetune run``), which a Ctrl+C line names."""
+    return {**os.environ, "PYTHONSAFEPATH": "1", COMMAND_ENV: command()}
 
 
 def die_with_launcher() -> None:
@@ -64,7 +67,7 @@ def in_process(cfg: RecipeConfig, env: dict[str, str] | None = None) -> bool:
 
 
 def launch_argv(cfg: RecipeConfig, resolved: Path, worker_args: list[str] | None = None) -> list[str]:
-    """The exact ``accelerate launch`` command line that runs the worker on every rank."""
+    """The exact command line that runs the worker on every rank (``accelerate launch``, :func:`accelerate_argv`)."""
     return accelerate_argv(backends.accelerate_config(cfg.launch.accelerate_config), cfg.launch.num_processes,
                            "finetune.runtime.worker", [str(resolved), *(worker_args or [])])
 
@@ -73,16 +76,18 @@ def accelerate_argv(config: backends.AccelerateConfig | Path, num_processes: int
                     args: list[str]) -> list[str]:
     """``accelerate launch`` running ``python -m module args`` on ``num_processes`` ranks with ``config`` (the
     training worker, or ``finetune generate``'s): as :func:`finetune.backends.accelerate_config` read it, or its
-    file (read here when it matters). With several processes, a config that names no ``main_process_port`` gets a
-    free one (:func:`free_port`): accelerate's default, 29500, is one port per machine, so a second run started on
-    the same machine failed with 'address already in use'."""
+    file (read here when it matters). It runs inside :mod:`finetune.runtime.launcher`, which takes ``accelerate
+    launch``'s own arguments (on Ctrl+C or SIGTERM it exits 130 or 143 with the ranks' one stop line, not torch
+    elastic's traceback). With several processes, a config that names no ``main_process_port`` gets a free one
+    (:func:`free_port`): accelerate's default, 29500, is one port per machine, so a second run started on the same
+    machine failed with 'address already in use'."""
     if isinstance(config, Path) and num_processes > 1:
         config = backends.accelerate_config(str(config))
     path = config if isinstance(config, Path) else config.path
     named = isinstance(config, backends.AccelerateConfig) and config.names_port
     port = ["--main_process_port", str(free_port())] if num_processes > 1 and not named else []
     return [
-        sys.executable, "-P", "-m", "accelerate.commands.launch",  # -P: no current folder on its sys.path
+        sys.executable, "-P", "-m", LAUNCHER,  # -P: no current folder on its sys.path
         "--config_file", str(path),
         "--num_processes", str(num_processes), *port,
         "-m", module, *args,

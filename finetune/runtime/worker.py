@@ -388,14 +388,9 @@ def execute(recipe: str | Path | RecipeConfig, resume_from: str | Path | None = 
 
     def run() -> None:
         with publishing():
-            try:
-                run_worker(recipe, resume_from, allow_config_change, allow_plugin)
-            except Interrupted as exc:
-                if os.environ.get("RANK", "0") != "0":  # every rank stops; rank 0 says so, once
-                    raise SystemExit(exc.exit_code) from None
-                raise
+            run_worker(recipe, resume_from, allow_config_change, allow_plugin)
 
-    run_main(run)
+    run_main(run, say_stops=os.environ.get("RANK", "0") == "0")  # every rank stops; rank 0 says so, once
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -148,7 +148,7 @@ def test_launched_ranks_get_the_permission_from_the_command_line(
     module = {"resume": "finetune.runtime.worker", "generate": "finetune.commands.generate"}[command]
     permission = {"resume": "--allow-plugin", "generate": "--trust-remote-code"}[command]
     (argv,) = launched
-    assert argv[argv.index("-m", argv.index("accelerate.commands.launch")) + 1] == module
+    assert argv[argv.index("-m", argv.index("finetune.runtime.launcher")) + 1] == module
     assert permission in argv
 
 

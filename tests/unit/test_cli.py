@@ -139,7 +139,8 @@ def test_dry_run_with_two_processes_prints_the_accelerate_argv(tmp_path, monkeyp
                                    "launch.accelerate_config=ddp")
     assert resolved["launch"]["num_processes"] == 2
     argv = plan.split()
-    assert argv[:4] == [sys.executable, "-P", "-m", "accelerate.commands.launch"]  # -P: no cwd on its sys.path
+    # accelerate launch inside finetune's launcher process; -P: no cwd on its sys.path
+    assert argv[:4] == [sys.executable, "-P", "-m", "finetune.runtime.launcher"]
     assert " --num_processes 2 " in plan
     assert argv[argv.index("--config_file") + 1] == str(REPO / "accelerate_configs" / "ddp.yaml")
     assert argv[-3:] == ["-m", "finetune.runtime.worker", str(out / "recipe.resolved.yaml")]

@@ -13,6 +13,8 @@ from finetune.errors import (
     Interrupted,
     NonFiniteError,
     RunDirError,
+    command,
+    ctrl_c,
     describe,
     run_main,
 )
@@ -67,6 +69,43 @@ def test_ctrl_c_outside_the_loop_says_what_was_stopped(monkeypatch: pytest.Monke
     monkeypatch.setattr("sys.argv", ["finetune", "export", "runs/q", "-o", "q"])
     code, lines = describe(KeyboardInterrupt())
     assert code == 130 and len(lines) == 1 and "`finetune export` stopped before it finished" in lines[0]
+
+
+def test_a_process_finetune_started_names_the_command_it_runs_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank's or the launcher's own command line is not what the user typed: the front process hands its command
+    on (launch.child_env), and a Ctrl+C line names that."""
+    monkeypatch.setattr("sys.argv", ["/x/finetune/runtime/launcher.py", "--config_file", "ddp.yaml"])
+    monkeypatch.delenv("FINETUNE_COMMAND", raising=False)
+    assert command() == "finetune ddp.yaml"  # what the process's own arguments would say
+    monkeypatch.setenv("FINETUNE_COMMAND", "finetune resume")
+    assert command() == "finetune resume"
+    assert "`finetune resume` stopped before it finished" in describe(KeyboardInterrupt())[1][0]
+
+
+@pytest.mark.parametrize("stop", [Interrupted("stopped by signal after step 4", 143), Aborted(), KeyboardInterrupt()])
+def test_a_rank_that_does_not_say_stops_exits_with_their_code_in_silence(
+        stop: BaseException, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """run_main(say_stops=False): a signal's stop (Interrupted, finetune's own Ctrl+C) is its exit code and no line;
+    anything else, a KeyboardInterrupt that some code raised itself included, still says what it is."""
+    monkeypatch.delenv("FINETUNE_DEBUG", raising=False)
+
+    def stopped() -> None:
+        raise ctrl_c(stop) if isinstance(stop, KeyboardInterrupt) else stop
+
+    with pytest.raises(SystemExit) as done:
+        run_main(stopped, say_stops=False)
+    assert done.value.code == describe(stop)[0] and capsys.readouterr().err == ""
+
+    def failed() -> None:
+        raise ConfigError("a: bad")
+
+    def raised_by_a_plugin() -> None:
+        raise KeyboardInterrupt  # not a signal finetune took
+
+    for fail, said in ((failed, ["error: a: bad"]), (raised_by_a_plugin, describe(KeyboardInterrupt())[1])):
+        with pytest.raises(SystemExit):
+            run_main(fail, say_stops=False)
+        assert capsys.readouterr().err.splitlines() == said
 
 
 def test_a_full_disk_behind_a_library_error_is_one_line_exit_2() -> None:

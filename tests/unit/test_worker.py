@@ -101,6 +101,36 @@ def test_each_rank_exits_130_and_only_rank_0_says_why(rank: str, lines: list[str
     assert done.value.code == 130 and out == "" and err.splitlines() == lines
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_ctrl_c_before_the_loop_is_one_line_for_all_ranks_naming_the_users_command(
+        rank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Ctrl+C that the launcher passes on while the ranks still load the model (no step to stop after): each rank
+    exits 130, and only rank 0 says so, in the words of one process (the command the user typed, which the front
+    process hands on, not the worker's own command line)."""
+    import signal
+    import time
+
+    def loading(*_args: object, **_kwargs: object) -> None:
+        signal.raise_signal(signal.SIGINT)  # to this (the main) thread, as the launcher's signal arrives
+        time.sleep(5)
+
+    monkeypatch.setattr(worker, "run_worker", loading)
+    monkeypatch.setattr("sys.argv", ["/x/finetune/runtime/worker.py", "runs/x/recipe.resolved.yaml"])
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("FINETUNE_COMMAND", "finetune run")  # what launch.child_env hands on
+    monkeypatch.delenv("FINETUNE_DEBUG", raising=False)
+    with pytest.raises(SystemExit) as done:
+        worker.execute(Path("runs/x/recipe.resolved.yaml"))
+    out, err = capsys.readouterr()
+    assert done.value.code == 130 and out == ""
+    said = err.splitlines()
+    if rank == "0":
+        assert len(said) == 1 and said[0].startswith("interrupted (Ctrl+C): `finetune run` stopped before it "), said
+    else:
+        assert said == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_the_plan_decides_whether_unsharded_gradients_fit(monkeypatch) -> None:
     """On GPUs the worker asks finetune.runtime.plan about the smallest visible device; on the CPU, without accumulation
     or without an answer it reduce-scatters every micro-step."""
