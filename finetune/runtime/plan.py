@@ -6,8 +6,10 @@ uses (:func:`finetune.runtime.modeling.build_config`, :func:`finetune.runtime.pe
 is counted, per rank:
 
 * **parameters**: every parameter in the dtype training holds it in: ``model.dtype``; DeepSpeed with bf16/fp16 casts
-  the whole model to 16 bits; QLoRA keeps the quantized linear weights in 4-bit NF4 (packed bytes plus block
-  statistics, an estimate) and the other parameters in fp32 (peft's ``prepare_model_for_kbit_training``).
+  the whole model to 16 bits, FSDP with bf16/fp16 does not (its mixed-precision policy keeps the sharded parameters
+  in ``model.dtype`` and casts only the copies it gathers to compute with); QLoRA keeps the quantized linear weights
+  in 4-bit NF4 (packed bytes plus block statistics, an estimate) and the other parameters in fp32 (peft's
+  ``prepare_model_for_kbit_training``).
 * **gradients**: trainable parameters only, in their own dtype (autograd accumulates in the parameter's dtype).
 * **optimizer states**: torch creates AdamW's ``exp_avg`` and ``exp_avg_sq`` with ``zeros_like(param)`` and a float32
   ``step`` scalar tensor per parameter; SGD keeps a ``momentum_buffer`` only when momentum is not 0. Under DeepSpeed
@@ -24,17 +26,24 @@ is counted, per rank:
   partition; ``offload_param`` the parameters; FSDP ``fsdp_offload_params`` parameters, gradients and optimizer
   states. Where parameters are sharded, a rank also holds gathered ones while it computes (**gathered
   parameters**: the parameters outside the decoder layers plus two decoder layers, the one computing and the one
-  prefetched). FSDP with gradient accumulation keeps whole (unsharded) gradients across a step's micro-steps
-  (``no_sync``) only where the plan with them counted fits the smallest visible device (**accumulation
-  gradients**, see :func:`unsharded_accumulation_fits`, which the backend asks); otherwise, and on the CPU, it
-  reduce-scatters every micro-step and holds only its shard. DDP keeps its gradient buckets, a second copy of the
-  gradients (**DDP gradient buckets**). Under autocast with fp32 weights, the 16-bit copies of the linear weights
-  are saved for backward (**autocast weight copies**).
+  prefetched), in the dtype the forward computes with: FSDP with bf16/fp16 gathers 16-bit copies of its fp32 shards
+  (its policy's ``param_dtype``: FSDP2's unsharded parameters, FSDP1's ``_full_param_padded``; no fp32 whole is
+  made). Where FSDP casts but does not reshard after forward (SHARD_GRAD_OP, NO_SHARD), the 16-bit copies of every
+  parameter stay from forward to backward (**16-bit parameter copies**). FSDP with gradient accumulation keeps
+  whole (unsharded) gradients across a step's micro-steps (``no_sync``) only where the plan with them counted fits
+  the smallest visible device (**accumulation gradients**, see :func:`unsharded_accumulation_fits`, which the
+  backend asks); otherwise, and on the CPU, it reduce-scatters every micro-step and holds only its shard. DDP keeps
+  its gradient buckets, a second copy of the gradients (**DDP gradient buckets**). Under autocast with fp32
+  weights, the 16-bit copies of the linear weights are saved for backward (**autocast weight copies**). Autocast
+  runs where neither DeepSpeed's engine nor FSDP's policy casts (:class:`finetune.runtime.precision.Precision` asks
+  the same backend properties): one process and DDP. Under FSDP it is off, and backward uses the gathered 16-bit
+  parameters themselves (freed after forward and gathered again), so no copy is saved.
 * **activations** (an ESTIMATE, from the model config): with ``T = micro_batch_size x max_seq_len`` tokens, hidden
   size ``h``, query width ``q = heads x head_dim``, key/value width ``kv = kv_heads x head_dim``, intermediate size
   ``f``, ``L`` layers, ``a`` heads, ``s`` tokens per attention row (``max_seq_len``; ``T`` when packed), ``r`` bytes
-  of the residual stream (the weights' dtype) and ``c`` bytes of the compute dtype (16-bit under autocast), what one
-  layer saves for backward per token is::
+  of the residual stream (the dtype of the weights the forward computes with: 16-bit where DeepSpeed or FSDP casts
+  them, whose forward then runs wholly in 16 bits) and ``c`` bytes of the compute dtype (16-bit under autocast),
+  what one layer saves for backward per token is::
 
       layer = r*4h + c*(2h + 3q + 2kv + m*f)     m = 4 for a gated MLP (SiLU(gate) * up), else 2
               + a*s*(4 + c' + d)                  only where attention keeps its s x s scores: eager attention,
@@ -82,9 +91,11 @@ generation cache of ``exact_match``.
 Checked by ``tests/unit/test_plan.py``: parameters, gradients and optimizer states equal the bytes of a real model
 after a real training step (full, LoRA, DoRA, bf16 weights, SGD, BERT), QLoRA's 4-bit estimate is within 2% of a
 real bitsandbytes model, and the activation estimate is within 20% of what autograd really saves (Llama fp32, bf16
-autocast, eager attention, GQA; BERT fp32 and bf16). The device total is compared with the peak of live tensor
-bytes of real training steps: one process in ``tests/unit/test_plan_measured.py``, each 2-process backend inside
-the runs of ``tests/distributed/test_backends.py`` (the ratios per backend are in its docstring).
+autocast, bf16 weights, eager attention, GQA; BERT fp32 and bf16). The device total is compared with the peak of
+live tensor bytes of real training steps: one process in ``tests/unit/test_plan_measured.py``, each 2-process
+backend inside the runs of ``tests/distributed/test_backends.py`` (the ratios per backend are in its docstring), and
+FSDP1/FSDP2 in bf16 inside the runs of ``tests/distributed/test_fsdp_precision.py``, which also checks from what
+autograd saves that autocast copies exist in a 1-process bf16 run and not under FSDP, and the dtype FSDP gathers.
 
 ``run --dry-run`` ends with the same plan, each line commented as ``## `` so the output stays YAML.
 """
@@ -366,15 +377,26 @@ class _Precision:
 
     engine_half: bool  # DeepSpeed with bf16/fp16 casts the whole model to 16 bits
     qlora: bool  # 4-bit quantized weights; peft upcasts the other parameters to fp32
-    residual: int  # bytes per element of the residual stream (the weights' dtype)
+    residual: int  # bytes per element of the residual stream (the weights' dtype in the forward)
     compute: int  # bytes per element of what the layers compute (16 bits under autocast)
+    # the backend casts the weights it computes with to 16 bits (FSDP's mixed-precision policy, param_dtype): the
+    # parameters it holds keep model.dtype, the ones it gathers for a forward or backward are 16-bit, and the
+    # whole forward (residual stream included) runs on them, as under DeepSpeed's bf16
+    backend_casts: bool = False
+    # torch.autocast runs (finetune.runtime.precision.Precision: bf16/fp16 where neither the engine nor the backend
+    # casts), and saves 16-bit copies of the weights for backward
+    autocast: bool = False
 
     @classmethod
     def of(cls, cfg: RecipeConfig, sharding: Sharding) -> _Precision:
-        engine_half = _engine(sharding).engine_owns_precision and cfg.train.mixed_precision in ("bf16", "fp16")
+        engine = _engine(sharding)
+        half = cfg.train.mixed_precision in ("bf16", "fp16")
+        engine_half = engine.engine_owns_precision and half
+        backend_casts = engine.casts_parameters and half and not engine_half
         qlora = cfg.peft.method == "qlora"
-        residual = 2 if engine_half else (4 if qlora else _DTYPE_BYTES[cfg.model.dtype])
-        return cls(engine_half, qlora, residual, 2 if cfg.train.mixed_precision in ("bf16", "fp16") else residual)
+        residual = 2 if engine_half or backend_casts else (4 if qlora else _DTYPE_BYTES[cfg.model.dtype])
+        return cls(engine_half, qlora, residual, 2 if half else residual, backend_casts,
+                   autocast=half and not engine_half and not backend_casts)
 
     def held(self, p: ParamInfo) -> int:
         """Bytes of ``p`` as training holds it (its gradient, when it has one, has the same dtype)."""
@@ -383,6 +405,14 @@ class _Precision:
         if self.engine_half:
             return 2 * p.numel
         return p.numel * (4 if self.qlora else p.element_size)
+
+    def computed(self, p: ParamInfo) -> int:
+        """Bytes of ``p`` as a forward computes with it: where the backend casts, its 16-bit copy (FSDP gathers
+        ``param_dtype`` copies: FSDP2's unsharded parameters, FSDP1's ``_full_param_padded``, never an fp32
+        whole); else as held. Quantized weights are not floating point, and stay as held."""
+        if self.backend_casts and not p.quantized:
+            return min(self.held(p), 2 * p.numel)
+        return self.held(p)
 
 
 def _engine(sharding: Sharding) -> backends.Backend:
@@ -461,17 +491,25 @@ def _backend_items(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding, pre
         items.append(Item("reduce_bucket", "DeepSpeed reduce bucket", bucket, bucket, 1, "device",
                           f"reduce_bucket_size {elements:,} elements: the default 5e8 capped at the trainable "
                           "parameters (ZeRO-1/2: allocated at each backward; ZeRO-3: for the whole run)"))
+    cast = f" ({cfg.train.mixed_precision} copies: the backend's mixed-precision policy)" if prec.backend_casts else ""
     if sharding.gathers:
         gathered = [p for p in params if not _persistent(p, sharding)]  # the persistent ones are whole already
         layers: dict[int, int] = {}
         for p in gathered:
             if p.layer is not None:
-                layers[p.layer] = layers.get(p.layer, 0) + prec.held(p)
-        size = min(sum(prec.held(p) for p in gathered),
-                   sum(prec.held(p) for p in gathered if p.layer is None) + 2 * max(layers.values(), default=0))
+                layers[p.layer] = layers.get(p.layer, 0) + prec.computed(p)
+        size = min(sum(prec.computed(p) for p in gathered),
+                   sum(prec.computed(p) for p in gathered if p.layer is None) + 2 * max(layers.values(), default=0))
         items.append(Item("gathered_parameters", "gathered parameters", size, size, 1, "device",
-                          "transient, while computing: the parameters outside the decoder layers + 2 layers"))
-    if cfg.train.mixed_precision in ("bf16", "fp16") and not engine.engine_owns_precision:
+                          "transient, while computing: the parameters outside the decoder layers + 2 layers" + cast))
+    elif prec.backend_casts:  # parameters not resharded after forward (FSDP NO_SHARD, SHARD_GRAD_OP): their
+        # 16-bit copies stay whole from forward to backward (FSDP1's _mp_shard / _full_param_padded, FSDP2's
+        # unsharded parameters), besides the parameters held
+        size = sum(prec.computed(p) for p in params if prec.computed(p) < prec.held(p))
+        if size:
+            items.append(Item("parameter_copies", "16-bit parameter copies", size, size, 1, "device",
+                              f"whole from forward to backward (the strategy does not reshard){cast}"))
+    if prec.autocast:
         copies = [p for p in params if p.linear_weight and not p.quantized and prec.held(p) > 2 * p.numel]
         if cfg.train.gradient_checkpointing or prec.qlora:  # the autocast cache (trainable) + the recomputed layer
             layer_numel: dict[int, int] = {}

@@ -334,6 +334,44 @@ def test_sharded_ranks_count_the_parameters_they_gather(config: str) -> None:
     assert plan.device_total == sum(i.per_rank_bytes for i in plan.items if i.where == "device")
 
 
+@pytest.mark.parametrize("config", ["fsdp1", "fsdp2"])
+def test_fsdp_bf16_counts_what_its_policy_casts_not_autocast_copies(config: str) -> None:
+    """FSDP with bf16 casts the weights itself (its mixed-precision policy, ``Backend.casts_parameters``), so training
+    turns autocast off (finetune.runtime.precision.Precision): no autocast weight copies. It keeps fp32 shards and
+    gathers bf16 copies (param_dtype) to compute with, and its forward runs on bf16 weights as a bf16 model's does
+    (residual stream included). The plan counted DDP's autocast copies and fp32 gathered parameters here before
+    (tests/distributed/test_fsdp_precision.py measures both on real runs)."""
+    fsdp = _plan(*WIDE, *TWO, f"launch.accelerate_config={config}", "train.mixed_precision=bf16")
+    fp32 = _plan(*WIDE, *TWO, f"launch.accelerate_config={config}")
+    assert fsdp.item("autocast_copies") is None
+    assert _item(_plan(*WIDE, *TWO, "launch.accelerate_config=ddp", "train.mixed_precision=bf16"),
+                 "autocast_copies").per_rank_bytes > 0  # DDP: autocast over the fp32 weights
+    for key in ("parameters", "gradients", "optimizer_states"):  # the fp32 shards, as without mixed precision
+        assert _item(fsdp, key) == _item(fp32, key)
+    wide = {k.split(".")[-1]: int(v) for k, v in (o.split("=") for o in WIDE)}
+    outside, layer = _layer_bytes(wide, 0)  # fp32 bytes
+    assert _rank(fsdp, "gathered_parameters") == (outside + 2 * layer) // 2 == _rank(fp32, "gathered_parameters") // 2
+    bf16_model = _plan(*WIDE, *TWO, "launch.accelerate_config=ddp", "model.dtype=bfloat16",
+                       "train.mixed_precision=bf16")
+    assert fsdp.activations == bf16_model.activations
+
+
+@pytest.mark.parametrize(("base", "fsdp"), [
+    ("fsdp1", {"fsdp_sharding_strategy": "SHARD_GRAD_OP"}),
+    ("fsdp2", {"fsdp_reshard_after_forward": False}),
+    ("fsdp1", {"fsdp_sharding_strategy": "NO_SHARD"}),
+])
+def test_fsdp_bf16_without_resharding_keeps_whole_16_bit_copies(tmp_path: Path, base: str,
+                                                                 fsdp: dict[str, Any]) -> None:
+    """A strategy that does not reshard after forward keeps the bf16 copy of every parameter from forward to
+    backward (FSDP1's low-precision flat parameter, FSDP2's unsharded parameters); nothing is gathered per layer."""
+    config = _accelerate_config(tmp_path, base, **fsdp)
+    plan = _plan(*WIDE, *TWO, f"launch.accelerate_config={config}", "train.mixed_precision=bf16")
+    assert plan.item("gathered_parameters") is None and plan.item("autocast_copies") is None
+    assert _rank(plan, "parameter_copies") == 2 * plan.total_params
+    assert _plan(*WIDE, *TWO, f"launch.accelerate_config={config}").item("parameter_copies") is None  # fp32
+
+
 def test_fsdp_accumulation_keeps_whole_gradients_only_where_they_fit() -> None:
     """FSDP with 2 micro-steps per step: whole gradients kept across the window (no_sync) are counted where they fit
     the device and the backend may keep them; otherwise every micro-step reduce-scatters and nothing more is held.
@@ -449,6 +487,7 @@ def _saved_for_backward(cfg: RecipeConfig) -> tuple[int, Any]:
 @pytest.mark.parametrize(("recipe", "overrides"), [
     (QUICKSTART, ()),
     (QUICKSTART, ("train.mixed_precision=bf16",)),
+    (QUICKSTART, ("model.dtype=bfloat16",)),  # a forward on bf16 weights, as FSDP's bf16 policy runs it
     (QUICKSTART, ("model.attn_implementation=eager",)),
     (QUICKSTART, ("model.config_overrides.num_key_value_heads=2",)),
     (MINILM, ()),
@@ -458,8 +497,8 @@ def _saved_for_backward(cfg: RecipeConfig) -> tuple[int, Any]:
     (QUICKSTART, ("peft.method=lora",)),
     (QUICKSTART, ("peft.method=lora", "peft.dropout=0")),
     (QUICKSTART, ("peft.method=lora", "peft.preset=attn")),
-], ids=["fp32", "bf16-autocast", "eager", "gqa", "minilm", "minilm-bf16", "packed-sdpa", "packed-sdpa-bf16", "lora",
-        "lora-no-dropout", "lora-attn"])
+], ids=["fp32", "bf16-autocast", "bf16-weights", "eager", "gqa", "minilm", "minilm-bf16", "packed-sdpa",
+        "packed-sdpa-bf16", "lora", "lora-no-dropout", "lora-attn"])
 def test_activation_estimate_tracks_what_autograd_saves(recipe: Path, overrides: tuple[str, ...]) -> None:
     """An estimate, but a close one: within 20% of the bytes autograd really keeps for backward (plus the autocast
     weight copies, which autograd keeps too). Packed with sdpa, the additive block-diagonal mask every layer saves
