@@ -305,7 +305,10 @@ def config(
 
 @app.command()
 def models() -> None:
-    """List the SupportedModel table."""
+    """List the SupportedModel table: the tested model families (model.type).
+
+    The documentation's Model families page lists the same rows with their LoRA presets. A causal LM of a family
+    not listed here trains with a row derived from its transformers class (untested; a warning says so)."""
 
     header = ("type", "task", "HF class", "FSDP wraps", "capabilities", "about")
     rows = [(row.name, row.task, row.auto_class, row.decoder_layer or "-", ", ".join(sorted(row.capabilities)) or "-",

@@ -280,27 +280,39 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
 }
 
 
+# Rows derived at run time for a causal LM whose family has no row (finetune.config.families): kept apart from the
+# table, which holds the tested families (`finetune models`, the docs' table of model families); get_model finds both.
+# A process derives them again from the model's config.json when it validates the recipe (the recipe records the
+# name), so a derived row is never stored.
+DERIVED: dict[str, SupportedModel] = {}
+
+
 def register(row: SupportedModel) -> None:
     """Add (or replace) a row; called by user plugin modules named in ``model.plugin``."""
+    problem = row_problem(row)
+    if problem:
+        raise ConfigError(problem)
+    SUPPORTED_MODELS[row.name] = row
+
+
+def row_problem(row: SupportedModel) -> str | None:
+    """The one line that refuses ``row`` (what :func:`register` checks), or None for a row finetune can build."""
     if not isinstance(row, SupportedModel) or not isinstance(row.name, str) or not row.name:
-        raise ConfigError(f"model.plugin: register() takes a SupportedModel with a name, got {row!r:.80}")
+        return f"model.plugin: register() takes a SupportedModel with a name, got {row!r:.80}"
     if row.task not in TASK_METRICS:
-        raise ConfigError(f"SupportedModel {row.name!r}: unknown task {row.task!r}; known: {sorted(TASK_METRICS)}")
+        return f"SupportedModel {row.name!r}: unknown task {row.task!r}; known: {sorted(TASK_METRICS)}"
     unknown = frozenset(row.capabilities) - CAPABILITIES
     if unknown:
-        raise ConfigError(f"SupportedModel {row.name!r}: unknown capabilities {sorted(unknown)}; "
-                          f"known: {sorted(CAPABILITIES)}")
+        return f"SupportedModel {row.name!r}: unknown capabilities {sorted(unknown)}; known: {sorted(CAPABILITIES)}"
     rules = row_task(row)
     if "packing" in row.capabilities and not rules.text_causal:
-        raise ConfigError(f"SupportedModel {row.name!r}: packing is a causal_lm capability (a {row.task} row packs "
-                          "no next-token targets); remove it from capabilities")
+        return (f"SupportedModel {row.name!r}: packing is a causal_lm capability (a {row.task} row packs no "
+                "next-token targets); remove it from capabilities")
     if "preference" in row.capabilities and not rules.text_causal:
-        raise ConfigError(f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward "
-                          f"train decoders, not {row.task} rows); remove it from capabilities")
+        return (f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward train "
+                f"decoders, not {row.task} rows); remove it from capabilities")
     problem = _class_problem(row) or _inputs_problem(row) or _vision_problem(row)
-    if problem:
-        raise ConfigError(f"SupportedModel {row.name!r}: {problem}")
-    SUPPORTED_MODELS[row.name] = row
+    return f"SupportedModel {row.name!r}: {problem}" if problem else None
 
 
 def _class_problem(row: SupportedModel) -> str | None:
@@ -438,7 +450,8 @@ def model_type_problem(row: SupportedModel, model_type: object, where: str) -> s
     if not row.model_types or model_type in row.model_types:
         return None
     fits = sorted(r.name for r in SUPPORTED_MODELS.values() if model_type in r.model_types and not r.debug_build)
-    hint = f"set model.type to {' or '.join(fits)}" if fits else "add a row for it with model.plugin"
+    hint = (f"set model.type to {' or '.join(fits)}" if fits else "remove model.type (a causal LM then trains with a "
+            "row derived from transformers, untested) or add a row for it with model.plugin")
     return (f"model.type: {row.name} expects a {'/'.join(row.model_types)} model, but {where} holds a "
             f"{model_type!r} model; {hint}")
 
@@ -473,14 +486,17 @@ def recipe_row(cfg: Any, *, as_trained: bool = True) -> SupportedModel:
     checkpoint) and hands the answer on (prepare.Inputs, the Trainer, the plan, the target), so no module reads the
     table with a task rule of its own. ``as_trained=False``: the model type's own row, before the task turns it into
     a variant: what validation checks the recipe's task against (its lines name the type's own task)."""
+    if cfg.model.type is None:  # validation fills it in (finetune.config.families); a hand-made config may not
+        raise ConfigError("model.type: not set; set it to a row of `finetune models`, or validate the recipe, which "
+                          "reads it from model.path's config.json")
     return get_model(cfg.model.type, getattr(cfg, "task", None) if as_trained else None)
 
 
 def get_model(name: str, task: str | None = None) -> SupportedModel:
-    """The row for ``name`` as a run of ``task`` (the recipe's ``task`` key) builds it (:func:`for_task`), or a
-    ConfigError listing close matches."""
+    """The row for ``name`` (a row of the table, else one derived in this process, :data:`DERIVED`) as a run of
+    ``task`` (the recipe's ``task`` key) builds it (:func:`for_task`), or a ConfigError listing close matches."""
     try:
-        row = SUPPORTED_MODELS[name]
+        row = SUPPORTED_MODELS[name] if name in SUPPORTED_MODELS else DERIVED[name]
     except KeyError:
         close = difflib.get_close_matches(name, SUPPORTED_MODELS, n=3, cutoff=0.4)
         hint = f"did you mean {', '.join(close)}? " if close else ""

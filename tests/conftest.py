@@ -78,9 +78,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     items[:] = [item for name in sorted(files, key=weight, reverse=True) for item in files[name]]
 
 # Variables a test must not inherit from the shell or an earlier test: a launcher's (a test is one process unless it
-# launches more itself), debug tracebacks (they change what an error prints) and a replacement recipes folder.
+# launches more itself), debug tracebacks (they change what an error prints), a replacement recipes folder and the
+# derived rows a command has said its line for (finetune.config.families: said once per command).
 UNSET_FOR_TESTS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED", "LOCAL_WORLD_SIZE", "FINETUNE_DEBUG",
-                   "FINETUNE_RECIPES_DIR")
+                   "FINETUNE_RECIPES_DIR", "FINETUNE_DERIVED_SAID")
 
 ALPACA_ROWS = [{"instruction": "Reverse the letters.", "input": "a b c", "output": "c b a"}] * 4
 

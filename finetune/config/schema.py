@@ -40,7 +40,13 @@ class Section(BaseModel):
 class ModelConfig(Section):
     """Which model to fine-tune and how to load it."""
 
-    type: str = Field(description="a row of the SupportedModel table (`finetune models`)")
+    type: str | None = Field(
+        default=None,
+        description="a row of the SupportedModel table (`finetune models`). null: the row whose model_types list the "
+        "model_type of model.path's config.json (a non-debug row first); a causal LM whose family has no row trains "
+        "with a row derived from its transformers class (untested, said on stderr). The resolved recipe records the "
+        "type found",
+    )
     path: str | None = Field(
         default=None,
         description="hub id, local folder, or pkg://<module> (a Python package that ships weights); "

@@ -19,7 +19,7 @@ from typing import Any, get_args
 from pydantic import BaseModel, ValidationError
 
 from finetune import objectives, registry
-from finetune.config import accelerate, chat_templates
+from finetune.config import accelerate, chat_templates, families
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
 from finetune.config.compose import DATA_SUFFIXES, Composed, _file_kind, compose_stored
 from finetune.config.schema import (
@@ -178,9 +178,14 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
         if cfg.model.plugin:
             registry.load_plugin(cfg.model.plugin)
         try:
-            row = registry.recipe_row(cfg, as_trained=False)  # the task is checked against the type's own row
+            families.resolve(cfg.model)  # model.type from config.json when left out; a derived row when none fits
         except ConfigError as exc:
             lines.append(str(exc))
+        if cfg.model.type is not None:
+            try:
+                row = registry.recipe_row(cfg, as_trained=False)  # the task is checked against the type's own row
+            except ConfigError as exc:
+                lines.append(str(exc))
     # the task whose metrics apply: the recipe's, or one its data format names (that line then names the task)
     scored = objectives.metrics_task(cfg.task, cfg.data.format if cfg.data is not None else None)
     if row is not None and cfg.model is not None:
@@ -208,6 +213,12 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             lines.append(f"model.attn_implementation: {row.name} does not support flex_attention; use sdpa (or null, "
                          "the model's default)")
         lines += _freeze_lines(cfg, row)
+        peft = getattr(cfg, "peft", None)  # None: the peft section has schema errors (reported by them)
+        if row.factory is None and peft is not None and peft.method != "none" and not peft.target_modules \
+                and not row.lora_targets.get(peft.preset):  # a derived row leaves out a preset that finds nothing
+            presets = [name for name, targets in row.lora_targets.items() if targets]
+            lines.append(f"peft.preset: {row.name} names no modules for preset {peft.preset}; use "
+                         + "".join(f"peft.preset={name} or " for name in presets) + "peft.target_modules")
         if row.factory is not None:
             lines += _factory_lines(cfg, row)
         else:
@@ -395,12 +406,11 @@ def _model_folder_lines(path: str | None, row: registry.SupportedModel, weights:
     """Problems of a local model folder, found before anything launches: missing, not a folder, no or a broken
     config.json, weights of another model family, no weights (unless ``weights`` is false: a memory plan builds the
     model from config.json alone). Hub ids and pkg:// paths are checked on load."""
-    if not path or "://" in path:
+    folder = families.local_folder(path) if path else None
+    if folder is None:  # null, a hub id (org/name) or pkg://: checked on load
         return []
-    folder = Path(path).expanduser()
     if not folder.exists():
-        looks_local = folder.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1
-        return [f"model.path: folder not found: {path}"] if looks_local else []  # else: a hub id, org/name
+        return [f"model.path: folder not found: {path}"]
     if not folder.is_dir():
         return [f"model.path: {path} is a file; give the model folder (config.json + weights)"]
     config = folder / "config.json"
@@ -462,6 +472,8 @@ def validate(composed: Composed, allow_plugin: bool = True, *, train_files: bool
     lines = _semantic_lines(cfg, train_files, weights)
     if lines:
         raise ConfigError("\n".join(lines))
+    if "model.type" not in composed.provenance and cfg.model.path:  # the type read from the model's config.json
+        composed.provenance["model.type"] = f"model_type of {cfg.model.path}'s config.json"
     out = Path(cfg.output_dir or Path("runs") / cfg.name)
     if out.is_symlink():  # a link as the run directory itself (a linked parent folder is fine)
         raise ConfigError(f"output_dir: {out} is a symbolic link (to {out.resolve()}); finetune never writes through "

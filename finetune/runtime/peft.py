@@ -41,8 +41,12 @@ def modules_to_save(cfg: PeftConfig, row: SupportedModel) -> list[str] | None:
 
 
 def linear_module_names(model: Any) -> list[str]:
-    """Names of the model's linear layers (what LoRA can adapt)."""
-    return [name for name, module in model.named_modules() if type(module).__name__ in LINEAR_TYPES]
+    """Names of the model's linear layers (what LoRA can adapt): of a class named in :data:`LINEAR_TYPES`, or a
+    subclass of ``nn.Linear`` (Falcon's ``FalconLinear``), which peft adapts as a Linear."""
+    import torch  # lazy: heavy
+
+    return [name for name, module in model.named_modules()
+            if type(module).__name__ in LINEAR_TYPES or isinstance(module, torch.nn.Linear)]
 
 
 def matched_modules(model: Any, targets: list[str], exclude: str | None = None) -> list[str]:

@@ -1,13 +1,15 @@
 """The documentation's generated reference pages (scripts/docs_reference.py): docs/reference/recipe.md lists every
-recipe key with the schema's real default, docs/reference/cli.md every command with each option ``--help`` shows;
-the committed pages are what the code gives now, and both are Markdown that MkDocs renders as written.
+recipe key with the schema's real default, docs/reference/cli.md every command with each option ``--help`` shows,
+docs/reference/models.md every row of the SupportedModel table with its task, model types, capabilities and LoRA
+presets; the committed pages are what the code gives now, and all are Markdown that MkDocs renders as written.
 
 The expectations come from elsewhere than the generator: the schema's keys from a plain walk of the pydantic
 fields here, the values a key may take from pydantic's own JSON Schema, the commands and options from the help text
-the CLI prints, the rendering from Python-Markdown (the parser MkDocs uses)."""
+the CLI prints, the model rows from the table itself, the rendering from Python-Markdown (the parser MkDocs uses)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -21,6 +23,7 @@ from typer.testing import CliRunner
 
 from finetune.cli import app
 from finetune.config.schema import RecipeConfig
+from finetune.registry import SUPPORTED_MODELS
 from tests.cli_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,6 +44,11 @@ def recipe_md(generator: ModuleType) -> str:
 @pytest.fixture(scope="module")
 def cli_md(generator: ModuleType) -> str:
     return generator.cli_page()[0]
+
+
+@pytest.fixture(scope="module")
+def models_md(generator: ModuleType) -> str:
+    return generator.models_page()[0]
 
 
 def test_the_committed_pages_are_current(generator: ModuleType) -> None:
@@ -213,6 +221,59 @@ def test_every_option_of_a_verb_is_listed(cli_md: str, verb: str) -> None:
     assert not missing, f"finetune {verb}: options not in cli.md: {missing}"
 
 
+# --- the model families page ------------------------------------------------------------------------------------------
+
+
+def _table_rows(page: str, heading: str) -> dict[str, list[str]]:
+    """The rows of the table under ``## heading``, by their first cell's code (the row name): the other cells."""
+    out = {}
+    for line in _section(page, heading).splitlines():
+        match = re.match(r"\| `([^`]+)` \|", line)
+        if match:
+            assert match.group(1) not in out, f"{match.group(1)} is listed twice"
+            out[match.group(1)] = [cell.strip() for cell in CELL_SPLIT.split(line)[2:-1]]
+    return out
+
+
+def _codes(cell: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", cell)
+
+
+def test_every_row_is_listed_with_its_task_types_capabilities_and_presets(models_md: str) -> None:
+    listed, presets = _table_rows(models_md, "Rows"), _table_rows(models_md, "LoRA presets")
+    assert list(listed) == list(SUPPORTED_MODELS) == list(presets), "one row per SupportedModel, in table order"
+    header = [cell.strip() for cell in CELL_SPLIT.split(_section(models_md, "LoRA presets").split("\n| Row")[1]
+                                                         .splitlines()[0])[1:-1]]
+    for name, row in SUPPORTED_MODELS.items():
+        task, types, description, capabilities, wraps, debug = listed[name]
+        assert _codes(task) == [row.task] and _codes(types) == list(row.model_types)
+        assert set(_codes(capabilities)) == set(row.capabilities) and _codes(wraps) == list(row.wrap_classes)
+        assert (debug == "yes") == row.debug_build and description.startswith(row.description.split("(")[0][:20])
+        for preset, modules in row.lora_targets.items():
+            assert _codes(presets[name][header.index(preset)]) == list(modules), (name, preset)
+
+
+def test_a_row_added_to_the_table_appears_when_the_page_is_generated(generator: ModuleType,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the other rows get: a row registered in the table (as a new family's is) is a row of the page, and the
+    committed page is then stale until the script runs."""
+    added = dataclasses.replace(SUPPORTED_MODELS["llama"], name="newfamily", model_types=("newfamily",),
+                                description="a family added to the table")
+    monkeypatch.setitem(SUPPORTED_MODELS, "newfamily", added)
+    page, count = generator.models_page()
+    assert count == len(SUPPORTED_MODELS) and "newfamily" in _table_rows(page, "Rows")
+    assert "| `newfamily` | `causal_lm` | `newfamily` | a family added to the table |" in page
+    assert generator.MODELS_PAGE in generator.stale()
+
+
+def test_the_page_states_the_rules_for_a_family_without_a_row(models_md: str) -> None:
+    """The section is the families module's own text: the selection rule, the derivation and the way to add a row."""
+    section = _section(models_md, "Families without a row")
+    for words in ("`llama` and the debug `tiny-llama` both list `llama`", "`_no_split_modules`", "`attn_mlp`",
+                  "never `packing`, `flex_attention` or `preference`", "`model.plugin`", "../architecture.md"):
+        assert words in section, words
+
+
 # --- Markdown ---------------------------------------------------------------------------------------------------------
 
 
@@ -222,9 +283,9 @@ def _outside_code(page: str) -> str:
     return re.sub(r"(`+).+?\1", "", page)
 
 
-@pytest.mark.parametrize("page", ["recipe", "cli"])
-def test_the_page_is_plain_markdown(page: str, recipe_md: str, cli_md: str) -> None:
-    text = {"recipe": recipe_md, "cli": cli_md}[page]
+@pytest.mark.parametrize("page", ["recipe", "cli", "models"])
+def test_the_page_is_plain_markdown(page: str, recipe_md: str, cli_md: str, models_md: str) -> None:
+    text = {"recipe": recipe_md, "cli": cli_md, "models": models_md}[page]
     headings = re.findall(r"^#+ (.+)$", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S), re.M)
     assert len(headings) == len(set(headings)), f"headings repeat: {headings}"
     prose = _outside_code(text)
@@ -235,18 +296,21 @@ def test_the_page_is_plain_markdown(page: str, recipe_md: str, cli_md: str) -> N
     assert str(REPO) not in text and str(Path.home()) not in text, "an absolute path of this machine"
 
 
-@pytest.mark.parametrize("page", ["recipe", "cli"])
-def test_python_markdown_renders_the_tables_as_written(page: str, recipe_md: str, cli_md: str) -> None:
+@pytest.mark.parametrize("page", ["recipe", "cli", "models"])
+def test_python_markdown_renders_the_tables_as_written(page: str, recipe_md: str, cli_md: str, models_md: str) -> None:
     """Rendered as MkDocs renders it (Python-Markdown's tables): every row has its header's cells, and the text
-    shows no stray escapes, emphasis or HTML of its own."""
+    shows no stray escapes, emphasis or HTML of its own (the models page's rules are a list)."""
     markdown = pytest.importorskip("markdown")
-    html = markdown.markdown({"recipe": recipe_md, "cli": cli_md}[page], extensions=["tables", "toc"])
+    html = markdown.markdown({"recipe": recipe_md, "cli": cli_md, "models": models_md}[page],
+                             extensions=["tables", "toc"])
     for table in re.findall(r"<table>(.*?)</table>", html, re.S):
         header = len(re.findall(r"<th[ >]", table))
         cells = [len(re.findall(r"<td[ >]", row)) for row in re.findall(r"<tr>(.*?)</tr>", table, re.S)[1:]]
         assert set(cells) == {header}, table[:300]
     tags = set(re.findall(r"</?([a-z0-9]+)", html))
-    assert tags <= {"h1", "h2", "p", "table", "thead", "tbody", "tr", "th", "td", "code", "pre", "a", "strong"}, tags
+    lists = {"ul", "li"} if page == "models" else set()
+    assert tags <= {"h1", "h2", "p", "table", "thead", "tbody", "tr", "th", "td", "code", "pre", "a", "strong",
+                    *lists}, tags
     assert "\\" not in re.sub(r"<code>.*?</code>", "", html, flags=re.S), "an escape rendered literally"
 
 
@@ -273,7 +337,7 @@ def test_check_says_what_to_run_and_writing_makes_it_pass(generator: ModuleType,
     (tmp_path / "docs/reference/cli.md").write_text("# old\n")
     assert generator.main(["--check"]) == 1
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and REGENERATE in err and "recipe.md" in err and "cli.md" in err
+    assert err.count("\n") == 1 and REGENERATE in err and "recipe.md" in err and "cli.md" in err and "models.md" in err
     assert generator.main([]) == 0
     assert generator.main(["--check"]) == 0
     assert (tmp_path / "docs/reference/recipe.md").read_text() == generator.recipe_page()[0]

@@ -25,7 +25,7 @@ WRITER = "recipe_files.py"  # tests/recipe_files.py: the one module that dumps Y
 SHARED_RESET = "conftest.py"  # tests/conftest.py: the one autouse reset (_fresh_process)
 # What the shared reset owns: a module's own autouse fixture must not touch it again.
 SHARED_STATE = ("hooks.clear", "chdir", "LOCAL_RANK", "RANK", "WORLD_SIZE", "ACCELERATE_LAUNCHED", "LOCAL_WORLD_SIZE",
-                "FINETUNE_DEBUG", "FINETUNE_RECIPES_DIR", "HF_HUB_OFFLINE")
+                "FINETUNE_DEBUG", "FINETUNE_RECIPES_DIR", "HF_HUB_OFFLINE", "FINETUNE_DERIVED_SAID")
 YAML_DUMPS = ("dump", "safe_dump", "dump_all", "safe_dump_all")
 
 

@@ -6,6 +6,7 @@ Pure config code: no torch, no training. Every shipped recipe and preset is vali
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -221,6 +222,44 @@ def test_plugin_that_cannot_be_imported_is_a_config_error(write_recipe):
     message = one_error(write_recipe(), ["model.plugin=no_such_module_xyz"])
     assert message.startswith("model.plugin: cannot import 'no_such_module_xyz'")
     assert "no_such_module_xyz" not in sys.modules
+
+
+def test_a_left_out_model_type_is_read_from_the_folder_and_recorded(write_recipe, tmp_path, minimal_recipe):
+    """model.type null: the row whose model_types list config.json's model_type (llama, not the debug tiny-llama);
+    the resolved recipe names it, so every later command reads the same row."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")  # validation only looks for weight files
+    minimal_recipe["model"] = {"path": "model"}
+    cfg, composed = load_recipe(write_recipe(minimal_recipe))
+    assert cfg.model.type == "llama"
+    assert composed.provenance["model.type"] == f"model_type of {tmp_path / 'model'}'s config.json"  # --provenance
+    (tmp_path / "run").mkdir()
+    assert load_resolved(write_resolved(cfg, tmp_path / "run")).model.type == "llama"
+
+
+@pytest.mark.parametrize(("path", "expected"), [
+    (None, "model.type: not set, and model.path is null (nothing to read the model type from); set model.type to a "
+           "row of `finetune models` (tiny-llama builds a debug model), or model.path"),
+    ("weights", "model.path: weights has no config.json to read the model type from; give a Hugging Face model "
+                "folder, or set model.type (a row of `finetune models`)"),
+])
+def test_a_model_type_that_cannot_be_found_is_one_line(write_recipe, tmp_path, minimal_recipe, path, expected):
+    (tmp_path / "weights").mkdir()
+    minimal_recipe["model"] = {"path": path}
+    assert one_error(write_recipe(minimal_recipe)).replace(f"{tmp_path}/", "") == expected  # relative to the recipe
+
+
+def test_a_preset_the_row_does_not_name_is_one_line(write_recipe, monkeypatch):
+    """A row may leave a preset out (a derived row whose layers have no attention); asking for it is refused before
+    anything is built, naming the presets it has."""
+    row = registry.SUPPORTED_MODELS["tiny-llama"]
+    monkeypatch.setitem(registry.SUPPORTED_MODELS, "no-attn", dataclasses.replace(
+        row, name="no-attn", lora_targets={"attn_mlp": ("up_proj",), "all_linear": ("up_proj",)}))
+    assert one_error(write_recipe(), ["model.type=no-attn", "peft.method=lora", "peft.preset=attn"]) == (
+        "peft.preset: no-attn names no modules for preset attn; use peft.preset=attn_mlp or peft.preset=all_linear "
+        "or peft.target_modules")
+    load_recipe(write_recipe(), ["model.type=no-attn", "peft.method=lora", "peft.target_modules=[up_proj]"])
 
 
 # --- derived values, round trip -----------------------------------------------------------------------------------
