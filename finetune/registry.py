@@ -208,9 +208,7 @@ _TINY_GPT_OSS = {**_TINY_MOE, "intermediate_size": 64, "num_local_experts": 4, "
                  "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
                                      "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
                                      "truncate": False}}
-_MOE_NOTE = ("LoRA presets adapt the attention projections (q/k/v/o); the experts (fused 3-D parameters) and the "
-             "router train in full fine-tuning only; the router's load-balancing loss is added when the config sets "
-             "output_router_logits")
+_MOE_NOTE = "LoRA presets: attention only; experts and router train in full fine-tuning"
 
 _VLM_LORA = {"attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
              "attn_mlp": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -285,13 +283,13 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         name="mixtral", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="MixtralConfig",
         decoder_layer="MixtralDecoderLayer", lora_targets=_MOE_LORA, capabilities=_DECODER_CAPS,
         model_inputs=_DECODER_INPUTS, tiny_config=_TINY_MIXTRAL, model_types=("mixtral",),
-        description=f"Mixtral mixture-of-experts decoders; {_MOE_NOTE}",
+        description=f"Mixtral mixture-of-experts decoders ({_MOE_NOTE})",
     ),
     "qwen3_moe": SupportedModel(
         name="qwen3_moe", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="Qwen3MoeConfig",
         decoder_layer="Qwen3MoeDecoderLayer", lora_targets=_MOE_LORA, capabilities=_DECODER_CAPS,
         model_inputs=_DECODER_INPUTS, tiny_config=_TINY_QWEN3_MOE, model_types=("qwen3_moe",),
-        description=f"Qwen3-MoE decoders (Qwen3-30B-A3B, 235B-A22B); {_MOE_NOTE}",
+        description=f"Qwen3-MoE decoders, e.g. Qwen3-30B-A3B ({_MOE_NOTE})",
     ),
     # GPT-OSS: its attention sinks live in the eager attention (the model's default: transformers refuses sdpa for
     # it); flash-attn 2 would drop them (finetune.runtime.modeling refuses it) and flex attention keeps them on CUDA
@@ -302,8 +300,8 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         decoder_layer="GptOssDecoderLayer", lora_targets=_MOE_LORA,
         capabilities=frozenset({"gradient_checkpointing", "generation", "preference"}),
         tiny_config=_TINY_GPT_OSS, model_types=("gpt_oss",),
-        description=f"GPT-OSS (gpt-oss-20b/120b; MXFP4 experts dequantized to model.dtype; eager attention keeps its "
-                    f"sinks; no packing); {_MOE_NOTE}",
+        description=f"GPT-OSS mixture of experts (MXFP4 experts loaded as model.dtype; eager attention with sinks; "
+                    f"no packing; {_MOE_NOTE})",
     ),
     "qwen2_vl": SupportedModel(
         name="qwen2_vl", config_class="Qwen2VLConfig", decoder_layer="Qwen2VLDecoderLayer",

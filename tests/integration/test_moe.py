@@ -36,9 +36,10 @@ PROBE = torch.randint(5, 500, (2, 12), generator=torch.Generator().manual_seed(3
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each row's tiny pretrained folder, made once for the module."""
+    """Each row's tiny pretrained folder, made once for the module, and ``eval``: 8 eval rows beside them."""
     root = tmp_path_factory.mktemp("moe")
-    return {name: pretrained(root / name, name) for name in MOE_ROWS}
+    (root / "eval.jsonl").write_text("\n".join((DATA / "reverse_eval.jsonl").read_text().splitlines()[:8]) + "\n")
+    return {"eval": root / "eval.jsonl", **{name: pretrained(root / name, name) for name in MOE_ROWS}}
 
 
 def moe_recipe(folder: Path, row: str, **sections: Any) -> dict[str, Any]:
@@ -70,14 +71,18 @@ def _base(folder: Path) -> Any:
 
 @pytest.mark.parametrize("name", MOE_ROWS)
 def test_sft_full_trains_with_the_router_loss_and_exports(train_recipe, folders, name: str) -> None:
-    """Golden losses; aux_loss logged every step (and said in train.log); the export holds float32 weights (GPT-OSS:
-    dequantized, no quantization_config), reloads with transformers and gives the live model's logits."""
+    """Golden losses; aux_loss logged every step (and said in train.log); the final eval generates (exact_match); the
+    export holds float32 weights (GPT-OSS: dequantized, no quantization_config), reloads with transformers and gives
+    the live model's logits."""
     import transformers
 
     live: dict[str, torch.Tensor] = {}
     _live_logits(live, 4)
-    run = train_recipe(moe_recipe(folders[name], name))
+    run = train_recipe(moe_recipe(folders[name], name, data={"eval": str(folders["eval"])},
+                                  eval={"metrics": ["exact_match", "token_accuracy"], "max_new_tokens": 6}))
     rows = [r for r in read_metrics(run) if r["kind"] == "train"]
+    final = [r for r in read_metrics(run) if r["kind"] == "eval"][-1]  # generation with the KV cache (exact_match)
+    assert final["eval_exact_match_total"] == 8 and math.isfinite(final["eval_loss"])
     assert [r["loss"] for r in rows] == pytest.approx(GOLDEN_LOSSES[name], rel=1e-5, abs=0)
     assert all(math.isfinite(r["aux_loss"]) and r["aux_loss"] > 0 for r in rows)
     assert "router load-balancing loss: on" in (run / "train.log").read_text()
