@@ -152,7 +152,7 @@ def test_the_step_weights_each_micro_batch_by_its_targets(folders, micro: int) -
     for batch, targets in zip(window, counts, strict=True):
         out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"])
         (out.loss * targets / total).backward()
-        loss, aux = loss + float(out.loss) * targets / total, aux + float(out.aux_loss) * targets / total
+        loss, aux = loss + out.loss.item() * targets / total, aux + out.aux_loss.item() * targets / total
     assert stats.loss == pytest.approx(loss, rel=1e-5) and stats.extra["aux_loss"] == pytest.approx(aux, rel=1e-5)
     moved = dict(after.named_parameters())
     for key, param in model.named_parameters():  # SGD at lr 1: the step moved each weight by its gradient
