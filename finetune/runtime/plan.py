@@ -678,8 +678,8 @@ def _experts(model: Any) -> list[Any]:
 def _expert_shape(config: Any, experts: list[Any], hidden: int) -> dict[str, Any]:
     """The :class:`ModelShape` fields of the experts (none for a dense model): their count and intermediate size from
     the down projection's 3-D weight, the top-k from the config, the dtype they compute in from the implementation
-    transformers chose (grouped_mm, its default, casts the input to the weights' dtype; eager's F.linear is
-    autocast)."""
+    transformers chose (grouped_mm, its default, casts the input to the weights' dtype; eager's F.linear and
+    batched_mm's bmm are autocast)."""
     if not experts:
         return {}
     down = next((p for name, p in experts[0].named_parameters(recurse=False) if p.ndim == 3 and "down" in name),
@@ -691,7 +691,7 @@ def _expert_shape(config: Any, experts: list[Any], hidden: int) -> dict[str, Any
     implementation = getattr(config, "_experts_implementation", None) or "grouped_mm"
     gated = any(hasattr(m, "gate_up_proj") for m in experts)
     return {"moe_layers": len(experts), "experts_per_token": int(top_k), "experts": int(number),
-            "expert_intermediate": int(intermediate), "experts_in_weight_dtype": implementation != "eager",
+            "expert_intermediate": int(intermediate), "experts_in_weight_dtype": implementation == "grouped_mm",
             # GPT-OSS clamps gate and up (swiglu_limit) and gates with a sigmoid: it keeps both clamped halves, the
             # sigmoid, up + 1 and the product besides the projection's output
             "expert_gate_tensors": 7 if getattr(config, "swiglu_limit", None) else 4 if gated else 2}

@@ -1,6 +1,8 @@
-"""A mixture-of-experts row (mixtral, router load-balancing loss on) on 2 CPU processes (gloo) gives the 1-process
-numbers under FSDP2 and ZeRO-3: the experts' fused 3-D weights sharded / partitioned, the router's aux loss weighted
-by each micro-batch's targets across ranks as across accumulation steps (finetune.tasks.router).
+"""A mixture-of-experts row on 2 CPU processes (gloo) gives the 1-process numbers under FSDP2 and ZeRO-3: GPT-OSS,
+the MoE row with the most of its own (experts loaded from MXFP4 blocks as on the hub, by rank 0 alone where the
+backend lets it; attention sinks; biased experts), its router load-balancing loss on (coefficient 0.9). The experts'
+fused 3-D weights are sharded / partitioned, and the router's aux loss is weighted by each micro-batch's targets
+across ranks as across accumulation steps (finetune.tasks.router).
 
 Each rank runs one micro-batch of 4 per step where the 1-process run accumulates two: the same micro-batches, so
 the loss, the logged aux_loss (both reduced over the ranks) and the exported weights match within 1e-4. One
@@ -26,8 +28,8 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``recipe.yaml``: tiny Mixtral from a pretrained folder (coefficient 0.02), weight decay, clipping, cosine with
-    warm-up, 6 steps of global batch 8 (micro 4), an eval at the end. One folder for the session's xdist workers."""
+    """``recipe.yaml``: tiny GPT-OSS from an MXFP4 pretrained folder, weight decay, clipping, cosine with warm-up, 6
+    steps of global batch 8 (micro 4), an eval at the end. One folder for the session's xdist workers."""
     root = session_folder(tmp_path_factory, "dist-moe")
     made_once(root / "recipe.yaml", lambda: _write(root))
     return root
@@ -37,7 +39,7 @@ def _write(root: Path) -> None:
     lines = (DATA / "reverse_eval.jsonl").read_text().splitlines()[:EVAL_ROWS]
     (root / "eval.jsonl").write_text("\n".join(lines) + "\n")
     recipe = tiny_recipe(
-        model={"type": "mixtral", "path": str(pretrained(root / "pretrained", "mixtral"))},
+        model={"type": "gpt_oss", "path": str(pretrained(root / "pretrained", "gpt_oss"))},
         optim={"lr": 1.0e-3, "weight_decay": 0.5},
         scheduler={"name": "cosine", "warmup_steps": 2, "min_lr_ratio": 0.1},
         data={"eval": str(root / "eval.jsonl")},
