@@ -1,8 +1,9 @@
 """The mixture-of-experts rows (mixtral, qwen3_moe, gpt_oss) on one process, from tiny pretrained folders
 (tests/moe_rows.py; GPT-OSS's experts in MXFP4 as on the hub): SFT full and LoRA train, log the router's aux loss
 and export; the export reloads with transformers (LoRA: PEFT) and gives the live model's logits; golden losses per
-row; the router loss through the loop's accumulation; packing = padding where the row claims packing; DPO and
-reward models train on an MoE row without the router loss and say so.
+row; the router loss through the loop's accumulation (each layout's step is transformers' own per-micro-batch loss,
+weighted by targets; without the router term 8x1 = 2x4 = 1x8); packing = padding where the row claims packing; DPO
+and reward models train on an MoE row without the router loss and say so.
 
 Golden losses: produced by this code at the commit that added them (seed 7, micro 4 x accum 2, lr 1e-3, cosine
 with 2 warmup steps, 4 steps, each row's tiny pretrained folder). A change that does not touch the math must
@@ -117,18 +118,22 @@ def test_lora_adapts_attention_and_reloads_with_peft(train_recipe, folders, name
         assert not torch.allclose(_base(folders[name])(input_ids=PROBE).logits, live["logits"], atol=1e-4)
 
 
-def _step_one(folder: Path, name: str, micro: int, **data: Any) -> tuple[Any, Any, list[dict], Any]:
-    """A trainer of ``name`` (global batch 8 of ``micro``, plain SGD at lr 1, no clipping) after its first step:
-    the step's stats, the model before it, the window's micro-batches, the model after it."""
+def _step_one(folder: Path, name: str, micro: int, coefficient: float | None = None,
+              **data: Any) -> tuple[Any, Any, list[dict], Any]:
+    """A trainer of ``name`` (global batch 8 of ``micro``, plain SGD at lr 1, no clipping; ``coefficient``: the
+    router's, else the config's) after its first step: the step's stats, the model before it, the window's
+    micro-batches, the model after it."""
     from finetune.config import RecipeConfig
     from finetune.runtime import loop
 
+    overrides = {} if coefficient is None else {"router_aux_loss_coef": coefficient}
     recipe = moe_recipe(folder, name, data={"format": "completion", "train": str(DATA / "tiny_completion.jsonl"),
                                             "eval": None, **data},
                         train={"micro_batch_size": micro, "global_batch_size": 8, "max_steps": 1,
                                "max_grad_norm": None},
                         optim={"name": "sgd", "lr": 1.0}, scheduler={"name": "constant", "warmup_steps": 0})
-    recipe["output_dir"] = str(folder.parent / f"step-{name}-{micro}-{len(data)}")
+    recipe["model"]["config_overrides"] = overrides
+    recipe["output_dir"] = str(folder.parent / f"step-{name}-{micro}-{len(data)}-{coefficient}")
     trainer = new_trainer(RecipeConfig.model_validate(recipe))
     batches = iter(trainer.task.build_dataloader("train"))
     window = [next(batches) for _ in range(trainer.ctx.cfg.grad_accum)]
@@ -157,6 +162,22 @@ def test_the_step_weights_each_micro_batch_by_its_targets(folders, micro: int) -
     moved = dict(after.named_parameters())
     for key, param in model.named_parameters():  # SGD at lr 1: the step moved each weight by its gradient
         torch.testing.assert_close(param.detach() - moved[key].detach(), param.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_the_cross_entropy_of_an_moe_step_does_not_depend_on_the_layout(folders) -> None:
+    """With the router term's weight at 0 (the aux loss still computed and logged), 8x1, 2x4 and 1x8 take the same
+    step: routing is per token, so the MoE cross-entropy is token-weighted as a dense row's. Only the router term,
+    a statistic of each micro-batch, varies with the micro-batch size (finetune.tasks.router)."""
+    steps = {micro: _step_one(folders["mixtral"], "mixtral", micro, coefficient=0.0) for micro in (8, 2, 1)}
+    updates = {micro: {key: param.detach() - dict(after.named_parameters())[key].detach()
+                       for key, param in before.named_parameters()}
+               for micro, (_, before, _, after) in steps.items()}
+    for micro in (2, 1):
+        assert steps[micro][0].loss == pytest.approx(steps[8][0].loss, rel=1e-6)
+        for key, update in updates[micro].items():
+            torch.testing.assert_close(update, updates[8][key], rtol=1e-4, atol=1e-7)
+    aux = [stats.extra["aux_loss"] for stats, *_ in steps.values()]
+    assert len(set(aux)) == 3  # logged, and the model's own per-batch statistic: one value per layout
 
 
 @pytest.mark.parametrize("name", [n for n in MOE_ROWS if n != "gpt_oss"])  # GPT-OSS does not pack
