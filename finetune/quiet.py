@@ -40,6 +40,9 @@ LIBRARY_RECORDS: tuple[tuple[str, str], ...] = (
     ("bitsandbytes.backends.cpu.ops", r"Failed to load CPU gemm_4bit_forward from kernels-community"),
     # DeepSpeed's guess on a machine without a GPU; finetune's own start line names the device and backend
     ("DeepSpeed", r"Setting accelerator to CPU\b"),
+    # an MXFP4 checkpoint (GPT-OSS) on the CPU: transformers says it dequantizes "to bf16" whatever the dtype; finetune
+    # always loads it dequantized to model.dtype and says so in train.log (finetune.runtime.modeling.prequantized)
+    ("transformers.quantizers.quantizer_mxfp4", r"MXFP4 inference on CPU requires use_kernels=True"),
 )
 
 LOAD_REPORT_LOGGER = "transformers.modeling_utils"

@@ -187,6 +187,29 @@ _TINY_QWEN3_VL = {"text_config": {**_VLM_TEXT, "rope_parameters": {
                                     "out_hidden_size": 64, "patch_size": 14, "spatial_merge_size": 2,
                                     "temporal_patch_size": 2, "num_position_embeddings": 64,
                                     "deepstack_visual_indexes": [0]}}
+# Mixture-of-experts decoders. In transformers 5 each layer's experts are one module holding fused 3-D parameters
+# (gate_up_proj [experts, ...], down_proj), not linear modules, and the router is a module of its own with a plain
+# weight (Mixtral's and Qwen3-MoE's `gate`, GPT-OSS's `router`): peft's LoRA adapts linear modules, so every preset of
+# these rows adapts the attention projections, and the experts and the router train only in full fine-tuning
+# (peft.method: none). The tiny configs turn the router's load-balancing loss on (output_router_logits) with the
+# coefficient of the family's hub checkpoints (Mixtral-8x7B 0.02, Qwen3-30B-A3B 0.001, gpt-oss 0.9), so tests train
+# with it; hub configs ship it off (finetune.tasks.router).
+_MOE_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MOE_LORA = {"attn": _MOE_ATTN, "attn_mlp": _MOE_ATTN, "all_linear": _MOE_ATTN}
+_TINY_MOE = {**_TINY_DECODER, "num_experts_per_tok": 2, "output_router_logits": True}
+_TINY_MIXTRAL = {**_TINY_MOE, "intermediate_size": 64, "num_local_experts": 4, "router_aux_loss_coef": 0.02}
+_TINY_QWEN3_MOE = {**_TINY_MOE, "moe_intermediate_size": 64, "num_experts": 4, "head_dim": 16,
+                   "norm_topk_prob": True, "router_aux_loss_coef": 0.001}
+# GPT-OSS: attention sinks (a learned logit per head), alternating sliding-window (8 tokens here, 128 on the hub) and
+# full layers, YaRN rotary positions and biased projections, as its hub config; sizes multiples of 32, the MXFP4 block
+_TINY_GPT_OSS = {**_TINY_MOE, "intermediate_size": 64, "num_local_experts": 4, "head_dim": 16,
+                 "router_aux_loss_coef": 0.9, "sliding_window": 8,
+                 "layer_types": ["sliding_attention", "full_attention"],
+                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0,
+                                     "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False}}
+_MOE_NOTE = "LoRA presets: attention only; experts and router train in full fine-tuning"
+
 _VLM_LORA = {"attn": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"),
              "attn_mlp": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                           "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
@@ -255,6 +278,30 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         model_inputs=_DECODER_INPUTS,
         tiny_config=_TINY_DECODER, model_types=("llama",), debug_build=True, tokenizer="tiny-llama-tokenizer",
         description="debug: 2-layer Llama built from a config + bundled tokenizer (no download)",
+    ),
+    "mixtral": SupportedModel(
+        name="mixtral", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="MixtralConfig",
+        decoder_layer="MixtralDecoderLayer", lora_targets=_MOE_LORA, capabilities=_DECODER_CAPS,
+        model_inputs=_DECODER_INPUTS, tiny_config=_TINY_MIXTRAL, model_types=("mixtral",),
+        description=f"Mixtral mixture-of-experts decoders ({_MOE_NOTE})",
+    ),
+    "qwen3_moe": SupportedModel(
+        name="qwen3_moe", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="Qwen3MoeConfig",
+        decoder_layer="Qwen3MoeDecoderLayer", lora_targets=_MOE_LORA, capabilities=_DECODER_CAPS,
+        model_inputs=_DECODER_INPUTS, tiny_config=_TINY_QWEN3_MOE, model_types=("qwen3_moe",),
+        description=f"Qwen3-MoE decoders, e.g. Qwen3-30B-A3B ({_MOE_NOTE})",
+    ),
+    # GPT-OSS: its attention sinks live in the eager attention (the model's default: transformers refuses sdpa for
+    # it); flash-attn 2 would drop them (finetune.runtime.modeling refuses it) and flex attention keeps them on CUDA
+    # only. Its masks are made without position ids, so packed samples would attend to each other: no packing.
+    # Hub checkpoints hold MXFP4 experts, dequantized to model.dtype at load (finetune.runtime.modeling).
+    "gpt_oss": SupportedModel(
+        name="gpt_oss", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="GptOssConfig",
+        decoder_layer="GptOssDecoderLayer", lora_targets=_MOE_LORA,
+        capabilities=frozenset({"gradient_checkpointing", "generation", "preference"}),
+        tiny_config=_TINY_GPT_OSS, model_types=("gpt_oss",),
+        description=f"GPT-OSS mixture of experts (MXFP4 experts loaded as model.dtype; eager attention with sinks; "
+                    f"no packing; {_MOE_NOTE})",
     ),
     "qwen2_vl": SupportedModel(
         name="qwen2_vl", config_class="Qwen2VLConfig", decoder_layer="Qwen2VLDecoderLayer",

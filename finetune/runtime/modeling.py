@@ -288,11 +288,12 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
     prefer_attention_kernels()
     auto = getattr(transformers, row.auto_class)
     config = build_config(cfg, row, source, labels)
+    keeps_sinks(cfg, row, config)
     dtype = DTYPES[cfg.dtype]
     attention = {"attn_implementation": cfg.attn_implementation} if cfg.attn_implementation else {}
     if (source or cfg.path) and not empty:
         where = source or resolve_model_path(cfg.path or "")
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dequantized(config, quantization, where)
         if quantization is not None:  # 4-bit weights are placed at load time and cannot be moved afterwards
             device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
             extra = {"quantization_config": quantization, "device_map": {"": device}}
@@ -310,6 +311,64 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
         if empty:
             model.eval()  # as from_pretrained leaves a model
     return model
+
+
+PREQUANTIZED_TRAINABLE = "mxfp4"  # checkpoint quantizations finetune loads dequantized to model.dtype for training
+
+
+def quantization_method(config: Any) -> str | None:
+    """The ``quant_method`` of a checkpoint's config.json ``quantization_config`` (None: not pre-quantized)."""
+    found = getattr(config, "quantization_config", None)
+    method = found.get("quant_method") if isinstance(found, dict) else getattr(found, "quant_method", None)
+    return None if method is None else str(getattr(method, "value", method))
+
+
+def prequantized(cfg: ModelConfig) -> str | None:
+    """The train.log line of a ``model.path`` checkpoint that :func:`dequantized` loads dequantized (None for any
+    other model)."""
+    if not cfg.path:
+        return None
+    where = resolve_model_path(cfg.path)
+    with loading("model config", where):
+        config = transformers.AutoConfig.from_pretrained(
+            where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
+    if quantization_method(config) != PREQUANTIZED_TRAINABLE:
+        return None
+    return (f"model.path: the checkpoint's {PREQUANTIZED_TRAINABLE.upper()} weights are dequantized to {cfg.dtype} "
+            f"for training (the export holds {cfg.dtype} weights)")
+
+
+def dequantized(config: Any, quantization: Any, where: str) -> dict[str, Any]:
+    """How ``from_pretrained`` must load a pre-quantized checkpoint so that it trains: GPT-OSS's hub checkpoints hold
+    their experts in MXFP4 (4-bit blocks with shared scales), which no optimizer can update; transformers'
+    ``Mxfp4Config(dequantize=True)`` expands them into the model's dtype while loading (and drops the
+    quantization_config, so the export is a plain checkpoint in that dtype). Without it, on a GPU with the triton
+    kernels, transformers would keep them quantized (and refuse to train). QLoRA's NF4 cannot be layered on those
+    weights: one line. Other checkpoints: no extra arguments."""
+    method = quantization_method(config)
+    if method != PREQUANTIZED_TRAINABLE:
+        return {}
+    if quantization is not None:
+        raise ConfigError(f"peft.method=qlora: {where} holds MXFP4-quantized weights (its config.json "
+                          "quantization_config), which finetune dequantizes to model.dtype for training and QLoRA "
+                          "cannot quantize again at load; use peft.method=lora")
+    return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+
+
+def keeps_sinks(cfg: ModelConfig, row: SupportedModel, config: Any) -> None:
+    """Refuse ``model.attn_implementation=flash_attention_2`` for a model with attention sinks (GPT-OSS: a learned
+    logit per head that joins every softmax), before any weight is read. transformers hands the sinks to a flash
+    kernel only when it takes them (vLLM's FA3, FA4); the flash-attn 2 package has no such argument, and transformers
+    then drops them without a word, training another model. Eager keeps them (the model's default), flex attention
+    on CUDA. The model is built from ``config`` on the meta device to look (nothing allocated; only for this key)."""
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    with torch.device("meta"):
+        model = getattr(transformers, row.auto_class).from_config(
+            config, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
+    if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
+        raise ConfigError(f"model.attn_implementation: flash_attention_2 (the flash-attn 2 package) drops the "
+                          f"attention sinks of {row.name}; use eager (or null, the model's default)")
 
 
 def custom_config(cfg: ModelConfig, row: SupportedModel) -> dict[str, Any]:

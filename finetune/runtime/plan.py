@@ -66,7 +66,18 @@ is counted, per rank:
                                                   weight gradient), so layer loses c*(2h + q + f): the two norms'
                                                   outputs and the inputs of the output and down projections
 
-  and the estimate is ``T*(L*layer + final + lora + mask)`` without gradient checkpointing and
+  A mixture-of-experts layer (the module holding its experts' 3-D weights; ``k`` of ``E`` experts per token, each
+  of intermediate size ``f_e``) replaces the MLP's ``c*m*f`` by::
+
+      moe   = e*k*(2h + g*f_e) + E*(r + 8) + 24*k  each routed copy of a token: its input and the expert output
+                                                  it is weighted by, g intermediate-sized tensors (4 for SwiGLU,
+                                                  7 for GPT-OSS's clamped one); the router's logits and two fp32
+                                                  softmaxes (routing, aux loss); sort and gather indices. e = r:
+                                                  transformers' grouped_mm experts cast their input to the weights'
+                                                  dtype (not autocast), so they keep no 16-bit weight copies either
+
+  (layers without experts keep the dense MLP), and the estimate is ``T*(L*layer + final + lora + mask)`` without
+  gradient checkpointing and
   ``T*(L*r*h + final + mask) + T*(layer + lora/L)`` with it (each layer keeps only its input; one layer is
   recomputed at a time). The two norms of a layer save their input, normalized value and 16-bit output (the
   ``r*4h + c*2h``); attention saves q, k, v, its output and the output projection's input; the MLP its gate, up,
@@ -89,13 +100,15 @@ weight-norm temporaries, the eval pass (its logits are noted when they exceed tr
 generation cache of ``exact_match``.
 
 Checked by ``tests/unit/test_plan.py``: parameters, gradients and optimizer states equal the bytes of a real model
-after a real training step (full, LoRA, DoRA, bf16 weights, SGD, BERT), QLoRA's 4-bit estimate is within 2% of a
-real bitsandbytes model, and the activation estimate is within 20% of what autograd really saves (Llama fp32, bf16
-autocast, bf16 weights, eager attention, GQA; BERT fp32 and bf16). The device total is compared with the peak of
-live tensor bytes of real training steps: one process in ``tests/unit/test_plan_measured.py``, each 2-process
-backend inside the runs of ``tests/distributed/test_backends.py`` (the ratios per backend are in its docstring), and
-FSDP1/FSDP2 in bf16 inside the runs of ``tests/distributed/test_fsdp_precision.py``, which also checks from what
-autograd saves that autocast copies exist in a 1-process bf16 run and not under FSDP, and the dtype FSDP gathers.
+after a real training step (full, LoRA, DoRA, bf16 weights, SGD, BERT; Mixtral, Qwen3-MoE and GPT-OSS, whose
+experts are most of the parameters), QLoRA's 4-bit estimate is within 2% of a real bitsandbytes model, and the
+activation estimate is within 20% of what autograd really saves (Llama fp32, bf16 autocast, bf16 weights, eager
+attention, GQA; BERT fp32 and bf16; the three MoE rows full, bf16 and LoRA). The device total is compared with the
+peak of live tensor bytes of real training steps: one process in ``tests/unit/test_plan_measured.py``, each
+2-process backend inside the runs of ``tests/distributed/test_backends.py`` (the ratios per backend are in its
+docstring), and FSDP1/FSDP2 in bf16 inside the runs of ``tests/distributed/test_fsdp_precision.py``, which also
+checks from what autograd saves that autocast copies exist in a 1-process bf16 run and not under FSDP, and the
+dtype FSDP gathers.
 
 ``run --dry-run`` ends with the same plan, each line commented as ``## `` so the output stays YAML.
 """
@@ -158,6 +171,15 @@ class ModelShape:
     attn_implementation: str
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
+    # mixture of experts (0: a dense model): the layers whose MLP is a set of experts, the experts each token is
+    # routed to (top-k) of how many, one expert's intermediate size, and whether the experts compute in the weights'
+    # dtype (transformers' grouped_mm experts are not autocast: fp32 weights compute in fp32 under bf16 autocast)
+    moe_layers: int = 0
+    experts_per_token: int = 0
+    experts: int = 0
+    expert_intermediate: int = 0
+    experts_in_weight_dtype: bool = True
+    expert_gate_tensors: int = 4  # intermediate-sized tensors one routed copy saves (SwiGLU: gate, up, act, product)
 
 
 @dataclass(frozen=True)
@@ -305,6 +327,22 @@ def scores_materialized(shape: ModelShape, cuda: bool) -> bool:
         shape.attn_implementation == "sdpa" and shape.attention_dropout > 0 and not cuda)
 
 
+def _mlp_bytes(shape: ModelShape, r: int, c: int) -> float:
+    """What one layer's MLP saves for backward per token, averaged over the layers: a dense MLP ``c*m*f``; a layer of
+    experts (top ``k`` of ``E``, intermediate ``f_e``, computing in ``e`` bytes: the weights' with grouped_mm)
+    ``e*k*(2h + g*f_e)``: each token's ``k`` routed copies of its input and of the expert output it is weighted by,
+    and ``g`` intermediate-sized tensors per copy (4 for SwiGLU, as the dense ``m``; GPT-OSS's clamped SwiGLU 7),
+    kept whether the experts train or not (grouped_mm saves its input either way), plus the router's ``E*(r + 8)``
+    (its logits, the routing softmax and the aux loss's softmax in fp32) and 24 bytes of indices per routed copy."""
+    dense = c * (4 if shape.gated_mlp else 2) * shape.intermediate
+    if not shape.moe_layers:
+        return dense
+    h, k, f = shape.hidden, shape.experts_per_token, shape.expert_intermediate
+    e = r if shape.experts_in_weight_dtype else c
+    routed = e * k * (2 * h + shape.expert_gate_tensors * f) + shape.experts * (r + 8) + 24 * k
+    return (shape.moe_layers * routed + (shape.layers - shape.moe_layers) * dense) / shape.layers
+
+
 def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_len: int, packing: bool,
                          residual_bytes: int, compute_bytes: int, lora_in_features: int,
                          cuda: bool = False, frozen_base: bool = False) -> tuple[int, int, int, int]:
@@ -316,7 +354,7 @@ def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_le
     q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tokens = micro_batch_size * max_seq_len
     row = tokens if packing else max_seq_len
-    layer = r * 4 * h + c * (2 * h + 3 * q + 2 * kv + (4 if shape.gated_mlp else 2) * shape.intermediate)
+    layer = r * 4 * h + c * (2 * h + 3 * q + 2 * kv) + _mlp_bytes(shape, r, c)
     if frozen_base:  # the norms' normalized values were kept for their weights' gradients only
         layer -= r * 2 * h
     if lora_in_features:  # dropped-out copies replace the inputs only the frozen weights' gradients needed
@@ -654,6 +692,7 @@ def _shape(config: Any, model: Any, attn_implementation: str | None) -> ModelSha
     heads = int(getattr(config, "num_attention_heads", None) or 1)
     head_dim = int(getattr(config, "head_dim", None) or hidden // heads)
     intermediate = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    experts = _experts(model)
     gated = any("gate" in name.rsplit(".", 1)[-1] for name in linear_module_names(model))
     attention = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
 
@@ -665,7 +704,36 @@ def _shape(config: Any, model: Any, attn_implementation: str | None) -> ModelSha
                       head_dim=head_dim, vocab=int(config.vocab_size), num_labels=int(config.num_labels),
                       gated_mlp=gated, attn_implementation=str(attention),
                       attention_dropout=first("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"),
-                      hidden_dropout=first("hidden_dropout_prob", "resid_pdrop", "hidden_dropout"))
+                      hidden_dropout=first("hidden_dropout_prob", "resid_pdrop", "hidden_dropout"),
+                      **_expert_shape(config, experts, hidden))
+
+
+def _experts(model: Any) -> list[Any]:
+    """The expert modules of a mixture-of-experts model: those holding 3-D parameters (``[experts, in, out]``:
+    transformers 5 fuses each layer's experts into one module), one per MoE layer; empty for a dense model."""
+    return [m for m in model.modules() if any(p.ndim == 3 for p in m.parameters(recurse=False))]
+
+
+def _expert_shape(config: Any, experts: list[Any], hidden: int) -> dict[str, Any]:
+    """The :class:`ModelShape` fields of the experts (none for a dense model): their count and intermediate size from
+    the down projection's 3-D weight, the top-k from the config, the dtype they compute in from the implementation
+    transformers chose (grouped_mm, its default, casts the input to the weights' dtype; eager's F.linear and
+    batched_mm's bmm are autocast)."""
+    if not experts:
+        return {}
+    down = next((p for name, p in experts[0].named_parameters(recurse=False) if p.ndim == 3 and "down" in name),
+                next(p for p in experts[0].parameters(recurse=False) if p.ndim == 3))
+    number, *dims = down.shape
+    intermediate = next((d for d in dims if d != hidden), hidden)
+    top_k = next((v for n in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k")
+                  if isinstance(v := getattr(config, n, None), int)), 1)
+    implementation = getattr(config, "_experts_implementation", None) or "grouped_mm"
+    gated = any(hasattr(m, "gate_up_proj") for m in experts)
+    return {"moe_layers": len(experts), "experts_per_token": int(top_k), "experts": int(number),
+            "expert_intermediate": int(intermediate), "experts_in_weight_dtype": implementation == "grouped_mm",
+            # GPT-OSS clamps gate and up (swiglu_limit) and gates with a sigmoid: it keeps both clamped halves, the
+            # sigmoid, up + 1 and the product besides the projection's output
+            "expert_gate_tensors": 7 if getattr(config, "swiglu_limit", None) else 4 if gated else 2}
 
 
 def _quantized_modules(model: Any) -> set[str]:

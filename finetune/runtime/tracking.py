@@ -44,7 +44,8 @@ KINDS: tuple[str, ...] = ("train", "eval", "info", "end")
 - ``train``: step, loss, lr, grad_norm, tokens (cumulative target tokens), elapsed_s (cumulative), and since the
   previous train row of this process, per device: tokens_per_s (input tokens, padding left out) and
   target_tokens_per_s, flops_per_token and mfu (when the model's FLOPs, and for mfu the device's peak, are known);
-  mem_alloc_gb / mem_reserved_gb (this device's peaks, CUDA only); and optionally loss_scale, skipped, nonfinite;
+  mem_alloc_gb / mem_reserved_gb (this device's peaks, CUDA only); and optionally loss_scale, skipped, nonfinite,
+  and aux_loss (a mixture-of-experts model's router load-balancing loss, part of loss: finetune.tasks.router);
 - ``eval``: step, eval_loss, eval_ppl, eval_samples, eval_<metric> with eval_<metric>_correct / _total, and
   eval_correct / eval_total (the first metric's counts);
 - ``info``: an event, ``{"message": "saved checkpoint step-000100"}``; ``"level": "warning"`` marks one the user
@@ -218,7 +219,7 @@ class Eta:
 
 def format_train_line(row: Row, *, max_steps: int | None, lead: Sequence[str] = LOSS_FIRST.train) -> str:
     """``step 10/200 | loss 2.3141 | lr 3.00e-04 | grad_norm 1.02 | tok/s 5120 | mfu 41.3% | mem 61.2/70.0 GB``
-    (+ loss_scale, skipped).
+    (+ loss_scale, skipped; a mixture-of-experts run's ``aux_loss`` after the lead metrics).
 
     ``lead``: the metrics after the step, in order (a :class:`Headline`'s ``train``): the loss by default; a GRPO
     run's ``reward`` and, only where its value carries information, the loss (``step 10/200 | reward 0.4375 | lr
@@ -228,7 +229,7 @@ def format_train_line(row: Row, *, max_steps: int | None, lead: Sequence[str] = 
     """
     total = f"/{max_steps}" if max_steps is not None else ""
     parts = [f"step {row['step']}{total}"]
-    for key, spec in (*((key, ".4f") for key in lead), ("lr", ".2e"), ("grad_norm", ".2f")):
+    for key, spec in (*((key, ".4f") for key in lead), ("aux_loss", ".4f"), ("lr", ".2e"), ("grad_norm", ".2f")):
         if row.get(key) is not None:
             parts.append(f"{key} {format(float(row[key]), spec)}")
     if row.get("tokens_per_s") is not None:

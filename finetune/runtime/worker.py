@@ -87,6 +87,7 @@ def _build_model(cfg: RecipeConfig, row: Any, accelerator: Any, backend: Any, to
         compile_model,
         enable_checkpointing,
         freeze,
+        prequantized,
     )  # lazy: imports torch
     from finetune.runtime.precision import master_weights_warning  # lazy: imports torch
 
@@ -97,6 +98,8 @@ def _build_model(cfg: RecipeConfig, row: Any, accelerator: Any, backend: Any, to
             lambda empty: build_base(cfg.model, row, cfg.train.seed, labels, quantization, empty=empty))
     if load_note:
         tracker.log("info", load_note)
+    if dequantized := prequantized(cfg.model):  # GPT-OSS's MXFP4 experts, in model.dtype from here on
+        tracker.log("info", {"message": dequantized})
     check_fits(model, tokenizer, cfg.data.max_seq_len)
     if cfg.model.freeze:
         frozen = freeze(model, row, cfg.model.freeze)
@@ -173,7 +176,7 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     from finetune.runtime.modeling import compile_failures  # lazy: imports torch
     from finetune.runtime.optim import build_optimizer, build_scheduler  # lazy: imports torch
     from finetune.runtime.precision import Precision  # lazy: imports torch
-    from finetune.tasks import build_task  # lazy: imports numpy
+    from finetune.tasks import build_task, router  # lazy: imports numpy
 
     row = inputs.row if inputs is not None else registry.recipe_row(cfg)  # once per process; carried by the context
     backend = _backend(cfg, row)
@@ -204,6 +207,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
                       frozen_copy=lambda prepared: frozen_copy(accelerator, prepared, backend))
     objects |= task.checkpoint_objects  # e.g. GRPO's generation batch inside a cycle
     tracker.log("info", {"message": training_line(ctx, bool(data.stream), data.train_size)})
+    if line := router.note(model, task.adds_router_loss, cfg.task or row.task):  # a mixture-of-experts model
+        tracker.log("info", {"message": line})
     # on the initial model (dpo's reference pass): now, before a resume loads a checkpoint
     with compile_failures(cfg.train.compile):
         task.prepare(lambda: model, accelerator, precision, lambda message: tracker.log("info", {"message": message}))

@@ -55,6 +55,10 @@ class Task(Protocol):
     perplexity: bool
     """Whether the eval loss is a per-token negative log-likelihood, so that ``exp(eval_loss)`` is a perplexity."""
 
+    adds_router_loss: bool
+    """Whether :meth:`train_output` adds a mixture-of-experts model's router load-balancing loss (the SFT tasks:
+    finetune.tasks.router); the others train without it and the run says so in train.log."""
+
     def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
                 splits: tuple[str, ...] = ("train", "eval")) -> None:
         """Work on the initial model before the first step or eval pass, on every rank (DPO scores its reference
@@ -98,6 +102,7 @@ class TaskData:
     eval_means: tuple[str, ...] = ()
     eval_loss = True  # every task but GRPO reports a loss on the eval set
     perplexity = True  # the eval loss is a per-token (or per-label) NLL: exp(eval_loss) is logged as eval_ppl
+    adds_router_loss = False  # only the SFT tasks add an MoE router's aux loss (finetune.tasks.router)
 
     def count_samples(self, batch: dict[str, Any]) -> int:
         """One sample per row of the batch."""

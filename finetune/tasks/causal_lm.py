@@ -3,11 +3,13 @@
 ``token_accuracy`` is teacher-forced (argmax of each answer position given the true prefix). ``exact_match`` is a
 different metric: greedy generation from the prompt alone (finetune.tasks.decoding), compared with the reference
 answer after whitespace normalisation. The loss and the accuracy come from the shared target-log-prob mechanism
-(finetune.tasks.logprobs).
+(finetune.tasks.logprobs). A mixture-of-experts model's router load-balancing loss is added to the training loss,
+each micro-batch's weighted by its targets (finetune.tasks.router), and logged per step as ``aux_loss``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +17,8 @@ import torch
 from finetune.data.rows import IGNORE
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.decoding import greedy_generate
-from finetune.tasks.logprobs import count_next_token_targets, next_token_targets, target_logprobs
+from finetune.tasks.logprobs import LogProbs, count_next_token_targets, next_token_targets, target_logprobs
+from finetune.tasks.router import RouterLoss
 
 
 def normalize(text: str) -> str:
@@ -29,9 +32,12 @@ class CausalLMTask(TaskData):
     The forward gets the batch keys the recipe's row lists in ``model_inputs`` (a custom row's forward may take
     fewer than a Hugging Face model's), plus ``use_cache=False`` for Hugging Face rows only."""
 
+    adds_router_loss = True
+
     def __init__(self, *args: Any, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tokenizer = tokenizer
+        self.router = RouterLoss()
 
     def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The full logits of a batch (tests and probes; the loss never builds them: :meth:`_answer`). A padded
@@ -41,24 +47,35 @@ class CausalLMTask(TaskData):
         return out.logits if hasattr(out, "logits") else out
 
     def _answer(self, model: Any, batch: dict[str, Any],
-                count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                count_hits: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogProbs]:
         """The summed next-token loss (fp32), the argmax hits (with ``count_hits``) and the number of targets of a
-        batch, from the final hidden states and the output head chunk by chunk (:func:`target_logprobs`)."""
+        batch, from the final hidden states and the output head chunk by chunk (:func:`target_logprobs`), and the
+        forward's whole result (its router aux loss)."""
         targets = next_token_targets(batch["labels"])
-        sums, hits = target_logprobs(model, self.forward.inputs(batch), targets, self.forward.head, per="batch",
-                                     count_hits=count_hits)
-        return -sums.sum(), hits.sum(), (targets != IGNORE).sum()
+        scores = target_logprobs(model, self.forward.inputs(batch), targets, self.forward.head, per="batch",
+                                 count_hits=count_hits)
+        return -scores.sums.sum(), scores.hits.sum(), (targets != IGNORE).sum(), scores
 
     def count_targets(self, batch: dict[str, Any]) -> int:
         """Next-token targets (a packed batch marks each sample's first label IGNORE, so the count is the same)."""
         return count_next_token_targets(batch["labels"])
 
     def train_output(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        return self._answer(model, batch)[0]
+        """The summed next-token loss, plus ``coef * targets * aux_loss`` of a mixture-of-experts model that returns
+        one (finetune.tasks.router: the rule and why)."""
+        loss_sum, _, num_tokens, scores = self._answer(model, batch)
+        router = self.router.term(model, scores.aux_loss, num_tokens)
+        return loss_sum if router is None else loss_sum + router
+
+    def step_metrics(self, reduce: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, float]:
+        """``aux_loss`` of a mixture-of-experts model's step (one reduce); nothing, and no collective, otherwise."""
+        return self.router.step_metrics(reduce)
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
+        """The eval loss is the cross-entropy alone (the router's aux loss is a training regulariser), so
+        ``exp(eval_loss)`` stays a perplexity."""
         metrics = self.cfg.eval.metrics
-        loss_sum, hits, num_tokens = self._answer(model, batch, count_hits="token_accuracy" in metrics)
+        loss_sum, hits, num_tokens, _ = self._answer(model, batch, count_hits="token_accuracy" in metrics)
         counts = EvalCounts(loss_sum, num_tokens)
         if "token_accuracy" in metrics:
             counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits, num_tokens

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from finetune.tasks.router import routed_config
+
 
 def greedy_generate(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
                     eos_id: int | None, pad_id: int) -> torch.Tensor:
@@ -59,7 +61,10 @@ def generate_tokens(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     columns); off, every call runs ``max_new_tokens`` forward passes (lockstep for sharded backends)."""
     mask = prompt_mask
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    # a mixture-of-experts model computes no router aux loss while it decodes: transformers' would meet the whole
+    # attention mask with the router logits of the new token only (and generation trains nothing)
+    router = {"output_router_logits": False} if routed_config(model) is not None else {}
+    out = model(input_ids=prompt_ids, attention_mask=mask, position_ids=positions, use_cache=True, **router)
     done = torch.zeros(prompt_ids.size(0), dtype=torch.bool, device=prompt_ids.device)
     stops = torch.tensor(list(stop_ids), dtype=prompt_ids.dtype, device=prompt_ids.device)
     new_tokens = []
@@ -75,7 +80,7 @@ def generate_tokens(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         positions = positions[:, -1:] + 1
         out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions, use_cache=True,
-                    **_kv_cache(out))
+                    **router, **_kv_cache(out))
     return torch.stack(new_tokens, dim=1)
 
 

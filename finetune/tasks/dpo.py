@@ -64,7 +64,7 @@ def policy_logps(model: Any, batch: dict[str, Any], forward: Forward = FORWARD) 
     ``[tokens x vocab]`` logits, no host sync: :func:`finetune.tasks.logprobs.target_logprobs`). Never a KV cache
     (training forwards; see CausalLMTask)."""
     targets = next_token_targets(batch["labels"])
-    logps, _ = target_logprobs(model, forward.inputs(batch), targets, forward.head, per="sequence")
+    logps = target_logprobs(model, forward.inputs(batch), targets, forward.head, per="sequence").sums
     return logps, (targets != IGNORE).sum(1)
 
 

@@ -151,7 +151,7 @@ def token_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, he
     """``[S, T]`` fp32: the log-prob of each next-token target at ``temperature`` (0 where IGNORE), with grad when
     enabled: the shared primitive :func:`finetune.tasks.logprobs.target_logprobs` summed per target token (no
     ``[tokens x vocab]`` logits)."""
-    sums, _ = target_logprobs(model, inputs, targets, head_name, per="token", temperature=temperature)
+    sums = target_logprobs(model, inputs, targets, head_name, per="token", temperature=temperature).sums
     return sums.reshape(targets.shape)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +50,22 @@ FORWARD = Forward()
 """The forward of a hand-made config of a task's own fields (a Hugging Face model)."""
 
 
+class LogProbs(NamedTuple):
+    """What one forward through :func:`target_logprobs` gives: the target log-prob sums and argmax hits, and the
+    router's auxiliary (load-balancing) loss the model returned with them: a mixture-of-experts model whose config
+    sets ``output_router_logits`` (None otherwise; the SFT task adds it to its loss, finetune.tasks.router)."""
+
+    sums: torch.Tensor
+    hits: torch.Tensor
+    aux_loss: torch.Tensor | None = None
+
+
+def router_aux_loss(out: Any) -> torch.Tensor | None:
+    """The ``aux_loss`` tensor of a model's output (transformers' MoE outputs; None for any other output)."""
+    aux = out.get("aux_loss") if isinstance(out, Mapping) else getattr(out, "aux_loss", None)
+    return aux if isinstance(aux, torch.Tensor) else None
+
+
 def next_token_targets(labels: torch.Tensor) -> torch.Tensor:
     """The target of every position: the next label, IGNORE at the end. The labels are shifted rather than the
     logits, so the ``[tokens x vocab]`` logits are never sliced into a copy."""
@@ -80,10 +96,10 @@ def find_head(model: Any, name: str | None) -> Any:
 
 
 def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                  head: Any, count_hits: bool = True, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  head: Any, count_hits: bool = True, temperature: float = 1.0) -> LogProbs:
     """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
     hits (:func:`finetune.tasks.losses.sequence_logprobs`, at ``temperature``: GRPO scores its completions at the
-    temperature they were sampled at) instead of ``[tokens x vocab]`` logits.
+    temperature they were sampled at) instead of ``[tokens x vocab]`` logits, with the forward's router aux loss.
 
     The head module's ``forward`` is replaced for the call, so the loss runs inside the model's own forward: every
     wrapper's hooks (DDP, FSDP's unshard and reshard, DeepSpeed ZeRO-3's parameter gathering, autocast, peft) see
@@ -125,7 +141,7 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
                           f"output head ({type(head).__name__}) {'' if 'sums' not in picked else 'returned '}(e.g. "
                           "logit soft-capping), so the loss cannot be computed from the head's input; set the row's "
                           "output_head=None to compute it from the logits")
-    return sums, picked["hits"]
+    return LogProbs(sums, picked["hits"], router_aux_loss(out))
 
 
 Per = Literal["batch", "sequence", "token"]
@@ -144,18 +160,20 @@ def _groups(targets: torch.Tensor, per: Per) -> tuple[torch.Tensor, int]:
 
 
 def target_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None, per: Per,
-                    count_hits: bool = False, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                    count_hits: bool = False, temperature: float = 1.0) -> LogProbs:
     """THE target log-prob primitive every task's loss goes through: the log-prob sums and argmax hits of a batch's
     ``[S, T]`` next-token ``targets`` (0 where IGNORE), summed as ``per`` says: ``[1]`` over the batch, ``[S]`` per
     sequence or ``[S * T]`` per target token, at ``temperature`` (``log_softmax(logits / temperature)``; GRPO scores
     at its sampling temperature). Computed from the final hidden states and the row's output head
     (:func:`head_logprobs`) when the model has one, else from the model's logits, chunk by chunk either way; no host
-    sync. Hits are counted only with ``count_hits`` (zeros otherwise)."""
+    sync. Hits are counted only with ``count_hits`` (zeros otherwise). The router aux loss of a mixture-of-experts
+    model comes with them (:class:`LogProbs`)."""
     seq, count = _groups(targets, per)
     head = find_head(model, head_name)
     if head is not None:
         return head_logprobs(model, inputs, targets, seq, count, head, count_hits, temperature=temperature)
     out = model(**inputs)
     logits = out.logits if hasattr(out, "logits") else out
-    return sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count,
-                             count_hits=count_hits, temperature=temperature)
+    sums, hits = sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count,
+                                   count_hits=count_hits, temperature=temperature)
+    return LogProbs(sums, hits, router_aux_loss(out))

@@ -59,3 +59,21 @@ def test_greedy_generate_pads_after_eos(llama: Any) -> None:
         reference = hf_greedy(llama, prompt, 8, eos_id=eos)
         assert row[:len(reference)] == reference
     assert new[0][3:] == [0] * 5
+
+
+def test_a_mixture_of_experts_model_with_its_router_loss_on_decodes_as_generate() -> None:
+    """An MoE model whose config turns the router aux loss on (Mixtral, GPT-OSS with its sliding window and sinks):
+    decoding with the KV cache computes no aux loss (transformers' would meet the whole mask with the new token's
+    router logits and fail) and gives transformers' own greedy tokens for left-padded prompts."""
+    from tests.moe_rows import tiny_model
+
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (4, 9, 2)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    for name in ("mixtral", "gpt_oss"):
+        model = tiny_model(name).eval()
+        assert model.config.output_router_logits
+        new = greedy_generate(model, ids, mask, max_new_tokens=6, eos_id=None, pad_id=0)
+        model.config.output_router_logits = False  # transformers' generate with the loss off, as a reference
+        for prompt, row in zip(prompts, new.tolist(), strict=True):
+            assert row == hf_greedy(model, prompt, 6), name

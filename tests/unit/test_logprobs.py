@@ -58,9 +58,9 @@ def test_target_logprobs_sums_per_batch_sequence_and_token_as_log_softmax_does(l
         logp = torch.log_softmax(logits / temperature, dim=-1)
         valid = targets != IGNORE
         expected = torch.where(valid, logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
-        token, _ = target_logprobs(llama, inputs, targets, head_name, per="token", temperature=temperature)
-        sequence, _ = target_logprobs(llama, inputs, targets, head_name, per="sequence", temperature=temperature)
-        batch, _ = target_logprobs(llama, inputs, targets, head_name, per="batch", temperature=temperature)
+        token = target_logprobs(llama, inputs, targets, head_name, per="token", temperature=temperature).sums
+        sequence = target_logprobs(llama, inputs, targets, head_name, per="sequence", temperature=temperature).sums
+        batch = target_logprobs(llama, inputs, targets, head_name, per="batch", temperature=temperature).sums
     torch.testing.assert_close(token.reshape(3, 7), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(sequence, expected.sum(dim=1), rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(batch, expected.sum().reshape(1), rtol=1e-5, atol=1e-4)

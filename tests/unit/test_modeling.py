@@ -105,3 +105,78 @@ def test_a_template_that_does_not_compile_or_is_gone_is_one_line(tmp_path) -> No
         build_tokenizer(ModelConfig(type="tiny-llama", chat_template=str(broken)), ROW)
     with pytest.raises(ConfigError, match=f"^{re.escape(f'model.chat_template: file not found: {gone}')}$"):
         build_tokenizer(ModelConfig(type="tiny-llama", chat_template=str(gone)), ROW)
+
+
+# --- GPT-OSS: MXFP4 checkpoints and attention sinks ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mxfp4_folder(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny GPT-OSS checkpoint whose experts are MXFP4 blocks and scales, as on the hub (tests/moe_rows.py)."""
+    from tests.moe_rows import pretrained
+
+    return pretrained(tmp_path_factory.mktemp("oss") / "gpt-oss", "gpt_oss")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_an_mxfp4_checkpoint_loads_dequantized_to_the_training_dtype(mxfp4_folder, dtype: str) -> None:
+    """Every expert weight is the value its 4-bit block and power-of-two scale stand for (the format written out
+    in tests/moe_rows.py), in model.dtype, trainable; the model forgets the quantization (its export is plain) and
+    train.log says what happened."""
+    from safetensors.torch import load_file
+
+    from finetune.runtime.modeling import prequantized
+    from tests.moe_rows import dequantize
+
+    cfg = ModelConfig(type="gpt_oss", path=str(mxfp4_folder), dtype=dtype)
+    model = build_model(cfg, registry.get_model("gpt_oss"))
+    stored = load_file(str(mxfp4_folder / "model.safetensors"))
+    experts = {name: p for name, p in model.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))}
+    assert len(experts) == 4
+    for name, param in experts.items():
+        assert param.dtype == getattr(torch, dtype) and param.requires_grad
+        expected = dequantize(stored[f"{name}_blocks"], stored[f"{name}_scales"]).to(param.dtype)
+        assert torch.equal(param.detach(), expected), name
+    assert not hasattr(model.config, "quantization_config") and not getattr(model, "is_quantized", False)
+    assert prequantized(cfg) == (f"model.path: the checkpoint's MXFP4 weights are dequantized to {dtype} for "
+                                 f"training (the export holds {dtype} weights)")
+    assert prequantized(ModelConfig(type="gpt_oss")) is None
+
+
+def test_qlora_over_an_mxfp4_checkpoint_is_one_line(mxfp4_folder) -> None:
+    from finetune.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^peft.method=qlora: .* holds MXFP4-quantized weights .*; use "
+                                          r"peft.method=lora$"):
+        build_model(ModelConfig(type="gpt_oss", path=str(mxfp4_folder)), registry.get_model("gpt_oss"),
+                    quantization=object())
+
+
+def test_attention_paths_that_would_lose_gpt_oss_sinks_are_refused() -> None:
+    """flash-attn 2 takes no sinks (transformers would drop them silently): refused before any weight is read; sdpa
+    is refused by transformers for GPT-OSS, as one line; the eager default keeps them: the sinks change the logits.
+    Another MoE row without sinks passes the flash check."""
+    import transformers
+
+    from finetune.errors import ConfigError
+    from finetune.runtime.modeling import build_config, keeps_sinks
+
+    oss = registry.get_model("gpt_oss")
+    flash = ModelConfig(type="gpt_oss", attn_implementation="flash_attention_2")
+    with pytest.raises(ConfigError, match=r"^model.attn_implementation: flash_attention_2 \(the flash-attn 2 "
+                                          r"package\) drops the attention sinks of gpt_oss; use eager"):
+        keeps_sinks(flash, oss, build_config(ModelConfig(type="gpt_oss"), oss))
+    mixtral = registry.get_model("mixtral")
+    keeps_sinks(ModelConfig(type="mixtral", attn_implementation="flash_attention_2"), mixtral,
+                build_config(ModelConfig(type="mixtral"), mixtral))
+    with pytest.raises(ConfigError, match=r"^model.attn_implementation: gpt_oss cannot use sdpa"):
+        build_model(ModelConfig(type="gpt_oss", attn_implementation="sdpa"), oss)
+    model = build_model(ModelConfig(type="gpt_oss"), oss).eval()
+    assert model.config._attn_implementation == "eager"
+    ids = torch.randint(5, 500, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        for layer in model.model.layers:
+            layer.self_attn.sinks.add_(3.0)
+        assert not torch.allclose(model(input_ids=ids).logits, before, atol=1e-4)
+    assert isinstance(model, transformers.GptOssForCausalLM)

@@ -521,6 +521,47 @@ def test_activation_estimate_tracks_what_autograd_saves(recipe: Path, overrides:
             + tokens * hidden * residual + head
 
 
+@pytest.fixture(scope="module")
+def moe_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The MoE rows' tiny pretrained folders (tests/moe_rows.py; GPT-OSS's experts in MXFP4, as on the hub)."""
+    from tests.moe_rows import MOE_ROWS, pretrained
+
+    root = tmp_path_factory.mktemp("moe")
+    return {name: pretrained(root / name, name) for name in MOE_ROWS}
+
+
+@pytest.mark.parametrize("overrides", [(), ("train.mixed_precision=bf16",), ("peft.method=lora",)],
+                         ids=["fp32", "bf16-autocast", "lora"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_moe_plan_counts_the_experts_as_the_built_model_holds_them(moe_folders: dict[str, Path], name: str,
+                                                                  overrides: tuple[str, ...]) -> None:
+    """A mixture-of-experts row: the parameter count is the built model's numel (the experts' fused 3-D weights, most
+    of it, included), parameters / gradients / optimizer states equal a real model's after a step (GPT-OSS's MXFP4
+    experts as model.dtype), and the activations (experts' routed copies, router) are within 20% of what autograd
+    saves, where the dense formula alone said about half."""
+    import dataclasses
+
+    from finetune.runtime.plan import estimate_activations, model_facts
+
+    cfg = _cfg(f"model.type={name}", f"model.path={moe_folders[name]}", "model.config_overrides={}",
+               "train.micro_batch_size=4", *overrides)
+    plan = build_plan(cfg, devices=[])
+    real = _real_training_bytes(cfg)
+    assert (plan.total_params, plan.trainable_params) == (real["total"], real["trainable"])
+    for key in ("parameters", "gradients", "optimizer_states"):
+        assert _rank(plan, key) == real[key], key
+    measured, _ = _saved_for_backward(cfg)
+    copies = plan.item("autocast_copies")
+    estimate = plan.activations.without_checkpointing + (copies.per_rank_bytes if copies else 0)
+    assert 0.8 < estimate / measured < 1.25, (estimate, measured)
+    shape = model_facts(cfg, get_model(name)).shape
+    assert shape.moe_layers == 2 and shape.experts == 4 and shape.experts_per_token == 2
+    dense, *_ = estimate_activations(dataclasses.replace(shape, moe_layers=0), micro_batch_size=4,
+                                     max_seq_len=cfg.data.max_seq_len, packing=False, residual_bytes=4,
+                                     compute_bytes=4, lora_in_features=0)
+    assert dense < 0.75 * measured  # what the plan said before it knew the experts
+
+
 def cfg_hidden(cfg: Any) -> int:
     """The hidden size of the recipe's model (its config, built on the meta device)."""
     from finetune.registry import recipe_row
