@@ -21,6 +21,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Literal
 
 from finetune import objectives
@@ -325,6 +326,9 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         **_VLM_COMMON, description="debug: tiny Qwen2-VL built from a config + bundled tokenizer and image processor",
     ),
 }
+# The rows finetune ships, as this module defines them: what the docs' table of model families lists, whatever a
+# plugin's register() later adds to or replaces in SUPPORTED_MODELS in the same process.
+SHIPPED: Mapping[str, SupportedModel] = MappingProxyType(dict(SUPPORTED_MODELS))
 
 
 # Rows derived at run time for a causal LM whose family has no row (finetune.config.families): kept apart from the

@@ -13,7 +13,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from types import ModuleType
+from types import MappingProxyType, ModuleType
 from typing import Any, get_args
 
 import pytest
@@ -21,9 +21,10 @@ import yaml
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
+from finetune import registry
 from finetune.cli import app
 from finetune.config.schema import RecipeConfig
-from finetune.registry import SUPPORTED_MODELS
+from finetune.registry import SHIPPED, SUPPORTED_MODELS
 from tests.cli_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[2]
@@ -241,10 +242,10 @@ def _codes(cell: str) -> list[str]:
 
 def test_every_row_is_listed_with_its_task_types_capabilities_and_presets(models_md: str) -> None:
     listed, presets = _table_rows(models_md, "Rows"), _table_rows(models_md, "LoRA presets")
-    assert list(listed) == list(SUPPORTED_MODELS) == list(presets), "one row per SupportedModel, in table order"
+    assert list(listed) == list(SHIPPED) == list(presets), "one row per shipped SupportedModel, in table order"
     header = [cell.strip() for cell in CELL_SPLIT.split(_section(models_md, "LoRA presets").split("\n| Row")[1]
                                                          .splitlines()[0])[1:-1]]
-    for name, row in SUPPORTED_MODELS.items():
+    for name, row in SHIPPED.items():
         task, types, description, capabilities, wraps, debug = listed[name]
         assert _codes(task) == [row.task] and _codes(types) == list(row.model_types)
         assert set(_codes(capabilities)) == set(row.capabilities) and _codes(wraps) == list(row.wrap_classes)
@@ -255,13 +256,13 @@ def test_every_row_is_listed_with_its_task_types_capabilities_and_presets(models
 
 def test_a_row_added_to_the_table_appears_when_the_page_is_generated(generator: ModuleType,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """What the other rows get: a row registered in the table (as a new family's is) is a row of the page, and the
-    committed page is then stale until the script runs."""
-    added = dataclasses.replace(SUPPORTED_MODELS["llama"], name="newfamily", model_types=("newfamily",),
+    """What the other rows get: a row added to the shipped table (as a new family's is) is a row of the page, and
+    the committed page is then stale until the script runs."""
+    added = dataclasses.replace(SHIPPED["llama"], name="newfamily", model_types=("newfamily",),
                                 description="a family added to the table")
-    monkeypatch.setitem(SUPPORTED_MODELS, "newfamily", added)
+    monkeypatch.setattr(registry, "SHIPPED", MappingProxyType({**SHIPPED, "newfamily": added}))
     page, count = generator.models_page()
-    assert count == len(SUPPORTED_MODELS) and "newfamily" in _table_rows(page, "Rows")
+    assert count == len(SHIPPED) + 1 and "newfamily" in _table_rows(page, "Rows")
     assert "| `newfamily` | `causal_lm` | `newfamily` | a family added to the table |" in page
     assert generator.MODELS_PAGE in generator.stale()
 
@@ -349,3 +350,13 @@ def test_every_schema_key_has_a_description() -> None:
     bare = sorted(key for key, (model, name) in schema_leaves(RecipeConfig).items()
                   if not (model.model_fields[name].description or "").strip())
     assert not bare, f"schema keys without a description: {bare}"
+
+
+def test_a_row_a_plugin_registers_is_not_a_shipped_row(generator: ModuleType, models_md: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The table lists the rows finetune ships and tests: a row registered at run time (a plugin's, or another
+    test's in this process) leaves the generated page as committed."""
+    plugin_row = dataclasses.replace(SHIPPED["llama"], name="plugin-family", description="a plugin's row")
+    monkeypatch.setitem(SUPPORTED_MODELS, "plugin-family", plugin_row)
+    page, count = generator.models_page()
+    assert page == models_md and count == len(SHIPPED) and "plugin-family" not in page
