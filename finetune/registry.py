@@ -363,7 +363,7 @@ def register(row: SupportedModel) -> None:
     if "preference" in row.capabilities and not rules.text_causal:
         raise ConfigError(f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward "
                           f"train decoders, not {row.task} rows); remove it from capabilities")
-    problem = _class_problem(row) or _inputs_problem(row) or _vision_problem(row)
+    problem = _class_problem(row) or _inputs_problem(row) or _vision_problem(row) or _head_problem(row)
     if problem:
         raise ConfigError(f"SupportedModel {row.name!r}: {problem}")
     SUPPORTED_MODELS[row.name] = row
@@ -419,6 +419,19 @@ def _vision_problem(row: SupportedModel) -> str | None:
             re.compile(row.lora_exclude)
         except re.error as exc:
             return f"lora_exclude is not a regular expression ({exc})"
+    return None
+
+
+def _head_problem(row: SupportedModel) -> str | None:
+    """``logit_divisor`` and ``logit_softcap`` name config attributes of a Hugging Face model's output head."""
+    shaping = {"logit_divisor": row.logit_divisor, "logit_softcap": row.logit_softcap}
+    named = {key: value for key, value in shaping.items() if value is not None}
+    bad = [key for key, value in named.items() if not isinstance(value, str) or not value.isidentifier()]
+    if bad:
+        return f"{bad[0]} names a config attribute (e.g. 'logits_scaling'), got {named[bad[0]]!r}"
+    if named and (row.factory is not None or not row.output_head):
+        return (f"{next(iter(named))} shapes the logits of a Hugging Face model's output_head; "
+                "set output_head or remove it")
     return None
 
 

@@ -32,8 +32,8 @@ into qkv_proj and gate, up into gate_up_proj; Qwen3, Gemma 3 and OLMo 2/3 normal
 output too (post_feedforward_layernorm, after the MLP stage), and OLMo 2/3's post_attention_layernorm normalises
 attention's output where Llama's normalises the MLP's input: both lie between o and the MLP, which is all the
 formula needs of a norm. A parameter that sits in a layer but in none of these places (an unknown architecture, a
-vision tower) makes :func:`train_flops` return None: the MFU is then omitted, not guessed. DoRA's per-forward weight norm (independent of the token count) is not
-counted.
+vision tower) makes :func:`train_flops` return None: the MFU is then omitted, not guessed. DoRA's per-forward
+weight norm (independent of the token count) is not counted.
 
 **Peak FLOPs.** Dense bf16 tensor-core throughput from the vendors' datasheets (sparsity figures halved away), by
 device name. An unknown device gives None (MFU omitted); ``override_tflops`` (the GPU check's ``--peak-tflops``)
