@@ -153,6 +153,7 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
         flat = hidden.reshape(-1, hidden.size(-1))
         # a Linear's own forward (FSDP2's FSDPLinear keeps it): fused; an override (LoRA, quantised): the module
         fused = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+        # divisor, softcap: what _shaping_moved (below) read from the model's config before the model calls this
         picked["sums"], picked["hits"] = sequence_logprobs(
             flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
             bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits,
