@@ -115,7 +115,11 @@ class SupportedModel:
     ``output_head`` names the module of a causal row (found by the last part of its name, through wrappers) that
     turns the final hidden states into logits: the loss replaces its output by chunked log-prob sums, so full
     ``[tokens x vocab]`` logits are never built (finetune.tasks.logprobs.head_logprobs). A model that changes the
-    head's output afterwards is refused at the first forward; None computes the loss from the model's logits.
+    head's output afterwards is refused at the first forward; None computes the loss from the model's logits. A
+    family whose forward changes the head's output in a known way names the config attributes of that change, and the
+    loss does it per chunk instead (the model's own is switched off for the loss's forward; generation and eval keep
+    it): ``logit_divisor``, a division of the logits (Granite's ``logits_scaling``), then ``logit_softcap``, a
+    soft-cap ``cap * tanh(logits / cap)`` (Gemma's ``final_logit_softcapping``; a null value in the config: none).
     """
 
     name: str
@@ -130,7 +134,8 @@ class SupportedModel:
     model_inputs: tuple[str, ...] = MODEL_INPUTS
     head_modules: tuple[str, ...] = ()
     model_types: tuple[str, ...] = ()  # the HF config ``model_type`` values this row can load (empty: any)
-    reward_head: tuple[str, ...] = ("score",)  # the head of the family's *ForSequenceClassification (for_task)
+    # the head of the family's *ForSequenceClassification (for_task); (): transformers has none, task reward is refused
+    reward_head: tuple[str, ...] = ("score",)
     debug_build: bool = False
     tokenizer: str | None = None
     image_token: str | None = None
@@ -138,6 +143,8 @@ class SupportedModel:
     freeze_groups: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
     lora_exclude: str | None = None
     output_head: str | None = OUTPUT_HEAD
+    logit_divisor: str | None = None
+    logit_softcap: str | None = None
     description: str = ""
 
     @property
@@ -227,6 +234,22 @@ _VLM_COMMON: dict[str, Any] = {
     "lora_exclude": r".*\bvisual\..*", "tokenizer": "tiny-qwen2-vl",
 }
 
+# The dense decoder families of 2025-26. Their tiny configs are _TINY_DECODER with the bundled tiny tokenizer's
+# special ids (several families default to ids beyond a 512-token vocabulary) and with what makes the family itself
+# show in 2 layers: a sliding-window layer next to a full one (a window of 4, shorter than the samples the tests
+# pack), a NoPE layer, partial rotary, Granite's multipliers, tied embeddings where the small checkpoints tie them,
+# and Gemma 2's soft-caps small enough to bend a tiny model's small scores (its checkpoints cap at 50 and 30).
+_TINY_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+_TINY_DENSE = {**_TINY_DECODER, **_TINY_IDS}
+_TINY_WINDOWS = {"sliding_window": 4, "layer_types": ["sliding_attention", "full_attention"]}
+_TINY_GEMMA = {**_TINY_DENSE, **_TINY_WINDOWS, "head_dim": 16, "query_pre_attn_scalar": 16}
+# Phi-3 / Phi-4-mini fuse q, k and v into qkv_proj and gate and up into gate_up_proj: a preset adapts the fused
+# matrices whole (attn: qkv_proj + o_proj; attn_mlp and all_linear add gate_up_proj + down_proj)
+_PHI3_LORA = {"attn": ("qkv_proj", "o_proj"), "attn_mlp": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"),
+              "all_linear": ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")}
+_DENSE: dict[str, Any] = {"task": "causal_lm", "auto_class": "AutoModelForCausalLM", "lora_targets": _DECODER_LORA,
+                          "capabilities": _DECODER_CAPS, "model_inputs": _DECODER_INPUTS}
+
 SUPPORTED_MODELS: dict[str, SupportedModel] = {
     "llama": SupportedModel(
         name="llama", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
@@ -279,6 +302,49 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         model_inputs=_DECODER_INPUTS,
         tiny_config=_TINY_DECODER, model_types=("llama",), debug_build=True, tokenizer="tiny-llama-tokenizer",
         description="debug: 2-layer Llama built from a config + bundled tokenizer (no download)",
+    ),
+    "qwen3": SupportedModel(
+        name="qwen3", config_class="Qwen3Config", decoder_layer="Qwen3DecoderLayer", model_types=("qwen3",),
+        tiny_config={**_TINY_DENSE, "head_dim": 16, "tie_word_embeddings": True}, **_DENSE,
+        description="Qwen3 dense decoders (0.6B-32B; the small ones tie their embeddings)",
+    ),
+    "gemma2": SupportedModel(
+        name="gemma2", config_class="Gemma2Config", decoder_layer="Gemma2DecoderLayer", model_types=("gemma2",),
+        tiny_config={**_TINY_GEMMA, "attn_logit_softcapping": 1.0, "final_logit_softcapping": 2.0},
+        logit_softcap="final_logit_softcapping", **_DENSE,
+        description="Gemma 2 (soft-capped attention: eager, flex_attention or flash_attention_2, not sdpa)",
+    ),
+    "gemma3_text": SupportedModel(
+        name="gemma3_text", config_class="Gemma3TextConfig", decoder_layer="Gemma3DecoderLayer",
+        model_types=("gemma3_text",), tiny_config=_TINY_GEMMA, logit_softcap="final_logit_softcapping", **_DENSE,
+        description="Gemma 3 text-only decoders (1B, and the text part of larger ones)",
+    ),
+    "phi3": SupportedModel(
+        name="phi3", config_class="Phi3Config", decoder_layer="Phi3DecoderLayer", model_types=("phi3",),
+        tiny_config={**_TINY_DENSE, "partial_rotary_factor": 0.75, "tie_word_embeddings": True},
+        **{**_DENSE, "lora_targets": _PHI3_LORA},
+        description="Phi-3 / Phi-3.5 / Phi-4-mini (fused qkv_proj and gate_up_proj)",
+    ),
+    "olmo2": SupportedModel(
+        name="olmo2", config_class="Olmo2Config", decoder_layer="Olmo2DecoderLayer", model_types=("olmo2",),
+        tiny_config=_TINY_DENSE, **_DENSE, description="OLMo 2 decoders",
+    ),
+    "olmo3": SupportedModel(
+        name="olmo3", config_class="Olmo3Config", decoder_layer="Olmo3DecoderLayer", model_types=("olmo3",),
+        tiny_config={**_TINY_DENSE, **_TINY_WINDOWS}, **_DENSE,
+        description="OLMo 3 decoders (sliding-window and full layers)",
+    ),
+    "granite": SupportedModel(
+        name="granite", config_class="GraniteConfig", decoder_layer="GraniteDecoderLayer", model_types=("granite",),
+        tiny_config={**_TINY_DENSE, "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
+                     "attention_multiplier": 0.0625, "logits_scaling": 8.0, "tie_word_embeddings": True},
+        logit_divisor="logits_scaling", reward_head=(), **_DENSE,
+        description="IBM Granite 3.x dense decoders (no reward variant: transformers has no sequence classifier)",
+    ),
+    "smollm3": SupportedModel(
+        name="smollm3", config_class="SmolLM3Config", decoder_layer="SmolLM3DecoderLayer", model_types=("smollm3",),
+        tiny_config={**_TINY_DENSE, "no_rope_layers": [1, 0]}, **_DENSE,
+        description="SmolLM3 (every fourth layer without rotary positions)",
     ),
     "mixtral": SupportedModel(
         name="mixtral", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="MixtralConfig",
@@ -362,7 +428,7 @@ def row_problem(row: SupportedModel) -> str | None:
     if "preference" in row.capabilities and not rules.text_causal:
         return (f"SupportedModel {row.name!r}: preference is a causal_lm capability (task dpo / reward train "
                 f"decoders, not {row.task} rows); remove it from capabilities")
-    problem = _class_problem(row) or _inputs_problem(row) or _vision_problem(row)
+    problem = _class_problem(row) or _inputs_problem(row) or _vision_problem(row) or _head_problem(row)
     return f"SupportedModel {row.name!r}: {problem}" if problem else None
 
 
@@ -416,6 +482,19 @@ def _vision_problem(row: SupportedModel) -> str | None:
             re.compile(row.lora_exclude)
         except re.error as exc:
             return f"lora_exclude is not a regular expression ({exc})"
+    return None
+
+
+def _head_problem(row: SupportedModel) -> str | None:
+    """``logit_divisor`` and ``logit_softcap`` name config attributes of a Hugging Face model's output head."""
+    shaping = {"logit_divisor": row.logit_divisor, "logit_softcap": row.logit_softcap}
+    named = {key: value for key, value in shaping.items() if value is not None}
+    bad = [key for key, value in named.items() if not isinstance(value, str) or not value.isidentifier()]
+    if bad:
+        return f"{bad[0]} names a config attribute (e.g. 'logits_scaling'), got {named[bad[0]]!r}"
+    if named and (row.factory is not None or not row.output_head):
+        return (f"{next(iter(named))} shapes the logits of a Hugging Face model's output_head; "
+                "set output_head or remove it")
     return None
 
 
@@ -516,7 +595,8 @@ def for_task(row: SupportedModel, task: str | None) -> SupportedModel:
     ``reward`` turns a causal LM row into its reward-model variant: the family's sequence-classification class
     (one output, read at the last token that is not padding; see modeling.build_config), the decoder layers,
     LoRA presets and tiny config unchanged, and the new head (``reward_head``) trained in full under LoRA
-    (peft.modules_to_save). It cannot pack or generate. Every other task uses the row as it is."""
+    (peft.modules_to_save). It cannot pack or generate. A row without a ``reward_head`` (its family has no such
+    class) is refused. Every other task uses the row as it is."""
     record = objectives.objective(task)
     if record is None or record.builds is None:
         return row
@@ -526,6 +606,10 @@ def for_task(row: SupportedModel, task: str | None) -> SupportedModel:
     if not row_task(row).text_causal:
         raise ConfigError(f"task: reward scores sequences with a causal LM's sequence-classification head, but "
                           f"model.type {row.name} is a {row.task} model; use a causal LM (e.g. llama, qwen2, gpt2)")
+    if not row.reward_head:
+        raise ConfigError(f"task: reward needs the family's sequence-classification class, which transformers does "
+                          f"not have for model.type {row.name}; train it with task: dpo, or a reward model of another "
+                          "family")
     return dataclasses.replace(row, task=record.builds, auto_class=REWARD_AUTO_CLASS, head_modules=row.reward_head,
                                capabilities=row.capabilities - {"packing", "generation"})
 

@@ -26,10 +26,14 @@ kernel executes about half of it. A packed row counts each of its samples, ``sum
 squared: the useful work, which is what MFU measures.
 
 Data flow inside a decoder layer (Llama, Qwen2, Mistral; GPT-2 in brackets): norm -> q, k, v [c_attn] in parallel
--> attention -> o [attn.c_proj] -> norm -> gate, up [c_fc] in parallel -> down [mlp.c_proj]. A parameter that sits
-in a layer but in none of these places (an unknown architecture, a vision tower) makes :func:`train_flops` return
-None: the MFU is then omitted, not guessed. DoRA's per-forward weight norm (independent of the token count) is not
-counted.
+-> attention -> o [attn.c_proj] -> norm -> gate, up [c_fc] in parallel -> down [mlp.c_proj]. Phi-3 fuses q, k, v
+into qkv_proj and gate, up into gate_up_proj; Qwen3, Gemma 3 and OLMo 2/3 normalise q and k inside attention
+(q_norm, k_norm: trainable parameters of the attention stage, no matmul); Gemma and OLMo 2/3 normalise the MLP's
+output too (post_feedforward_layernorm, after the MLP stage), and OLMo 2/3's post_attention_layernorm normalises
+attention's output where Llama's normalises the MLP's input: both lie between o and the MLP, which is all the
+formula needs of a norm. A parameter that sits in a layer but in none of these places (an unknown architecture, a
+vision tower) makes :func:`train_flops` return None: the MFU is then omitted, not guessed. DoRA's per-forward
+weight norm (independent of the token count) is not counted.
 
 **Peak FLOPs.** Dense bf16 tensor-core throughput from the vendors' datasheets (sparsity figures halved away), by
 device name. An unknown device gives None (MFU omitted); ``override_tflops`` (the GPU check's ``--peak-tflops``)
@@ -60,11 +64,13 @@ _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.(.+)$")
 # module paths inside a layer -> data-flow stage; the first matching key wins (attn.c_proj before a bare c_proj)
 _STAGES: tuple[tuple[str, int], ...] = (
     ("attn.c_proj", 1), ("mlp.c_proj", 3),
-    ("q_proj", 0), ("k_proj", 0), ("v_proj", 0), ("c_attn", 0), ("o_proj", 1),
-    ("gate_proj", 2), ("up_proj", 2), ("c_fc", 2), ("down_proj", 3),
+    ("q_proj", 0), ("k_proj", 0), ("v_proj", 0), ("qkv_proj", 0), ("c_attn", 0), ("o_proj", 1),
+    ("gate_proj", 2), ("up_proj", 2), ("gate_up_proj", 2), ("c_fc", 2), ("down_proj", 3),
 )
 _NORMS: tuple[tuple[str, int], ...] = (("input_layernorm", 0), ("ln_1", 0), ("post_attention_layernorm", 2),
-                                       ("ln_2", 2))
+                                       ("pre_feedforward_layernorm", 2), ("ln_2", 2))
+# parameters inside a stage that are no matmul: what trains there makes everything after it require grad
+_INSIDE: tuple[tuple[str, int], ...] = (("q_norm", 0), ("k_norm", 0), ("post_feedforward_layernorm", 3))
 _EMBEDDINGS = ("embed_tokens", "wte", "wpe")
 _HEAD = "lm_head"
 _FINAL_NORMS = ("norm", "ln_f")
@@ -138,6 +144,10 @@ def _layers(params: Sequence[Param]) -> tuple[bool, list[list[_Stage]], Param | 
         norm = next((s for k, s in _NORMS if rest.startswith(k + ".")), None)
         if norm is not None:
             stages[norm].norm_trainable |= p.trainable
+            continue
+        inside = next((s for k, s in _INSIDE if rest.startswith(k + ".") or f".{k}." in f".{rest}"), None)
+        if inside is not None:
+            stages[inside].trainable_other |= p.trainable
             continue
         found = _stage_key(rest)
         if found is None:

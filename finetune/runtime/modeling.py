@@ -310,6 +310,7 @@ def build_model(cfg: ModelConfig, row: SupportedModel, *, source: str | None = N
                                      trust_remote_code=cfg.trust_remote_code)  # safe: as above
         if empty:
             model.eval()  # as from_pretrained leaves a model
+    check_softcapped_attention(model, row)
     return model
 
 
@@ -369,6 +370,20 @@ def keeps_sinks(cfg: ModelConfig, row: SupportedModel, config: Any) -> None:
     if any(isinstance(getattr(module, "sinks", None), torch.nn.Parameter) for module in model.modules()):
         raise ConfigError(f"model.attn_implementation: flash_attention_2 (the flash-attn 2 package) drops the "
                           f"attention sinks of {row.name}; use eager (or null, the model's default)")
+
+
+def check_softcapped_attention(model: Any, row: SupportedModel) -> None:
+    """Refuse, in one line, sdpa for a model that soft-caps its attention scores (``attn_logit_softcapping``, as
+    Gemma 2 does): torch's sdpa cannot, and transformers says so only at the first forward, as a traceback. Gemma 2's
+    class refuses sdpa when it is built (:func:`attention_support` words that); a Gemma 3 whose config sets a cap
+    builds with sdpa, its default, and is caught here."""
+    config = model.config
+    cap = getattr(config.get_text_config() if hasattr(config, "get_text_config") else config,
+                  "attn_logit_softcapping", None)
+    if cap is not None and getattr(config, "_attn_implementation", None) == "sdpa":
+        raise ConfigError(f"model.attn_implementation: {row.name} soft-caps its attention scores "
+                          f"(attn_logit_softcapping={cap}), which sdpa cannot; set model.attn_implementation to "
+                          "eager, flex_attention or flash_attention_2")
 
 
 def custom_config(cfg: ModelConfig, row: SupportedModel) -> dict[str, Any]:

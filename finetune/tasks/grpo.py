@@ -72,7 +72,7 @@ from finetune.errors import ConfigError, FinetuneError, RunDirError
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.causal_lm import normalize
 from finetune.tasks.decoding import Sampling, generate_tokens
-from finetune.tasks.logprobs import Forward, next_token_targets, target_logprobs
+from finetune.tasks.logprobs import Forward, OutputHead, next_token_targets, target_logprobs
 from finetune.tasks.rewards import build_rewards
 
 CACHE_NAME = "grpo_rollouts"  # the checkpoint object holding a generation batch that a later step still uses
@@ -146,7 +146,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: bool) -> tup
     return advantage.reshape(-1), flat.reshape(-1)
 
 
-def token_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None,
+def token_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: OutputHead | str | None,
                    temperature: float = 1.0) -> torch.Tensor:
     """``[S, T]`` fp32: the log-prob of each next-token target at ``temperature`` (0 where IGNORE), with grad when
     enabled: the shared primitive :func:`finetune.tasks.logprobs.target_logprobs` summed per target token (no

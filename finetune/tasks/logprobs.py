@@ -9,7 +9,8 @@ per-completion scores (finetune.tasks.grpo) and eval's token accuracy all call :
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -23,6 +24,17 @@ from finetune.tasks.losses import sequence_logprobs, summed_cross_entropy
 
 
 @dataclass(frozen=True)
+class OutputHead:
+    """The output head the log-probs are computed from: the module's name (the row's ``output_head``) and the
+    config attributes of what the model's forward does to the head's output afterwards (the row's
+    ``logit_divisor`` and ``logit_softcap``), which the loss does per chunk instead (:func:`head_logprobs`)."""
+
+    name: str
+    divisor: str | None = None
+    softcap: str | None = None
+
+
+@dataclass(frozen=True)
 class Forward:
     """How every task's training forward calls its model, one rule for SFT, DPO and GRPO: the batch keys it passes
     (the row's ``model_inputs``: a custom row's forward may take fewer than a Hugging Face model's; a key the batch
@@ -32,14 +44,15 @@ class Forward:
 
     keys: tuple[str, ...] = MODEL_INPUTS
     flags: Mapping[str, Any] = field(default_factory=lambda: {"use_cache": False})
-    head: str | None = OUTPUT_HEAD
+    head: OutputHead | None = OutputHead(OUTPUT_HEAD)
 
     @classmethod
     def of(cls, row: SupportedModel | None) -> Forward:
         """The forward of ``row`` (None: a hand-made config of a task's own fields, a Hugging Face model)."""
         if row is None:
             return cls()
-        return cls(row.model_inputs, {} if row.factory else {"use_cache": False}, row.output_head)
+        head = OutputHead(row.output_head, row.logit_divisor, row.logit_softcap) if row.output_head else None
+        return cls(row.model_inputs, {} if row.factory else {"use_cache": False}, head)
 
     def inputs(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """The forward's keyword arguments for ``batch``."""
@@ -95,8 +108,43 @@ def find_head(model: Any, name: str | None) -> Any:
     return min(found, key=lambda item: item[0])[1] if found else None
 
 
+def _owner_config(model: Any, head: Any) -> Any:
+    """The config of the model whose direct child is ``head`` (through any wrapper: the wrapped model's)."""
+    for module in model.modules():
+        if any(child is head for child in module.children()):
+            return getattr(module, "config", None)
+    return None
+
+
+@contextlib.contextmanager
+def _shaping_moved(model: Any, head: Any, spec: OutputHead | None) -> Iterator[tuple[float, float | None]]:
+    """The divisor and soft-cap that the model's forward applies to ``head``'s output (read from its config as
+    ``spec`` names them; 1 and None: none), with that forward's own switched off while the block runs (the divisor
+    set to 1, the soft-cap to None) so the loss can apply them per chunk. Restored afterwards, whatever happens."""
+    if spec is None or not (spec.divisor or spec.softcap):
+        yield 1.0, None
+        return
+    config = _owner_config(model, head)
+    missing = [name for name in (spec.divisor, spec.softcap) if name and not hasattr(config, name)]
+    if missing:
+        raise ConfigError(f"the model's config has no {missing[0]!r}, which the row names as what its forward does "
+                          "to the output head's logits (logit_divisor / logit_softcap); fix the row")
+    divisor = float(getattr(config, spec.divisor)) if spec.divisor else 1.0
+    softcap = getattr(config, spec.softcap) if spec.softcap else None
+    off = {**({spec.divisor: 1.0} if spec.divisor else {}), **({spec.softcap: None} if softcap is not None else {})}
+    saved = {name: getattr(config, name) for name in off}
+    try:
+        for name, value in off.items():
+            setattr(config, name, value)
+        yield divisor, None if softcap is None else float(softcap)
+    finally:
+        for name, value in saved.items():
+            setattr(config, name, value)
+
+
 def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                  head: Any, count_hits: bool = True, temperature: float = 1.0) -> LogProbs:
+                  head: Any, count_hits: bool = True, temperature: float = 1.0,
+                  spec: OutputHead | None = None) -> LogProbs:
     """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
     hits (:func:`finetune.tasks.losses.sequence_logprobs`, at ``temperature``: GRPO scores its completions at the
     temperature they were sampled at) instead of ``[tokens x vocab]`` logits, with the forward's router aux loss.
@@ -105,8 +153,10 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
     wrapper's hooks (DDP, FSDP's unshard and reshard, DeepSpeed ZeRO-3's parameter gathering, autocast, peft) see
     the head called as usual, and the sums come out as the output's ``logits``, which carry the wrappers' backward
     hooks. A plain ``nn.Linear`` head (tied or not) takes the fused chunked path; any other module (a LoRA-adapted
-    head) is called chunk by chunk. A model that alters the head's output afterwards (logit soft-capping) would make
-    the sums wrong, so it is refused."""
+    head) is called chunk by chunk. A model that alters the head's output afterwards would make the sums wrong, so it
+    is refused, unless ``spec`` (the row's :class:`OutputHead`) names that change: a division (Granite) or a soft-cap
+    (Gemma) is then done to each chunk's logits, and switched off in the model's config for this forward (a division
+    by 1 still makes a new tensor: the output is then taken as the head's by the row's word)."""
     own = vars(head).get("forward")
     original = own if own is not None else type(head).forward.__get__(head)
     picked: dict[str, torch.Tensor] = {}
@@ -119,24 +169,28 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
         flat = hidden.reshape(-1, hidden.size(-1))
         # a Linear's own forward (FSDP2's FSDPLinear keeps it): fused; an override (LoRA, quantised): the module
         fused = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
+        # divisor, softcap: what _shaping_moved (below) read from the model's config before the model calls this
         picked["sums"], picked["hits"] = sequence_logprobs(
             flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
             bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits,
-            temperature=temperature)
+            temperature=temperature, divisor=divisor, softcap=softcap)
         return picked["sums"]
 
     head.forward = forward
     try:
-        out = model(**inputs)
+        with _shaping_moved(model, head, spec) as (divisor, softcap):
+            out = model(**inputs)
     finally:
         if own is None:
             del head.forward
         else:
             head.forward = own
     sums = out.logits if hasattr(out, "logits") else out
-    # the head's own result, or a view of it (DeepSpeed ZeRO-3 hands on a detached alias); never a new tensor
+    # the head's own result, or a view of it (DeepSpeed ZeRO-3 hands on a detached alias); never a new tensor but
+    # the row's division by 1
+    divided = spec is not None and spec.divisor is not None
     if "sums" not in picked or not isinstance(sums, torch.Tensor) or sums.shape != picked["sums"].shape \
-            or not torch._C._is_alias_of(sums, picked["sums"]):
+            or not (divided or torch._C._is_alias_of(sums, picked["sums"])):
         raise ConfigError(f"the model's forward {'never called' if 'sums' not in picked else 'changed what'} its "
                           f"output head ({type(head).__name__}) {'' if 'sums' not in picked else 'returned '}(e.g. "
                           "logit soft-capping), so the loss cannot be computed from the head's input; set the row's "
@@ -159,19 +213,22 @@ def _groups(targets: torch.Tensor, per: Per) -> tuple[torch.Tensor, int]:
     return torch.zeros(sequences * length, dtype=torch.long, device=targets.device), 1
 
 
-def target_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: str | None, per: Per,
-                    count_hits: bool = False, temperature: float = 1.0) -> LogProbs:
+def target_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, head_name: OutputHead | str | None,
+                    per: Per, count_hits: bool = False, temperature: float = 1.0) -> LogProbs:
     """THE target log-prob primitive every task's loss goes through: the log-prob sums and argmax hits of a batch's
     ``[S, T]`` next-token ``targets`` (0 where IGNORE), summed as ``per`` says: ``[1]`` over the batch, ``[S]`` per
     sequence or ``[S * T]`` per target token, at ``temperature`` (``log_softmax(logits / temperature)``; GRPO scores
     at its sampling temperature). Computed from the final hidden states and the row's output head
     (:func:`head_logprobs`) when the model has one, else from the model's logits, chunk by chunk either way; no host
     sync. Hits are counted only with ``count_hits`` (zeros otherwise). The router aux loss of a mixture-of-experts
-    model comes with them (:class:`LogProbs`)."""
+    model comes with them (:class:`LogProbs`). ``head_name``: the row's :class:`OutputHead` (a bare name: a head
+    whose output the model leaves as it is)."""
     seq, count = _groups(targets, per)
-    head = find_head(model, head_name)
+    spec = OutputHead(head_name) if isinstance(head_name, str) else head_name
+    head = find_head(model, spec.name if spec is not None else None)
     if head is not None:
-        return head_logprobs(model, inputs, targets, seq, count, head, count_hits, temperature=temperature)
+        return head_logprobs(model, inputs, targets, seq, count, head, count_hits, temperature=temperature,
+                             spec=spec)
     out = model(**inputs)
     logits = out.logits if hasattr(out, "logits") else out
     sums, hits = sequence_logprobs(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), seq, count,

@@ -45,6 +45,12 @@ matrix) takes the fused path above. Any other head module (a LoRA-adapted or ``m
 called on each chunk under activation checkpointing, so its logits are likewise recomputed in backward instead of
 being saved. ``head=None`` and no weight: ``hidden`` already holds logits (a custom model whose head is not named).
 
+Shaped logits: a family whose forward changes its head's output (Granite divides the logits by ``logits_scaling``,
+Gemma soft-caps them, ``cap * tanh(logits / cap)``) gets the same change per chunk (``divisor``, ``softcap``), in fp32,
+before the log-softmax; the gradient with respect to the head's output is then ``g * (1 - (capped / cap)^2) /
+divisor``: the soft-cap's factor multiplies each chunk's ``g``, the divisor scales the upstream gradient as the
+temperature does. Both are monotonic, so the argmax (token accuracy) is the head's own.
+
 Chunk size (:func:`default_chunk_rows`): about ``CHUNK_BYTES[device type]`` of fp32 per chunk. On CPU 64 MiB (524 rows
 at V = 32000, 110 at V = 152064): big enough that per-chunk Python overhead is noise next to the ``rows x V``
 work. On CUDA 256 MiB (441 rows at V = 152064): GEMMs of a few hundred rows by the hidden size run near peak
@@ -94,6 +100,28 @@ def _tempered(logits: torch.Tensor, temperature: float) -> torch.Tensor:
         return logits
     scaled = logits.to(torch.float32)
     return scaled / temperature if scaled is logits else scaled.div_(temperature)  # never divide the input in place
+
+
+def _shaped(logits: torch.Tensor, divisor: float, softcap: float | None, in_place: bool = False) -> torch.Tensor:
+    """The chunk's logits as the family's forward shapes its head's output: divided by ``divisor``, then soft-capped
+    (``softcap * tanh(x / softcap)``), in fp32; the logits themselves (not even copied) when it changes nothing.
+    ``in_place``: the steps after the first copy reuse its memory (no autograd records them)."""
+    if divisor == 1.0 and softcap is None:
+        return logits
+    shaped = logits.to(torch.float32) / divisor  # a new tensor: the head's output is never changed
+    if softcap is None:
+        return shaped
+    if in_place:
+        return shaped.div_(softcap).tanh_().mul_(softcap)
+    return torch.tanh(shaped / softcap) * softcap
+
+
+def _softcap_factor(shaped: torch.Tensor, softcap: float | None) -> torch.Tensor | None:
+    """``d shaped / d (logits / divisor)`` of a soft-capped chunk, ``1 - (shaped / softcap)^2``, in place on
+    ``shaped`` (not needed afterwards); None without a soft-cap (the factor is 1)."""
+    if softcap is None:
+        return None
+    return shaped.div_(softcap).square_().neg_().add_(1.0)
 
 
 def _pick(logits: torch.Tensor, target: torch.Tensor, valid: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -169,7 +197,8 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                 targets: torch.Tensor, seq: torch.Tensor, sequences: int, rows: int, dtype: torch.dtype,
-                count_hits: bool, grad_enabled: bool, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                count_hits: bool, grad_enabled: bool, temperature: float, divisor: float,
+                softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
         need_hidden, need_weight, need_bias = (grad_enabled and need for need in ctx.needs_input_grad[:3])
         # early: the gradient pieces are computed now, from this softmax, when one scale per row finishes them (not
         # in fp16: its unscaled products would lose the small entries that the loss scale is there to keep)
@@ -188,14 +217,18 @@ class _LinearLogProbs(torch.autograd.Function):
                 end = start + rows
                 h = hidden[start:end].to(dtype) if w is not None else hidden[start:end]
                 logits = _chunk_logits(h, w, b)
-                logp = torch.log_softmax(_tempered(logits, temperature), dim=-1, dtype=torch.float32)
+                shaped = _shaped(logits, divisor, softcap, in_place=True)
+                logp = torch.log_softmax(_tempered(shaped, temperature), dim=-1, dtype=torch.float32)
                 out.index_add_(0, seq[start:end], _picked(logp, targets[start:end], valid[start:end]).double())
                 if count_hits:  # an argmax pass over the chunk: eval's token accuracy only
                     hits.index_add_(0, seq[start:end], _hits(logits, targets[start:end], valid[start:end]))
                 if early:  # softmax = exp(log-softmax), in place: logp is not needed any more
-                    _accumulate(_logit_grad(logp.exp_(), targets[start:end], valid[start:end]), h, w, dtype,
+                    grad = _logit_grad(logp.exp_(), targets[start:end], valid[start:end])
+                    factor = _softcap_factor(shaped, softcap)
+                    _accumulate(grad if factor is None else grad.mul_(factor), h, w, dtype,
                                 grad_hidden[start:end] if grad_hidden is not None else None, grad_weight, grad_bias)
         ctx.rows, ctx.dtype, ctx.sequences, ctx.early, ctx.temperature = rows, dtype, sequences, early, temperature
+        ctx.divisor, ctx.softcap = divisor, softcap
         if early:  # the unscaled gradients: nothing else is needed (not the hidden states, not the weight)
             ctx.save_for_backward(seq, grad_hidden, grad_weight, grad_bias)
             ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
@@ -207,10 +240,10 @@ class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor, _grad_hits: Any) -> tuple[torch.Tensor | None, ...]:
-        none = (None,) * 8
+        none = (None,) * 10
         upstream = grad_out.to(torch.float32)
-        if ctx.temperature != 1.0:  # d(logits / T) / d(logits)
-            upstream = upstream / ctx.temperature
+        if ctx.temperature * ctx.divisor != 1.0:  # d(logits / T) / d(logits), and the divisor's share alike
+            upstream = upstream / (ctx.temperature * ctx.divisor)
         if ctx.early:
             seq, grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
             if grad_hidden is not None:  # each row's sequence scale, one rounding to the hidden states' dtype
@@ -232,11 +265,12 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in range(0, hidden.size(0), ctx.rows):
                 end = start + ctx.rows
                 h = hidden[start:end].to(ctx.dtype) if w is not None else hidden[start:end]
-                probs = torch.softmax(_tempered(_chunk_logits(h, w, b), ctx.temperature), dim=-1,
-                                      dtype=torch.float32)
-                _accumulate(_logit_grad(probs, targets[start:end], valid[start:end], scale[start:end]), h, w,
-                            ctx.dtype, grad_hidden[start:end] if grad_hidden is not None else None, grad_weight,
-                            grad_bias)
+                shaped = _shaped(_chunk_logits(h, w, b), ctx.divisor, ctx.softcap, in_place=True)
+                probs = torch.softmax(_tempered(shaped, ctx.temperature), dim=-1, dtype=torch.float32)
+                grad = _logit_grad(probs, targets[start:end], valid[start:end], scale[start:end])
+                factor = _softcap_factor(shaped, ctx.softcap)
+                _accumulate(grad if factor is None else grad.mul_(factor), h, w, ctx.dtype,
+                            grad_hidden[start:end] if grad_hidden is not None else None, grad_weight, grad_bias)
         return (grad_hidden,
                 grad_weight.to(weight.dtype) if grad_weight is not None else None,
                 grad_bias.to(bias.dtype) if grad_bias is not None else None,
@@ -244,19 +278,22 @@ class _LinearLogProbs(torch.autograd.Function):
 
 
 def _module_chunk(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                  count_hits: bool, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk through a head module: its per-sequence log-prob sums (at ``temperature``) and hits."""
+                  count_hits: bool, temperature: float = 1.0, divisor: float = 1.0,
+                  softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk through a head module: its per-sequence log-prob sums (at ``temperature``, of the logits shaped
+    as :func:`_shaped` says) and hits."""
     logits = head(hidden)
     valid = targets != IGNORE
     out = torch.zeros(sequences, dtype=torch.float32, device=hidden.device)
     hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
     if count_hits:
         hits = hits.index_add(0, seq, _hits(logits, targets, valid))
-    return out.index_add(0, seq, _pick(logits, targets, valid, temperature)), hits
+    return out.index_add(0, seq, _pick(_shaped(logits, divisor, softcap), targets, valid, temperature)), hits
 
 
 def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                     rows: int, count_hits: bool, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     rows: int, count_hits: bool, temperature: float = 1.0, divisor: float = 1.0,
+                     softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sequence_logprobs` through any head module, one checkpointed chunk at a time (``split``, so the
     hidden states' gradient is assembled once, not zero-filled per chunk)."""
     from torch.utils.checkpoint import checkpoint  # lazy: heavy
@@ -265,18 +302,18 @@ def _module_logprobs(head: Any, hidden: torch.Tensor, targets: torch.Tensor, seq
     hits = torch.zeros(sequences, dtype=torch.long, device=hidden.device)
     for h, t, s in zip(hidden.split(rows), targets.split(rows), seq.split(rows), strict=True):
         if torch.is_grad_enabled() and h.requires_grad:
-            part, hit = checkpoint(_module_chunk, head, h, t, s, sequences, count_hits, temperature,
+            part, hit = checkpoint(_module_chunk, head, h, t, s, sequences, count_hits, temperature, divisor, softcap,
                                    use_reentrant=False)
         else:
-            part, hit = _module_chunk(head, h, t, s, sequences, count_hits, temperature)
+            part, hit = _module_chunk(head, h, t, s, sequences, count_hits, temperature, divisor, softcap)
         total, hits = total + part, hits + hit
     return total, hits
 
 
 def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Tensor, sequences: int, *,
                       weight: torch.Tensor | None = None, bias: torch.Tensor | None = None, head: Any = None,
-                      chunk_rows: int | None = None, count_hits: bool = True,
-                      temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                      chunk_rows: int | None = None, count_hits: bool = True, temperature: float = 1.0,
+                      divisor: float = 1.0, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per sequence, the sum of ``log_softmax(logits / temperature)[target]`` over its rows whose target is not
     IGNORE, and the number of those rows whose argmax is the target; logits are never materialised beyond one chunk.
 
@@ -286,7 +323,9 @@ def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Te
     Returns ``([S]`` fp32 with grad, ``[S]`` long; zeros without ``count_hits``, which saves an argmax pass per
     chunk in training). ``chunk_rows`` defaults to :func:`default_chunk_rows`. ``temperature`` (> 0; 1: the model's own
     distribution): the log-probs of a sampler at that temperature, which is what GRPO scores its completions with
-    (:mod:`finetune.tasks.grpo`); the fp32 log-softmax then runs on ``logits / temperature``."""
+    (:mod:`finetune.tasks.grpo`); the fp32 log-softmax then runs on ``logits / temperature``. ``divisor`` (> 0) and
+    ``softcap`` (> 0 or None): the change a family's forward makes to its head's output, done to each chunk's logits
+    first (``softcap * tanh(logits / divisor / softcap)``; see the module docstring)."""
     if hidden.dim() != 2 or targets.shape != hidden.shape[:1] or seq.shape != targets.shape:
         raise ValueError(f"expected hidden [N, H] with targets and seq [N], got {tuple(hidden.shape)}, "
                          f"{tuple(targets.shape)} and {tuple(seq.shape)}")
@@ -302,11 +341,15 @@ def sequence_logprobs(hidden: torch.Tensor, targets: torch.Tensor, seq: torch.Te
         raise ValueError(f"chunk_rows must be >= 1, got {rows}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not divisor > 0 or (softcap is not None and not softcap > 0):
+        raise ValueError(f"divisor and softcap must be > 0, got {divisor} and {softcap}")
     targets, seq = targets.long(), seq.long()
     if head is not None:
-        return _module_logprobs(head, hidden, targets, seq, sequences, rows, count_hits, temperature)
+        return _module_logprobs(head, hidden, targets, seq, sequences, rows, count_hits, temperature, divisor,
+                                softcap)
     return _LinearLogProbs.apply(hidden, weight, bias, targets, seq, sequences, rows,
-                                 compute_dtype(hidden, weight), count_hits, torch.is_grad_enabled(), temperature)
+                                 compute_dtype(hidden, weight), count_hits, torch.is_grad_enabled(), temperature,
+                                 float(divisor), None if softcap is None else float(softcap))
 
 
 def summed_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:

@@ -1,13 +1,17 @@
 """finetune.tasks.decoding: greedy generation from left-padded prompts equals ``model.generate`` on each prompt
-alone, with rotary and absolute positions, and pads after eos (tiny models built from configs)."""
+alone, with rotary and absolute positions, and pads after eos (tiny models built from configs); every family that
+generates does so through its own cache as it computes without one."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
+import pytest
 import torch
 import transformers
 
+from finetune import registry
 from finetune.data.batching import left_pad
 from finetune.tasks.decoding import greedy_generate
 
@@ -77,3 +81,28 @@ def test_a_mixture_of_experts_model_with_its_router_loss_on_decodes_as_generate(
         model.config.output_router_logits = False  # transformers' generate with the loss off, as a reference
         for prompt, row in zip(prompts, new.tolist(), strict=True):
             assert row == hf_greedy(model, prompt, 6), name
+
+
+GENERATING_ROWS = sorted(name for name, row in registry.SUPPORTED_MODELS.items()
+                         if "generation" in row.capabilities and row.task == "causal_lm" and row.factory is None)
+
+
+@pytest.mark.parametrize("name", GENERATING_ROWS)
+def test_every_family_generates_from_left_padded_prompts_as_without_a_cache(name: str) -> None:
+    """Each family's tiny model, prompts of different lengths left-padded into one batch: the KV-cached greedy tokens
+    are those of each prompt alone recomputed from scratch at every step (no cache, no padding), through sliding
+    windows shorter than prompt and answer, soft-caps, NoPE layers and the rest of what each family does."""
+    row = registry.SUPPORTED_MODELS[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, row.config_class)(**copy.deepcopy(dict(row.tiny_config)))
+    model = getattr(transformers, row.auto_class).from_config(config).eval()
+    generator = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 2, 9)]
+    ids, mask = left_pad(prompts, pad_id=0)
+    new = greedy_generate(model, ids, mask, max_new_tokens=7, eos_id=None, pad_id=0)
+    for prompt, row_tokens in zip(prompts, new.tolist(), strict=True):
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(7):
+                tokens.append(int(model(input_ids=torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+        assert row_tokens == tokens[len(prompt):]

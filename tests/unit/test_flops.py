@@ -72,10 +72,15 @@ CASES = {
     "tiny-llama, untied head, 4 layers": lambda: _build("tiny-llama", num_hidden_layers=4, tie_word_embeddings=False),
     "qwen2 (q/k/v bias)": lambda: _build("qwen2"),
     "gpt2 (Conv1D, fused qkv)": lambda: _build("gpt2"),
+    "phi3 (fused qkv_proj and gate_up_proj)": lambda: _build("phi3"),
+    "qwen3 (q and k norms)": lambda: _build("qwen3"),
+    "gemma2 (four norms a layer)": lambda: _build("gemma2"),
+    "olmo2 (post-norms)": lambda: _build("olmo2"),
+    "olmo2 LoRA attn_mlp": lambda: _lora(_build("olmo2")),
     "tiny-llama LoRA attn_mlp": lambda: _lora(_build("tiny-llama")),
     "tiny-llama, embedding and layers 0-1 frozen": lambda: _freeze_bottom(_build("tiny-llama", num_hidden_layers=3)),
 }
-FROZEN = {"tiny-llama LoRA attn_mlp", "tiny-llama, embedding and layers 0-1 frozen"}
+FROZEN = {"tiny-llama LoRA attn_mlp", "tiny-llama, embedding and layers 0-1 frozen", "olmo2 LoRA attn_mlp"}
 
 
 @pytest.mark.parametrize("case", list(CASES))

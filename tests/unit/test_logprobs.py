@@ -70,12 +70,15 @@ def test_one_forward_rule_for_every_task() -> None:
     """A Hugging Face row's forward gets its model_inputs and use_cache=False; a custom row's only the keys it
     lists (its forward takes no flag); a key the batch lacks goes as None (the model's default)."""
     from finetune.registry import SUPPORTED_MODELS, SupportedModel
-    from finetune.tasks.logprobs import FORWARD, Forward
+    from finetune.tasks.logprobs import FORWARD, Forward, OutputHead
 
     llama = Forward.of(SUPPORTED_MODELS["tiny-llama"])
     assert (llama.keys, dict(llama.flags), llama.head) == (
         ("input_ids", "attention_mask", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
-         "max_length_k"), {"use_cache": False}, "lm_head")
+         "max_length_k"), {"use_cache": False}, OutputHead("lm_head"))
+    # what the family's forward does to the head's output: the row's config attributes, for the loss to do instead
+    assert Forward.of(SUPPORTED_MODELS["granite"]).head == OutputHead("lm_head", divisor="logits_scaling")
+    assert Forward.of(SUPPORTED_MODELS["gemma2"]).head == OutputHead("lm_head", softcap="final_logit_softcapping")
     assert Forward.of(None) == FORWARD
     assert FORWARD.keys == ("input_ids", "attention_mask", "position_ids")
     assert dict(FORWARD.flags) == {"use_cache": False}
@@ -83,5 +86,37 @@ def test_one_forward_rule_for_every_task() -> None:
                                        decoder_layer="Block", tiny_config={}, tokenizer="tiny-llama-tokenizer",
                                        model_inputs=("input_ids", "attention_mask"), output_head=None))
     batch = {"input_ids": 1, "attention_mask": 2, "labels": 3}
-    assert custom.inputs(batch) == {"input_ids": 1, "attention_mask": 2}
+    assert custom.inputs(batch) == {"input_ids": 1, "attention_mask": 2} and custom.head is None
     assert FORWARD.inputs(batch) == {"input_ids": 1, "attention_mask": 2, "position_ids": None, "use_cache": False}
+
+
+def test_a_change_of_the_heads_output_is_done_by_the_loss_or_refused() -> None:
+    """Granite divides its head's output by logits_scaling: named (the row's OutputHead) the loss divides each chunk
+    and equals log_softmax of the model's own logits; not named, or named wrong, the forward is refused in one
+    line. The model's config is the same afterwards, also when its forward fails."""
+    import transformers
+
+    from finetune.errors import ConfigError
+    from finetune.registry import SUPPORTED_MODELS
+    from finetune.tasks.logprobs import OutputHead, next_token_targets, target_logprobs
+
+    row = SUPPORTED_MODELS["granite"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.GraniteConfig(**row.tiny_config)).eval()
+    ids = torch.randint(3, 500, (2, 6))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "use_cache": False}
+    targets = next_token_targets(ids)
+    spec = OutputHead("lm_head", divisor="logits_scaling")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(**inputs).logits.float(), -1)
+        got, _ = target_logprobs(model, inputs, targets, spec, per="token")
+    expected = torch.where(targets != IGNORE, logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
+    torch.testing.assert_close(got.reshape(2, 6), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match=r"changed what its output head \(Linear\) returned"):
+        target_logprobs(model, inputs, targets, "lm_head", per="token")
+    with pytest.raises(ConfigError, match=r"the model's config has no 'logit_scale'"):
+        target_logprobs(model, inputs, targets, OutputHead("lm_head", divisor="logit_scale"), per="token")
+    model.model.forward = lambda **kwargs: 1 / 0
+    with pytest.raises(ZeroDivisionError):
+        target_logprobs(model, inputs, targets, spec, per="token")
+    assert model.config.logits_scaling == row.tiny_config["logits_scaling"] == 8.0

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from finetune.data.tokenize import IGNORE
+from finetune.registry import SUPPORTED_MODELS
 from finetune.tasks.losses import CHUNK_BYTES, default_chunk_rows, sequence_logprobs, summed_cross_entropy
 
 N, V = 12, 40
@@ -326,6 +327,52 @@ def test_sequence_logprobs_at_a_temperature_are_those_of_the_tempered_softmax(pa
         assert_grad_close(grad, ref)
 
 
+@pytest.mark.parametrize("path", [*GRADIENT_PATHS, "head_module", "logits"])
+def test_shaped_logits_are_those_the_family_forward_makes(path: str) -> None:
+    """divisor 3 and soft-cap 2 (Granite divides its head's output, Gemma soft-caps it), at temperature 0.7: the sums
+    are of log_softmax(2 * tanh(logits / 3 / 2) / 0.7) at the targets, the hits those of the head's own argmax, and
+    the gradients of hidden, weight and bias are those of that expression over full logits, on each gradient path,
+    through a head module and from logits directly."""
+    divisor, softcap, temperature = 3.0, 2.0, 0.7
+    sequences, trainable = GRADIENT_PATHS.get(path, (3, True))
+    gen = torch.Generator().manual_seed(8)
+    hidden, weight = torch.randn(N, 16, generator=gen), torch.randn(V, 16, generator=gen)
+    b = torch.randn(V, generator=gen)
+    targets, seq = make_targets("every_third"), torch.arange(N) % sequences
+    upstream = torch.tensor([0.5, -2.0, 1.5])[:sequences]
+    shaping = {"temperature": temperature, "divisor": divisor, "softcap": softcap}
+
+    def run(chunked: bool) -> tuple[torch.Tensor, ...]:
+        h, w, bb = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable), \
+            b.clone().requires_grad_(trainable)
+        hits = None
+        if not chunked:
+            logits = torch.nn.functional.linear(h, w, bb)
+            capped = softcap * torch.tanh(logits / divisor / softcap)
+            picked = torch.log_softmax(capped / temperature, -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+            sums = torch.zeros(sequences).index_add(0, seq, torch.where(targets != IGNORE, picked, 0.0))
+            hits = torch.zeros(sequences, dtype=torch.long).index_add(
+                0, seq, ((logits.argmax(-1) == targets) & (targets != IGNORE)).long())
+        elif path == "head_module":
+            sums, hits = sequence_logprobs(h, targets, seq, sequences, chunk_rows=5, **shaping,
+                                           head=lambda x: torch.nn.functional.linear(x, w, bb))
+        elif path == "logits":
+            sums, hits = sequence_logprobs(torch.nn.functional.linear(h, w, bb), targets, seq, sequences,
+                                           chunk_rows=5, **shaping)
+        else:
+            sums, hits = sequence_logprobs(h, targets, seq, sequences, weight=w, bias=bb, chunk_rows=5, **shaping)
+        (sums * upstream).sum().backward()
+        return sums.detach(), hits, h.grad, *(p.grad if p.grad is not None else torch.zeros(()) for p in (w, bb))
+
+    got, want = run(True), run(False)
+    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=0)
+    assert torch.equal(got[1], want[1])
+    for grad, ref in zip(got[2:], want[2:], strict=True):
+        assert_grad_close(grad, ref)
+    plain, _ = sequence_logprobs(hidden, targets, seq, sequences, weight=weight, bias=b, temperature=temperature)
+    assert (plain - got[0]).abs().max() > 1e-2  # the shaping mattered
+
+
 class Matmuls(TorchDispatchMode):
     """The FLOPs of every matrix product dispatched (``2 m k n`` for mm, addmm, addmm_, bmm, baddbmm; FlopCounterMode
     does not count the in-place ``addmm_``), and of those whose operands have a ``vocab``-sized dimension."""
@@ -513,6 +560,27 @@ def test_lora_loss_and_grads_match_full_logits(small_chunks: None, targets: tupl
     model = get_peft_model(_llama(False), LoraConfig(r=4, lora_alpha=8, target_modules=list(targets),
                                                      lora_dropout=0.0, init_lora_weights=False))
     assert_same_loss_and_grads(model, _task(metrics=("token_accuracy",)), _text_batch(97, 2, 13, [0, 5]))
+
+
+CAUSAL_HEAD_ROWS = sorted(name for name, row in SUPPORTED_MODELS.items()
+                          if row.task == "causal_lm" and row.output_head and row.factory is None)
+
+
+@pytest.mark.parametrize("name", CAUSAL_HEAD_ROWS)
+def test_every_causal_row_loss_and_grads_match_full_logits(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """Each text row's tiny model: the loss from its hidden states and head equals the loss from its own logits,
+    gradients included, so whatever its forward does to the head's output (Granite's division, Gemma 2's
+    soft-cap) the row declares and the loss does; the model's config is left as it was."""
+    import transformers
+
+    row = SUPPORTED_MODELS[name]
+    monkeypatch.setitem(CHUNK_BYTES, "cpu", 7 * 4 * row.tiny_config["vocab_size"])
+    torch.manual_seed(0)
+    config = getattr(transformers, row.config_class)(**copy.deepcopy(dict(row.tiny_config)))
+    model = getattr(transformers, row.auto_class).from_config(config, attn_implementation="eager").eval()  # no dropout
+    before = model.config.to_dict()
+    assert_same_loss_and_grads(model, _task(name, ("token_accuracy",)), _text_batch(500, 3, 11, [0, 4, 9]))
+    assert model.config.to_dict() == before
 
 
 def test_vision_row_loss_and_grads_match_full_logits(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -180,3 +180,26 @@ def test_attention_paths_that_would_lose_gpt_oss_sinks_are_refused() -> None:
             layer.self_attn.sinks.add_(3.0)
         assert not torch.allclose(model(input_ids=ids).logits, before, atol=1e-4)
     assert isinstance(model, transformers.GptOssForCausalLM)
+
+
+def test_sdpa_is_refused_in_one_line_where_attention_is_soft_capped() -> None:
+    """Gemma 2 soft-caps its attention scores, which sdpa cannot: its class refuses sdpa when built (one line naming
+    the key), its default is eager; a Gemma 3 config that sets a cap would build with sdpa, its default, and fail at
+    the first forward: refused when built too, and eager builds."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2ForCausalLM
+
+    from finetune.errors import ConfigError
+
+    gemma2, gemma3 = registry.get_model("gemma2"), registry.get_model("gemma3_text")
+    with pytest.raises(ConfigError, match=r"^model.attn_implementation: gemma2 cannot use sdpa \(Gemma2ForCausalLM "
+                                          r"does not support an attention implementation through torch"):
+        build_model(ModelConfig(type="gemma2", attn_implementation="sdpa"), gemma2)
+    assert not Gemma2ForCausalLM._supports_sdpa
+    overrides = {"attn_logit_softcapping": 50.0}
+    with pytest.raises(ConfigError, match=re.escape(
+            "model.attn_implementation: gemma3_text soft-caps its attention scores (attn_logit_softcapping=50.0), "
+            "which sdpa cannot; set model.attn_implementation to eager, flex_attention or flash_attention_2")):
+        build_model(ModelConfig(type="gemma3_text", config_overrides=overrides), gemma3)
+    model = build_model(ModelConfig(type="gemma3_text", config_overrides=overrides, attn_implementation="eager"),
+                        gemma3)
+    assert model.config._attn_implementation == "eager"

@@ -2,14 +2,17 @@
 
 transformers derives sample boundaries from restarting ``position_ids`` only when no attention mask and no KV
 cache are given; these tests prove it (rather than assume it) for every SupportedModel row that claims the
-``packing`` capability, with each attention implementation that runs on CPU, and show that the check can fail
-(positions that do not restart let samples attend to each other).
+``packing`` capability, with each attention implementation that runs on CPU and the row runs (sdpa where its class
+takes it: Gemma 2's does not; flex_attention where the row claims it), and show that the check can fail
+(positions that do not restart let samples attend to each other). Alone, every such implementation gives the model's
+eager attention's logits, so none drops a family's windows or score soft-caps.
 
 The packed row also carries the boundaries as flash-attention's varlen call takes them (``cu_seq_lens_q/k``,
 ``max_length_q/k``). flash-attn has no CPU kernel, so ``varlen_emulation`` (registered below) stands for it: an
 attention that knows sample boundaries only from those kwargs, as flash-attn's varlen call does (it attends over
-the whole row without them). A sample's logits are the same alone and packed under it only when every layer gets
-the boundaries through the row's model_inputs.
+the whole row without them), and that takes the layer's scaling, sliding window and score soft-cap as flash-attn
+does. A sample's logits are the same alone and packed under it only when every layer gets the boundaries through
+the row's model_inputs.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import pytest
 import torch
 import transformers
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
 
 from finetune.config import RecipeConfig
@@ -38,27 +40,77 @@ VARLEN = "varlen_emulation"
 VARLEN_CALLS: Counter[str] = Counter()  # "varlen": calls given the boundaries, "whole": calls without them
 
 
+def causal_segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                   window: int | None, softcap: float | None) -> torch.Tensor:
+    """Causal attention over one segment as flash-attn computes it, written out: scores ``q k^T * scaling``
+    (default ``head_dim^-0.5``), soft-capped ``softcap * tanh(s / softcap)`` when given, each query seeing the keys
+    at most ``window - 1`` behind it (flash's ``window_size``) or all before it; key and value heads shared by
+    groups of query heads. ``[1, heads, n, d]`` in, ``[1, n, heads, d]`` out (what attention functions return)."""
+    groups = query.size(1) // key.size(1)
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = (query @ key.transpose(-1, -2)).float() * (scaling if scaling is not None else query.size(-1) ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    at = torch.arange(query.size(2))
+    behind = at[:, None] - at[None, :]
+    seen = (behind >= 0) & (behind < window if window is not None else True)
+    weights = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).to(value.dtype)
+    return (weights @ value).transpose(1, 2)
+
+
 def varlen_emulation(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
     """flash-attn's varlen contract on the CPU: causal attention inside each ``cu_seq_lens_q`` segment, with
     ``max_length_q`` a Python int (no device read); without the kwargs, causal attention over the whole row (what
-    flash-attn computes for a row it is not told is packed). Each segment is computed by sdpa."""
+    flash-attn computes for a row it is not told is packed). The layer's ``scaling``, ``sliding_window`` and
+    ``softcap`` apply as flash-attn applies them (:func:`causal_segment`)."""
     bounds, longest = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     assert attention_mask is None, "flash's mask builder gives None for unpadded rows"
+    layer = (kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap"))
     if bounds is None:
         VARLEN_CALLS["whole"] += 1
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True)
+        return causal_segment(query, key, value, *layer), None
     assert isinstance(longest, int) and bounds.dtype == torch.int32 and query.size(0) == 1
     edges = bounds.tolist()
     assert edges[0] == 0 and edges[-1] == query.size(2) and longest == max(b - a for a, b in itertools.pairwise(edges))
     VARLEN_CALLS["varlen"] += 1
-    parts = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None,
-                                    is_causal=True)[0] for a, b in itertools.pairwise(edges)]
+    parts = [causal_segment(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], *layer)
+             for a, b in itertools.pairwise(edges)]
     return torch.cat(parts, dim=1), None
 
 
 AttentionInterface.register(VARLEN, varlen_emulation)
 AttentionMaskInterface.register(VARLEN, flash_attention_mask)
+
+
+ATTENTIONS = ("sdpa", "eager", "flex_attention", VARLEN)
+
+
+@pytest.fixture(autouse=True)
+def uncompiled_flex(monkeypatch: pytest.MonkeyPatch) -> None:
+    """flex_attention and its block masks as torch runs them without compiling (the reference math over the same
+    mask and score functions): transformers compiles both, which on the CPU costs seconds for every new mask (each
+    packed row's), while what these tests check is the functions transformers hands flex, not torch's kernels."""
+    from torch.nn.attention import flex_attention as flex
+    from transformers import masking_utils
+    from transformers.integrations import flex_attention as integration
+
+    def block_mask(*args: Any, **kwargs: Any) -> Any:
+        return flex.create_block_mask(*args, **{**kwargs, "_compile": False})
+
+    monkeypatch.setattr(masking_utils, "create_block_mask", block_mask)
+    monkeypatch.setattr(integration, "compile_friendly_flex_attention",
+                        lambda query, key, value, training=False, **kwargs: flex.flex_attention(query, key, value,
+                                                                                               **kwargs))
+
+
+def takes(row: SupportedModel, attn: str) -> bool:
+    """Whether the row runs ``attn``: sdpa where its class takes it (Gemma 2's refuses sdpa, which cannot soft-cap
+    its scores), flex_attention where the row claims it."""
+    if attn == "flex_attention":
+        return "flex_attention" in row.capabilities
+    config_class = getattr(transformers, row.config_class)
+    return attn != "sdpa" or getattr(transformers, row.auto_class)._model_mapping[config_class]._supports_sdpa
 
 
 def _model(row: SupportedModel, attn: str) -> Any:
@@ -85,8 +137,8 @@ def _task(row: SupportedModel | None = None) -> CausalLMTask:
     return CausalLMTask(cfg, None, 0, 0, 1, tokenizer=None)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager", VARLEN])
-@pytest.mark.parametrize("row", PACKING_ROWS, ids=lambda r: r.name)
+@pytest.mark.parametrize(("row", "attn"), [pytest.param(row, attn, id=f"{row.name}-{attn}") for row in PACKING_ROWS
+                                           for attn in ATTENTIONS if takes(row, attn)])
 def test_a_sample_is_the_same_alone_and_packed(row: SupportedModel, attn: str) -> None:
     """Logits of each sample inside the packed row equal its logits alone (<= 1e-5), and so does its loss; under
     the varlen emulation every attention call of the packed forward took the boundaries (sdpa and eager get them
@@ -110,6 +162,25 @@ def test_a_sample_is_the_same_alone_and_packed(row: SupportedModel, attn: str) -
     if attn == VARLEN:  # 2 packed forwards (logits, loss) x layers took the boundaries; the samples alone did not
         layers = model.config.num_hidden_layers
         assert dict(VARLEN_CALLS) == {"varlen": 2 * layers, "whole": 2 * len(rows) * layers}, VARLEN_CALLS
+
+
+@pytest.mark.parametrize("row", PACKING_ROWS, ids=lambda r: r.name)
+def test_every_attention_the_row_runs_is_its_eager_attention(row: SupportedModel) -> None:
+    """Alone (no boundaries), each sample's logits under sdpa, flex_attention and the varlen emulation equal the
+    model's eager attention's: each scales, windows and soft-caps the scores as the model does (the emulation as
+    flash-attn does), so the packed results above hold for the family's real attention."""
+    rows = _rows(row.tiny_config.get("vocab_size", 512))
+    task = _task(row)
+    eager = _model(row, "eager")
+    for attn in ATTENTIONS:
+        if attn == "eager" or not takes(row, attn):
+            continue
+        other = _model(row, attn)
+        with torch.no_grad():
+            for sample in rows:
+                batch = Collator(0)([sample])
+                torch.testing.assert_close(task._logits(other, batch), task._logits(eager, batch), rtol=1e-5,
+                                           atol=1e-5, msg=lambda m, attn=attn: f"{attn}: {m}")
 
 
 @pytest.mark.parametrize("row", PACKING_ROWS[:1], ids=lambda r: r.name)

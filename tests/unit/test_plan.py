@@ -19,6 +19,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
+from finetune import registry
 from finetune.cli import app
 from finetune.commands.plan import render
 from finetune.config import load_recipe
@@ -138,6 +139,38 @@ def test_state_bytes_equal_a_real_model_after_one_training_step(case: str) -> No
         described = lora.describe_on_meta(cfg, get_model(cfg.model.type))
         assert (described["trainable_params"], described["total_params"]) == (real["trainable"], real["total"])
         assert real["trainable"] < real["total"]
+
+
+TEXT_ROWS = sorted(name for name, row in registry.SUPPORTED_MODELS.items()
+                   if row.task == "causal_lm" and row.factory is None and not row.debug_build)
+
+
+@pytest.mark.parametrize("name", TEXT_ROWS)
+def test_the_plan_counts_each_familys_parameters(name: str, tmp_path: Path) -> None:
+    """The plan of a folder holding only a family's config.json (its tiny config): the parameters of the model
+    transformers builds from it (a tied head counted once), and under the LoRA preset the trainable ones of the
+    model finetune's LoRA makes of it."""
+    import copy
+
+    import torch
+    import transformers
+
+    from finetune.runtime import peft as lora
+
+    row = registry.SUPPORTED_MODELS[name]
+    config = getattr(transformers, row.config_class)(**copy.deepcopy(dict(row.tiny_config)))
+    config.save_pretrained(tmp_path)
+    torch.manual_seed(0)
+    model = getattr(transformers, row.auto_class).from_config(config)
+    total = sum(p.numel() for p in model.parameters())
+    where = ["model.type=" + name, f"model.path={tmp_path}", "model.config_overrides={}"]
+    planned = build_plan(load_recipe(QUICKSTART, where, weights=False)[0], devices=[])
+    assert (planned.total_params, total) == (total, model.num_parameters())
+    cfg = load_recipe(QUICKSTART, [*where, "peft.method=lora", "peft.preset=attn_mlp"], weights=False)[0]
+    adapted = lora.apply(model, cfg.peft, row)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    plan = build_plan(cfg, devices=[])
+    assert (plan.total_params, plan.trainable_params) == (sum(p.numel() for p in adapted.parameters()), trainable)
 
 
 @pytest.fixture(scope="module")

@@ -96,6 +96,8 @@ _CUSTOM = {"name": "custom", "task": "causal_lm", "decoder_layer": "Block", "tin
     ({"capabilities": frozenset({"packing"}), "model_inputs": ("input_ids", "attention_mask")},
      "add position_ids to model_inputs"),
     ({"factory": None}, "set auto_class and config_class"),
+    ({"logit_softcap": "final_logit_softcapping"}, "logit_softcap shapes the logits of a Hugging Face model's "
+                                                   "output_head"),
 ])
 def test_register_rejects_a_malformed_custom_row(fields: dict, message: str) -> None:
     """A custom (factory) row is checked when registered: how it builds, its tokenizer and its forward's inputs."""
@@ -103,6 +105,20 @@ def test_register_rejects_a_malformed_custom_row(fields: dict, message: str) -> 
     with pytest.raises(ConfigError, match=re.escape(message)):
         registry.register(bad)
     assert "custom" not in SUPPORTED_MODELS
+
+
+def test_register_checks_what_a_row_says_of_its_heads_logits() -> None:
+    """logit_divisor / logit_softcap are config attribute names, for a row with an output head."""
+    import dataclasses
+
+    granite = SUPPORTED_MODELS["granite"]
+    for fields, message in (({"logit_divisor": 8.0}, "logit_divisor names a config attribute"),
+                            ({"logit_softcap": "final logit"}, "logit_softcap names a config attribute"),
+                            ({"output_head": None}, "logit_divisor shapes the logits of a Hugging Face model's "
+                                                    "output_head; set output_head or remove it")):
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            registry.register(dataclasses.replace(granite, name="my-granite", **fields))
+    assert "my-granite" not in SUPPORTED_MODELS
 
 
 def test_a_well_formed_custom_row_registers_without_importing_its_factory(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -26,7 +26,8 @@ from finetune.registry import SUPPORTED_MODELS
 from finetune.runtime.modeling import ASSETS, build_base, build_model, build_tokenizer, set_reward_head
 from finetune.tasks.reward import RewardTask, bradley_terry_sum, pair_rewards
 
-CAUSAL_ROWS = sorted(name for name, row in SUPPORTED_MODELS.items() if row.task == "causal_lm")
+# the causal rows whose family has a sequence-classification class (a reward head); granite's has none
+CAUSAL_ROWS = sorted(name for name, row in SUPPORTED_MODELS.items() if row.task == "causal_lm" and row.reward_head)
 PAD = 0
 
 
@@ -91,6 +92,21 @@ def test_reward_row_is_the_sequence_classification_variant(name: str) -> None:
 def test_reward_needs_a_causal_lm_row() -> None:
     with pytest.raises(ConfigError, match=r"^task: reward .* bert is a classification model"):
         registry.get_model("bert", "reward")
+
+
+def test_reward_needs_a_family_with_a_sequence_classifier() -> None:
+    """A row without a reward head is a family transformers has no sequence-classification class for: task reward
+    is one line naming it (dpo still trains it), and the row's claim agrees with transformers' own mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES as CLASSIFIERS
+
+    with pytest.raises(ConfigError, match=r"^task: reward needs the family's sequence-classification class, "
+                                          r"which transformers does not have for model.type granite; train it with "
+                                          r"task: dpo"):
+        registry.get_model("granite", "reward")
+    assert registry.get_model("granite", "dpo") is SUPPORTED_MODELS["granite"]
+    for row in SUPPORTED_MODELS.values():
+        if row.task == "causal_lm" and row.factory is None:
+            assert bool(row.reward_head) == all(t in CLASSIFIERS for t in row.model_types), row.name
 
 
 @pytest.mark.parametrize("name", CAUSAL_ROWS)
