@@ -109,7 +109,7 @@ def test_a_change_of_the_heads_output_is_done_by_the_loss_or_refused() -> None:
     spec = OutputHead("lm_head", divisor="logits_scaling")
     with torch.no_grad():
         logp = torch.log_softmax(model(**inputs).logits.float(), -1)
-        got, _ = target_logprobs(model, inputs, targets, spec, per="token")
+        got = target_logprobs(model, inputs, targets, spec, per="token").sums
     expected = torch.where(targets != IGNORE, logp.gather(-1, targets.clamp(min=0)[..., None])[..., 0], 0.0)
     torch.testing.assert_close(got.reshape(2, 6), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match=r"changed what its output head \(Linear\) returned"):

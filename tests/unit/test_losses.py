@@ -501,13 +501,18 @@ def _text_batch(vocab: int, rows: int, length: int, pads: list[int], seed: int =
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _reference_loss(model: Any, task: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plain path: full logits, then ``F.cross_entropy`` over the shifted fp32 logits; and the hits."""
-    logits = model(**task.forward.inputs(batch)).logits
-    shifted, labels = logits[:, :-1].float(), batch["labels"][:, 1:]
+def _reference_loss(model: Any, task: Any, batch: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+    """The plain path: full logits, then ``F.cross_entropy`` over the shifted fp32 logits; the hits; and what a
+    mixture-of-experts model's router loss adds to the training sum (its coefficient x the forward's aux_loss x the
+    batch's target tokens; 0 for other models). Eval reports the cross-entropy alone."""
+    out = model(**task.forward.inputs(batch))
+    shifted, labels = out.logits[:, :-1].float(), batch["labels"][:, 1:]
     loss = F.cross_entropy(shifted.reshape(-1, shifted.size(-1)), labels.reshape(-1), ignore_index=IGNORE,
                            reduction="sum")
-    return loss, ((shifted.argmax(-1) == labels) & (labels != IGNORE)).sum()
+    aux = getattr(out, "aux_loss", None)
+    router = (model.config.router_aux_loss_coef * aux * (labels != IGNORE).sum() if aux is not None
+              else torch.zeros(()))
+    return loss, ((shifted.argmax(-1) == labels) & (labels != IGNORE)).sum(), router
 
 
 def _grads(model: Any) -> dict[str, torch.Tensor]:
@@ -523,10 +528,10 @@ def assert_same_loss_and_grads(model: Any, task: Any, batch: dict[str, Any]) -> 
     loss = task.train_output(model, batch)
     loss.backward()
     grads = _grads(model)
-    ref, ref_hits = _reference_loss(model, task, batch)
-    ref.backward()
+    ref, ref_hits, router = _reference_loss(model, task, batch)
+    (ref + router).backward()
     ref_grads = _grads(model)
-    assert abs(loss.item() - ref.item()) <= RTOL * abs(ref.item())
+    assert abs(loss.item() - (ref + router).item()) <= RTOL * abs((ref + router).item())
     assert grads.keys() == ref_grads.keys() and grads
     for name, grad in grads.items():
         scale = ref_grads[name].norm().item()
@@ -742,7 +747,7 @@ def test_an_fsdp2_sharded_head_takes_the_fused_path(monkeypatch: pytest.MonkeyPa
 
     model, task = _llama(False), _task()
     batch = _text_batch(97, 3, 11, [0, 4, 9])
-    ref, _ = _reference_loss(model, task, batch)
+    ref, _, _ = _reference_loss(model, task, batch)
     ref.backward()
     ref_grads = _grads(model)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

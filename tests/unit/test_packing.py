@@ -114,8 +114,11 @@ def takes(row: SupportedModel, attn: str) -> bool:
 
 
 def _model(row: SupportedModel, attn: str) -> Any:
+    """The row's tiny model with ``attn``; a mixture-of-experts row without its router loss, a statistic of the whole
+    micro-batch by the model's own definition, so a sample's loss alone and packed differ by it (whether packing
+    takes the padded step with the router loss on: tests/integration/test_moe.py)."""
     torch.manual_seed(0)
-    config = getattr(transformers, row.config_class)(**row.tiny_config)
+    config = getattr(transformers, row.config_class)(**{**row.tiny_config, "output_router_logits": False})
     model = getattr(transformers, row.auto_class).from_config(config, attn_implementation=attn)
     return model.eval()
 

@@ -31,7 +31,7 @@ ROWS = [
 
 
 @pytest.fixture(scope="module")
-def batch(tok: Any) -> dict[str, Any]:
+def padded_alpaca(tok: Any) -> dict[str, Any]:
     """Three alpaca rows of different lengths, padded (so the model's aux loss has padding to leave out)."""
     data = tokenize_rows(datasets.Dataset.from_list(ROWS), fmt="alpaca", tokenizer=tok, max_len=64,
                          overlong="truncate", add_bos="auto").dataset
@@ -39,18 +39,18 @@ def batch(tok: Any) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", MOE_ROWS)
-def test_one_micro_batch_trains_the_models_own_loss(name: str, batch: dict[str, Any], tok: Any) -> None:
+def test_one_micro_batch_trains_the_models_own_loss(name: str, padded_alpaca: dict[str, Any], tok: Any) -> None:
     """The summed loss / targets of one micro-batch is transformers' loss given labels (cross-entropy + coef x
     aux_loss), with the same gradient; and the aux term is really there (the loss without it differs)."""
     model = tiny_model(name).train()
     task = CausalLMTask(make_cfg(), None, 0, 0, 1, tokenizer=tok, row=SUPPORTED_MODELS[name])
-    targets = task.count_targets(batch)
-    ours = task.train_output(model, batch) / targets
+    targets = task.count_targets(padded_alpaca)
+    ours = task.train_output(model, padded_alpaca) / targets
     ours.backward()
     ours_grad = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-    theirs = model(**inputs, labels=batch["labels"]).loss
+    inputs = {"input_ids": padded_alpaca["input_ids"], "attention_mask": padded_alpaca["attention_mask"]}
+    theirs = model(**inputs, labels=padded_alpaca["labels"]).loss
     theirs.backward()
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     for key, grad in ours_grad.items():
@@ -58,23 +58,24 @@ def test_one_micro_batch_trains_the_models_own_loss(name: str, batch: dict[str, 
     router_weights = [n for n in ours_grad if n.endswith(("gate.weight", "router.weight"))]
     assert router_weights and all(ours_grad[n].abs().sum() > 0 for n in router_weights)
     with torch.no_grad():
-        plain = model(**inputs, labels=batch["labels"], output_router_logits=False).loss
+        plain = model(**inputs, labels=padded_alpaca["labels"], output_router_logits=False).loss
         aux = model(**inputs).aux_loss
     coef = model.config.router_aux_loss_coef
     torch.testing.assert_close(theirs.detach(), plain + coef * aux, rtol=1e-6, atol=1e-6)
     assert float(coef * aux) > 1e-3  # big enough that the first check would see it missing
     assert task.step_metrics(lambda sums: sums) == pytest.approx({"aux_loss": float(aux)}, rel=1e-6)
-    assert int((batch["labels"][:, 1:] != IGNORE).sum()) == targets
+    assert int((padded_alpaca["labels"][:, 1:] != IGNORE).sum()) == targets
 
 
-def test_a_dense_model_adds_nothing_and_reduces_nothing(llama: Any, batch: dict[str, Any], tok: Any) -> None:
+def test_a_dense_model_adds_nothing_and_reduces_nothing(llama: Any, padded_alpaca: dict[str, Any], tok: Any) -> None:
     """A model without a router: the loss is the cross-entropy sum alone, and the step has no metric and no
     collective."""
     task = CausalLMTask(make_cfg(), None, 0, 0, 1, tokenizer=tok)
     with torch.no_grad():
-        loss = task.train_output(llama, batch)
-        hf = llama(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
-    torch.testing.assert_close(loss / task.count_targets(batch), hf, rtol=1e-6, atol=1e-6)
+        loss = task.train_output(llama, padded_alpaca)
+        hf = llama(input_ids=padded_alpaca["input_ids"], attention_mask=padded_alpaca["attention_mask"],
+                   labels=padded_alpaca["labels"]).loss
+    torch.testing.assert_close(loss / task.count_targets(padded_alpaca), hf, rtol=1e-6, atol=1e-6)
 
     def reduce(sums: torch.Tensor) -> torch.Tensor:
         raise AssertionError("a dense model's step needs no collective")
@@ -82,14 +83,15 @@ def test_a_dense_model_adds_nothing_and_reduces_nothing(llama: Any, batch: dict[
     assert task.step_metrics(reduce) == {}
 
 
-def test_output_router_logits_off_adds_nothing(batch: dict[str, Any], tok: Any) -> None:
+def test_output_router_logits_off_adds_nothing(padded_alpaca: dict[str, Any], tok: Any) -> None:
     """An MoE model whose config says output_router_logits: false (hub checkpoints ship it so) trains on the
     cross-entropy alone."""
     model = tiny_model("mixtral", output_router_logits=False)
     task = CausalLMTask(make_cfg(), None, 0, 0, 1, tokenizer=tok, row=SUPPORTED_MODELS["mixtral"])
     with torch.no_grad():
-        loss = task.train_output(model, batch) / task.count_targets(batch)
-        hf = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=batch["labels"]).loss
+        loss = task.train_output(model, padded_alpaca) / task.count_targets(padded_alpaca)
+        hf = model(input_ids=padded_alpaca["input_ids"], attention_mask=padded_alpaca["attention_mask"],
+                   labels=padded_alpaca["labels"]).loss
     torch.testing.assert_close(loss, hf, rtol=1e-6, atol=1e-6)
     assert task.step_metrics(lambda sums: sums) == {}
 
