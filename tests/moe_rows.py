@@ -1,7 +1,7 @@
 """The mixture-of-experts rows for tests (tests/unit/test_router.py, test_plan.py, test_modeling.py,
-tests/integration/test_moe.py, tests/distributed/test_moe.py): a tiny pretrained folder of each, made from the row's
-tiny config (seed 0) with the bundled tiny-llama tokenizer, as a hub checkpoint looks (GPT-OSS's experts in MXFP4,
-as OpenAI ships them); nothing is downloaded."""
+tests/integration/test_moe.py, tests/distributed/test_registry.py): a tiny pretrained folder of each, made from
+the row's tiny config (seed 0) with the bundled tiny-llama tokenizer, as a hub checkpoint looks (GPT-OSS's experts
+in MXFP4, as OpenAI ships them); nothing is downloaded."""
 
 from __future__ import annotations
 

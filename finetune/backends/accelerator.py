@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 from finetune.backends.base import Backend
+from finetune.backends.fullstate import tied_aliases
 from finetune.backends.select import detect
 from finetune.config import RecipeConfig
 from finetune.registry import SupportedModel
@@ -65,8 +66,17 @@ def export_module(accelerator: Any, model: Any, backend: Backend, state_dict: di
 
 
 def full_state_dict(accelerator: Any, model: Any, backend: Backend) -> dict[str, Any] | None:
-    """The whole model's state dict on rank 0 (None elsewhere may occur); a collective: call on every rank."""
-    return backend.full_state_dict(accelerator, model)
+    """The whole model's state dict on rank 0 (None elsewhere may occur); a collective: call on every rank.
+
+    A tied parameter (Gemma's, small Qwen3's input and output embeddings) is in it once, under its first name, as
+    ``save_pretrained`` writes a model's own state dict: a sharded backend's gather makes one whole copy per name,
+    which save_pretrained cannot see are the same weight, and the export would hold the embedding twice."""
+    state = backend.full_state_dict(accelerator, model)
+    if state:
+        for alias, first in tied_aliases(accelerator.unwrap_model(model)).items():
+            if alias in state and first in state:
+                del state[alias]
+    return state
 
 
 def frozen_copy(accelerator: Any, model: Any, backend: Backend) -> tuple[Any, Callable[[], Any]]:

@@ -3,7 +3,7 @@ micro-batch's targets, logged as ``aux_loss``, and the train.log line that says 
 
 Checked against transformers' own loss: a micro-batch's ``train_output`` / targets equals the model's ``loss`` given
 labels (mean cross-entropy + router_aux_loss_coef x aux_loss), for every MoE row (forward passes only). The loop's
-accumulation and ranks: tests/integration/test_moe.py and tests/distributed/test_moe.py."""
+accumulation and ranks: tests/integration/test_moe.py and tests/distributed/test_registry.py."""
 
 from __future__ import annotations
 
