@@ -288,79 +288,49 @@ def test_sequence_logprobs_from_hidden_states_match_full_logits(bias: bool, chun
         assert_grad_close(grad, ref)
 
 
+SHAPINGS = {  # what a head's logits go through before the softmax: GRPO's temperature; Granite's division, Gemma's cap
+    "tempered": {"temperature": 0.7},
+    "divided_and_capped": {"temperature": 0.7, "divisor": 3.0, "softcap": 2.0},
+}
+
+
+@pytest.mark.parametrize("shaping", SHAPINGS)
 @pytest.mark.parametrize("path", [*GRADIENT_PATHS, "head_module", "logits"])
-def test_sequence_logprobs_at_a_temperature_are_those_of_the_tempered_softmax(path: str) -> None:
-    """temperature 0.7 (GRPO scores completions at the temperature it sampled them at): the sums are of
-    log_softmax(logits / 0.7) at the targets, and the gradients of hidden, weight and bias are those of that
+def test_shaped_logits_are_those_the_forward_makes(path: str, shaping: str) -> None:
+    """temperature 0.7 (GRPO scores completions at the temperature it sampled them at), alone and after a division
+    by 3 and a soft-cap of 2 (Granite divides its head's output, Gemma soft-caps it): the sums are of
+    log_softmax(2 * tanh(logits / 3 / 2) / 0.7) (without the division and cap: of log_softmax(logits / 0.7)) at the
+    targets, the hits those of the head's own argmax, and the gradients of hidden, weight and bias are those of that
     expression over full logits, on each gradient path, through a head module (chunks under checkpointing) and from
     logits directly."""
-    temperature = 0.7
-    sequences, trainable = GRADIENT_PATHS.get(path, (3, True))
-    gen = torch.Generator().manual_seed(7)
-    hidden, weight = torch.randn(N, 16, generator=gen), torch.randn(V, 16, generator=gen)
-    b = torch.randn(V, generator=gen)
-    targets, seq = make_targets("every_third"), torch.arange(N) % sequences
-    upstream = torch.tensor([0.5, -2.0, 1.5])[:sequences]
-
-    def run(chunked: bool) -> tuple[torch.Tensor, ...]:
-        h, w, bb = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable), \
-            b.clone().requires_grad_(trainable)
-        if not chunked:
-            logits = torch.nn.functional.linear(h, w, bb)
-            picked = torch.log_softmax(logits / temperature, -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
-            sums = torch.zeros(sequences).index_add(0, seq, torch.where(targets != IGNORE, picked, 0.0))
-        elif path == "head_module":
-            sums, _ = sequence_logprobs(h, targets, seq, sequences, head=lambda x: torch.nn.functional.linear(x, w, bb),
-                                        chunk_rows=5, temperature=temperature)
-        elif path == "logits":
-            sums, _ = sequence_logprobs(torch.nn.functional.linear(h, w, bb), targets, seq, sequences, chunk_rows=5,
-                                        temperature=temperature)
-        else:
-            sums, _ = sequence_logprobs(h, targets, seq, sequences, weight=w, bias=bb, chunk_rows=5,
-                                        temperature=temperature)
-        (sums * upstream).sum().backward()
-        return sums.detach(), h.grad, *(p.grad if p.grad is not None else torch.zeros(()) for p in (w, bb))
-
-    got, want = run(True), run(False)
-    torch.testing.assert_close(got[0], want[0], rtol=RTOL, atol=0)
-    for grad, ref in zip(got[1:], want[1:], strict=True):
-        assert_grad_close(grad, ref)
-
-
-@pytest.mark.parametrize("path", [*GRADIENT_PATHS, "head_module", "logits"])
-def test_shaped_logits_are_those_the_family_forward_makes(path: str) -> None:
-    """divisor 3 and soft-cap 2 (Granite divides its head's output, Gemma soft-caps it), at temperature 0.7: the sums
-    are of log_softmax(2 * tanh(logits / 3 / 2) / 0.7) at the targets, the hits those of the head's own argmax, and
-    the gradients of hidden, weight and bias are those of that expression over full logits, on each gradient path,
-    through a head module and from logits directly."""
-    divisor, softcap, temperature = 3.0, 2.0, 0.7
+    options = SHAPINGS[shaping]
+    temperature, divisor, softcap = options["temperature"], options.get("divisor"), options.get("softcap")
     sequences, trainable = GRADIENT_PATHS.get(path, (3, True))
     gen = torch.Generator().manual_seed(8)
     hidden, weight = torch.randn(N, 16, generator=gen), torch.randn(V, 16, generator=gen)
     b = torch.randn(V, generator=gen)
     targets, seq = make_targets("every_third"), torch.arange(N) % sequences
     upstream = torch.tensor([0.5, -2.0, 1.5])[:sequences]
-    shaping = {"temperature": temperature, "divisor": divisor, "softcap": softcap}
 
     def run(chunked: bool) -> tuple[torch.Tensor, ...]:
         h, w, bb = hidden.clone().requires_grad_(), weight.clone().requires_grad_(trainable), \
             b.clone().requires_grad_(trainable)
-        hits = None
         if not chunked:
             logits = torch.nn.functional.linear(h, w, bb)
-            capped = softcap * torch.tanh(logits / divisor / softcap)
-            picked = torch.log_softmax(capped / temperature, -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
+            shaped = logits / divisor if divisor else logits
+            shaped = softcap * torch.tanh(shaped / softcap) if softcap else shaped
+            picked = torch.log_softmax(shaped / temperature, -1).gather(-1, targets.clamp(min=0)[:, None])[:, 0]
             sums = torch.zeros(sequences).index_add(0, seq, torch.where(targets != IGNORE, picked, 0.0))
             hits = torch.zeros(sequences, dtype=torch.long).index_add(
                 0, seq, ((logits.argmax(-1) == targets) & (targets != IGNORE)).long())
         elif path == "head_module":
-            sums, hits = sequence_logprobs(h, targets, seq, sequences, chunk_rows=5, **shaping,
+            sums, hits = sequence_logprobs(h, targets, seq, sequences, chunk_rows=5, **options,
                                            head=lambda x: torch.nn.functional.linear(x, w, bb))
         elif path == "logits":
             sums, hits = sequence_logprobs(torch.nn.functional.linear(h, w, bb), targets, seq, sequences,
-                                           chunk_rows=5, **shaping)
+                                           chunk_rows=5, **options)
         else:
-            sums, hits = sequence_logprobs(h, targets, seq, sequences, weight=w, bias=bb, chunk_rows=5, **shaping)
+            sums, hits = sequence_logprobs(h, targets, seq, sequences, weight=w, bias=bb, chunk_rows=5, **options)
         (sums * upstream).sum().backward()
         return sums.detach(), hits, h.grad, *(p.grad if p.grad is not None else torch.zeros(()) for p in (w, bb))
 
@@ -369,7 +339,7 @@ def test_shaped_logits_are_those_the_family_forward_makes(path: str) -> None:
     assert torch.equal(got[1], want[1])
     for grad, ref in zip(got[2:], want[2:], strict=True):
         assert_grad_close(grad, ref)
-    plain, _ = sequence_logprobs(hidden, targets, seq, sequences, weight=weight, bias=b, temperature=temperature)
+    plain, _ = sequence_logprobs(hidden, targets, seq, sequences, weight=weight, bias=b)
     assert (plain - got[0]).abs().max() > 1e-2  # the shaping mattered
 
 
