@@ -77,15 +77,42 @@ def run(
 def preprocess(
     recipe: Annotated[str, typer.Argument(help=RECIPE_HELP)],
     overrides: Overrides = None,
+    show: Annotated[int | None, typer.Option(
+        "--show", min=1, help="then print the first N tokenized train rows (counted from 0, in the split's order, "
+        "before shuffling) with the trained tokens marked: green on a terminal, [[between brackets]] in a pipe",
+    )] = None,
+    as_json: Annotated[bool, typer.Option(
+        "--json", help="with --show: one JSON object per row on stdout (split, row, text, trained [start, end] "
+        "character spans, input_ids, labels); the report lines go to stderr")] = False,
 ) -> None:
     """Read and tokenize every data split of a recipe into the cache `finetune run` reads (and download a hub
     model), once, before any launch; run it on each machine whose disk holds its own cache."""
+    if as_json and show is None:
+        raise FinetuneError("--json prints the rows of --show: add --show N (e.g. --show 3 --json)")
     cfg, _ = train.recipe_with_flags(recipe, overrides)
     inputs = prepare.inputs(cfg, registry.recipe_row(cfg))
     for line in prepare.report(cfg, inputs.data):
-        typer.echo(line)
+        typer.echo(line, err=as_json)
     for line in inputs.data.warnings(cfg.data.max_seq_len):
         typer.echo(line, err=True)
+    if show is not None:
+        _show_rows(inputs, show, as_json=as_json)
+
+
+def _show_rows(inputs: prepare.Inputs, count: int, *, as_json: bool) -> None:
+    """``preprocess --show``: the first ``count`` rows of the tokenized train split, as stored, trained tokens
+    marked (:mod:`finetune.data.show`)."""
+    from finetune.data import show as shown  # imports numpy: not at CLI start-up
+
+    split = inputs.data.train
+    if split is None:
+        raise FinetuneError("--show prints train rows, and this recipe has no tokenized data.train")
+    note = shown.short_note(split.dataset, count)
+    colour = sys.stdout.isatty()
+    for text in shown.show(inputs.tokenizer, split.dataset, count, as_json=as_json, colour=colour):
+        typer.echo(text, color=colour)
+    if note is not None:
+        typer.echo(note, err=True)
 
 
 @app.command()
