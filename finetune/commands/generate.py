@@ -16,10 +16,10 @@ against its manifest before anything in it is read, loading is data only, and th
 
 Prompts are tokenized as training and eval tokenize theirs (the special tokens of the run's ``data.add_bos`` first:
 nothing before a chat template's render, the tokenizer's own before raw text; the last ``data.max_seq_len`` tokens
-kept). Every output line is its input object plus ``completion`` (decoded without special tokens, cut at eos) and
-``finish_reason`` (``eos`` or ``length``), in input order; the file is written to a hidden ``.tmp`` beside ``-o``
-and renamed, never inside a run directory or the model folder, and replaces an existing file only with
-``--overwrite``.
+kept). Every output line is its input object plus ``completion`` (decoded without special tokens, cut at its first
+stop token: eos, or the chat template's end of turn) and ``finish_reason`` (``eos`` or ``length``), in input
+order; the file is written to a hidden ``.tmp`` beside ``-o`` and renamed, never inside a run directory or the
+model folder, and replaces an existing file only with ``--overwrite``.
 
 A completion does not depend on the batch size, on a prompt's position in its batch or on the number of processes:
 prompts are left-padded with their own position ids and attention mask (one decoder,
@@ -51,7 +51,7 @@ from finetune.commands.evaluate import load_model, load_tokenizer, open_target
 from finetune.config import outputs
 from finetune.data import vision
 from finetune.data.bos import Lead
-from finetune.data.formats import render_alpaca
+from finetune.data.formats import render_alpaca, stop_ids, template_warnings
 from finetune.data.prompts import PromptIds, chat_text, text_prompt, vision_prompt, vision_text
 from finetune.data.rows import ROLES, error_detail, line_of, short_repr
 from finetune.data.vision import VisionCollator
@@ -346,10 +346,10 @@ def prompt_seed(seed: int, index: int) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-def finish(tokens: list[int], stop_ids: list[int], tokenizer: Any) -> tuple[str, str]:
+def finish(tokens: list[int], stops: list[int], tokenizer: Any) -> tuple[str, str]:
     """A row of new tokens as (completion, finish_reason): cut before its first stop token ("eos"), else all of it
     ("length"); decoded without special tokens, as eval's exact_match decodes."""
-    stop = next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+    stop = next((i for i, token in enumerate(tokens) if token in stops), None)
     kept = tokens if stop is None else tokens[:stop]
     return tokenizer.decode(kept, skip_special_tokens=True), "length" if stop is None else "eos"
 
@@ -423,11 +423,14 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     if job.truncated and main:
         print(f"note: {job.truncated} prompt(s) longer than data.max_seq_len={job.cfg.data.max_seq_len} tokens: "
               "kept their last tokens, as eval does", file=sys.stderr)
+    if main and any(prompt.messages is not None for prompt in job.prompts):  # rendered by the chat template
+        for line in template_warnings(job.tokenizer):
+            print(line, file=sys.stderr)
     model = accelerator.prepare_model(load_model(job.cfg, job.where, None), evaluation_mode=True).eval()
     precision = forward_precision(job.cfg.train.mixed_precision, accelerator.device)  # the training precision
     tokenizer = job.tokenizer
-    stop_ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
-    decode = _decoder(job, model, options, stop_ids, accelerator.device)
+    stops = stop_ids(tokenizer)  # eos, and the chat template's end of turn (as eval and GRPO stop)
+    decode = _decoder(job, model, options, stops, accelerator.device)
     mine = eval_shard(len(job.prompts), rank, world)  # every N-th prompt: none twice, none left out
     mine.sort(key=lambda i: (-len(job.ids[i]), i))  # similar lengths share a batch: less padding
     share = f" (this process's share; {len(job.prompts)} in all over {world} processes)" if world > 1 else ""
@@ -437,7 +440,7 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
         batch = mine[start:start + options.batch_size]
         with precision.autocast():
             new = decode(batch)
-        results += [(i, *finish(tokens, stop_ids, tokenizer)) for i, tokens in zip(batch, new, strict=True)]
+        results += [(i, *finish(tokens, stops, tokenizer)) for i, tokens in zip(batch, new, strict=True)]
         if progress is not None:
             progress.advance(len(batch))
     gathered = [tuple(r) for part in gather_json(accelerator, results) for r in part] if world > 1 else results
@@ -456,7 +459,7 @@ def generate(target: Path, prompts: Path, output: Path, options: Options,
     return summary
 
 
-def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
+def _decoder(job: Job, model: Any, options: Options, stops: list[int],
              device: Any) -> Callable[[list[int]], list[list[int]]]:
     """The new tokens of a batch of prompts (their indices), each row cut or padded after its stop token.
 
@@ -477,7 +480,7 @@ def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
             sampling = None if options.temperature == 0 else Sampling(
                 options.temperature, options.top_p,
                 [torch.Generator().manual_seed(prompt_seed(options.seed, i)) for i in batch])
-            return generate_tokens(model, ids.to(device), mask.to(device), options.max_new_tokens, stop_ids, pad_id,
+            return generate_tokens(model, ids.to(device), mask.to(device), options.max_new_tokens, stops, pad_id,
                                    sampling, stop_when_done=True).tolist()
 
         return text
@@ -496,7 +499,7 @@ def _decoder(job: Job, model: Any, options: Options, stop_ids: list[int],
                 for i in batch]
         inputs = {key: value.to(device) for key, value in collator.prompts(rows).items()}
         return generate_with_images(model, inputs, max_new_tokens=options.max_new_tokens,
-                                    eos_id=tokenizer.eos_token_id, pad_id=pad_id, temperature=options.temperature,
+                                    eos_id=stops, pad_id=pad_id, temperature=options.temperature,
                                     top_p=options.top_p).tolist()
 
     return with_images

@@ -14,6 +14,7 @@ The named templates are data, written by hand from each format's definition.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -84,3 +85,38 @@ def text_of(value: str) -> str:
 
 
 __all__ = ["CHATML", "KEY", "NAMED", "file_problem", "is_name", "name_problem", "text_of"]
+
+
+# ``model.chat_template_kwargs``: values a template reads (``enable_thinking: false``), fixed for the model
+ARGUMENTS_KEY = "model.chat_template_kwargs"
+IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# what the renderer gives every template itself: a recipe cannot set these
+RESERVED = frozenset({"messages", "tools", "documents", "add_generation_prompt", "raise_exception", "strftime_now"})
+
+
+def arguments_problem(arguments: dict[str, object]) -> str | None:
+    """Why ``arguments`` cannot be template arguments (a name that is no Jinja name, or one the renderer sets
+    itself), in one line; None when they can."""
+    for name in arguments:
+        if not IDENTIFIER.fullmatch(name):
+            return f"{name!r} is not a name a template can read (letters, digits and _, not first a digit)"
+        if name in RESERVED:
+            return f"{name!r} is given to every template by the renderer itself; a recipe cannot set it"
+    return None
+
+
+def with_arguments(template: str, arguments: dict[str, object]) -> str:
+    """``template`` with ``arguments`` set first (``{%- set enable_thinking = false %}``): a value set in the
+    template wins over one passed to the render, so every render reads it (training, eval, generate, GRPO) and so
+    does any server given the exported tokenizer. Values are JSON scalars: written as Jinja literals."""
+    lines = "".join(f"{{%- set {name} = {_literal(value)} %}}\n" for name, value in arguments.items())
+    return lines + template
+
+
+def _literal(value: object) -> str:
+    """A JSON scalar as a Jinja literal: true/false, a number, a double-quoted string with JSON's escapes."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(value)

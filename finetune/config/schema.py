@@ -16,6 +16,10 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
     Tag,
     ValidationInfo,
     field_validator,
@@ -85,6 +89,22 @@ class ModelConfig(Section):
         "tokenizer that has none or to replace its own: a named template (chatml) or the path of a Jinja file "
         "(relative to the recipe file); it is saved with the export's tokenizer. null: the tokenizer's own",
     )
+
+    chat_template_kwargs: dict[str, StrictBool | StrictInt | StrictFloat | StrictStr] | None = Field(
+        default=None,
+        description="values the chat template reads, fixed for this model in every render (training, eval, "
+        "generate, GRPO prompts) and in the export's template, e.g. {enable_thinking: false} for Qwen3 or Nemotron "
+        "answers without reasoning. null: the template's own defaults",
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        """Each name must be one a template can read and the renderer does not set (one line)."""
+        problem = None if value is None else chat_templates.arguments_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @field_validator("chat_template")
     @classmethod

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from finetune.config.schema import DataConfig, DataSource, TrainSource
 from finetune.data import prompt_rows
+from finetune.data.formats import template_warnings
 from finetune.data.loading import check_columns, load_raw
 from finetune.data.mixing import Mixture
 from finetune.data.prompt_rows import PromptOptions
@@ -46,6 +48,7 @@ class DataBundle:
     eval_parts: list[Part] = field(default_factory=list)
     stream: TrainStream | None = None  # data.streaming: the training stream (``train`` holds its first samples)
     prompt_room: int = 0  # prompt rows: the tokens each prompt leaves for its completion (grpo.max_new_tokens)
+    template_warnings: list[str] = field(default_factory=list)  # the chat template's (formats.template_warnings)
 
     @property
     def train_size(self) -> int:
@@ -86,12 +89,13 @@ class DataBundle:
         rows are longer than what a sample may hold (``data.max_seq_len``, less a prompt row's completion room),
         with the counts and the fix. Truncated rows train on their start only, dropped ones not at all: a limit
         below most rows is usually a mistake (a recipe copied from a model with a longer context, or the wrong
-        column). A streamed split's counts are not known ahead."""
+        column). A streamed split's counts are not known ahead. And the chat template's warnings, where the data is
+        rendered with a template (:func:`finetune.data.formats.template_warnings`)."""
+        lines = list(self.template_warnings)
         if self.stream is not None:
-            return []
+            return lines
         limit = max_seq_len - self.prompt_room
         key = "data.max_seq_len - grpo.max_new_tokens" if self.prompt_room else "data.max_seq_len"
-        lines = []
         for split, source, counts in self._counted():
             over = counts.truncated + counts.dropped
             rows = len(counts.dataset) + counts.dropped + counts.no_answer
@@ -233,9 +237,11 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     evaluation, eval_parts = None, []
     eval_sources = cfg.eval_sources()
     read = 0
+    read_sources = list(itertools.zip_longest(train_sources, raws))  # (source, its rows when read ahead)
     for i, source in enumerate(eval_sources):
         # eval metrics measure the answers, whatever train_on_prompt says for training
         raw = _load(source)
+        read_sources.append((source, raw))
         tokenized = tokenize_rows(raw, fmt=source.format, source=source_name(source),
                                   **{**common, "train_on_prompt": False}, **_prompt_needs(source, prompt, train=False))
         read = _number(tokenized, source, read, len(raw))
@@ -243,9 +249,24 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
                                source_name(source), tokenized))
     if eval_parts:
         evaluation = _concatenate(eval_parts, "data.eval")
+    templated = any(_templated(source, raw) for source, raw in read_sources)
     return DataBundle(train, evaluation, labels, mixture,
                       train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [], stream,
-                      prompt.new_tokens if prompt is not None and cfg.format == prompt_rows.FORMAT else 0)
+                      prompt.new_tokens if prompt is not None and cfg.format == prompt_rows.FORMAT else 0,
+                      template_warnings(tokenizer) if templated else [])
+
+
+def _templated(source: DataSource, raw: Dataset | None) -> bool:
+    """Whether a source's rows go through the chat template: chat rows, and prompt or preference rows written as
+    messages (``raw``: the source as read, when it was read ahead; else its format decides)."""
+    if source.format in ("chat", "vision_chat"):
+        return True
+    if source.format not in (prompt_rows.FORMAT, "preference"):
+        return False
+    if raw is None:
+        return True
+    feature = raw.features.get("messages" if source.format == prompt_rows.FORMAT else "chosen")
+    return feature is not None and type(feature).__name__ in ("List", "Sequence", "LargeList")
 
 
 __all__ = ["DataBundle", "Part", "PromptOptions", "load_splits", "source_name"]

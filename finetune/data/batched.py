@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from finetune import hooks
 from finetune.data import prompts, shapes, vision
 from finetune.data.bos import Lead
-from finetune.data.formats import Rendered, prerender_chats, render, render_preference
+from finetune.data.formats import Rendered, RowProblem, prerender_chats, render, render_preference
 from finetune.data.loading import check_row
 from finetune.data.rows import IGNORE, error_detail, line_of
 from finetune.errors import DataError
@@ -456,11 +456,13 @@ def cue_ids(rendered: Sequence[Rendered], encoded: Sequence[tuple[list[int], Any
 
 def rendered(render_row: Callable[[], _R], where: str, what: str) -> _R:
     """``render_row()``; anything but a DataError it raises (e.g. a chat template's ``raise_exception("roles must
-    alternate ...")``) becomes one DataError line, ``where: what (detail)``."""
+    alternate ...")``) becomes one DataError line, ``where: what (detail)`` (a RowProblem: ``where: problem``)."""
     try:
         return render_row()
     except DataError:
         raise
+    except RowProblem as exc:  # its own sentence
+        raise DataError(f"{where}: {exc}") from None
     except Exception as exc:
         raise DataError(f"{where}: {what} ({error_detail(exc)})") from None
 
@@ -530,7 +532,8 @@ def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, ma
     for k, (index, row) in enumerate(_rows(batch, indices)):
         check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
         texts = chats[k] if chats is not None else None
-        outs.append(rendered(partial(render, row, fmt, tokenizer, train_on_prompt, texts), line_of(source, index),
+        # a chat row may give several samples (formats.render_chat: one per group of its assistant turns)
+        outs.extend(rendered(partial(render, row, fmt, tokenizer, train_on_prompt, texts), line_of(source, index),
                              what))
     if not outs:
         return {name: [] for name in CAUSAL_COLUMNS}
@@ -654,8 +657,13 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     grids = images.grids([vision.open_image(path, where) for path in paths], where, paths)
     counts = [images.tokens(grid) for grid in grids]
     conversation = vision.for_template(messages)
-    out = rendered(partial(render, {"messages": conversation}, "chat", tokenizer, train_on_prompt), where,
-                   "the tokenizer's chat template rejects this conversation")
+    outs = rendered(partial(render, {"messages": conversation}, "chat", tokenizer, train_on_prompt), where,
+                    "the tokenizer's chat template rejects this conversation")
+    if len(outs) > 1:
+        raise DataError(f"{where}: the chat template renders this conversation's last assistant turn differently "
+                        "from its earlier ones, which vision_chat rows do not train yet; give one assistant turn per "
+                        "row, or set data.train_on_prompt")
+    [out] = outs
     vision.check_placeholders(out.text, images.image_token, len(paths), where)
     out = vision.expand(dataclasses.replace(out, reference=vision.text_of(messages[-1]["content"])),
                         images.image_token, counts)

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 from dataclasses import dataclass
 from typing import Any
+
+import jinja2
+from jinja2 import meta
 
 from finetune.errors import DataError
 
@@ -25,12 +29,14 @@ class Rendered:
     ``add_eos`` says the tokenizer's eos token must be appended (and trained on) after ``text``; chat templates
     already end assistant turns with their own end marker. ``templated``: ``text`` (and ``prompt``) are a chat
     template's render, which wrote every special token it wants (:mod:`finetune.data.bos` adds none before them).
+    ``reference`` None: a sample of a chat row's earlier turns, which eval's exact_match does not count (it answers
+    each row's last turn).
     """
 
     text: str
     spans: tuple[tuple[int, int], ...]
     prompt: str
-    reference: str
+    reference: str | None
     add_eos: bool
     templated: bool = False
 
@@ -60,27 +66,165 @@ def require_template(tokenizer: Any, what: str, otherwise: str) -> None:
 
 
 def generation_prompt(messages: list[dict[str, Any]], tokenizer: Any) -> str:
-    """``messages`` through the tokenizer's chat template with its generation prompt: the text a model continues
-    with the assistant's turn (the prompt of a chat row, and what :mod:`finetune.data.prompts` renders)."""
+    """``messages`` as a model gets them to write the assistant's turn: through the tokenizer's chat template with
+    its generation prompt, cut where the template's rendered turns part from it (:func:`serving_prompt`). The
+    prompt of a chat row's turns in training, of chat preference pairs, and what :mod:`finetune.data.prompts`
+    renders for eval, generate and GRPO: one text for all of them."""
     require_template(tokenizer, "a prompt written as messages", "write the prompt as text")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return serving_prompt(render_one(messages, (len(messages), GEN), tokenizer),
+                          render_one(messages, (len(messages), PROBE), tokenizer))
 
 
-# A chat row's renders, each (prefix length, add_generation_prompt): ``messages[:n]`` through the chat template
-ChatRender = tuple[int, bool]
+# A chat row's renders, each (prefix length n, kind) of ``messages[:n]`` through the chat template: TEXT as it is,
+# GEN with the generation prompt, PROBE followed by the probe assistant turn (:func:`serving_prompt`)
+ChatRender = tuple[int, str]
+TEXT, GEN, PROBE = "text", "gen", "probe"
+# The assistant turn a serving prompt is found with: its content starts with a character no template writes in a
+# generation prompt, so the text it shares with the generation prompt ends where the turn's own text begins
+PROBE_TURN: dict[str, str] = {"role": "assistant", "content": "\x00"}
+
+
+class RowProblem(Exception):
+    """A row the chat template renders but that cannot be trained as it would be served: the message is a whole
+    sentence (:func:`finetune.data.batched.rendered` puts the row's place before it)."""
+
+
+def conversation(messages: list[dict[str, Any]], key: ChatRender) -> list[dict[str, Any]]:
+    """The messages a render ``key`` renders: ``messages[:n]``, followed by the probe turn for PROBE."""
+    n, kind = key
+    return [*messages[:n], PROBE_TURN] if kind == PROBE else messages[:n]
+
+
+def render_one(messages: list[dict[str, Any]], key: ChatRender, tokenizer: Any) -> str:
+    """One render ``key`` of ``messages`` (one ``apply_chat_template`` call)."""
+    return tokenizer.apply_chat_template(conversation(messages, key), tokenize=False,
+                                         add_generation_prompt=key[1] == GEN)
+
+
+def serving_prompt(gen: str, probe: str) -> str:
+    """The text a model answers after: the longest common start of the generation prompt (``gen``) and the same
+    conversation followed by an assistant turn (``probe``). Most templates write a turn right after their
+    generation prompt, so this is the generation prompt; a template whose generation prompt prefills what its
+    rendered turns do not hold (DeepSeek-R1's ``<think>\\n``) is cut where the two part (see
+    :func:`prefill_dropped`)."""
+    return common_start(gen, probe)
+
+
+def common_start(a: str, b: str) -> str:
+    """The longest common start of ``a`` and ``b``: ``a`` itself when ``b`` starts with it (one comparison, the
+    usual case), else found by halving (each step one string comparison, never a loop over characters)."""
+    if b.startswith(a):
+        return a
+    low, high = 0, min(len(a), len(b))  # a[:low] == b[:low]; a[:high + 1] != b[:high + 1]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return a[:low]
+
+
+ONE_MESSAGE = [{"role": "user", "content": "Hi"}]  # the conversation a template's own habits are read from
+
+
+def prefill_dropped(tokenizer: Any) -> str:
+    """What the template's generation prompt writes that its rendered assistant turns do not start with (``""`` for
+    most templates; DeepSeek-R1's ``<think>\\n``), found on a one-message conversation: the part
+    :func:`generation_prompt` leaves out."""
+    gen = render_one(ONE_MESSAGE, (1, GEN), tokenizer)
+    return gen[len(serving_prompt(gen, render_one(ONE_MESSAGE, (1, PROBE), tokenizer))):]
+
+
+def ends_turns(tokenizer: Any) -> bool:
+    """Whether the template writes an end marker after an assistant turn's content (nearly all do; GLM-4.5's
+    original template ends a turn only where the next message begins, so a last turn ends with its content)."""
+    return not render_one(ONE_MESSAGE, (1, PROBE), tokenizer).rstrip().endswith(PROBE_TURN["content"])
+
+
+def turn_end_id(tokenizer: Any) -> int | None:
+    """The token the chat template ends an assistant turn with, when it is one of the tokenizer's added tokens
+    (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``, ``<|return|>``): the first token after the
+    probe turn's content. None without a template, without an end marker, or when the marker is ordinary text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        text = render_one(ONE_MESSAGE, (1, PROBE), tokenizer)
+    except Exception:  # a template that cannot render a one-message conversation: rows say why themselves
+        return None
+    at = text.rfind(PROBE_TURN["content"])
+    after = text[at + len(PROBE_TURN["content"]):].lstrip() if at >= 0 else ""
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    if not ids:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    token = added.get(ids[0])
+    return ids[0] if token is not None and after.startswith(str(token)) else None
+
+
+def stop_ids(tokenizer: Any) -> list[int]:
+    """What generation stops at (eval's exact_match, ``finetune generate``, GRPO): the tokenizer's eos and the
+    chat template's end-of-turn token (:func:`turn_end_id`), so a model served with a template stops where its
+    trained turns end even when the tokenizer's eos is another token (Gemma's ``<eos>`` after
+    ``<end_of_turn>``, a base tokenizer given chatml)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ids = [] if eos is None else [eos]
+    end = turn_end_id(tokenizer)
+    return ids + ([end] if end is not None and end not in ids else [])
+
+
+def template_warnings(tokenizer: Any) -> list[str]:
+    """One line for each habit of the tokenizer's chat template that training cannot match with serving: a
+    generation prompt that prefills what its turns do not hold (:func:`prefill_dropped`: the choice finetune makes,
+    and the template's switches that may avoid it), and turns without an end marker (:func:`ends_turns`: nothing
+    teaches the model to stop). None for no template, or one that cannot render a one-message conversation (the
+    rows say why themselves)."""
+    try:
+        if not getattr(tokenizer, "chat_template", None):
+            return []
+        dropped, ended = prefill_dropped(tokenizer), ends_turns(tokenizer)
+    except Exception:  # a template that raises for this conversation: each row's own error says why
+        return []
+    lines = []
+    if dropped:
+        switches = [name for name in template_variables(tokenizer) if "think" in name or "reason" in name]
+        hint = (f"; the template reads {', '.join(switches)}: model.chat_template_kwargs sets them" if switches
+                else "; model.chat_template gives a template whose turns start with it")
+        lines.append(f"warning: the chat template's generation prompt ends with {dropped!r}, which its rendered "
+                     "assistant turns do not start with; finetune trains each turn as rendered and generates (eval, "
+                     "generate, GRPO) from the prompt without it; a server using the template's own generation "
+                     f"prompt adds it{hint}")
+    if not ended:
+        lines.append("warning: the chat template writes nothing after an assistant turn's content (no end marker), "
+                     "so a trained last turn teaches the model no end: it may not stop where it should; "
+                     "model.chat_template gives a template that ends each turn (e.g. with the next role's token)")
+    return lines
+
+
+def template_variables(tokenizer: Any) -> list[str]:
+    """The names the tokenizer's chat template reads that no renderer gives it (its switches, such as
+    ``enable_thinking``), sorted; none when it cannot be parsed."""
+    template = tokenizer.chat_template
+    texts = template.values() if isinstance(template, dict) else [template]
+    names: set[str] = set()
+    try:
+        for text in texts:  # transformers' {% generation %} tags (training templates) mean nothing here
+            plain = re.sub(r"{%-?\s*(end)?generation\s*-?%}", "", text)
+            names |= meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+                                                    .parse(plain))
+    except Exception:  # a template jinja2 alone cannot parse (a transformers extension tag): no hint
+        return []
+    return sorted(names)
 
 
 def chat_renders(messages: list[dict[str, Any]]) -> list[ChatRender]:
-    """The template renders :func:`render_chat` needs for ``messages``: the whole conversation, and for each
-    assistant turn i the conversation before it with the generation prompt (i > 0) and up to it (unless it is the
-    last message), plus the generation prompt of ``messages[:-1]`` when the last message is not an assistant's."""
-    needed: list[ChatRender] = [(len(messages), False)]
+    """The renders :func:`render_chat` needs for ``messages``: for each assistant turn i, the conversation up to
+    and with it (the last is the whole conversation), and for i > 0 the conversation before it with the
+    generation prompt and with the probe turn (its serving prompt)."""
+    needed: list[ChatRender] = []
     for i, msg in enumerate(messages):
         if msg["role"] == "assistant":
-            needed += [(i, True)] if i else []
-            needed += [(i + 1, False)] if i != len(messages) - 1 else []
-    if not (len(messages) > 1 and messages[-1]["role"] == "assistant"):
-        needed.append((len(messages) - 1, True))
+            needed += [(i + 1, TEXT)] + ([(i, GEN), (i, PROBE)] if i else [])
     return needed
 
 
@@ -93,22 +237,22 @@ def prerender_chats(conversations: list[Any], tokenizer: Any) -> list[dict[ChatR
     row, and after the checks of the rows before it)."""
     try:
         wanted = [chat_renders(messages) for messages in conversations]
-        keys = {gen: [(row, n) for row, needed in enumerate(wanted) for n, g in needed if g == gen]
+        keys = {gen: [(row, key) for row, needed in enumerate(wanted) for key in needed if (key[1] == GEN) == gen]
                 for gen in (False, True)}
         direct = TemplateRenderer.of(tokenizer, conversations)
         out: list[dict[ChatRender, str]] = [{} for _ in conversations]
         for gen, rows in keys.items():
             if not rows:
                 continue
-            prefixes = [conversations[row][:n] for row, n in rows]
-            texts = direct.render(prefixes, gen) if direct is not None else None
-            if texts is None or [texts[0]] != tokenizer.apply_chat_template(prefixes[:1], tokenize=False,
+            chats = [conversation(conversations[row], key) for row, key in rows]
+            texts = direct.render(chats, gen) if direct is not None else None
+            if texts is None or [texts[0]] != tokenizer.apply_chat_template(chats[:1], tokenize=False,
                                                                             add_generation_prompt=gen):
-                texts = tokenizer.apply_chat_template(prefixes, tokenize=False, add_generation_prompt=gen)
+                texts = tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=gen)
             if not isinstance(texts, list) or len(texts) != len(rows) or not all(isinstance(t, str) for t in texts):
                 return None
-            for (row, n), text in zip(rows, texts, strict=True):
-                out[row][(n, gen)] = text
+            for (row, key), text in zip(rows, texts, strict=True):
+                out[row][key] = text
         return out
     except Exception:  # any failure: the row-by-row path finds the row and reports it (see the docstring)
         return None
@@ -179,65 +323,80 @@ def _plain(messages: Any) -> bool:
         for message in messages)
 
 
-def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str] | None = None) -> Rendered:
-    """Render with the tokenizer's chat template; every assistant turn (content + end marker) is an answer span.
-    ``texts``: this row's renders from :func:`prerender_chats` (else each is one template call here).
+def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str] | None = None
+                ) -> list[Rendered]:
+    """The training samples of a chat row: every assistant turn trained as the template renders it as the final
+    turn, after its serving prompt. ``texts``: this row's renders from :func:`prerender_chats` (else each is one
+    template call here).
 
-    The span of turn i is found by rendering the conversation up to turn i with and without it: the template
-    must render a prefix of the conversation as a prefix of the text (true of every common template).
+    Turn i's sample is the conversation up to and with turn i; its trained span runs from the end of the serving
+    prompt of the messages before it (:func:`generation_prompt`: what generate, eval and GRPO give the model)
+    to the end of its text (the end marker: whitespace the template writes after it is not learned). Turns share
+    one sample while each earlier sample is a start of the next one's serving prompt: a template that renders a
+    conversation prefix-wise gives one sample per row; one that renders the last turn differently (reasoning
+    dropped from earlier turns, an end token only after the last) gives one sample per assistant turn, each
+    trained on its own last turn only. A turn whose text does not continue its serving prompt cannot be trained as
+    it would be served: :class:`RowProblem`.
     """
     require_template(tokenizer, "data.format chat", "use data.format alpaca or completion")
     messages = row["messages"]
     if texts is None:  # one template call per render that chat_renders lists
-        texts = {(n, gen): tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=gen)
-                 for n, gen in chat_renders(messages)}
-
-    def upto(n: int, gen: bool) -> str:
-        return texts[(n, gen)]
-
-    text = upto(len(messages), False)
-    spans = []
-    before = ""
+        texts = {key: render_one(messages, key, tokenizer) for key in chat_renders(messages)}
+    samples: list[tuple[str, tuple[tuple[int, int], ...], str, int]] = []  # text, spans, prompt, last turn
     for i, msg in enumerate(messages):
         if msg["role"] != "assistant":
             continue
-        before = upto(i, True) if i else ""
-        # each prefix is rendered once: the whole conversation is `text`, the last turn's `before` is the prompt
-        through = text if i == len(messages) - 1 else upto(i + 1, False)
-        if not text.startswith(through) or not through.startswith(before):
-            raise DataError("data.format: the chat template does not render conversations prefix-wise; "
-                            "cannot locate assistant turns")
-        # the turn ends at its end marker: whitespace the template adds after it (e.g. "</s>\n") is not learned
-        spans.append((len(before), max(len(before), len(through.rstrip()))))
-    last_turn = len(messages) > 1 and messages[-1]["role"] == "assistant"
-    prompt = before if last_turn else upto(len(messages) - 1, True)
-    return Rendered(text, tuple(spans), prompt, messages[-1]["content"], add_eos=False, templated=True)
+        text = texts[(i + 1, TEXT)]
+        prompt = serving_prompt(texts[(i, GEN)], texts[(i, PROBE)]) if i else ""
+        if not text.startswith(prompt):
+            raise RowProblem(_discontinued(messages, i, prompt, text))
+        span = (len(prompt), max(len(prompt), len(text.rstrip())))
+        if samples and prompt.startswith(samples[-1][0]):
+            samples[-1] = (text, (*samples[-1][1], span), prompt, i)
+        else:
+            samples.append((text, (span,), prompt, i))
+    # eval's exact_match answers each row's last turn: a sample of earlier turns has no reference
+    return [Rendered(text, spans, prompt, messages[turn]["content"] if k == len(samples) - 1 else None,
+                     add_eos=False, templated=True) for k, (text, spans, prompt, turn) in enumerate(samples)]
+
+
+def _discontinued(messages: list[dict[str, Any]], turn: int, prompt: str, text: str) -> str:
+    """Why turn ``turn`` cannot be trained: the template renders it as ``text``, which does not go on from the
+    serving ``prompt``."""
+    at = len(common_start(prompt, text))
+    written = "with its reasoning " if REASONING_KEYS.intersection(messages[turn]) else ""
+    return (f"the chat template writes messages[{turn}] {written}as {text[at:at + 40]!r}... where the prompt it "
+            f"answers after goes on with {prompt[at:at + 40]!r}, so it cannot be trained as it would be served; "
+            "a template that renders no reasoning takes turns without it (or choose one that renders it, "
+            "model.chat_template, or its switch, model.chat_template_kwargs)")
 
 
 def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool,
-           chat_texts: dict[ChatRender, str] | None = None) -> Rendered:
-    """Render one row of ``fmt``; with ``train_on_prompt`` the whole text is one answer span. ``chat_texts``: a
-    chat row's renders made beforehand (:func:`prerender_chats`)."""
+           chat_texts: dict[ChatRender, str] | None = None) -> list[Rendered]:
+    """The samples of one row of ``fmt``: one, or one per group of a chat row's assistant turns
+    (:func:`render_chat`). With ``train_on_prompt`` the whole text is trained: a chat row is then one sample, the
+    whole conversation as the template renders it. ``chat_texts``: a chat row's renders made beforehand
+    (:func:`prerender_chats`)."""
     if fmt == "alpaca":
-        out = render_alpaca(row)
+        out = [render_alpaca(row)]
     elif fmt == "completion":
-        out = render_completion(row)
+        out = [render_completion(row)]
     elif fmt == "chat":
         out = render_chat(row, tokenizer, chat_texts)
     else:
         raise ValueError(f"not a causal-LM format: {fmt}")
     if train_on_prompt:
-        out = dataclasses.replace(out, spans=((0, len(out.text)),))
+        out = [dataclasses.replace(out[-1], spans=((0, len(out[-1].text)),))]
     return out
 
 
 def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any) -> Rendered:
-    """One side of a chat-form pair: the whole conversation, with only its final assistant turn as the answer."""
+    """One side of a chat-form pair: the whole conversation, with only its final assistant turn as the answer,
+    after its serving prompt (as :func:`render_chat` trains a last turn)."""
     text = tokenizer.apply_chat_template(messages, tokenize=False)
     prompt = generation_prompt(messages[:-1], tokenizer)
     if not text.startswith(prompt):
-        raise DataError("data.format: the chat template does not render conversations prefix-wise; "
-                        "cannot locate the final assistant turn of a preference pair")
+        raise RowProblem(_discontinued(messages, len(messages) - 1, prompt, text))
     # as in render_chat: the turn ends at its end marker, whitespace the template adds after it is not learned
     return Rendered(text, ((len(prompt), max(len(prompt), len(text.rstrip()))),), prompt,
                     messages[-1]["content"], add_eos=False, templated=True)

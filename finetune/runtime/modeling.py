@@ -137,14 +137,17 @@ def attention_support(cfg: ModelConfig, row: SupportedModel) -> Iterator[None]:
 
 def build_tokenizer(cfg: ModelConfig, row: SupportedModel, source: str | None = None) -> Any:
     """The tokenizer of ``source`` (an exported model), else the model's, else the row's bundled one. The model's
-    gets ``model.chat_template`` when the recipe sets one (:func:`use_chat_template`); an export's tokenizer already
-    holds the template its run trained with (the recipe's file may have changed or gone since)."""
+    gets ``model.chat_template`` when the recipe sets one (:func:`use_chat_template`), and then
+    ``model.chat_template_kwargs`` (:func:`use_template_arguments`); an export's tokenizer already holds the
+    template its run trained with (the recipe's file may have changed or gone since)."""
     where = source or (resolve_model_path(cfg.path) if cfg.path else _row_tokenizer(row))
     with loading("tokenizer", where):
         tokenizer = transformers.AutoTokenizer.from_pretrained(
             where, trust_remote_code=cfg.trust_remote_code)  # safe: the recipe given, or --trust-remote-code
     if source is None and cfg.chat_template is not None:
         use_chat_template(tokenizer, cfg.chat_template)
+    if source is None and cfg.chat_template_kwargs:
+        use_template_arguments(tokenizer, cfg.chat_template_kwargs)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token  # decoders without a pad token: padding is masked anyway
     if row.image_token is not None:  # kept with the tokenizer: saved beside it (save_tokenizer), read by image_inputs
@@ -171,6 +174,21 @@ def use_chat_template(tokenizer: Any, value: str) -> None:
         raise ConfigError(f"{chat_templates.KEY}: {value} is not a valid Jinja chat template ({at}{detail})") \
             from None
     tokenizer.chat_template = text
+
+
+def use_template_arguments(tokenizer: Any, arguments: dict[str, Any]) -> None:
+    """Fix ``arguments`` (``model.chat_template_kwargs``) in the tokenizer's chat template (each of its named
+    templates), so every render reads them and, as for ``model.chat_template``, the cache key, the fingerprint
+    and the export hold them; a tokenizer without a template is one ConfigError line."""
+    template = tokenizer.chat_template
+    if not template:
+        raise ConfigError(f"{chat_templates.ARGUMENTS_KEY}: this model's tokenizer has no chat template to give "
+                          f"them to; set {chat_templates.KEY} as well")
+    if isinstance(template, dict):
+        tokenizer.chat_template = {name: chat_templates.with_arguments(text, arguments)
+                                   for name, text in template.items()}
+    else:
+        tokenizer.chat_template = chat_templates.with_arguments(template, arguments)
 
 
 def _image_processor(cfg: ModelConfig, row: SupportedModel, where: str) -> Any:

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 
+from finetune.data.formats import stop_ids
 from finetune.data.rows import IGNORE
 from finetune.tasks.base import EvalCounts, TaskData
-from finetune.tasks.decoding import greedy_generate
+from finetune.tasks.decoding import generate_tokens
 from finetune.tasks.logprobs import LogProbs, count_next_token_targets, next_token_targets, target_logprobs
 from finetune.tasks.router import RouterLoss
 
@@ -37,6 +38,7 @@ class CausalLMTask(TaskData):
     def __init__(self, *args: Any, tokenizer: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.tokenizer = tokenizer
+        self.stop_ids = stop_ids(tokenizer)  # eos, and the chat template's end of turn
         self.router = RouterLoss()
 
     def _logits(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
@@ -80,22 +82,29 @@ class CausalLMTask(TaskData):
         if "token_accuracy" in metrics:
             counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits, num_tokens
         if "exact_match" in metrics:
-            counts.correct["exact_match"] = torch.tensor(self._exact_matches(model, batch), device=hits.device)
-            counts.total["exact_match"] = torch.tensor(len(batch["reference"]), device=hits.device)
+            # each row's last turn is answered: a sample of a chat row's earlier turns has no reference (its
+            # prompt is generated from all the same, so every rank of a sharded backend runs the same passes)
+            answered = [i for i, reference in enumerate(batch["reference"]) if reference is not None]
+            counts.correct["exact_match"] = torch.tensor(self._exact_matches(model, batch, answered),
+                                                         device=hits.device)
+            counts.total["exact_match"] = torch.tensor(len(answered), device=hits.device)
         return counts
 
     def _generate(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
-        """The greedy answer tokens of the batch's prompts (``eval.max_new_tokens`` of them, pad after eos)."""
-        return greedy_generate(model, batch["prompt_ids"], batch["prompt_mask"], self.cfg.eval.max_new_tokens,
-                               self.tokenizer.eos_token_id, self.pad_id)
+        """The greedy answer tokens of the batch's prompts (``eval.max_new_tokens`` of them, pad after a stop
+        token). Always that many forward passes: the ranks of a sharded backend stay in lockstep."""
+        return generate_tokens(model, batch["prompt_ids"], batch["prompt_mask"], self.cfg.eval.max_new_tokens,
+                               self.stop_ids, self.pad_id)
 
-    def _exact_matches(self, model: Any, batch: dict[str, Any]) -> int:
-        eos = self.tokenizer.eos_token_id
-        new = self._generate(model, batch)
+    def _exact_matches(self, model: Any, batch: dict[str, Any], answered: list[int]) -> int:
+        """How many of the batch's samples ``answered`` (those with a reference) generate their reference, each
+        generation cut before its first stop token."""
+        new = self._generate(model, batch).tolist()
         hits = 0
-        for tokens, reference in zip(new.tolist(), batch["reference"], strict=True):
-            if eos in tokens:
-                tokens = tokens[: tokens.index(eos)]
+        for tokens, reference in zip([new[i] for i in answered], [batch["reference"][i] for i in answered],
+                                     strict=True):
+            stop = next((k for k, token in enumerate(tokens) if token in self.stop_ids), len(tokens))
+            tokens = tokens[:stop]
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             hits += normalize(text) == normalize(reference)
         return hits

@@ -66,6 +66,7 @@ from typing import Any, Protocol
 
 import torch
 
+from finetune.data.formats import stop_ids
 from finetune.data.prompt_rows import PromptCollator
 from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError, FinetuneError, RunDirError
@@ -342,8 +343,7 @@ class GRPOTask(TaskData):
         like the policy on FSDP2 / ZeRO-3); None: a deep copy, refused where parameters are sharded."""
         super().__init__(*args, **kwargs)
         self.tokenizer, self.allow_plugin, self.frozen_copy = tokenizer, allow_plugin, frozen_copy
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.stop_ids: list[int] = [] if eos is None else [eos]
+        self.stop_ids: list[int] = stop_ids(tokenizer)  # eos, and the chat template's end of turn
         self.model: Any = None
         self.accelerator: Any = None
         self.precision: Any = None

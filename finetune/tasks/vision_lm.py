@@ -38,15 +38,16 @@ class VisionCausalLMTask(CausalLMTask):
 
     def _generate(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
         return generate_with_images(model, batch, max_new_tokens=self.cfg.eval.max_new_tokens,
-                                    eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, synced_gpus=self.lockstep)
+                                    eos_id=self.stop_ids, pad_id=self.pad_id, synced_gpus=self.lockstep)
 
 
-def generate_with_images(model: Any, batch: dict[str, Any], *, max_new_tokens: int, eos_id: int | None, pad_id: int,
+def generate_with_images(model: Any, batch: dict[str, Any], *, max_new_tokens: int, eos_id: list[int], pad_id: int,
                          synced_gpus: bool = False, temperature: float = 0.0, top_p: float = 1.0) -> torch.Tensor:
     """The new tokens the model's own ``generate`` writes after the batch's left-padded ``prompt_ids`` with their
     images (the ``prompt_`` keys of :class:`VisionCollator`): greedy at ``temperature`` 0, else sampled from
     softmax(logits / temperature) within the ``top_p`` nucleus (no top-k cut), from torch's global generator.
-    Rows that end (``eos_id``) are padded while the others go on; it stops when all have ended.
+    Rows that end (at a token of ``eos_id``: the stop tokens) are padded while the others go on; it stops when all
+    have ended.
 
     Only these settings decide the tokens: transformers fills every setting a GenerationConfig leaves unset from
     the model folder's own ``generation_config.json`` (a hub chat model's ``repetition_penalty``, ``top_k``,
@@ -56,7 +57,7 @@ def generate_with_images(model: Any, batch: dict[str, Any], *, max_new_tokens: i
 
     prompt = batch["prompt_ids"]
     sample = temperature > 0
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos_id,
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=sample, eos_token_id=eos_id or None,
                               pad_token_id=pad_id, **({"temperature": temperature, "top_p": top_p, "top_k": 0}
                                                       if sample else {}))
     images = {key: batch[f"prompt_{key}"] for key in PROMPT_KEYS if f"prompt_{key}" in batch}

@@ -150,3 +150,50 @@ def test_trained_spans_are_maximal_runs_of_labelled_text() -> None:
     # "ab" untrained, then "c" + "" + "de" trained: characters 2..5 of "abcdef"
     assert trained_spans(texts, labels) == [[2, 5]]
     assert trained_spans(["x", "y", "z"], [1, IGNORE, 2]) == [[0, 1], [2, 3]]
+
+
+def _trl_template(name: str) -> Path:
+    """The original chat template ``name`` the installed trl ships (read where it is, never copied)."""
+    trl = pytest.importorskip("trl")
+    return Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja"
+
+
+def templated_recipe(folder: Path, template: Path, **model: object) -> Path:
+    folder.mkdir(exist_ok=True)
+    return write_named(folder, "chat", tiny_recipe(
+        model={"chat_template": str(template), **model},
+        data={"format": "chat", "train": str(DATA / "tiny_chat.jsonl"), "eval": None, "max_seq_len": 256}))
+
+
+def test_a_last_turn_rendered_differently_is_one_sample_per_turn(tmp_path: Path, monkeypatch, capsys) -> None:
+    """Qwen3's template writes an empty think block in the last assistant turn only: a two-turn conversation
+    (the file's second row) becomes two samples, each the conversation up to its turn with that turn trained as
+    the template renders a last turn: ``<think>\\n\\n</think>\\n\\n``, the answer, ``<|im_end|>``."""
+    recipe = templated_recipe(tmp_path, _trl_template("qwen3"))
+    code, out, err = main_exit(monkeypatch, capsys, "preprocess", str(recipe), "--show", "3", "--json")
+    assert code == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert "samples, tokenized now" in err and "warning" not in err
+    first, second = [m["content"] for m in CHATS[1]["messages"] if m["role"] == "assistant"]
+    turn = "<think>\n\n</think>\n\n{}<|im_end|>".format
+    assert [[row["text"][a:b] for a, b in row["trained"]] for row in rows[1:3]] == [[turn(first)], [turn(second)]]
+    assert rows[2]["text"].startswith(rows[1]["text"][:rows[1]["trained"][0][0]])  # the same conversation
+    assert first in rows[2]["text"] and f"{first}<|im_end|>" in rows[2]["text"]  # earlier turn: context, as rendered
+
+
+def test_a_prefilled_think_is_one_warning_and_template_arguments_remove_it(tmp_path: Path, monkeypatch,
+                                                                          capsys) -> None:
+    recipe = templated_recipe(tmp_path / "a", _trl_template("nemotron_3_nano"))
+    code, _, err = main_exit(monkeypatch, capsys, "preprocess", str(recipe))
+    assert code == 0, err
+    [warning] = [line for line in err.splitlines() if line.startswith("warning:")]
+    assert "generation prompt ends with '\\n'" in warning and "model.chat_template_kwargs" in warning
+    recipe = templated_recipe(tmp_path / "b", _trl_template("nemotron_3_nano"),
+                              chat_template_kwargs={"enable_thinking": False})
+    code, out, err = main_exit(monkeypatch, capsys, "preprocess", str(recipe), "--show", "1", "--json")
+    assert code == 0, err
+    assert "warning" not in err
+    [row] = [json.loads(line) for line in out.splitlines()]
+    [(start, end)] = row["trained"]
+    assert row["text"][:start].endswith("<|im_start|>assistant\n<think></think>")
+    assert row["text"][start:end] == CHATS[0]["messages"][-1]["content"] + "<|im_end|>"

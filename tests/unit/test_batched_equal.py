@@ -138,7 +138,7 @@ def test_causal_batch_equals_a_call_per_text(name: str, fmt: str, train_on_promp
     rows = ROWS[fmt]
     got = batched.causal_batch(_columns(rows), list(range(len(rows))), fmt=fmt, tokenizer=tok, max_len=max_len,
                                train_on_prompt=train_on_prompt, add_bos=rule, source="rows.jsonl")
-    outs = [render(copy.deepcopy(row), fmt, tok, train_on_prompt) for row in rows]
+    outs = [out for row in rows for out in render(copy.deepcopy(row), fmt, tok, train_on_prompt)]
     assert all(o.templated == (fmt == "chat") for o in outs)
     want = _reference([(o.text, o.spans, o.add_eos, o.templated) for o in outs], tok, rule)
     assert got["input_ids"] == [ids[:max_len] for ids, _ in want]
@@ -177,7 +177,7 @@ def test_the_shipped_tokenizers_take_both_short_cuts_and_the_variants_do_not() -
         tok = TOKENIZERS[name]()
         assert batched.monotone(tok) and batched.seams(tok), name
         rows = ROWS["chat"]
-        outs = [render(copy.deepcopy(row), "chat", tok, False) for row in rows]
+        outs = [out for row in rows for out in render(copy.deepcopy(row), "chat", tok, False)]
         found = [batched._seam(o.text, len(o.prompt), ids, enc, batched.seams(tok))
                  for o, (ids, enc) in zip(outs, batched.encodings([o.text for o in outs], tok), strict=True)]
         assert all(seam is not None for seam in found), name

@@ -123,6 +123,47 @@ def test_exact_match_counts_normalised_equal_generations(tok: Any, batch: dict[s
     assert int(counts.correct["exact_match"]) == 1
 
 
+def test_exact_match_counts_only_samples_with_a_reference(tok: Any, batch: dict[str, Any]) -> None:
+    """A sample of a chat row's earlier turns (reference None) is generated with the others (every rank runs the
+    same passes) but is not counted: exact_match answers each row's last turn."""
+    eos = tok.eos_token_id
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    script = [[*ids("z c a d"), eos], [*ids("d c w v b"), eos], [*ids("hi"), eos]]  # all three right
+    task = CausalLMTask(make_cfg(["exact_match"], max_new_tokens=max(map(len, script))), None, 0, 0, 1,
+                        with_prompts=True, tokenizer=tok)
+    model = ScriptedModel(script)
+    counts = task.eval_output(model, {**batch, "reference": [None, "d c w v b", "hi"]})
+    assert (int(counts.correct["exact_match"]), int(counts.total["exact_match"])) == (2, 2)
+    counts = task.eval_output(model, {**batch, "reference": [None, None, None]})
+    assert (int(counts.correct["exact_match"]), int(counts.total["exact_match"])) == (0, 0)
+    assert model.step == max(map(len, script))  # generated all the same
+
+
+def test_exact_match_stops_at_the_templates_end_of_turn(tok: Any, batch: dict[str, Any]) -> None:
+    """A chat template whose end-of-turn marker is a token of its own stops generation as eos does: what follows
+    it is not part of the answer."""
+    import copy
+
+    from finetune.config.chat_templates import CHATML
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = CHATML
+    chat.add_special_tokens({"additional_special_tokens": ["<|im_end|>"]})
+    end = chat.convert_tokens_to_ids("<|im_end|>")
+
+    def ids(text: str) -> list[int]:
+        return chat(text, add_special_tokens=False)["input_ids"]
+
+    script = [[*ids("z c a d"), end, *ids(" junk")], [*ids("d c w v b"), end, *ids(" more")], [*ids("hi"), end]]
+    task = CausalLMTask(make_cfg(["exact_match"], max_new_tokens=max(map(len, script))), None, 0, 0, 1,
+                        with_prompts=True, tokenizer=chat)
+    assert task.stop_ids == [chat.eos_token_id, end]
+    assert int(task.eval_output(ScriptedModel(script, vocab=len(chat)), batch).correct["exact_match"]) == 3
+
+
 def test_exact_match_stops_at_max_new_tokens(tok: Any, batch: dict[str, Any]) -> None:
     answer = tok("z c a d", add_special_tokens=False)["input_ids"]
     script = [[*answer, tok.eos_token_id], [3], [3]]

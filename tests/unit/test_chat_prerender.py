@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.data.formats import TemplateRenderer, chat_renders, prerender_chats, render
+from finetune.data.formats import TemplateRenderer, chat_renders, prerender_chats, render, render_one
 
 ASSETS = Path(__file__).resolve().parents[2] / "finetune" / "assets"
 TOKENIZERS = sorted(p.name for p in ASSETS.iterdir() if (p / "tokenizer_config.json").is_file())
@@ -111,8 +111,8 @@ def test_the_canary_overrules_a_direct_render_that_differs(chat_tokenizer, monke
     """A direct render that differed from apply_chat_template (e.g. a transformers that passes the template more
     variables) is caught on each batched call's first conversation: the batch is rendered by apply_chat_template."""
     conversations = [row["messages"] for row in _rows()]
-    want = [{key: chat_tokenizer.apply_chat_template(messages[:key[0]], tokenize=False, add_generation_prompt=key[1])
-             for key in chat_renders(messages)} for messages in conversations]
+    want = [{key: render_one(messages, key, chat_tokenizer) for key in chat_renders(messages)}
+            for messages in conversations]
     assert prerender_chats(conversations, chat_tokenizer) == want
     real, calls = TemplateRenderer.render, []
 

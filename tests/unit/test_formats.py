@@ -17,7 +17,7 @@ TOKENIZER = Path(__file__).resolve().parents[2] / "finetune" / "assets" / "tiny-
 
 
 def test_chat_render_prompt_is_template_with_generation_prompt(tok: Any) -> None:
-    out = render(CHAT_TWO_TURNS, "chat", tok, train_on_prompt=False)
+    [out] = render(CHAT_TWO_TURNS, "chat", tok, train_on_prompt=False)
     assert out.prompt == tok.apply_chat_template(CHAT_TWO_TURNS["messages"][:-1], tokenize=False,
                                                  add_generation_prompt=True)
     assert out.prompt.endswith("<|assistant|>\n")
