@@ -154,6 +154,23 @@ def test_the_collator_adds_the_images_the_inputs_hold(tools, tmp_path: Path) -> 
         VisionCollator(tokenizer.pad_token_id, images)(rows)
 
 
+def test_a_conversation_the_template_would_split_is_one_line(tools, tmp_path: Path) -> None:
+    """vision_chat rows are one sample each: a template that renders the last assistant turn unlike an earlier one
+    (here: an end token after the last turn only, as Phi-3's) is refused for a two-turn vision row, naming it."""
+    import copy
+
+    tokenizer, images = tools
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template += "{%- if not add_generation_prompt %}{{- eos_token }}{%- endif %}"
+    source = write(tmp_path, [{"messages": [turn(img(image(tmp_path / "a.png")), text("What colour?")),
+                                            {"role": "assistant", "content": "red"}, turn(text("Sure?")),
+                                            {"role": "assistant", "content": "yes"}]}])
+    with pytest.raises(DataError, match=r"data\.jsonl:1: the chat template renders this conversation's last "
+                                        r"assistant turn differently"):
+        tokenize((tokenizer, images), source)
+    assert len(tokenize((tokenizer, images), source, train_on_prompt=True).dataset) == 1
+
+
 def test_vision_chat_needs_a_vision_model(tmp_path: Path) -> None:
     tokenizer = build_tokenizer(ModelConfig(type="tiny-qwen2-vl"), ROW)
     source = write(tmp_path, [qa(image(tmp_path / "a.png"))])
