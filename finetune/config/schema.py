@@ -128,6 +128,25 @@ class ModelConfig(Section):
         return value
 
 
+MESSAGE_KEYS = ("role", "content")  # the message keys a source may rename (finetune.data.mapping)
+
+
+def mapping_problem(columns: dict[str, str], message_keys: dict[str, str]) -> str | None:
+    """What is wrong with a source's ``columns`` / ``message_keys`` on their own, in one line (None: nothing): a
+    message key finetune does not read, an empty name, or one column given for two fields."""
+    for key in message_keys:
+        if key not in MESSAGE_KEYS:
+            return f"{key!r} is not a message key finetune reads; map {' and '.join(MESSAGE_KEYS)}"
+    for name, value in [*columns.items(), *message_keys.items()]:
+        if not name.strip() or not value.strip():
+            return f"an empty name in {{{name!r}: {value!r}}}"
+    taken = list(columns.values())
+    twice = next((value for i, value in enumerate(taken) if value in taken[:i]), None)
+    if twice is not None:
+        return f"columns gives {twice!r} for two fields; a column holds one field"
+    return None
+
+
 class DataSource(Section):
     """One data set: a local file or a hub dataset (with its subset and split). A ``data.eval`` list holds these;
     its sources are concatenated."""
@@ -141,6 +160,24 @@ class DataSource(Section):
         default=None, description="hub datasets: the configuration (subset) name; null: the dataset's default",
     )
     split: str = Field(default="train", description="hub datasets: the split to read (a local file is one split)")
+    columns: dict[str, str] = Field(
+        default_factory=dict,
+        description="the source's own column for each field its format reads, where the names differ, e.g. "
+        "{messages: conversations} or {text: body}",
+    )
+    message_keys: dict[str, str] = Field(
+        default_factory=dict,
+        description="the keys of a message in the source's conversations, where they differ: {role: from, content: "
+        "value}; a role value that is no chat role is read as a ShareGPT speaker (human: user, gpt: assistant)",
+    )
+
+    @model_validator(mode="after")
+    def _mapping(self) -> DataSource:
+        """The columns and message keys must make sense on their own (one line: :func:`mapping_problem`)."""
+        problem = mapping_problem(self.columns, self.message_keys)
+        if problem:
+            raise ValueError(problem)
+        return self
 
     @field_validator("format")
     @classmethod
@@ -185,11 +222,17 @@ def _sources_of(kind: type[DataSource]) -> Any:
     ]
 
 
+DataFormat = Literal["alpaca", "chat", "completion", "classification", "preference", "vision_chat", "prompt"]
+
+
 class DataConfig(Section):
     """Training and evaluation data."""
 
-    format: Literal["alpaca", "chat", "completion", "classification", "preference", "vision_chat", "prompt"] = Field(
-        description="alpaca | chat | completion (causal LM), classification, preference (pairs for task dpo / "
+    format: DataFormat | None = Field(
+        default=None,
+        description="null: the task's own (preference for dpo / reward, prompt for grpo, the model row's when it "
+        "takes one), else each source's read from its columns (the rule: Data formats in the docs). "
+        "alpaca | chat | completion (causal LM), classification, preference (pairs for task dpo / "
         "reward: {prompt, chosen, rejected} strings or {chosen, rejected} message lists), vision_chat "
         "({messages} whose user turns may hold image parts {type: image, image: path relative to the data file} "
         "beside {type: text, text}; vision-language model types), or prompt (task grpo: {prompt: text} or "
@@ -301,6 +344,9 @@ class DataConfig(Section):
     @model_validator(mode="after")
     def _stream_formats(self) -> DataConfig:
         """A stream is never read whole: classification label names must be given, not found in it."""
+        if self.streaming and any(s.columns or s.message_keys for s in self.train_sources()):
+            raise ValueError("data.streaming reads each source as it is written; a source's columns or message_keys "
+                             "need data.streaming: false (or write the file with finetune's names)")
         if self.streaming and self.labels is None and any(s.format == "classification" for s in self.train_sources()):
             raise ValueError("data.streaming with data.format classification needs data.labels (the label names "
                              "cannot be collected from a stream before training)")
@@ -328,7 +374,7 @@ STORED_DEFAULTS: dict[str, Any] = {"data.add_bos": "always", "train.dropout": Tr
 
 def data_formats() -> tuple[str, ...]:
     """The formats data.format accepts (a source's format accepts the same)."""
-    return get_args(DataConfig.model_fields["format"].annotation)
+    return get_args(DataFormat)
 
 
 class TrainConfig(Section):

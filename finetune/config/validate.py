@@ -186,6 +186,8 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
                 row = registry.recipe_row(cfg, as_trained=False)  # the task is checked against the type's own row
             except ConfigError as exc:
                 lines.append(str(exc))
+    if cfg.data is not None and cfg.data.format is None:
+        cfg.data.format = _task_format(cfg.task, row)  # still None: each source's is read from its columns
     # the task whose metrics apply: the recipe's, or one its data format names (that line then names the task)
     scored = objectives.metrics_task(cfg.task, cfg.data.format if cfg.data is not None else None)
     if row is not None and cfg.model is not None:
@@ -200,7 +202,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
                              "use token_accuracy")
         refused = objectives.row_line(cfg.task, row.name, row.task, row.capabilities)  # the task's model row
         lines += [refused] if refused else []
-        if cfg.data is not None and cfg.data.format not in ("preference", "prompt") \
+        if cfg.data is not None and cfg.data.format not in ("preference", "prompt", None) \
                 and cfg.data.format not in registry.TASK_FORMATS[row.task]:
             lines.append(f"data.format: {cfg.data.format!r} does not fit {row.name} ({row.task}); use one of "
                          f"{sorted(registry.TASK_FORMATS[row.task])}")
@@ -248,6 +250,9 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
                      "or remove data.pack_to_multiple_of")
     if cfg.data is not None:
         lines += objectives.data_lines(cfg.task, cfg.data.format, cfg.data.packing, cfg.data.train_on_prompt)
+        if cfg.data.streaming and any(source.format is None for source in cfg.data.train_sources()):
+            lines.append("data.format: data.streaming reads no source ahead, so a format cannot be read from its "
+                         "columns; set data.format (or each source's format)")
         lines += _source_lines(cfg.data, row, train_files)
         if cfg.eval is not None and (cfg.eval.metrics or cfg.eval.every_steps or cfg.eval.at_start) \
                 and not cfg.data.eval:
@@ -352,11 +357,22 @@ def _source_lines(data: DataConfig, row: registry.SupportedModel | None, train_f
                     lines.append(f"{where}.split: {source.path} is a local file, which is one split; remove split "
                                  "(it picks a hub dataset's split)")
             # a source of data.format's own format is checked with data.format
-            if row is not None and source.format != data.format \
+            if row is not None and source.format not in (data.format, None) \
                     and source.format not in registry.TASK_FORMATS[row.task]:
                 lines.append(f"{where}.format: {source.format!r} does not fit {row.name} ({row.task}); use one of "
                              f"{sorted(registry.TASK_FORMATS[row.task])}")
     return lines
+
+
+def _task_format(task: str | None, row: registry.SupportedModel | None) -> str | None:
+    """``data.format`` left out: the one format the task trains on (preference pairs for dpo / reward, prompt
+    rows for grpo) or the model row's task takes (classification, vision_chat); None where there is a choice
+    (a causal LM's sft: each source's format is read from its columns, finetune.data.detect)."""
+    record = objectives.objective(task)
+    if record is not None and record.data is not None:
+        return record.data
+    formats = registry.TASK_FORMATS[row.task] if row is not None else frozenset()
+    return next(iter(formats)) if len(formats) == 1 else None
 
 
 def _freeze_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) -> list[str]:

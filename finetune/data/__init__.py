@@ -7,8 +7,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from finetune.config.schema import DataConfig, DataSource, TrainSource
-from finetune.data import prompt_rows
+from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource, TrainSource
+from finetune.data import detect, mapping, prompt_rows
 from finetune.data.formats import template_warnings
 from finetune.data.loading import check_columns, load_raw
 from finetune.data.mixing import Mixture
@@ -49,6 +49,7 @@ class DataBundle:
     stream: TrainStream | None = None  # data.streaming: the training stream (``train`` holds its first samples)
     prompt_room: int = 0  # prompt rows: the tokens each prompt leaves for its completion (grpo.max_new_tokens)
     template_warnings: list[str] = field(default_factory=list)  # the chat template's (formats.template_warnings)
+    detected: list[str] = field(default_factory=list)  # a line per source whose format was read from its columns
 
     @property
     def train_size(self) -> int:
@@ -124,15 +125,21 @@ def source_name(source: DataSource) -> str:
     return f"{source.path} ({', '.join(picked)})" if picked else source.path
 
 
-def _load(source: DataSource) -> Dataset:
-    """The raw rows of one source, with the columns its format needs."""
-    assert source.format is not None, "filled in by DataConfig.train_sources / eval_sources"
-    raw = load_raw(source.path, source.subset, source.split)
+def _load(source: DataSource, found: list[str], key: str) -> tuple[DataSource, Dataset]:
+    """The raw rows of one source, with the columns its format needs, and the source with its format: the
+    recipe's, or read from the columns (:mod:`finetune.data.detect`; the line saying so is added to ``found``,
+    ``key`` naming the source)."""
+    raw = mapping.apply(load_raw(source.path, source.subset, source.split), source.columns, source.message_keys,
+                        source_name(source))  # the source's own names for its fields, read as finetune's
+    if source.format is None:  # validation left it to the columns: a causal LM's sft
+        fmt, shape = detect.detect(raw.column_names, raw.features, frozenset(CAUSAL_FORMATS), source_name(source))
+        source = source.model_copy(update={"format": fmt})
+        found.append(detect.describe(key, source_name(source), shape, len(raw)))
     if source.format == prompt_rows.FORMAT:  # two row forms: checked by prompt_rows (with the fields they need)
         prompt_rows.check_columns(raw, source_name(source))
     else:
         check_columns(raw, source.format, source_name(source))
-    return raw
+    return source, raw
 
 
 def _labels(raws: list[Dataset], sources: list[TrainSource], configured: list[str] | None) -> list[str]:
@@ -206,7 +213,13 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     leaves for its completion, and the fields (``answer``) its train and eval rows must have."""
     train_sources = cfg.train_sources()
     known = labels is not None and not need_train  # recorded with the model: the train files are not read
-    raws = [] if known or cfg.streaming else [_load(source) for source in train_sources]
+    found: list[str] = []  # what was read from the columns of sources whose format was left out
+    listed = not isinstance(cfg.train, str)
+    loaded = [] if known or cfg.streaming else [_load(source, found, f"data.train[{i}]" if listed else "data.train")
+                                                 for i, source in enumerate(train_sources)]
+    if loaded:
+        train_sources = [source for source, _ in loaded]  # each with its format
+    raws = [raw for _, raw in loaded]
     classification = train_sources[0].format == "classification"  # the schema keeps them apart from the others
     if not known:  # a stream's label names are data.labels (the schema requires them)
         labels = (cfg.labels if cfg.streaming else _labels(raws, train_sources, cfg.labels)) if classification \
@@ -214,7 +227,6 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong, "add_bos": cfg.add_bos,
               "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images,
               "num_proc": cfg.num_proc, "prompt": prompt}
-    listed = not isinstance(cfg.train, str)
     train, mixture, train_parts, stream = None, None, [], None
     if need_train and cfg.streaming:  # nothing read ahead: the stream tokenizes while training
         stream = open_stream(cfg, tokenizer, seed=seed, names=[source_name(s) for s in train_sources],
@@ -240,7 +252,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     read_sources = list(itertools.zip_longest(train_sources, raws))  # (source, its rows when read ahead)
     for i, source in enumerate(eval_sources):
         # eval metrics measure the answers, whatever train_on_prompt says for training
-        raw = _load(source)
+        source, raw = _load(source, found, f"data.eval[{i}]" if not isinstance(cfg.eval, str) else "data.eval")
         read_sources.append((source, raw))
         tokenized = tokenize_rows(raw, fmt=source.format, source=source_name(source),
                                   **{**common, "train_on_prompt": False}, **_prompt_needs(source, prompt, train=False))
@@ -253,7 +265,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     return DataBundle(train, evaluation, labels, mixture,
                       train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [], stream,
                       prompt.new_tokens if prompt is not None and cfg.format == prompt_rows.FORMAT else 0,
-                      template_warnings(tokenizer) if templated else [])
+                      template_warnings(tokenizer) if templated else [], found)
 
 
 def _templated(source: DataSource, raw: Dataset | None) -> bool:
@@ -265,8 +277,8 @@ def _templated(source: DataSource, raw: Dataset | None) -> bool:
         return False
     if raw is None:
         return True
-    feature = raw.features.get("messages" if source.format == prompt_rows.FORMAT else "chosen")
-    return feature is not None and type(feature).__name__ in ("List", "Sequence", "LargeList")
+    names = ("messages", "prompt") if source.format == prompt_rows.FORMAT else ("chosen",)
+    return any(type(raw.features.get(name)).__name__ in ("List", "Sequence", "LargeList") for name in names)
 
 
 __all__ = ["DataBundle", "Part", "PromptOptions", "load_splits", "source_name"]

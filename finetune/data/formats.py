@@ -16,6 +16,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 
+from finetune.data.shapes import explicit_pair
 from finetune.errors import DataError
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -49,6 +50,11 @@ def render_alpaca(row: dict[str, Any]) -> Rendered:
 
 
 def render_completion(row: dict[str, Any]) -> Rendered:
+    """A ``{text}`` row: the whole text is learned. A string prompt-completion row (``{prompt, completion}``, TRL's
+    shape): the completion is learned after the prompt, as TRL trains it (``prompt + completion``, then eos)."""
+    if row.get("text") is None and row.get("completion") is not None:
+        prompt, answer = row["prompt"], row["completion"]
+        return Rendered(prompt + answer, ((len(prompt), len(prompt) + len(answer)),), prompt, answer, add_eos=True)
     text = row["text"]
     return Rendered(text, ((0, len(text)),), "", text, add_eos=True)
 
@@ -217,14 +223,29 @@ def template_variables(tokenizer: Any) -> list[str]:
     return sorted(names)
 
 
+TRAIN_KEY = "train"  # a message's own say in whether it is trained (false: an assistant turn kept as context)
+
+
+def trained_turns(messages: list[dict[str, Any]]) -> list[int]:
+    """The indices of the assistant turns a chat row trains: every one not marked ``train: false``."""
+    return [i for i, msg in enumerate(messages) if msg.get("role") == "assistant" and msg.get(TRAIN_KEY) is not False]
+
+
+def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as the chat template gets them: without finetune's ``train`` key (the messages themselves
+    when none has it, so the usual row costs nothing)."""
+    if not any(TRAIN_KEY in msg for msg in messages):
+        return messages
+    return [{key: value for key, value in msg.items() if key != TRAIN_KEY} for msg in messages]
+
+
 def chat_renders(messages: list[dict[str, Any]]) -> list[ChatRender]:
-    """The renders :func:`render_chat` needs for ``messages``: for each assistant turn i, the conversation up to
-    and with it (the last is the whole conversation), and for i > 0 the conversation before it with the
-    generation prompt and with the probe turn (its serving prompt)."""
+    """The renders :func:`render_chat` needs for ``messages``: for each trained assistant turn i (the last
+    message when none is), the conversation up to and with it (the last is the whole conversation), and for i > 0
+    the conversation before it with the generation prompt and with the probe turn (its serving prompt)."""
     needed: list[ChatRender] = []
-    for i, msg in enumerate(messages):
-        if msg["role"] == "assistant":
-            needed += [(i + 1, TEXT)] + ([(i, GEN), (i, PROBE)] if i else [])
+    for i in trained_turns(messages) or [len(messages) - 1]:
+        needed += [(i + 1, TEXT)] + ([(i, GEN), (i, PROBE)] if i else [])
     return needed
 
 
@@ -237,6 +258,7 @@ def prerender_chats(conversations: list[Any], tokenizer: Any) -> list[dict[ChatR
     row, and after the checks of the rows before it)."""
     try:
         wanted = [chat_renders(messages) for messages in conversations]
+        conversations = [for_template(messages) for messages in conversations]
         keys = {gen: [(row, key) for row, needed in enumerate(wanted) for key in needed if (key[1] == GEN) == gen]
                 for gen in (False, True)}
         direct = TemplateRenderer.of(tokenizer, conversations)
@@ -339,18 +361,17 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
     it would be served: :class:`RowProblem`.
     """
     require_template(tokenizer, "data.format chat", "use data.format alpaca or completion")
-    messages = row["messages"]
+    trained = trained_turns(row["messages"])
+    messages = for_template(row["messages"])
     if texts is None:  # one template call per render that chat_renders lists
-        texts = {key: render_one(messages, key, tokenizer) for key in chat_renders(messages)}
+        texts = {key: render_one(messages, key, tokenizer) for key in chat_renders(row["messages"])}
     samples: list[tuple[str, tuple[tuple[int, int], ...], str, int]] = []  # text, spans, prompt, last turn
-    for i, msg in enumerate(messages):
-        if msg["role"] != "assistant":
-            continue
+    for i in trained or [len(messages) - 1]:  # none trained: the last turn's sample (it trains nothing)
         text = texts[(i + 1, TEXT)]
         prompt = serving_prompt(texts[(i, GEN)], texts[(i, PROBE)]) if i else ""
         if not text.startswith(prompt):
             raise RowProblem(_discontinued(messages, i, prompt, text))
-        span = (len(prompt), max(len(prompt), len(text.rstrip())))
+        span = (len(prompt), max(len(prompt), len(text.rstrip()))) if i in trained else (len(prompt), len(prompt))
         if samples and prompt.startswith(samples[-1][0]):
             samples[-1] = (text, (*samples[-1][1], span), prompt, i)
         else:
@@ -407,9 +428,9 @@ def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Re
 
     String form ``{prompt, chosen, rejected}``: the prompt is used verbatim (raw: no template is applied, so a
     model fine-tuned on a template gets pairs whose prompt is written in that template), each answer follows it
-    directly and ends with the tokenizer's eos. Chat form ``{chosen: [messages], rejected: [messages]}``: both
-    conversations are rendered with the chat template; they share every message but the last assistant turn,
-    which is the only answer span.
+    directly and ends with the tokenizer's eos. Chat form ``{chosen: [messages], rejected: [messages]}`` (or with an
+    explicit ``prompt: [messages]`` before both): both conversations are rendered with the chat template; they
+    share every message but the last assistant turn, which is the only answer span.
     """
     chosen, rejected = row["chosen"], row["rejected"]
     if isinstance(chosen, str):
@@ -419,4 +440,5 @@ def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Re
             for answer in (chosen, rejected))
     require_template(tokenizer, "preference pairs given as message lists",
                      "write them as {prompt, chosen, rejected} strings")
-    return _chat_answer(chosen, tokenizer), _chat_answer(rejected, tokenizer)
+    row = explicit_pair(row)  # an explicit conversational prompt: before each answer
+    return _chat_answer(row["chosen"], tokenizer), _chat_answer(row["rejected"], tokenizer)

@@ -42,7 +42,7 @@ CHUNK = 1 << 22  # bytes read at a time when scanning a whole file (a few copies
 # format -> (required string fields, optional string fields)
 FIELDS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "alpaca": (("instruction", "output"), ("input",)),
-    "completion": (("text",), ()),
+    "completion": (("text",), ()),  # or {prompt, completion} strings (checked by _check_completion)
     "classification": (("text", "label"), ()),
     "chat": (("messages",), ()),  # or ShareGPT conversations (finetune.data.shapes)
     "preference": (("chosen", "rejected"), ("prompt",)),  # checked by _check_preference (two row forms)
@@ -491,7 +491,12 @@ def _check_messages(value: Any, where: str, name: str = "messages") -> None:
         raise DataError(f"{where}: the last message must be the assistant's (it is what the model learns)")
 
 
-PREFERENCE_FORMS = "{prompt, chosen, rejected} strings, or {chosen, rejected} message lists"
+PREFERENCE_FORMS = ("{prompt, chosen, rejected} strings, {chosen, rejected} message lists, or {prompt, chosen, "
+                    "rejected} message lists")
+# TRL's unpaired preference shape (KTO): no task of finetune's trains on it
+UNPAIRED = ("a {prompt, completion, label} row is an unpaired preference (KTO's shape), which no finetune task "
+            "trains on; pair the answers as {prompt, chosen, rejected} for task dpo or reward, or drop 'label' to "
+            "train the completions with task sft")
 
 
 def _turns(messages: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
@@ -500,8 +505,13 @@ def _turns(messages: list[dict[str, Any]]) -> list[tuple[Any, Any]]:
 
 
 def _check_preference(row: dict[str, Any], where: str) -> None:
-    """A preference pair: ``{prompt, chosen, rejected}`` strings, or ``{chosen, rejected}`` conversations that
-    differ only in their final assistant turn. The two answers must differ (an identical pair teaches nothing)."""
+    """A preference pair: ``{prompt, chosen, rejected}`` strings, ``{chosen, rejected}`` conversations that differ
+    only in their final assistant turn, or ``{prompt, chosen, rejected}`` message lists (the explicit prompt, read
+    as the conversations it makes: :func:`finetune.data.shapes.explicit_pair`). The two answers must differ (an
+    identical pair teaches nothing)."""
+    if row.get("completion") is not None and row.get("label") is not None:
+        raise DataError(f"{where}: {UNPAIRED}")
+    row = shapes.explicit_pair(row)
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if value is None:
@@ -518,8 +528,8 @@ def _check_preference(row: dict[str, Any], where: str) -> None:
         return
     if isinstance(chosen, list) and isinstance(rejected, list):
         if prompt is not None:
-            raise DataError(f"{where}: field 'prompt' is for string pairs; a pair of message lists carries its "
-                            "prompt in the shared messages (remove 'prompt')")
+            raise DataError(f"{where}: field 'prompt' of a pair of message lists must be a message list too (the "
+                            f"shared conversation before both answers), got {_json_kind(prompt)}")
         for name, value in (("chosen", chosen), ("rejected", rejected)):
             _check_messages(value, where, name)
         if len(chosen) != len(rejected) or _turns(chosen[:-1]) != _turns(rejected[:-1]):
@@ -546,6 +556,9 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
     if fmt == "vision_chat":
         vision.check_row(row, where)
         return
+    if fmt == "completion" and row.get("text") is None and row.get("completion") is not None:
+        _check_completion(row, where)
+        return
     for name in required:
         value = row.get(name)
         if value is None:
@@ -564,12 +577,30 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
             raise DataError(f"{where}: field {name!r} must be a string, got {short_repr(value)}")
 
 
+def _check_completion(row: dict[str, Any], where: str) -> None:
+    """A string prompt-completion row (TRL's shape): ``prompt`` and ``completion`` strings, the completion not
+    empty; a ``label`` beside them is an unpaired preference, refused."""
+    if row.get("label") is not None:
+        raise DataError(f"{where}: {UNPAIRED}")
+    for name in ("prompt", "completion"):
+        value = row.get(name)
+        if not isinstance(value, str) or (name == "completion" and not value.strip()):
+            kind = "a string" if name == "prompt" else "a non-empty string"
+            raise DataError(f"{where}: field {name!r} of a prompt-completion row must be {kind}, got "
+                            f"{short_repr(value)}")
+
+
 def check_columns(dataset: Dataset, fmt: str, source: str) -> None:
     """Cheap checks of the whole table: rows exist and the format's columns are there (written in the format's own
     fields, or in a shape that gives them: :mod:`finetune.data.shapes`)."""
     required, _ = FIELDS[fmt]
     if not len(dataset):
         raise DataError(f"{source}: no rows")
+    names = dataset.column_names
+    if {"prompt", "completion", "label"} <= set(names) and "chosen" not in names:
+        raise DataError(f"{line_of(source, 0)}: {UNPAIRED}")
+    if fmt == "completion" and "text" not in names and {"prompt", "completion"} <= set(names):
+        return  # string prompt-completion rows: each checked by _check_completion
     given = shapes.columns(fmt, dataset.column_names)
     missing = [f for f in required if f not in given]
     if missing:

@@ -1,7 +1,8 @@
 """Prompt rows (``data.format: prompt``, task grpo): what the policy generates from, and what its rewards read.
 
-A row is ``{"prompt": text, ...}`` or ``{"messages": [...], ...}``, a chat without its final assistant turn (its
-last message is the user's, or a system message), which the policy writes. Its prompt goes through the one
+A row is ``{"prompt": text, ...}`` or ``{"messages": [...], ...}`` (or ``{"prompt": [...]}``, TRL's conversational
+prompt, read as ``messages``), a chat without its final assistant turn (its last message is the user's, or a system
+message), which the policy writes. Its prompt goes through the one
 rendering path of generation prompts (:mod:`finetune.data.prompts`): a text as it is, a chat through the tokenizer's
 template with the generation prompt; the special tokens of every prompt (``data.add_bos``);
 and, over ``data.max_seq_len -
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 FORMAT = "prompt"
 PROMPT_KEYS = ("prompt", "messages")  # what a row's prompt is written as (exactly one of them)
 COLUMNS = ("input_ids", "prompt", "fields", "index", "templated")
-FORMS = "prompt (text) or messages (a chat without its final assistant turn)"
+FORMS = "prompt (text, or a message list) or messages (a chat without its final assistant turn)"
 WHY = {"answer": "the exact_match reward and metric compare each completion with the row's answer"}
 
 
@@ -84,8 +85,17 @@ def check_columns(dataset: Any, source: str, require: tuple[str, ...] = ()) -> N
             raise DataError(f"{where} ({WHY.get(name, 'the recipe needs it')}; the rows have {found})")
 
 
+def read_row(row: dict[str, Any]) -> dict[str, Any]:
+    """A prompt row as the rest of this module reads it: a ``prompt`` written as a message list (TRL's
+    conversational prompt) is its ``messages``."""
+    if isinstance(row.get("prompt"), list) and row.get("messages") is None:
+        return {**{key: value for key, value in row.items() if key != "prompt"}, "messages": row["prompt"]}
+    return row
+
+
 def check_row(row: dict[str, Any], index: int, source: str, require: tuple[str, ...] = ()) -> None:
     """Raise one DataError naming file, line and field when row ``index`` of ``source`` is not a prompt row."""
+    row = read_row(row)
     where = line_of(source, index)
     prompt, messages = row.get("prompt"), row.get("messages")
     if prompt is not None and messages is not None:
@@ -138,6 +148,7 @@ def prompt_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int
     names = list(batch)
     rows = [dict(zip(names, values, strict=True)) for values in zip(*(batch[n] for n in names), strict=True)]
     texts = []
+    rows = [read_row(row) for row in rows]
     for index, row in zip(indices, rows, strict=True):
         check_row(row, index, source, require)
         texts.append(rendered(lambda row=row: prompt_text(row, tokenizer), line_of(source, index),

@@ -54,8 +54,9 @@ def error_detail(exc: BaseException) -> str:
 
 def check_turns(value: Any, where: str, name: str = "messages") -> None:
     """``value`` (a row's field ``name``) is a non-empty list of {role, content} messages with a known role and a
-    string content, else one DataError naming ``where``, the field and the first bad message. Which role may come
-    last is the caller's rule (a training chat ends with the answer, a prompt row must not)."""
+    string content (an assistant turn may say ``train: false``), else one DataError naming ``where``, the field
+    and the first bad message. Which role may come last is the caller's rule (a training chat ends with the answer,
+    a prompt row must not)."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(value):
@@ -63,3 +64,7 @@ def check_turns(value: Any, where: str, name: str = "messages") -> None:
             got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
             raise DataError(f"{where}: {name}[{i}] needs role in {ROLES} and a string content, "
                             f"got {short_repr(got)}")
+        train = msg.get("train")
+        if train is not None and (not isinstance(train, bool) or (train and msg["role"] != "assistant")):
+            raise DataError(f"{where}: {name}[{i}].train must be true or false, on an assistant turn (false keeps "
+                            f"it as context only; the other roles are never trained), got {short_repr(train)}")

@@ -35,6 +35,13 @@ The shapes:
   ``system`` turn is refused (which one is meant is not known). A turn's other keys are not read. An unknown
   ``from``, a turn without ``from`` or ``value``, or a ``value`` that is not a string: one line naming the file,
   the row and the turn.
+- **Conversational prompt-completion** (``chat``, TRL's shape): ``{"prompt": [messages], "completion": [assistant
+  messages]}`` is the messages of both, the prompt's own assistant turns marked ``train: false``: the completion is
+  what is learned (:func:`prompt_completion_messages`).
+
+Two more shapes of TRL's are read where their format reads rows, since they are not a field mapping: string
+prompt-completion rows of ``completion`` (:func:`finetune.data.formats.render_completion`) and preference pairs
+with an explicit conversational prompt (:func:`explicit_pair`).
 """
 
 from __future__ import annotations
@@ -89,11 +96,37 @@ def sharegpt_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
     return messages
 
 
+def prompt_completion_messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
+    """The ``messages`` of a conversational prompt-completion row (TRL's shape: ``{"prompt": [messages],
+    "completion": [assistant messages]}``): the prompt's messages then the completion's, every assistant turn of
+    the prompt marked ``train: false`` (the completion is what is learned, as TRL trains it)."""
+    prompt, completion = row.get("prompt"), row["completion"]
+    for name, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, list) or not value:
+            raise DataError(f"{where}: field {name!r} of a conversational prompt-completion row must be a non-empty "
+                            f"list of {{role, content}} messages, got {short_repr(value)}")
+    kept = [{**message, "train": False} if isinstance(message, dict) and message.get("role") == "assistant"
+            else message for message in prompt]
+    return [*kept, *completion]
+
+
+def explicit_pair(row: dict[str, Any]) -> dict[str, Any]:
+    """A preference row with an explicit conversational prompt (``{"prompt": [messages], "chosen": [messages],
+    "rejected": [messages]}``, TRL's shape) as the implicit form every check and render reads: each answer's
+    messages after the shared prompt's, ``prompt`` dropped. Any other row as it is."""
+    prompt, chosen, rejected = row.get("prompt"), row.get("chosen"), row.get("rejected")
+    if not (isinstance(prompt, list) and isinstance(chosen, list) and isinstance(rejected, list)):
+        return row
+    return {**{k: v for k, v in row.items() if k != "prompt"}, "chosen": [*prompt, *chosen],
+            "rejected": [*prompt, *rejected]}
+
+
 @dataclass(frozen=True)
 class Shape:
     """One other way of writing a format's rows: its ``name``; the ``formats`` it applies to; the ``marker`` field
     that says a row is written this way; the format's own ``field`` it stands for; ``convert(row, where)``, that
-    field's value; and ``rule``, the text of everything that decides the conversion (part of the cache key)."""
+    field's value; ``rule``, the text of everything that decides the conversion (part of the cache key); and
+    ``consumes``, the row's other fields the conversion reads and replaces (dropped with the marker)."""
 
     name: str
     formats: tuple[str, ...]
@@ -101,11 +134,14 @@ class Shape:
     field: str
     convert: Callable[[dict[str, Any], str], Any]
     rule: Callable[[], str]
+    consumes: tuple[str, ...] = ()
 
 
 SHAPES: tuple[Shape, ...] = (
     Shape("sharegpt", ("chat",), "conversations", "messages", sharegpt_messages,
           lambda: "sharegpt:" + json.dumps(SHAREGPT_ROLES, sort_keys=True) + ":system-field-first"),
+    Shape("conversational prompt-completion", ("chat",), "completion", "messages", prompt_completion_messages,
+          lambda: "prompt-completion:prompt+completion:prompt-assistant-untrained", consumes=("prompt",)),
 )
 Reading = tuple[tuple[str, str], ...]  # (shape name, its rule) of each shape a source is read through
 
@@ -148,8 +184,10 @@ def normalize_row(row: dict[str, Any], read: Reading, where: str) -> dict[str, A
         if row.get(shape.field) is not None:
             raise DataError(f"{where}: both {shape.field!r} and {shape.marker!r} are set; a row has one of them "
                             f"({shape.field}, or {shape.name} {shape.marker})")
-        row = {key: value for key, value in row.items() if key != shape.marker}
-        row[shape.field] = shape.convert({**row, shape.marker: marked}, where)
+        gone = {shape.marker, *shape.consumes}
+        converted = shape.convert(row, where)
+        row = {key: value for key, value in row.items() if key not in gone}
+        row[shape.field] = converted
     return row
 
 
@@ -163,10 +201,11 @@ def normalize_batch(batch: Any, indices: list[int], read: Reading, source: str) 
     names = list(batch)
     rows = [dict(zip(names, values, strict=True)) for values in zip(*(batch[name] for name in names), strict=True)]
     rows = [normalize_row(row, read, line_of(source, index)) for row, index in zip(rows, indices, strict=True)]
-    out_names = list(dict.fromkeys([*(n for n in names if n not in {s.marker for s in active}),
-                                    *(s.field for s in active)]))
+    gone = {name for s in active for name in (s.marker, *s.consumes)}
+    out_names = list(dict.fromkeys([*(n for n in names if n not in gone), *(s.field for s in active)]))
     return {name: [row.get(name) for row in rows] for name in out_names}
 
 
-__all__ = ["SHAPES", "SHAREGPT_ROLES", "Reading", "Shape", "alternatives", "columns", "normalize_batch",
-           "normalize_row", "reading", "shapes_of", "sharegpt_messages"]
+__all__ = ["SHAPES", "SHAREGPT_ROLES", "Reading", "Shape", "alternatives", "columns", "explicit_pair",
+           "normalize_batch", "normalize_row", "prompt_completion_messages", "reading", "shapes_of",
+           "sharegpt_messages"]

@@ -139,12 +139,13 @@ def _stops_on_sigterm() -> Iterator[None]:
 
 def report(cfg: RecipeConfig, data: DataBundle, *, hits_only: bool = False) -> list[str]:
     """One line per tokenized source (``finetune preprocess``): its key and name, its samples, and whether they
-    were tokenized now (and cached for later runs) or read from the cache an earlier run filled. ``hits_only``:
+    were tokenized now (and cached for later runs) or read from the cache an earlier run filled; first, a line per
+    source whose format was read from its columns. ``hits_only``:
     the lines of sources read from the cache (``finetune run``: a source tokenized now already said so while it
     was tokenized)."""
     from finetune.data import source_name  # imports numpy: not at CLI start-up
 
-    lines = []
+    lines = list(data.detected)  # what each source whose format was left out was read as: said on every start
     if data.stream is not None and not hits_only:  # streaming: nothing to cache; the first rows were read to check them
         lines.append(f"data.train: streamed ({', '.join(s.name for s in data.stream.sources)}), tokenized while "
                      "training, nothing cached")

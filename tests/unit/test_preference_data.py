@@ -125,7 +125,7 @@ BAD_ROWS = [
      "the last message must be the assistant's"),
     ({"prompt": "p", "chosen": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
       "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "n"}]},
-     "field 'prompt' is for string pairs"),
+     "field 'prompt' of a pair of message lists must be a message list too"),
     ({"chosen": [{"role": "user", "content": "x"}, {"role": "robot", "content": "y"}],
       "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "n"}]},
      "chosen[1] needs role in"),

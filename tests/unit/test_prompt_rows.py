@@ -89,7 +89,7 @@ def test_a_long_prompt_keeps_its_end_and_is_counted(tmp_path: Path, tokenizer: A
 
 
 @pytest.mark.parametrize(("row", "needle"), [
-    ({"answer": "4"}, ":2: missing field 'prompt' (prompt rows need prompt (text) or messages"),
+    ({"answer": "4"}, ":2: missing field 'prompt' (prompt rows need prompt (text, or a message list) or messages"),
     ({"prompt": "  ", "answer": "4"}, ":2: field 'prompt' must be a non-empty string"),
     ({"prompt": "a", "messages": CHAT, "answer": "4"}, ":2: both 'prompt' and 'messages' are set"),
     ({"messages": [*CHAT, {"role": "assistant", "content": "6"}], "answer": "6"},

@@ -1,14 +1,22 @@
 """finetune.data.shapes: ShareGPT chat rows read as {role, content} messages, checked against the normalisation
 written plainly here; every mistake is one line naming the file, the row and the turn; other formats untouched.
+TRL's dataset shapes (prompt-completion, explicit-prompt pairs, conversational prompts) through tokenization, each
+checked against its definition written plainly.
 (The end-to-end tokenization of ShareGPT rows against the same rows as messages: tests/unit/test_tokenize.py.)"""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from finetune.data import shapes
+from finetune.data.loading import load_raw
+from finetune.data.prompt_rows import PromptOptions
+from finetune.data.rows import IGNORE
+from finetune.data.tokenize import tokenize_rows
 from finetune.errors import DataError
 
 # The ShareGPT speaker names and the chat role each is read as, written out here (LLaMA-Factory's sharegpt tags,
@@ -106,7 +114,84 @@ def test_only_chat_reads_sharegpt(fmt: str) -> None:
 def test_the_rule_is_read_through_and_changes_with_the_table(monkeypatch: pytest.MonkeyPatch) -> None:
     """What a batch function is handed (and so the tokenized cache key) holds the role table: another table is
     another reading."""
-    assert [name for name, _ in CHAT] == ["sharegpt"] and shapes.columns("chat", ["conversations"]) == \
-        ["conversations", "messages"]
+    assert [name for name, _ in CHAT] == ["sharegpt", "conversational prompt-completion"]
+    assert shapes.columns("chat", ["conversations"]) == ["conversations", "messages"]
     monkeypatch.setitem(shapes.SHAREGPT_ROLES, "bard", "user")
     assert shapes.reading("chat") != CHAT
+
+
+# ------------------------------------------------------------------ TRL's dataset shapes, through tokenization
+
+PROMPT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+          {"role": "assistant", "content": "Four?"}, {"role": "user", "content": "Sure?"}]
+COMPLETION = [{"role": "assistant", "content": "Yes, 4."}]
+
+
+def _tokenized(tmp_path: Path, tok: Any, rows: list[dict[str, Any]], fmt: str, **kwargs: Any) -> list[dict]:
+    path = tmp_path / f"{fmt}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = {"max_len": 256, "overlong": "truncate", "add_bos": "auto", **kwargs}
+    return list(tokenize_rows(load_raw(str(path)), fmt=fmt, tokenizer=tok, source=str(path), **options).dataset)
+
+
+def _trained(sample: dict[str, Any], tok: Any, side: str = "") -> str:
+    ids, labels = sample[f"{side}input_ids"], sample[f"{side}labels"]
+    return tok.decode([t for t, label in zip(ids, labels, strict=True) if label != IGNORE])
+
+
+def test_string_prompt_completion_trains_the_completion_then_eos(tmp_path: Path, tok: Any) -> None:
+    """TRL's prompt-completion rows of text: the sample is prompt + completion (the tokenizer's own special tokens
+    first, eos last), and only the completion and the eos are learned."""
+    row = {"prompt": "Q: two plus two? A:", "completion": " four"}
+    [sample] = _tokenized(tmp_path, tok, [row], "completion")
+    assert sample["input_ids"] == tok(row["prompt"] + row["completion"])["input_ids"] + [tok.eos_token_id]
+    head = tok(row["prompt"])["input_ids"]
+    assert sample["input_ids"][:len(head)] == head  # the prompt's own tokens start the sample (no merge across)
+    assert [label for label in sample["labels"] if label != IGNORE] == sample["input_ids"][len(head):]
+    assert sample["reference"] == row["completion"]
+    [whole] = _tokenized(tmp_path, tok, [row], "completion", train_on_prompt=True)
+    assert whole["input_ids"] == sample["input_ids"] and whole["labels"][1:] == whole["input_ids"][1:]
+
+
+def test_conversational_prompt_completion_trains_what_the_completion_adds(tmp_path: Path, tok: Any) -> None:
+    """TRL's definition, written plainly: the completion is the template's render of prompt + completion less the
+    render of the prompt with its generation prompt; the prompt's own assistant turn is context, not trained."""
+    [sample] = _tokenized(tmp_path, tok, [{"prompt": PROMPT, "completion": COMPLETION}], "chat")
+    whole = tok.apply_chat_template(PROMPT + COMPLETION, tokenize=False)
+    prompt = tok.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)
+    assert tok.decode(sample["input_ids"]) == whole
+    assert _trained(sample, tok) == whole[len(prompt):].rstrip()
+    assert "Four?" not in _trained(sample, tok) and sample["reference"] == "Yes, 4."
+
+
+def test_a_message_marked_train_false_is_context(tmp_path: Path, tok: Any) -> None:
+    row = {"messages": [*PROMPT[:2], {**PROMPT[2], "train": False}, PROMPT[3], *COMPLETION]}
+    [sample] = _tokenized(tmp_path, tok, [row], "chat")
+    [plain] = _tokenized(tmp_path, tok, [{"prompt": PROMPT, "completion": COMPLETION}], "chat")
+    assert sample == plain
+    bad = {"messages": [{**PROMPT[1], "train": True}, *COMPLETION]}
+    with pytest.raises(DataError, match=r"chat\.jsonl:1: messages\[0\]\.train must be true or false, on an assistant"):
+        _tokenized(tmp_path, tok, [bad], "chat")
+
+
+def test_an_explicit_conversational_prompt_pair_is_the_prompt_before_each_answer(tmp_path: Path, tok: Any) -> None:
+    explicit = {"prompt": PROMPT, "chosen": COMPLETION, "rejected": [{"role": "assistant", "content": "No."}]}
+    implicit = {"chosen": PROMPT + COMPLETION, "rejected": [*PROMPT, {"role": "assistant", "content": "No."}]}
+    assert _tokenized(tmp_path, tok, [explicit], "preference") == _tokenized(tmp_path, tok, [implicit], "preference")
+
+
+def test_a_conversational_prompt_row_is_its_messages(tmp_path: Path, tok: Any) -> None:
+    chat = [{"role": "user", "content": "What is 3+3?"}]
+    [written] = _tokenized(tmp_path, tok, [{"prompt": chat, "answer": "6"}], "prompt", prompt=PromptOptions(8))
+    [plain] = _tokenized(tmp_path, tok, [{"messages": chat, "answer": "6"}], "prompt", prompt=PromptOptions(8))
+    assert written == plain and written["templated"]
+    assert written["prompt"] == tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("fmt", ["completion", "preference", "chat"])
+def test_an_unpaired_preference_row_is_one_line_naming_the_tasks(tmp_path: Path, tok: Any, fmt: str) -> None:
+    rows = [{"prompt": "Q?", "completion": " A.", "label": True}]
+    with pytest.raises(DataError) as info:
+        _tokenized(tmp_path, tok, rows, fmt)
+    message = str(info.value)
+    assert "unpaired preference" in message and "dpo" in message and "sft" in message and "\n" not in message

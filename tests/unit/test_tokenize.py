@@ -414,7 +414,8 @@ def test_a_bad_sharegpt_row_names_its_line_through_the_cached_map(tmp_path: Path
     with pytest.raises(DataError, match=r"ends\.jsonl:1: the last message must be the assistant's"):
         load_splits(DataConfig(format="chat", train=path), tok)
     neither = write_rows(tmp_path / "neither.jsonl", [{"text": "hi"}])
-    with pytest.raises(DataError, match=r"neither\.jsonl:1: missing field 'messages' \(or sharegpt 'conversations'\)"):
+    with pytest.raises(DataError, match=r"neither\.jsonl:1: missing field 'messages' \(or sharegpt 'conversations', "
+                                        r"or conversational prompt-completion 'completion'\)"):
         load_splits(DataConfig(format="chat", train=neither), tok)
 
 
