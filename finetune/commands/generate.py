@@ -150,7 +150,7 @@ def _check_messages(value: Any, where: str, key: str = "messages") -> list[dict[
     return value
 
 
-def parse_prompt(row: dict[str, Any], where: str, fmt: str, source: str = "") -> Prompt:
+def parse_prompt(row: dict[str, Any], where: str, fmt: str | None, source: str = "") -> Prompt:
     """The prompt of one line (``fmt``: the recipe's data.format, whose prompt side is also accepted; ``source``:
     the prompts file, which image paths are relative to)."""
     taken = next((key for key in OUTPUT_KEYS if key in row), None)
@@ -158,6 +158,8 @@ def parse_prompt(row: dict[str, Any], where: str, fmt: str, source: str = "") ->
         raise DataError(f"{where}: the key {taken!r} is what generate writes into each output line; rename it")
     if "prompt" in row and "messages" in row:
         raise DataError(f"{where}: has both 'prompt' and 'messages'; keep one")
+    if isinstance(row.get("prompt"), list):  # a conversational prompt (TRL's shape): its messages
+        return Prompt(row, where, messages=_check_messages(row["prompt"], where, "prompt"))
     if "prompt" in row:
         if not isinstance(row["prompt"], str):
             raise DataError(f"{where}: 'prompt' must be a string (the raw text fed to the model), got "
@@ -169,7 +171,7 @@ def parse_prompt(row: dict[str, Any], where: str, fmt: str, source: str = "") ->
         return Prompt(row, where, messages=row["messages"], images=images)
     if "messages" in row:
         return Prompt(row, where, messages=_check_messages(row["messages"], where))
-    if fmt == "alpaca" and "instruction" in row:
+    if fmt in ("alpaca", None) and "instruction" in row:  # None: the format is each source's, read from its columns
         instruction, extra = row["instruction"], row.get("input")
         if not isinstance(instruction, str) or not instruction.strip():
             raise DataError(f"{where}: 'instruction' must be a non-empty string, got {short_repr(instruction)}")
@@ -179,11 +181,12 @@ def parse_prompt(row: dict[str, Any], where: str, fmt: str, source: str = "") ->
     if fmt == "preference" and isinstance(row.get("chosen"), list) and row["chosen"]:  # chat-form pairs
         return Prompt(row, where, messages=_check_messages(row["chosen"][:-1], where, "chosen (without its last turn)"))
     own = " or 'instruction' (+ 'input'), as in the alpaca rows this model was trained on" if fmt == "alpaca" else ""
+    own = " or 'instruction' (+ 'input'), for a model trained on alpaca rows" if fmt is None else own
     raise DataError(f"{where}: no prompt; give 'prompt' (raw text) or 'messages' (a chat without its final "
                     f"assistant turn){own}")
 
 
-def read_prompts(path: Path, fmt: str) -> list[Prompt]:
+def read_prompts(path: Path, fmt: str | None) -> list[Prompt]:
     """Every line of the JSON lines file ``path`` as a :class:`Prompt`; the first bad line is one DataError naming
     ``file:line`` and the fix."""
     if path.suffix != ".jsonl":

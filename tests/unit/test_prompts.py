@@ -47,7 +47,7 @@ def trained(path: Path, fmt: str, tokenizer: Any, max_len: int, images: Any = No
     return [list(ids) for ids in data["prompt_ids"]]
 
 
-def generated(path: Path, fmt: str, tokenizer: Any, max_len: int, images: Any = None, rule: str = "auto"
+def generated(path: Path, fmt: str | None, tokenizer: Any, max_len: int, images: Any = None, rule: str = "auto"
               ) -> list[list[int]]:
     """The ids generate feeds the model for each line of the prompts file ``path``."""
     return [prompt_ids(p, tokenizer, images, max_len, rule).ids for p in read_prompts(path, fmt)]
@@ -66,6 +66,19 @@ def test_alpaca_prompts_are_the_training_prompts(tok: Any, tmp_path: Path, max_l
     if max_len == 64:  # over the limit: both keep the end (the cue to answer), and drop the bos with the start
         assert len(ours[2]) == 64 and ours[2][0] != tok.bos_token_id
         assert ours[2][-3:] == tok("### Response:\n", add_special_tokens=False)["input_ids"][-3:]
+
+
+def test_prompts_in_trl_shapes_are_the_training_prompts(tok: Any, tmp_path: Path) -> None:
+    """A recipe whose format was left out takes alpaca prompts (its sources may have been alpaca rows); a
+    conversational prompt line (``prompt`` as messages) is the prompt training gives a prompt-completion row."""
+    rows = [{"prompt": [{"role": "user", "content": "2+2?"}], "completion": [{"role": "assistant", "content": "4"}]}]
+    data = write(tmp_path / "data.jsonl", rows)
+    asked = write(tmp_path / "prompts.jsonl", [{"prompt": rows[0]["prompt"]}])
+    assert generated(asked, None, tok, 512) == trained(data, "chat", tok, 512)
+    alpaca = [{"instruction": "Say hi.", "output": "hi"}]
+    data = write(tmp_path / "alpaca.jsonl", alpaca)
+    asked = write(tmp_path / "alpaca_prompts.jsonl", [{"instruction": "Say hi."}])
+    assert generated(asked, None, tok, 512) == trained(data, "alpaca", tok, 512)
 
 
 @pytest.mark.parametrize("rule", ["auto", "always"])
