@@ -270,7 +270,8 @@ class DataConfig(Section):
         default=False,
         description="read data.train as a stream, tokenized on the fly while training (nothing cached; for corpora "
         "larger than the disk cache): jsonl from a byte offset, parquet/csv/json/arrow files and hub datasets through "
-        "datasets' streaming (whole: no folders, globs, saved folders, compressed files or sliced splits). Needs train.max_steps (a stream has no epoch length). Sources mix by weight with a "
+        "datasets' streaming (whole: no folders, globs, saved folders, compressed files or sliced splits). Needs "
+        "train.max_steps (a stream has no epoch length). Sources mix by weight with a "
         "seeded choice per sample; data.packing packs samples greedily into rows of at most max_seq_len tokens (the "
         "global batch then counts packed rows); data.shuffle uses data.shuffle_buffer. The exact cursor (reader "
         "positions, buffers, choices) is saved in every checkpoint, so a resume continues at the next unseen sample. "

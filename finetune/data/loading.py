@@ -1,13 +1,15 @@
 """Load raw rows with Hugging Face ``datasets`` and check them against the recipe's format.
 
-Local jsonl/json/csv/parquet files (and hub dataset names where a network exists) become a ``datasets.Dataset``.
+Local jsonl/json/csv/parquet/arrow files (compressed too), globs of them, folders of them and ``save_to_disk``
+folders (:mod:`finetune.data.local`), and hub dataset names where a network exists, become a ``datasets.Dataset``
+of the split (and slice) the source names.
 Every row is checked before tokenization so a bad row fails with the file, its 1-based line number and the
-field, instead of a KeyError deep inside ``map``. Whatever is wrong with a file (not UTF-8, not JSON, a
-directory, unreadable, corrupt) becomes one :class:`DataError` line: ``datasets``' own exceptions name no line
-and arrive as several log lines plus a traceback, so the cheap checks run first and the expensive scans that find
-the line run only after ``datasets`` has failed. A file read before and unchanged since is read from the
-``datasets`` cache; when that entry is damaged (unreadable, or fewer rows than were read), the file is read into the
-cache again with a one-line note, never blamed for it (:mod:`finetune.data.cache`).
+field, instead of a KeyError deep inside ``map``. Whatever is wrong with a file (not UTF-8, not JSON, not what its
+compression suffix says, unreadable, corrupt) becomes one :class:`DataError` line: ``datasets``' own exceptions
+name no line and arrive as several log lines plus a traceback, so the cheap checks run first and the expensive
+scans that find the line run only after ``datasets`` has failed. A file read before and unchanged since is read
+from the ``datasets`` cache; when that entry is damaged (unreadable, or fewer rows than were read), the file is read
+into the cache again with a one-line note, never blamed for it (:mod:`finetune.data.cache`).
 """
 
 from __future__ import annotations
@@ -477,6 +479,10 @@ def _prepare(builder: Any, source: str, split: str, mode: str | None) -> Dataset
     rows is one DataError line (``datasets`` fails on it with "an empty table")."""
     from datasets.utils.info_utils import is_small_dataset  # lazy: heavy
 
+    if mode == "force_redownload" and Path(builder.cache_dir, "dataset_info.json").is_file():
+        # the builder took the split sizes its cache recorded as what to expect; the files changed since, so a new
+        # row count was refused as "NonMatchingSplitsSizes" (a file rewritten with its old mtime and other rows)
+        builder.info.splits = None
     with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."), cache.writes(source, "reading"):
         builder.download_and_prepare(download_mode=mode, verification_mode="basic_checks")
         lengths = {name: info.num_examples for name, info in (builder.info.splits or {}).items()}

@@ -22,6 +22,12 @@ arithmetic ``load_dataset`` slices with, so a saved folder is sliced exactly as 
 other in the order it lists them, so the files' row counts (:func:`count_rows`) place a row in its file, and a
 slice adds its offset. The counts are taken when a place is first asked for (while tokenizing, or for an error),
 and used only when they add up to the split's rows as read; otherwise a row is named ``source (row N)``.
+
+Why the counts are read by hand (:func:`count_rows`: lines, csv records, a JSON list's length, parquet's footer)
+rather than from one ``load_dataset`` per file, whose lengths would place the rows for free: measured on 50 small
+jsonl files, one load per file took 5.6 s the first time and 10.5 s from the cache (its lookup grows with the cached
+configurations), one builder over the folder 0.21 s and 0.03 s; counting the 50 files took 1 ms, and a 100 MiB
+jsonl file 0.12 s (0.30 s gzipped).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import gzip
 import importlib
 import importlib.util
 import io
+import json
 import lzma
 import os
 from dataclasses import dataclass, field
@@ -85,8 +92,14 @@ def compression(path: str) -> str | None:
 
 
 def check_compression(path: str) -> None:
-    """A ``.zst`` file needs the optional ``zstandard`` module (``datasets`` decompresses with it too)."""
-    if compression(path) == ".zst" and importlib.util.find_spec("zstandard") is None:
+    """Only text files are read compressed (parquet and Arrow compress inside, and ``datasets`` reads them from the
+    file as written); a ``.zst`` file needs the optional ``zstandard`` module (``datasets`` decompresses with it
+    too)."""
+    packed = compression(path)
+    if packed is not None and data_suffix(path) in (".parquet", ".arrow"):
+        raise DataError(f"{path}: {data_suffix(path)[1:]} files are read as written, not compressed (they compress "
+                        f"inside); decompress it, or compress .jsonl/.json/.csv files")
+    if packed == ".zst" and importlib.util.find_spec("zstandard") is None:
         raise DataError(f"{path}: reading .zst files needs the zstandard module; pip install zstandard")
 
 
@@ -251,8 +264,6 @@ def _json_rows(path: str) -> int | None:
     with open_data(path) as handle:
         head = handle.read(1 << 16).lstrip(b"\xef\xbb\xbf \t\r\n")
     if head[:1] == b"[":
-        import json
-
         with open_data(path) as handle:
             value = json.loads(handle.read().decode("utf-8").removeprefix("\ufeff"))
         return len(value) if isinstance(value, list) else None
@@ -327,8 +338,11 @@ class Places:
 
 def unstreamable(path: str, split: str, name: str) -> str | None:
     """Why ``data.streaming`` cannot read this source (one line), or None. A stream reads one file from a saved
-    position or a hub dataset through ``datasets``' streaming; a folder, a glob, a saved folder or a compressed
-    file has no exact resumable position there yet, and a slice would be ignored."""
+    position or a hub dataset through ``datasets``' streaming; a folder, a glob or a saved folder has no exact
+    resumable position there yet, and a slice would be ignored. A compressed file would: the JSON lines reader opens
+    the file and seeks to its byte offset for every 64 rows, and a compressed file seeks by decompressing from its
+    start (measured: 0.09 s to reach 90 MiB of a gzipped 100 MiB file, so minutes per pass of that file, growing
+    with the square of its size)."""
     what = kind(path)
     if what in ("saved", "folder", "glob"):
         return (f"data.streaming reads single files or hub datasets; {name} is {KINDS[what]} (set data.streaming: "

@@ -19,8 +19,9 @@ IGNORE = -100  # the label of a token that is not trained on (prompt, padding, i
 
 
 # How row indices of a source that is not one whole file (a folder, a glob, a slice) are placed: its name (as
-# messages show it) -> a function of the row index that says where the row is (finetune.data.local registers them
-# when the source is loaded; tokenizing workers are forked from that process and see them too).
+# messages show it) -> a function of the row index that says where the row is (finetune.data.loading.load_raw sets
+# them when it reads the source; tokenizing workers are forked from that process and see them too; a worker started
+# another way has none and names a row `source (row N)`).
 _PLACES: dict[str, Callable[[int], str]] = {}
 
 

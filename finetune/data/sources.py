@@ -10,9 +10,8 @@ tokenized split a new cache key. An unchanged file costs one ``stat``.
 
 A source of several files (a folder, a glob: :mod:`finetune.data.local`) is recorded the same way, as one record
 of every file's stamp (:func:`stamps`) under the source's own key (``scope``: what besides the path picks its
-files, such as a folder's subset): a file added, removed or changed makes the whole source read again. This also
-covers compressed files, which ``datasets`` decompresses once into its cache under a name made of the path alone
-(a rewritten ``.gz`` was decompressed again only when the read was forced).
+files, such as a folder's subset): a file added, removed or changed makes the whole source read again. A compressed
+file is recorded by its own (compressed) stamp, as a plain one.
 """
 
 from __future__ import annotations
