@@ -153,7 +153,11 @@ def test_data_sources_beyond_one_file_are_checked_before_anything_loads(write_re
     for valid in (["data.train=[{path: train.jsonl, split: 'train[:50%]'}]"], ["data.train=*.jsonl"],
                   ["data.train=[{path: repo, subset: en, split: 'validation[:10]'}]"]):
         cfg, _ = load_recipe(recipe, valid)
-        assert cfg.data.train_sources()[0].path.startswith(str(tmp_path)), valid  # resolved against the recipe
+        assert cfg.data.train_sources()[0].path.startswith(str(tmp_path)), valid
+    sub = tmp_path / "sub"  # a glob in a recipe resolves against the recipe's folder, not the working one
+    nested = write_recipe(RECIPE_TEXT.replace("train: train.jsonl", "train: 'part-*'"), folder=sub)
+    (sub / "part-1.jsonl").write_text((sub / "train.jsonl").read_text())
+    assert load_recipe(nested)[0].data.train == str(sub / "part-*")
 
 
 def test_a_chat_template_is_a_known_name_or_an_existing_file(write_recipe, tmp_path):
