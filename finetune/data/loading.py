@@ -422,7 +422,7 @@ def check_data_file(path: str) -> None:
             check_header(path)
     except DataError:
         raise
-    except local.DECOMPRESSION_ERRORS as exc:
+    except local.decompression_errors() as exc:
         if local.compression(path) is None:
             raise
         raise local.undecompressable(path, exc) from None
@@ -441,7 +441,7 @@ def _scan_failed(path: str) -> None:
             _scan_csv(path)
     except DataError:
         raise
-    except local.DECOMPRESSION_ERRORS as exc:
+    except local.decompression_errors() as exc:
         if local.compression(path) is None:
             raise
         raise local.undecompressable(path, exc) from None

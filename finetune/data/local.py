@@ -42,6 +42,7 @@ import io
 import json
 import lzma
 import os
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -119,7 +120,13 @@ def open_data(path: str) -> IO[bytes]:
     return open(path, "rb")
 
 
-DECOMPRESSION_ERRORS = (OSError, EOFError, lzma.LZMAError, ValueError)
+def decompression_errors() -> tuple[type[BaseException], ...]:
+    """What reading a compressed file that is not what its suffix says (or is cut short) raises: gzip's and bz2's
+    OSError, EOFError, zlib's and lzma's errors, zstandard's (when it is installed)."""
+    errors: list[type[BaseException]] = [OSError, EOFError, zlib.error, lzma.LZMAError]
+    if importlib.util.find_spec("zstandard") is not None:
+        errors.append(importlib.import_module("zstandard").ZstdError)  # optional
+    return tuple(errors)
 
 
 def undecompressable(path: str, exc: BaseException) -> DataError:

@@ -748,9 +748,15 @@ def test_a_bad_row_of_a_compressed_jsonl_file_names_its_line(tmp_path: Path) -> 
     one_line(excinfo, f"{path}:3: field 'text' must be a non-empty string")
 
 
-def test_a_file_that_is_not_what_its_compression_suffix_says(tmp_path: Path) -> None:
+@pytest.mark.parametrize("damage", [
+    lambda packed: b'{"text": "a"}\n',  # not gzip at all
+    lambda packed: packed[: len(packed) // 2],  # cut short
+    lambda packed: packed[:12] + bytes(255 - b for b in packed[12:-8]) + packed[-8:],  # a damaged body
+    lambda packed: bz2.compress(b'{"text": "a"}\n'),  # another compression
+], ids=["plain", "cut", "damaged", "bz2"])
+def test_a_file_that_is_not_what_its_compression_suffix_says(tmp_path: Path, damage: Any) -> None:
     path = tmp_path / "rows.jsonl.gz"
-    path.write_text('{"text": "a"}\n')
+    path.write_bytes(damage(gzip.compress(b'{"text": "a"}\n' * 50)))
     with pytest.raises(DataError) as excinfo:
         load_raw(str(path))
     one_line(excinfo, f"{path}: cannot be decompressed as .gz (")
