@@ -43,6 +43,9 @@ LIBRARY_RECORDS: tuple[tuple[str, str], ...] = (
     # an MXFP4 checkpoint (GPT-OSS) on the CPU: transformers says it dequantizes "to bf16" whatever the dtype; finetune
     # always loads it dequantized to model.dtype and says so in train.log (finetune.runtime.modeling.prequantized)
     ("transformers.quantizers.quantizer_mxfp4", r"MXFP4 inference on CPU requires use_kernels=True"),
+    # a dataset folder (or hub dataset) whose README has no YAML block: the usual case, and datasets then finds the
+    # splits in the file names, as finetune's docs say (finetune.data.local)
+    ("huggingface_hub.repocard", r"Repo card metadata block was not found"),
 )
 
 LOAD_REPORT_LOGGER = "transformers.modeling_utils"

@@ -35,7 +35,10 @@ from finetune.errors import ConfigError
 PATH_KEYS = ("data.train", "data.eval", "model.path", "model.chat_template")
 TEMPLATE_KEY = "model.chat_template"  # a template's name, or a file's path (resolved whether or not it exists)
 SOURCE_KEYS = ("data.train", "data.eval")  # a path, or a list of sources {path, ...} whose paths resolve alike
-DATA_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
+COMPRESSIONS = (".gz", ".bz2", ".xz", ".zst")  # compressed data files (x.jsonl.gz is a jsonl file)
+DATA_SUFFIXES = tuple(suffix + packed for suffix in (".jsonl", ".json", ".csv", ".parquet")
+                      for packed in ("", *COMPRESSIONS))
+WILDCARDS = "*?["  # a data path with one of these that names no file is a glob (no hub dataset name has them)
 
 
 @dataclass
@@ -425,14 +428,15 @@ def _resolve_extends(entry: Any, owner: Path, where: str) -> Path:
 
 def _resolved(value: Any, base: Path) -> Any:
     """``value`` made absolute against ``base`` when it is a relative path that names (or looks like) a local file
-    or folder; hub names, URLs, absolute paths and non-text values are returned as they are."""
+    or folder, or is a glob of files; hub names, URLs, absolute paths and non-text values are returned as they are."""
     if not isinstance(value, str) or "://" in value or Path(value).is_absolute():
         return value
     try:
         candidate = (base / value).resolve()
     except (OSError, RuntimeError, ValueError):  # a symlink loop or a NUL: validation reports the missing file
         return value
-    if candidate.exists() or value.endswith(DATA_SUFFIXES) or value.startswith("."):
+    if candidate.exists() or value.endswith(DATA_SUFFIXES) or value.startswith(".") or \
+            any(char in value for char in WILDCARDS):
         return str(candidate)
     return value
 

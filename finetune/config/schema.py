@@ -148,18 +148,30 @@ def mapping_problem(columns: dict[str, str], message_keys: dict[str, str]) -> st
 
 
 class DataSource(Section):
-    """One data set: a local file or a hub dataset (with its subset and split). A ``data.eval`` list holds these;
-    its sources are concatenated."""
+    """One data set: a local file, glob or folder, or a hub dataset (with its subset and split). A ``data.eval``
+    list holds these; its sources are concatenated."""
 
-    path: str = Field(description="jsonl/json/csv/parquet file (relative to the recipe file) or a hub dataset name")
+    path: str = Field(
+        description="where the rows are (relative to the recipe file): a jsonl/json/csv/parquet/arrow file, plain or "
+        "compressed (.gz, .bz2, .xz, .zst; x.jsonl.gz is JSON lines); a glob of files of one type (data/*.jsonl, "
+        "data/train-*.parquet); a folder of data files such as a cloned hub dataset (its splits found in the file "
+        "names as datasets finds them); a folder written by datasets' save_to_disk; or a hub dataset name",
+    )
     format: str | None = Field(
         default=None, description="this source's format (one of data.format's values); null: data.format",
         json_schema_extra=lambda schema: schema.update(anyOf=[{"enum": list(data_formats())}, {"type": "null"}]),
     )
     subset: str | None = Field(
-        default=None, description="hub datasets: the configuration (subset) name; null: the dataset's default",
+        default=None, description="a hub dataset's (or a dataset folder's) configuration (subset) name; null: the "
+        "dataset's default",
     )
-    split: str = Field(default="train", description="hub datasets: the split to read (a local file is one split)")
+    split: str = Field(
+        default="train",
+        description="the split to read, as datasets writes it, optionally sliced: train, test, train[:1000], "
+        "train[10%:], train[:50%], train[:90%]+validation. A file or a glob is the one split train (slice it to read "
+        "part of it); a folder's splits come from its file names (train, test, validation, ...), a saved "
+        "DatasetDict's from its sub-folders",
+    )
     columns: dict[str, str] = Field(
         default_factory=dict,
         description="the source's own column for each field its format reads, where the names differ, e.g. "
@@ -240,7 +252,8 @@ class DataConfig(Section):
         "functions)",
     )
     train: _sources_of(TrainSource) = Field(  # type: ignore[valid-type]
-        description="jsonl/json/csv/parquet file (relative to the recipe) or a hub dataset name; or a mixture: a "
+        description="a data file (relative to the recipe; compressed too), a glob of files, a folder of data files or "
+        "a save_to_disk folder, or a hub dataset name (see the sources' path); or a mixture: a "
         "list of sources {path, weight: 1.0, format: data.format, subset: null, split: train} (a single mapping is "
         "a list of one). A mixture epoch draws round(weight x rows) samples of each source (at least 1), each "
         "source from its own seeded permutations (wrapping for weight > 1), then shuffles the whole epoch; "
@@ -248,7 +261,8 @@ class DataConfig(Section):
     )
     eval: _sources_of(DataSource) | None = Field(  # type: ignore[valid-type]
         default=None,
-        description="file or hub dataset name, or a list of sources {path, format, subset, split} (concatenated)",
+        description="file, glob, folder or hub dataset name, or a list of sources {path, format, subset, split} "
+        "(concatenated)",
     )
     max_seq_len: int = Field(
         default=256, gt=1, description="tokens per sample at most; a longer sample is handled as data.overlong says",
@@ -299,7 +313,8 @@ class DataConfig(Section):
         default=False,
         description="read data.train as a stream, tokenized on the fly while training (nothing cached; for corpora "
         "larger than the disk cache): jsonl from a byte offset, parquet/csv/json/arrow files and hub datasets through "
-        "datasets' streaming. Needs train.max_steps (a stream has no epoch length). Sources mix by weight with a "
+        "datasets' streaming (whole: no folders, globs, saved folders, compressed files or sliced splits). Needs "
+        "train.max_steps (a stream has no epoch length). Sources mix by weight with a "
         "seeded choice per sample; data.packing packs samples greedily into rows of at most max_seq_len tokens (the "
         "global batch then counts packed rows); data.shuffle uses data.shuffle_buffer. The exact cursor (reader "
         "positions, buffers, choices) is saved in every checkpoint, so a resume continues at the next unseen sample. "

@@ -8,6 +8,7 @@ the file system (data files, accelerate configs) run here too, so a bad recipe f
 from __future__ import annotations
 
 import difflib
+import glob
 import importlib.util
 import json
 import os
@@ -21,7 +22,7 @@ from pydantic import BaseModel, ValidationError
 from finetune import objectives, registry
 from finetune.config import accelerate, chat_templates, families
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
-from finetune.config.compose import DATA_SUFFIXES, Composed, _file_kind, compose_stored
+from finetune.config.compose import DATA_SUFFIXES, WILDCARDS, Composed, _file_kind, compose_stored
 from finetune.config.schema import (
     SOURCE_TAGS,
     DataConfig,
@@ -335,27 +336,35 @@ def _factory_lines(cfg: RecipeConfig | _Sections, row: registry.SupportedModel) 
 
 
 def _source_lines(data: DataConfig, row: registry.SupportedModel | None, train_files: bool = True) -> list[str]:
-    """Problems of data.train / data.eval found before anything launches: a missing local file; a subset or split
-    given for a local file (only hub datasets have them); a source's own format that does not fit the model's task.
-    A path names a source as written (``data.train``) or as a list item (``data.train[1].path``)."""
+    """Problems of data.train / data.eval found before anything launches: a missing local file, a glob that matches
+    no file; a subset given for a local file or glob (only hub datasets and folders have them); a split other than
+    train (sliced or not) for a local file or glob, which are one split; a source's own format that does not fit the
+    model's task. A folder's splits and subsets are its files', checked when it is read. A path names a source as
+    written (``data.train``) or as a list item (``data.train[1].path``)."""
     lines: list[str] = []
     for key, value, sources in (("data.train", data.train, data.train_sources()),
                                 ("data.eval", data.eval, data.eval_sources())):
         for i, source in enumerate(sources):
             where = key if isinstance(value, str) else f"{key}[{i}]"
             path_key = key if isinstance(value, str) else f"{where}.path"
-            local = source.path.endswith(DATA_SUFFIXES)
-            if local and not Path(source.path).is_file() and (train_files or key != "data.train"):
-                odd = Path(source.path).exists() and not Path(source.path).is_dir()  # a named pipe, a device
+            path = Path(source.path)
+            pattern = not path.exists() and any(char in source.path for char in WILDCARDS)
+            named = source.path.endswith(DATA_SUFFIXES)
+            checked = train_files or key != "data.train"
+            if pattern and checked and not glob.glob(source.path, recursive=True):
+                lines.append(f"{path_key}: no file matches {source.path}")
+            elif not pattern and named and not path.is_file() and not path.is_dir() and checked:
+                odd = path.exists()  # a named pipe, a device
                 what = f"not a regular file ({_file_kind(os.stat(source.path).st_mode)})" if odd else "file not found"
                 lines.append(f"{path_key}: {what}: {source.path}")
-            if local or Path(source.path).exists():
+            if (pattern or named or path.exists()) and not path.is_dir():
+                what = "a glob of files" if pattern else "a local file"
                 if source.subset is not None:
-                    lines.append(f"{where}.subset: {source.path} is a local file, which has no subsets (a subset "
-                                 "names a hub dataset's configuration); remove subset")
-                if source.split != "train":
-                    lines.append(f"{where}.split: {source.path} is a local file, which is one split; remove split "
-                                 "(it picks a hub dataset's split)")
+                    lines.append(f"{where}.subset: {source.path} is {what}, which has no subsets (a subset names a "
+                                 "hub dataset's or a dataset folder's configuration); remove subset")
+                if {part.split("[")[0].strip() for part in source.split.split("+")} != {"train"}:
+                    lines.append(f"{where}.split: {source.path} is {what}, which is one split, train; remove split, "
+                                 "or pick rows of train with a slice such as train[:1000] or train[10%:]")
             # a source of data.format's own format is checked with data.format
             if row is not None and source.format not in (data.format, None) \
                     and source.format not in registry.TASK_FORMATS[row.task]:

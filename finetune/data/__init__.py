@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource, TrainSource
-from finetune.data import detect, mapping, prompt_rows
+from finetune.data import detect, local, mapping, prompt_rows
 from finetune.data.formats import template_warnings
 from finetune.data.loading import check_columns, load_raw
 from finetune.data.mixing import Mixture
@@ -119,10 +119,9 @@ class DataBundle:
                 yield split, None, whole
 
 def source_name(source: DataSource) -> str:
-    """How messages name a source: its path, plus the hub subset and split when they are not the defaults."""
-    picked = [f"subset={source.subset}"] * (source.subset is not None) + [f"split={source.split}"] * (
-        source.split != "train")
-    return f"{source.path} ({', '.join(picked)})" if picked else source.path
+    """How messages name a source: its path, plus the subset and split when they are not the defaults (the name
+    :func:`load_raw` places the source's rows under, for their ``file:line``)."""
+    return local.name_of(source.path, source.subset, source.split)
 
 
 def _load(source: DataSource, found: list[str], key: str) -> tuple[DataSource, Dataset]:

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from finetune.data import local
 from finetune.data.rows import error_detail
 from finetune.errors import DataError, _io_cause
 
@@ -132,9 +133,16 @@ def tokenized_now(mapped: Dataset, before: dict[str, Entry]) -> bool:
 
 def missing_rows(raw: Dataset, split: str) -> str | None:
     """What is wrong with the raw rows read from the cache: fewer (or more) rows than ``datasets`` recorded when it
-    read the file (an Arrow stream cut at a batch boundary still reads); None when they agree or none was recorded."""
+    read the file (an Arrow stream cut at a batch boundary still reads); None when they agree or none was recorded.
+    ``split``: the split string the rows were read with (a slice, or splits joined with ``+``, count what they
+    pick of the recorded splits)."""
     splits = raw.info.splits or {}
-    recorded = splits[split].num_examples if split in splits else None
+    lengths = {name: info.num_examples for name, info in splits.items()}
+    try:
+        picked = local.parts(split, lengths)
+    except ValueError:  # a split that was not recorded
+        return None
+    recorded = sum(stop - start for _, start, stop in picked) if all(lengths[name] for name, _, _ in picked) else None
     if recorded and recorded != len(raw):
         return f"{len(raw)} rows where {recorded} were read from the file"
     return None

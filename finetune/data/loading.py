@@ -1,19 +1,22 @@
 """Load raw rows with Hugging Face ``datasets`` and check them against the recipe's format.
 
-Local jsonl/json/csv/parquet files (and hub dataset names where a network exists) become a ``datasets.Dataset``.
+Local jsonl/json/csv/parquet/arrow files (compressed too), globs of them, folders of them and ``save_to_disk``
+folders (:mod:`finetune.data.local`), and hub dataset names where a network exists, become a ``datasets.Dataset``
+of the split (and slice) the source names.
 Every row is checked before tokenization so a bad row fails with the file, its 1-based line number and the
-field, instead of a KeyError deep inside ``map``. Whatever is wrong with a file (not UTF-8, not JSON, a
-directory, unreadable, corrupt) becomes one :class:`DataError` line: ``datasets``' own exceptions name no line
-and arrive as several log lines plus a traceback, so the cheap checks run first and the expensive scans that find
-the line run only after ``datasets`` has failed. A file read before and unchanged since is read from the
-``datasets`` cache; when that entry is damaged (unreadable, or fewer rows than were read), the file is read into the
-cache again with a one-line note, never blamed for it (:mod:`finetune.data.cache`).
+field, instead of a KeyError deep inside ``map``. Whatever is wrong with a file (not UTF-8, not JSON, not what its
+compression suffix says, unreadable, corrupt) becomes one :class:`DataError` line: ``datasets``' own exceptions
+name no line and arrive as several log lines plus a traceback, so the cheap checks run first and the expensive
+scans that find the line run only after ``datasets`` has failed. A file read before and unchanged since is read
+from the ``datasets`` cache; when that entry is damaged (unreadable, or fewer rows than were read), the file is read
+into the cache again with a one-line note, never blamed for it (:mod:`finetune.data.cache`).
 """
 
 from __future__ import annotations
 
 import codecs
 import csv
+import io
 import json
 import logging
 import math
@@ -27,15 +30,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune.config.compose import _file_kind
-from finetune.data import cache, shapes, sources, vision
-from finetune.data.rows import check_turns, error_detail, line_of, short_repr
+from finetune.config.compose import COMPRESSIONS, _file_kind
+from finetune.data import cache, local, rows, shapes, sources, vision
+from finetune.data.local import BUILDERS, open_data
+from finetune.data.rows import check_turns, data_suffix, error_detail, line_of, short_repr
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
-BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 TEXT_SUFFIXES = (".jsonl", ".json", ".csv")
 CHUNK = 1 << 22  # bytes read at a time when scanning a whole file (a few copies of one chunk are the scans' memory)
 
@@ -96,7 +99,7 @@ def check_file(source: str) -> None:
 def _not_utf8(path: str, offset: int) -> DataError:
     """The error for the first byte at ``offset`` that is not UTF-8, with its line and column (in bytes)."""
     line, line_start, done = 1, 0, 0
-    with open(path, "rb") as handle:
+    with open_data(path) as handle:
         while done < offset:
             chunk = handle.read(min(CHUNK, offset - done))
             line += chunk.count(b"\n")
@@ -117,12 +120,11 @@ def _check_utf8(path: str) -> None:
     """
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset = 0
-    with open(path, "rb") as handle:
+    with open_data(path) as handle:
         head = handle.read(2)
-        if head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
-            raise DataError(f"{path}: not UTF-8 text (it starts with a UTF-16 byte order mark); save the file as "
-                            "UTF-8")
-        handle.seek(0)
+    if head in (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE):
+        raise DataError(f"{path}: not UTF-8 text (it starts with a UTF-16 byte order mark); save the file as UTF-8")
+    with open_data(path) as handle:  # opened again: a decompressing reader may not seek back
         while True:
             chunk = handle.read(CHUNK)
             try:
@@ -136,8 +138,19 @@ def _check_utf8(path: str) -> None:
 
 def _head(path: str) -> bytes:
     """The file's first bytes, without a UTF-8 BOM and leading whitespace (enough to tell its JSON shape)."""
-    with open(path, "rb") as handle:
+    with open_data(path) as handle:
         return handle.read(1 << 16).removeprefix(codecs.BOM_UTF8).lstrip()
+
+
+def _read_all(path: str) -> bytes:
+    """The whole file's bytes (decompressed)."""
+    with open_data(path) as handle:
+        return handle.read()
+
+
+def _text(path: str) -> io.TextIOWrapper:
+    """The file as UTF-8 text for the csv module (a BOM skipped, newlines as written; decompressed)."""
+    return io.TextIOWrapper(open_data(path), encoding="utf-8-sig", newline="")
 
 
 FIRST_BYTE_KIND = {b'"': "a string", b"[": "a list", b"t": "true/false", b"f": "true/false", b"n": "null",
@@ -180,15 +193,15 @@ def _check_blank_lines(path: str) -> None:
     bytes at a time (memory does not grow with the file), each chunk scanned from the last newline of the one
     before, so a blank line across two chunks is seen.
     """
-    with open(path, "rb") as handle:
+    with open_data(path) as handle:
         first = handle.readline(CHUNK)  # the first line, read on while it is only whitespace so far
         while not first.endswith(b"\n") and re.fullmatch(rb"(?:\xef(?:\xbb\xbf?)?)?[ \t\r]*", first):
             more = handle.readline(CHUNK)
             if not more:
                 break
             first += more
-        blank = bool(re.match(rb"(?:\xef\xbb\xbf)?[ \t\r]*(?:\n|\Z)", first))
-        handle.seek(0)
+    blank = bool(re.match(rb"(?:\xef\xbb\xbf)?[ \t\r]*(?:\n|\Z)", first))
+    with open_data(path) as handle:  # opened again: a decompressing reader may not seek back
         data = handle.read(CHUNK)
         carry = b""
         while data and not blank:
@@ -220,7 +233,7 @@ def scan_jsonl(path: str, kinds: bool = True) -> None:
     """Find the first line that is not a JSON object, or not UTF-8 (``datasets`` names no line for either); with
     ``kinds``, also a field whose type differs from earlier lines (only worth reporting once ``datasets`` failed)."""
     seen: dict[str, tuple[str, str]] = {}
-    with open(path, "rb") as handle:  # binary: lines end at \n only, as for datasets, whatever \r they hold
+    with open_data(path) as handle:  # binary: lines end at \n only, as for datasets, whatever \r they hold
         for number, raw in enumerate(handle, start=1):
             try:
                 line = raw.decode("utf-8")
@@ -244,7 +257,7 @@ def scan_jsonl(path: str, kinds: bool = True) -> None:
 def _scan_json(path: str) -> None:
     """Find why a .json file cannot be loaded: invalid JSON (line, column), an item that is not an object, or a
     field whose type changes between rows. A file of one object per line is scanned as JSON lines."""
-    text = Path(path).read_bytes().decode("utf-8", errors="replace").removeprefix("\ufeff")  # UTF-8 checked first
+    text = _read_all(path).decode("utf-8", errors="replace").removeprefix("\ufeff")  # UTF-8 checked first
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -266,7 +279,7 @@ def _scan_json(path: str) -> None:
 def check_header(path: str) -> None:
     """A csv header names each column once: ``datasets`` (pandas) renames a second ``output`` to ``output.1``, so
     the rows silently trained on the first column of that name."""
-    with open(path, encoding="utf-8-sig", newline="") as handle:
+    with _text(path) as handle:
         try:
             header = next(csv.reader(handle), [])
         except csv.Error:  # left to datasets' own message
@@ -280,7 +293,7 @@ def _scan_csv(path: str) -> None:
     """Find why a csv file cannot be loaded: no data rows, or a row with more fields than the header (pandas names
     that line, but inside a message about tokenizing, with no file)."""
     rows = 0
-    with open(path, encoding="utf-8-sig", newline="") as handle:
+    with _text(path) as handle:
         reader = csv.reader(handle)
         try:
             header = next(reader, [])
@@ -299,7 +312,7 @@ def _scan_csv(path: str) -> None:
 
 def _json_rows(path: str) -> Iterator[Any]:
     """Rows of a .json/.jsonl file as written (a JSON list, or one value per line)."""
-    text = Path(path).read_bytes().decode("utf-8").removeprefix("\ufeff")
+    text = _read_all(path).decode("utf-8").removeprefix("\ufeff")
     if text.lstrip().startswith("["):
         yield from json.loads(text)
         return
@@ -312,10 +325,10 @@ def raw_values(source: str, field: str) -> Iterator[Any]:
     """``field`` of each row of a local jsonl/json/csv file as written (csv: the cell's text; nothing for other
     sources). Loading converts whole columns (ids read as floats because one is written ``2.0``), so this points
     at the row the user must fix. Only used after a check failed; stops quietly where the file cannot be parsed."""
-    suffix = Path(source).suffix
+    suffix = data_suffix(source) if Path(source).is_file() else ""
     try:
         if suffix == ".csv":
-            with open(source, encoding="utf-8-sig", newline="") as handle:
+            with _text(source) as handle:
                 reader = csv.reader(handle)
                 header = next(reader, [])
                 if field not in header:
@@ -327,7 +340,7 @@ def raw_values(source: str, field: str) -> Iterator[Any]:
         elif suffix in (".jsonl", ".json"):
             for row in _json_rows(source):
                 yield row.get(field) if isinstance(row, dict) else None
-    except (OSError, ValueError, csv.Error):
+    except (OSError, EOFError, ValueError, csv.Error):
         return
 
 
@@ -373,87 +386,241 @@ def say_if_slow(text: str, after_s: float = 5.0) -> Iterator[None]:
         timer.cancel()
 
 
-def _check_cache_error(exc: BaseException, source: str) -> None:
+def _check_cache_error(exc: BaseException, source: str, files: list[str] | tuple[str, ...] = ()) -> None:
     """An OSError about another path than the data file (the datasets cache under an unwritable or broken $HOME,
-    HF_HOME or HF_DATASETS_CACHE) is that path's problem: one DataError naming it, not "cannot read the data"."""
+    HF_HOME or HF_DATASETS_CACHE) is that path's problem: one DataError naming it, not "cannot read the data".
+    ``files``: a source's data files besides ``source`` itself (a folder's, a glob's)."""
     cause: BaseException | None = exc
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     where = getattr(cause, "filename", None)
-    if not isinstance(cause, OSError) or not where or Path(str(where)).resolve() == Path(source).resolve():
+    data = {Path(path).resolve() for path in (source, *files)}
+    if not isinstance(cause, OSError) or not where or Path(str(where)).resolve() in data:
         return
     raise DataError(f"cannot write the datasets cache at {where} ({cause.strerror or type(cause).__name__}) while "
                     f"loading {source}; make $HOME writable, or set HF_DATASETS_CACHE (or HF_HOME) to a writable "
                     "folder") from None
 
 
-def _read_local(source: str, suffix: str, mode: str | None) -> Dataset:
-    """``datasets.load_dataset`` of one local file (``mode``: its download_mode, None to read the cache)."""
+def check_data_file(path: str) -> None:
+    """The cheap checks of one local data file before ``datasets`` reads it, each failure one line naming the file
+    (and the line to blame): it exists, is readable and not empty; text is UTF-8; JSON lines start with an object
+    and have no blank line (rows must map to lines one to one for file:line errors); a .json file holds objects; a
+    csv header names each column once. A compressed file is checked as the text it decompresses to."""
+    suffix = data_suffix(path)
+    check_file(path)
+    local.check_compression(path)
+    try:
+        if suffix in TEXT_SUFFIXES:
+            _check_utf8(path)
+        if suffix == ".jsonl":
+            _check_jsonl_start(path)
+            _check_blank_lines(path)
+        elif suffix == ".json":
+            _check_json_top(path)
+        elif suffix == ".csv":
+            check_header(path)
+    except DataError:
+        raise
+    except local.decompression_errors() as exc:
+        if local.compression(path) is None:
+            raise
+        raise local.undecompressable(path, exc) from None
+
+
+def _scan_failed(path: str) -> None:
+    """After ``datasets`` failed to read ``path``: find the line to blame, if the file's type has a scan (a full
+    parse costs seconds per 1M rows, so only on failure); returns when it finds nothing."""
+    suffix = data_suffix(path)
+    try:
+        if suffix == ".jsonl":
+            scan_jsonl(path)
+        elif suffix == ".json":
+            _scan_json(path)
+        elif suffix == ".csv":
+            _scan_csv(path)
+    except DataError:
+        raise
+    except local.decompression_errors() as exc:
+        if local.compression(path) is None:
+            raise
+        raise local.undecompressable(path, exc) from None
+
+
+def _builder(source: str, what: str, subset: str | None) -> tuple[Any, dict[str, list[str]]]:
+    """The ``datasets`` builder of a local file, glob or folder (as ``load_dataset`` makes it, nothing read yet)
+    and the files of each of its splits in the order it reads them; a folder or glob that names no readable data
+    is one DataError line."""
     import datasets  # lazy: heavy
 
-    with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."), cache.writes(source, "reading"):
-        return datasets.load_dataset(BUILDERS[suffix], data_files=source, split="train", download_mode=mode)
-
-
-def _from_cache(source: str, suffix: str) -> Dataset | None:
-    """The rows of ``source`` from the datasets cache, which holds this very file (read before, unchanged since): so
-    a failure to read them, or a count that differs from the one recorded, is the cache's damage, never the file's.
-    None then, after a one-line note: the caller reads the file again into the cache."""
     try:
-        raw = _read_local(source, suffix, None)
-        problem = cache.missing_rows(raw, "train")
+        with quiet_datasets(logging.CRITICAL):
+            if what == "folder":
+                builder = datasets.load_dataset_builder(source, name=subset)
+                return builder, local.folder_splits(source, builder)
+            files = local.glob_files(source) if what == "glob" else [source]
+            return datasets.load_dataset_builder(local.builder_of(files),
+                                                 data_files=files if what == "glob" else source), {"train": files}
+    except DataError:
+        raise
+    except FileNotFoundError as exc:  # datasets' EmptyDatasetError, DataFilesNotFoundError
+        raise DataError(f"{source}: holds no data files datasets can read ({error_detail(exc)}); a folder needs "
+                        f"{', '.join(BUILDERS)} files (compressed too)") from None
+    except Exception as exc:
+        detail = error_detail(exc)
+        if subset is not None and "BuilderConfig" in detail:
+            raise DataError(f"{source}: no subset {subset!r} ({detail})") from None
+        raise DataError(f"{source}: cannot be read as {local.KINDS[what]} ({detail})") from None
+
+
+def _prepare(builder: Any, source: str, split: str, mode: str | None) -> Dataset:
+    """What ``datasets.load_dataset`` does with a builder: read its files into the cache (``mode``: the
+    download_mode, None to reuse the cache), then give the split string's rows. A slice that picks none of a split's
+    rows is one DataError line (``datasets`` fails on it with "an empty table")."""
+    from datasets.utils.info_utils import is_small_dataset  # lazy: heavy
+
+    if mode == "force_redownload" and Path(builder.cache_dir, "dataset_info.json").is_file():
+        # the builder took the split sizes its cache recorded as what to expect; the files changed since, so a new
+        # row count was refused as "NonMatchingSplitsSizes" (a file rewritten with its old mtime and other rows)
+        builder.info.splits = None
+    with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."), cache.writes(source, "reading"):
+        builder.download_and_prepare(download_mode=mode, verification_mode="basic_checks")
+        lengths = {name: info.num_examples for name, info in (builder.info.splits or {}).items()}
+        named = local.split_names(split, source)
+        if all(name in lengths for name in named) and sum(lengths[name] for name in named) \
+                and not sum(stop - start for _, start, stop in local.parts(split, lengths)):
+            counts = ", ".join(f"{lengths[n]} in {n}" for n in named)
+            raise DataError(f"{source}: split {split!r} picks no rows (of {counts}); widen the slice")
+        return builder.as_dataset(split=split, in_memory=is_small_dataset(builder.info.dataset_size))
+
+
+def _from_cache(builder: Any, source: str, split: str, what: str) -> Dataset | None:
+    """The rows of ``source`` from the datasets cache, which holds these very files (read before, unchanged since):
+    so a failure to read them, or a count that differs from the one recorded, is the cache's damage, never the
+    files'. None then, after a one-line note: the caller reads the files again into the cache."""
+    try:
+        raw = _prepare(builder, source, split, None)
+        problem = cache.missing_rows(raw, split)
     except DataError:
         raise
     except Exception as exc:
         problem = error_detail(exc)
     if problem is None:
         return raw
-    print(f"note: the datasets cache of {source} was damaged ({problem}); discarded it, reading the file again",
+    again = "the file" if what == "file" else "its files"
+    print(f"note: the datasets cache of {source} was damaged ({problem}); discarded it, reading {again} again",
           file=sys.stderr, flush=True)
     return None
 
 
-def load_raw(source: str, subset: str | None = None, split: str = "train") -> Dataset:
-    """Load one split's raw rows from a local file or a hub dataset name (``subset``: the hub dataset's
-    configuration name, ``split``: its split; a local file is the one split ``train``)."""
-    import datasets  # lazy: heavy
-
-    suffix = Path(source).suffix
-    check_regular(source)
-    if suffix in BUILDERS:
-        check_file(source)
-        if suffix in TEXT_SUFFIXES:
-            _check_utf8(source)
-        if suffix == ".jsonl":
-            _check_jsonl_start(source)
-            _check_blank_lines(source)  # rows must map to lines one to one for file:line errors
-        elif suffix == ".json":
-            _check_json_top(source)
-        elif suffix == ".csv":
-            check_header(source)
-        read = sources.stamp(source)  # the cache keys a file by its mtime alone: sources reads a changed one again
-        mode = sources.download_mode(source, read)
-        cached = _from_cache(source, suffix) if mode is None else None
-        if cached is not None:
-            return cached
+def _load_files(source: str, what: str, subset: str | None, split: str, name: str) -> Dataset:
+    """One split string's rows of a local file, glob or folder (:mod:`finetune.data.local`), read as
+    ``load_dataset`` reads them, each file checked first; the datasets cache is used only while no file has changed
+    (:mod:`finetune.data.sources`), and each row's place is said for errors when it is not row i of one file."""
+    if what == "file" and Path(source).exists() and data_suffix(source) not in BUILDERS:
+        raise DataError(f"{source}: unsupported data file type; use one of {', '.join(BUILDERS)} (or one of them "
+                        f"compressed: {', '.join(COMPRESSIONS)})")
+    if what == "file":
+        check_data_file(source)  # before datasets is asked anything: a missing file is "not found", not datasets'
+    if subset is not None and what != "folder":
+        raise DataError(f"{source}: {local.KINDS[what]} has no subsets (a subset names a hub dataset's or a dataset "
+                        "folder's configuration); remove subset")
+    builder, files = _builder(source, what, subset)
+    local.check_splits(split, list(files), source, what)
+    every = list(dict.fromkeys(file for split_files in files.values() for file in split_files))
+    if what != "file":
+        for file in every:  # datasets reads every split's files
+            check_data_file(file)
+    # the cache keys a file by its mtime alone (a folder's by its files' mtimes): sources reads a changed one again
+    read, scope = (sources.stamp(source), "") if what == "file" else (sources.stamps(every), f"\0{what}\0{subset}")
+    mode = sources.download_mode(source, read, scope)
+    raw = _from_cache(builder, source, split, what) if mode is None else None
+    if raw is None:
+        if mode is None:  # the cache was damaged: a builder of its own for the new read
+            builder, _ = _builder(source, what, subset)
         try:
-            raw = _read_local(source, suffix, "force_redownload")
-            sources.remember(source, read)
-            return raw
+            raw = _prepare(builder, source, split, "force_redownload")
         except DataError:
             raise
         except Exception as exc:  # datasets wraps parse errors in several exception types
-            _check_cache_error(exc, source)
-            # find the offending line (only on failure: a full parse costs seconds per 1M rows)
-            if suffix == ".jsonl":
-                scan_jsonl(source)
-            elif suffix == ".json":
-                _scan_json(source)
-            elif suffix == ".csv":
-                _scan_csv(source)
-            raise DataError(f"{source}: cannot be read as {suffix[1:]} ({error_detail(exc)})") from None
-    if Path(source).exists():
-        raise DataError(f"{source}: unsupported data file type; use one of {', '.join(BUILDERS)}")
+            _check_cache_error(exc, source, every)
+            for file in every:
+                _scan_failed(file)
+            types = "/".join(sorted({data_suffix(file)[1:] for file in every}))
+            raise DataError(f"{source}: cannot be read as {types} ({error_detail(exc)})") from None
+        sources.remember(source, read, scope)
+    lengths = {split_name: info.num_examples for split_name, info in (raw.info.splits or {}).items()}
+    picked = local.parts(split, lengths)
+    if what != "file" or not local.whole(picked, lengths):
+        rows.place(name, local.Places(name, picked, files, lengths))
+    return raw
+
+
+def _load_saved(source: str, split: str, name: str) -> Dataset:
+    """One split string's rows of a ``save_to_disk`` folder, read with ``datasets.load_from_disk`` and sliced with
+    ``datasets``' own arithmetic. The rows are read in place (no copy, so never stale); their fingerprint, which
+    keys the tokenized cache, is made of the folder's own fingerprint, its files' stamps and the slice, so a folder
+    saved again, or a slice changed, is tokenized anew."""
+    import datasets  # lazy: heavy
+    from datasets.fingerprint import Hasher  # lazy: heavy
+
+    try:
+        with quiet_datasets(logging.CRITICAL), say_if_slow(f"loading {source} ..."):
+            saved = datasets.load_from_disk(source)
+    except Exception as exc:
+        raise DataError(f"{source}: cannot be read as a folder written by save_to_disk ({error_detail(exc)})") \
+            from None
+    one = isinstance(saved, datasets.Dataset)
+    splits = {"train": saved} if one else dict(saved)
+    local.check_splits(split, list(splits), source, "saved")
+    folders = {split_name: source if one else str(Path(source, split_name)) for split_name in splits}
+    lengths = {split_name: len(rows_of) for split_name, rows_of in splits.items()}
+    picked = local.parts(split, lengths)
+    pieces = [splits[part].select(range(start, stop), new_fingerprint=Hasher.hash(
+        [splits[part]._fingerprint, local.saved_stamp(folders[part]), part, start, stop]))
+        for part, start, stop in picked]
+    try:
+        raw = pieces[0] if len(pieces) == 1 else datasets.concatenate_datasets(pieces)
+    except ValueError as exc:
+        raise DataError(f"{source}: the splits of {split!r} cannot be joined ({error_detail(exc)})") from None
+    rows.place(name, local.Places(name, picked, {part: [folders[part]] for part in splits}, lengths, saved=True))
+    return _writable(raw, source)
+
+
+def _writable(raw: Dataset, source: str) -> Dataset:
+    """``raw`` where tokenizing can write its cache: ``map`` writes beside the rows' files (as it does for anyone
+    who maps a saved dataset), so the rows of a folder that cannot be written to are copied once into the datasets
+    cache, under their fingerprint."""
+    files = raw.cache_files
+    if not files or os.access(Path(files[0]["filename"]).parent, os.W_OK):
+        return raw
+    from datasets import config  # lazy: heavy
+
+    home = Path(config.HF_DATASETS_CACHE) / "finetune-saved"
+    with quiet_datasets(), say_if_slow(f"copying {source} into the datasets cache ..."), \
+            cache.writes(source, "copying"):
+        home.mkdir(parents=True, exist_ok=True)
+        return raw.flatten_indices(cache_file_name=str(home / f"{raw._fingerprint}.arrow"),
+                                   new_fingerprint=raw._fingerprint)
+
+
+def load_raw(source: str, subset: str | None = None, split: str = "train") -> Dataset:
+    """Load a source's rows: a local file (plain or compressed), a glob, a folder of data files, a ``save_to_disk``
+    folder (:mod:`finetune.data.local`), or a hub dataset name. ``subset``: a hub dataset's (or a folder's)
+    configuration; ``split``: ``datasets``' split string, a split's name or a slice of it (``train[:1000]``,
+    ``train[10%:]``); a file or a glob is the one split ``train``."""
+    import datasets  # lazy: heavy
+
+    check_regular(source)
+    name = local.name_of(source, subset, split)
+    rows.place(name, None)
+    what = local.kind(source)
+    if what == "saved":
+        if subset is not None:
+            raise DataError(f"{source}: a save_to_disk folder has no subsets; remove subset")
+        return _load_saved(source, split, name)
+    if what is not None:
+        return _load_files(source, what, subset, split, name)
     chosen = [f"subset {subset!r}"] * (subset is not None) + [f"split {split!r}"] * (split != "train")
     picked = f" ({', '.join(chosen)})" if chosen else ""
     try:

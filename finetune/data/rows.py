@@ -7,24 +7,62 @@ can all import it without a circle. """
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from finetune.config.compose import COMPRESSIONS
 from finetune.errors import DataError
 
 ROLES = ("system", "user", "assistant", "tool")  # a tool turn (a tool's result) is prompt, as a user turn is
 IGNORE = -100  # the label of a token that is not trained on (prompt, padding, image tokens)
 
 
+# How row indices of a source that is not one whole file (a folder, a glob, a slice) are placed: its name (as
+# messages show it) -> a function of the row index that says where the row is (finetune.data.loading.load_raw sets
+# them when it reads the source; tokenizing workers are forked from that process and see them too; a worker started
+# another way has none and names a row `source (row N)`).
+_PLACES: dict[str, Callable[[int], str]] = {}
+
+
+def data_suffix(path: str) -> str:
+    """The suffix that says a data file's type, before a compression suffix: ``.jsonl`` for ``a.jsonl`` and
+    ``a.jsonl.gz`` alike."""
+    name = Path(path)
+    suffix = name.suffix
+    if suffix in COMPRESSIONS:
+        return Path(name.stem).suffix
+    return suffix
+
+
 @functools.lru_cache(maxsize=64)
 def _suffix(path: str) -> str:
-    """``Path(path).suffix``, remembered: :func:`line_of` runs for every row tokenized (twice), and parsing the
+    """:func:`data_suffix`, remembered: :func:`line_of` runs for every row tokenized (twice), and parsing the
     path each time cost as much as checking the row."""
-    return Path(path).suffix
+    return data_suffix(path)
+
+
+def place(name: str, where: Callable[[int], str] | None) -> None:
+    """Say where the rows of the source called ``name`` are (``where(index)``), or, with None, that they are
+    where :func:`line_of`'s own rule puts them (one whole file)."""
+    if where is None:
+        _PLACES.pop(name, None)
+    else:
+        _PLACES[name] = where
 
 
 def line_of(path: str, index: int) -> str:
-    """Where row ``index`` lives in its file, as ``file:line`` (csv counts its header line)."""
+    """Where row ``index`` lives in its file, as ``file:line`` (csv counts its header line); for a source that is
+    not one whole file, where :func:`place` said."""
+    where = _PLACES.get(path)
+    if where is not None:
+        return where(index)
+    return file_line(path, index)
+
+
+def file_line(path: str, index: int) -> str:
+    """Where row ``index`` of the whole file ``path`` is: ``file:line`` for JSON lines (compressed too) and csv
+    (whose header is line 1), else ``file (row N)``."""
     suffix = _suffix(path)
     if suffix == ".jsonl":
         return f"{path}:{index + 1}"

@@ -7,6 +7,11 @@ rows. The inode's change time (ctime) moves on every write, and no tool can set 
 time moves it too), so a record of size, mtime and ctime per file, beside the ``datasets`` cache, tells a file
 that may have changed: its rows are read again (:func:`download_mode`), and the new rows' cache file gives the
 tokenized split a new cache key. An unchanged file costs one ``stat``.
+
+A source of several files (a folder, a glob: :mod:`finetune.data.local`) is recorded the same way, as one record
+of every file's stamp (:func:`stamps`) under the source's own key (``scope``: what besides the path picks its
+files, such as a folder's subset): a file added, removed or changed makes the whole source read again. A compressed
+file is recorded by its own (compressed) stamp, as a plain one.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 RECORDS = "finetune-sources"  # folder under the datasets cache
 
@@ -25,27 +31,33 @@ def stamp(source: str) -> list[int]:
     return [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
 
 
-def _record(source: str) -> Path:
+def stamps(files: list[str]) -> dict[str, list[int]]:
+    """:func:`stamp` of each of a source's files, by path."""
+    return {file: stamp(file) for file in files}
+
+
+def _record(source: str, scope: str = "") -> Path:
     from datasets import config  # imports datasets (pyarrow, pandas): only once data is really read
 
-    key = hashlib.sha256(str(Path(source).resolve()).encode()).hexdigest()[:24]
+    key = hashlib.sha256((str(Path(source).resolve()) + scope).encode()).hexdigest()[:24]
     return Path(config.HF_DATASETS_CACHE) / RECORDS / f"{key}.json"
 
 
-def download_mode(source: str, now: list[int]) -> str | None:
-    """``force_redownload`` when the file (:func:`stamp` ``now``) may differ from what the cache holds: no record
-    of it, or its size, mtime or ctime moved since it was last read; else None (the cache is the file)."""
+def download_mode(source: str, now: Any, scope: str = "") -> str | None:
+    """``force_redownload`` when the file (:func:`stamp` ``now``; a source of several files: :func:`stamps`) may
+    differ from what the cache holds: no record of it, or a size, mtime or ctime moved (or a file came or went)
+    since it was last read; else None (the cache is the file)."""
     try:
-        recorded = json.loads(_record(source).read_text())
+        recorded = json.loads(_record(source, scope).read_text())
     except (OSError, ValueError):
         return "force_redownload"
     return None if recorded == now else "force_redownload"
 
 
-def remember(source: str, read: list[int]) -> None:
+def remember(source: str, read: Any, scope: str = "") -> None:
     """Record that the cache holds the file as it was at :func:`stamp` ``read`` (after a successful load); a cache
     folder that cannot be written to records nothing (the next load reads the file again)."""
-    path = _record(source)
+    path = _record(source, scope)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")

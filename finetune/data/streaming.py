@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource
-from finetune.data import batched, shapes
+from finetune.data import batched, local, shapes
 from finetune.data.loading import (
     BUILDERS,
     check_file,
@@ -494,7 +494,13 @@ def _sample_problems(sample: Any, where: str, vocab: int | None) -> list[str]:
 def open_stream(cfg: DataConfig, tokenizer: Any, *, seed: int, names: list[str], images: Any = None,
                 labels: list[str] | None = None) -> TrainStream:
     """The training stream of ``cfg`` (``data.streaming``): no row is read yet, but every local file is checked
-    (it exists, is a file, is not empty). ``names``: how messages name each source (finetune.data.source_name)."""
+    (it exists, is a file, is not empty). ``names``: how messages name each source (finetune.data.source_name).
+    A folder, a glob, a saved folder, a compressed file or a slice is refused in one line
+    (:func:`finetune.data.local.unstreamable`): none has an exact resumable reader here yet."""
+    for source, name in zip(cfg.train_sources(), names, strict=True):  # before any reader opens a file
+        problem = local.unstreamable(source.path, source.split, name)
+        if problem is not None:
+            raise DataError(problem)
     sources = []
     for number, (source, name) in enumerate(zip(cfg.train_sources(), names, strict=True)):
         assert source.format is not None, "filled in by DataConfig.train_sources"

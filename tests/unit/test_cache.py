@@ -150,3 +150,21 @@ def test_a_full_cache_disk_is_one_line_naming_the_cache_folder(tmp_path: Path, t
     assert str(failed.value) == (
         f"the datasets cache folder {datasets.config.HF_DATASETS_CACHE} is full (no space left on the device) while "
         f"{doing} {source}; free space there, or set HF_DATASETS_CACHE to a folder on a disk with room")
+
+
+def test_a_damaged_raw_entry_of_a_sliced_folder_is_read_again(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A slice's rows are counted against what the cache recorded of its split (the whole split has more rows than
+    the slice, so the count of the split alone would call every slice damaged, and a damaged one sound)."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    _source(folder)
+    split = "train[100:]"
+    assert load_raw(str(folder), split=split).to_list() == ROWS[100:] and not capsys.readouterr().err
+    entry = Path(load_raw(str(folder), split=split).cache_files[0]["filename"])
+    assert not capsys.readouterr().err  # a sound slice is not damage
+    fewer_rows(entry)
+    assert load_raw(str(folder), split=split).to_list() == ROWS[100:]
+    notes = capsys.readouterr().err.splitlines()
+    assert len(notes) == 1 and notes[0].startswith(f"note: the datasets cache of {folder} was damaged ("), notes
+    assert notes[0].endswith("reading its files again")

@@ -10,8 +10,11 @@ single line starting with ``file`` or ``file:line``.
 from __future__ import annotations
 
 import builtins
+import bz2
 import csv
+import gzip
 import json
+import lzma
 import os
 from pathlib import Path
 from typing import Any
@@ -213,7 +216,7 @@ def test_mixed_types_are_found_by_line_when_datasets_cannot_load_them(tmp_path: 
     def fail(*args: Any, **kwargs: Any) -> None:
         raise datasets.exceptions.DatasetGenerationError("An error occurred while generating the dataset")
 
-    monkeypatch.setattr(datasets, "load_dataset", fail)
+    monkeypatch.setattr(datasets.DatasetBuilder, "download_and_prepare", fail)  # what load_dataset reads with
     with pytest.raises(DataError) as excinfo:
         load_raw(path)
     one_line(excinfo, f"{path}:3", "field 'label' is a list here but a string on line 1")
@@ -273,13 +276,12 @@ def test_bom_does_not_hide_the_bad_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_directory_with_a_data_suffix(tmp_path: Path, kind: str) -> None:
+def test_directory_with_a_data_suffix_is_read_as_a_folder(tmp_path: Path, kind: str) -> None:
+    """A folder is a folder of data files whatever its name says, as for datasets.load_dataset(folder)."""
     path = tmp_path / f"train.{kind}"
     path.mkdir()
     (path / "part-0.jsonl").write_text(json.dumps(GOOD["completion"]) + "\n")
-    with pytest.raises(DataError) as excinfo:
-        load_raw(str(path))
-    one_line(excinfo, str(path), "is a directory")
+    assert load_raw(str(path)).to_list() == datasets.load_dataset(str(path), split="train").to_list()
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -563,3 +565,226 @@ def test_bool_label_is_rejected(tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": "a", "label": True})])
     with pytest.raises(DataError, match=rf"{path}:1: field 'label'"):
         check_rows(load_raw(path), "classification", path)
+
+
+# ---------------------------------------------------------- 8. local sources: folders, saved folders, globs, slices
+
+
+OPENERS: dict[str, Any] = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}
+
+
+def _texts(path: Path, texts: list[str]) -> str:
+    """Rows ``{"text": t}`` as JSON lines, compressed as the suffix says (.gz, .bz2, .xz)."""
+    with OPENERS.get(path.suffix, open)(path, "wt") as handle:
+        handle.write("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return str(path)
+
+
+def _repo(tmp_path: Path) -> Path:
+    """A cloned hub dataset: train in two files (one compressed), validation in one, and a README."""
+    folder = tmp_path / "repo"
+    (folder / "data").mkdir(parents=True)
+    _texts(folder / "data" / "train-00000-of-00002.jsonl", [f"a{i}" for i in range(3)])
+    _texts(folder / "data" / "train-00001-of-00002.jsonl.gz", [f"b{i}" for i in range(2)])
+    _texts(folder / "data" / "validation-00000-of-00001.jsonl", [f"v{i}" for i in range(2)])
+    (folder / "README.md").write_text("# a dataset\n")
+    return folder
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "train[1:]+validation", "train[:40%]", "validation[-1:]"])
+def test_a_folder_reads_as_load_dataset_reads_it(tmp_path: Path, split: str) -> None:
+    folder = str(_repo(tmp_path))
+    assert load_raw(folder, split=split).to_list() == datasets.load_dataset(folder, split=split).to_list()
+
+
+def test_a_folder_without_split_names_is_train(tmp_path: Path) -> None:
+    folder = tmp_path / "plain"
+    folder.mkdir()
+    for name in ("one", "two"):
+        rows = datasets.Dataset.from_list([{"text": f"{name}{i}"} for i in range(2)])
+        rows.to_parquet(str(folder / f"{name}.parquet"))
+    raw = load_raw(str(folder))
+    assert raw.to_list() == datasets.load_dataset(str(folder), split="train").to_list()
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(folder), split="test")
+    one_line(excinfo, f"{folder}: no split 'test'; the splits there are train")
+
+
+def test_a_missing_split_names_the_splits_found(tmp_path: Path) -> None:
+    folder = _repo(tmp_path)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(folder), split="test[:10]")
+    one_line(excinfo, f"{folder}: no split 'test'; the splits there are train, validation")
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (lambda tmp_path: tmp_path, "holds no data files datasets can read"),
+    (lambda tmp_path: (tmp_path / "notes.txt").write_text("hello\n") and tmp_path, "its data files are .txt files"),
+], ids=["empty", "text-files"])
+def test_a_folder_without_data_files_is_one_line(tmp_path: Path, make: Any, expected: str) -> None:
+    folder = tmp_path / "f"
+    folder.mkdir()
+    make(folder)
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(folder))
+    one_line(excinfo, f"{folder}: ", expected)
+
+
+def test_a_bad_row_of_a_folder_names_its_file_and_line(tmp_path: Path) -> None:
+    folder = _repo(tmp_path)
+    bad = folder / "data" / "train-00001-of-00002.jsonl.gz"
+    _texts(bad, ["b0", ""])  # the empty text of its 2nd line
+    with pytest.raises(DataError) as excinfo:
+        check_rows(load_raw(str(folder)), "completion", str(folder))
+    one_line(excinfo, f"{bad}:2: field 'text' must be a non-empty string")
+
+
+def test_a_bad_row_of_a_slice_names_its_line(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", [json.dumps({"text": t}) for t in ("a", "b", "c", "", "e")])
+    name = f"{path} (split=train[2:])"
+    with pytest.raises(DataError) as excinfo:
+        check_rows(load_raw(path, split="train[2:]"), "completion", name)
+    one_line(excinfo, f"{path}:4: field 'text' must be a non-empty string")
+
+
+@pytest.mark.parametrize("split", ["train", "validation", "train[:2]+validation[1:]", "train[50%:]"])
+def test_a_saved_dataset_dict_reads_as_load_from_disk_and_slices_as_load_dataset(tmp_path: Path, split: str) -> None:
+    """The same rows as jsonl files give the reference slice: a saved folder is sliced as load_dataset slices."""
+    rows = {"train": [f"r{i}" for i in range(5)], "validation": ["v0", "v1"]}
+    datasets.DatasetDict({name: datasets.Dataset.from_list([{"text": t} for t in texts])
+                          for name, texts in rows.items()}).save_to_disk(str(tmp_path / "saved"))
+    files = {name: _texts(tmp_path / f"{name}.jsonl", texts) for name, texts in rows.items()}
+    raw = load_raw(str(tmp_path / "saved"), split=split)
+    assert raw.to_list() == datasets.load_dataset("json", data_files=files, split=split).to_list()
+    if "+" not in split and "[" not in split:
+        assert raw.to_list() == datasets.load_from_disk(str(tmp_path / "saved"))[split].to_list()
+
+
+def test_a_saved_dataset_is_the_split_train(tmp_path: Path) -> None:
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": f"r{i}"} for i in range(4)]).save_to_disk(str(saved))
+    assert load_raw(str(saved)).to_list() == datasets.load_from_disk(str(saved)).to_list()
+    raw = load_raw(str(saved), split="train[1:3]")
+    assert raw["text"][:] == ["r1", "r2"]
+    with pytest.raises(DataError) as excinfo:
+        check_rows(raw, "classification", f"{saved} (split=train[1:3])")
+    one_line(excinfo, f"{saved} (row 2): ")  # the row's number in the saved split
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(saved), split="test")
+    one_line(excinfo, f"{saved}: no split 'test'; the splits there are train")
+
+
+def test_a_saved_folder_that_cannot_be_written_is_copied_for_the_tokenized_cache(
+        tmp_path: Path, tok: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """map writes its cache beside the rows' files: a read-only saved folder gets a copy in the datasets cache."""
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"text": f"row {i}"} for i in range(3)]).save_to_disk(str(saved))
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if Path(path) == saved else real(path, mode))
+    raw = load_raw(str(saved))
+    assert Path(raw.cache_files[0]["filename"]).parent == Path(datasets.config.HF_DATASETS_CACHE) / "finetune-saved"
+    out = tokenize_rows(raw, fmt="completion", tokenizer=tok, max_len=32, overlong="truncate", add_bos="auto",
+                        source=str(saved))
+    assert not list(saved.glob("cache-*.arrow")) and len(out.dataset) == 3
+
+
+@pytest.mark.parametrize("pattern", ["*.jsonl", "train-*", "**/*.jsonl*"])
+def test_a_glob_reads_as_load_dataset_reads_its_pattern(tmp_path: Path, pattern: str) -> None:
+    _texts(tmp_path / "train-1.jsonl", ["a", "b"])
+    _texts(tmp_path / "train-2.jsonl", ["c"])
+    (tmp_path / "deep").mkdir()
+    _texts(tmp_path / "deep" / "more.jsonl.gz", ["d"])
+    source = str(tmp_path / pattern)
+    assert load_raw(source).to_list() == datasets.load_dataset("json", data_files=source, split="train").to_list()
+
+
+def test_a_glob_of_several_types_or_none_is_one_line(tmp_path: Path) -> None:
+    _texts(tmp_path / "a.jsonl", ["a"])
+    write(tmp_path, "csv", [{"text": "b"}], name="b")
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(tmp_path / "*"))
+    one_line(excinfo, f"{tmp_path / '*'}: matches files of more than one type (json: 1, csv: 1)")
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(tmp_path / "*.parquet"))
+    one_line(excinfo, f"{tmp_path / '*.parquet'}: no file matches this pattern")
+
+
+def test_a_bad_line_of_a_glob_names_its_file(tmp_path: Path) -> None:
+    _texts(tmp_path / "a.jsonl", ["a"])
+    bad = write_jsonl(tmp_path / "b.jsonl", [json.dumps({"text": "b"}), '{"text": ', json.dumps({"text": "c"})])
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(tmp_path / "*.jsonl"))
+    one_line(excinfo, f"{bad}:2: invalid JSON")
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".bz2", ".xz"])
+def test_a_compressed_file_reads_as_load_dataset_reads_it(tmp_path: Path, suffix: str) -> None:
+    path = _texts(tmp_path / f"rows.jsonl{suffix}", ["a", "b", "c"])
+    assert load_raw(path).to_list() == datasets.load_dataset("json", data_files=path, split="train").to_list()
+    csv_path = tmp_path / f"rows.csv{suffix}"
+    with OPENERS[suffix](csv_path, "wt") as handle:
+        handle.write("text,label\nhello,a\nbye,b\n")
+    assert load_raw(str(csv_path)).to_list() == datasets.load_dataset("csv", data_files=str(csv_path),
+                                                                      split="train").to_list()
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    (b'{"text": "a"}\n\n{"text": "b"}\n', ":2: empty line"),
+    (b'{"text": "a"}\n{"text": "caf\xe9"}\n', ":2: not UTF-8 text"),
+    (b'{"text": "a"}\n{"text": "b"\n', ":2: invalid JSON"),
+], ids=["blank-line", "latin1", "bad-json"])
+def test_a_compressed_jsonl_file_is_checked_as_its_text(tmp_path: Path, content: bytes, expected: str) -> None:
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(gzip.compress(content))
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}{expected}")
+
+
+def test_a_bad_row_of_a_compressed_jsonl_file_names_its_line(tmp_path: Path) -> None:
+    path = _texts(tmp_path / "rows.jsonl.gz", ["a", "b", ""])
+    with pytest.raises(DataError) as excinfo:
+        check_rows(load_raw(path), "completion", path)
+    one_line(excinfo, f"{path}:3: field 'text' must be a non-empty string")
+
+
+@pytest.mark.parametrize("damage", [
+    lambda packed: b'{"text": "a"}\n',  # not gzip at all
+    lambda packed: packed[: len(packed) // 2],  # cut short
+    lambda packed: packed[:12] + bytes(255 - b for b in packed[12:-8]) + packed[-8:],  # a damaged body
+    lambda packed: bz2.compress(b'{"text": "a"}\n'),  # another compression
+], ids=["plain", "cut", "damaged", "bz2"])
+def test_a_file_that_is_not_what_its_compression_suffix_says(tmp_path: Path, damage: Any) -> None:
+    path = tmp_path / "rows.jsonl.gz"
+    path.write_bytes(damage(gzip.compress(b'{"text": "a"}\n' * 50)))
+    with pytest.raises(DataError) as excinfo:
+        load_raw(str(path))
+    one_line(excinfo, f"{path}: cannot be decompressed as .gz (")
+
+
+def test_a_file_is_one_split_and_has_no_subsets(tmp_path: Path) -> None:
+    path = _texts(tmp_path / "rows.jsonl", ["a", "b", "c", "d"])
+    assert load_raw(path, split="train[:50%]")["text"][:] == ["a", "b"]
+    with pytest.raises(DataError) as excinfo:
+        load_raw(path, split="validation")
+    one_line(excinfo, f"{path}: a file is one split, train, not 'validation'")
+    with pytest.raises(DataError) as excinfo:
+        load_raw(path, subset="en")
+    one_line(excinfo, f"{path}: a file has no subsets")
+    with pytest.raises(DataError) as excinfo:
+        load_raw(path, split="train[10:]")
+    one_line(excinfo, f"{path}: split 'train[10:]' picks no rows (of 4 in train); widen the slice")
+
+
+def test_load_splits_reads_a_folder_split_and_a_slice_with_their_places(tmp_path: Path, tok: Any) -> None:
+    """Through the trainer's own entry: the eval split is a folder's validation split, the train split a slice of
+    a compressed file; a bad row of either names its file and line."""
+    folder = _repo(tmp_path)
+    train = _texts(tmp_path / "train.jsonl.gz", ["a", "b", "c", ""])
+    bundle = load_splits(DataConfig(format="completion", train=[{"path": train, "split": "train[:3]"}],
+                                    eval=[{"path": str(folder), "split": "validation"}]), tok)
+    assert bundle.train is not None and len(bundle.train.dataset) == 3
+    assert bundle.eval is not None and len(bundle.eval.dataset) == 2
+    with pytest.raises(DataError) as excinfo:
+        load_splits(DataConfig(format="completion", train=[{"path": train, "split": "train[1:]"}]), tok)
+    one_line(excinfo, f"{train}:4: ")

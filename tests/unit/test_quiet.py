@@ -180,6 +180,27 @@ def test_the_library_lines_quiet_lists_are_off_once_finetune_is_imported_and_not
             "classifier.bias, classifier.weight") in quiet.splitlines(), quiet
 
 
+def test_a_dataset_folder_with_a_plain_readme_loads_without_a_card_warning(tmp_path: Path) -> None:
+    """A cloned dataset whose README has no YAML block is the usual case: huggingface_hub's warning about the
+    card's missing metadata is off once finetune is imported (and really is printed without it)."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    (folder / "README.md").write_text("# a dataset\n")
+    (folder / "train.jsonl").write_text('{"text": "a"}\n')
+    probe = ("import sys\nif sys.argv[1] == 'finetune':\n    from finetune.data.loading import load_raw\n"
+             "    load_raw(sys.argv[2])\nelse:\n    import datasets\n    datasets.load_dataset_builder(sys.argv[2])\n")
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+
+    def err(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-P", "-c", probe, *args, str(folder)], cwd=REPO, capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stderr
+
+    assert "Repo card metadata block was not found" in err("alone")
+    assert "Repo card" not in err("finetune")
+
+
 def test_a_load_report_becomes_one_line_and_a_report_it_cannot_read_stays_whole() -> None:
     from finetune.quiet import MOST_KEYS, load_report_line
 

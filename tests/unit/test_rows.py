@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from finetune.data.rows import check_turns, error_detail, line_of, short_repr
+from finetune.data.rows import check_turns, data_suffix, error_detail, line_of, place, short_repr
 from finetune.errors import DataError
 
 
@@ -13,9 +13,29 @@ from finetune.errors import DataError
     ("d.jsonl", 0, "d.jsonl:1"),
     ("d.csv", 0, "d.csv:2"),  # the header is line 1
     ("d.parquet", 4, "d.parquet (row 5)"),  # no lines: the row number
+    ("d.jsonl.gz", 2, "d.jsonl.gz:3"),  # a compressed file's lines are its text's
+    ("d.csv.zst", 0, "d.csv.zst:2"),
+    ("d.json.bz2", 1, "d.json.bz2 (row 2)"),
 ])
 def test_line_of_names_the_line_a_user_opens(path: str, index: int, where: str) -> None:
     assert line_of(path, index) == where
+
+
+def test_data_suffix_looks_past_a_compression_suffix() -> None:
+    assert [data_suffix(p) for p in ("a.jsonl", "a.jsonl.gz", "a.csv.xz", "dir.v2/a.parquet", "a.tar.gz", "a")] == [
+        ".jsonl", ".jsonl", ".csv", ".parquet", ".tar", ""]
+
+
+def test_a_placed_source_names_its_rows_where_it_was_told() -> None:
+    """A source that is not one whole file (a folder, a glob, a slice) says where its rows are; forgetting it gives
+    the whole-file rule back."""
+    place("repo (split=test)", lambda index: f"repo/test.jsonl:{index + 11}")
+    try:
+        assert line_of("repo (split=test)", 0) == "repo/test.jsonl:11"
+        assert line_of("repo", 0) == "repo (row 1)"
+    finally:
+        place("repo (split=test)", None)
+    assert line_of("repo (split=test)", 0) == "repo (split=test) (row 1)"
 
 
 def test_short_repr_keeps_a_huge_value_on_one_short_line() -> None:

@@ -280,3 +280,23 @@ def test_preprocess_says_a_stream_is_not_cached(tmp_path: Path, tok: Any) -> Non
     lines = report(cfg, load_splits(cfg.data, tok, seed=cfg.train.seed))
     assert lines == [f"data.train: streamed ({train}), tokenized while training, nothing cached",
                      f"data.eval {evaluation}: 3 samples, tokenized now (cached)"]
+
+
+def test_a_stream_refuses_folders_globs_compressed_files_and_slices_in_one_line(tmp_path: Path, tok: Any) -> None:
+    """What has no exact resumable reader here is refused before anything is read, naming the source."""
+    import gzip
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    _jsonl(folder / "train.jsonl", _rows(DATA / "reverse_train.jsonl", 4))
+    packed = folder / "more.jsonl.gz"
+    packed.write_bytes(gzip.compress((folder / "train.jsonl").read_bytes()))
+    for train, needle in ((str(folder), f"{folder} is a folder of data files"),
+                          (str(folder / "*.jsonl"), f"{folder / '*.jsonl'} is a glob"),
+                          (str(packed), f"{packed} is compressed (.gz)"),
+                          ([{"path": str(folder / "train.jsonl"), "split": "train[:2]"}], "picks rows with split")):
+        with pytest.raises(DataError) as error:
+            _stream(DataConfig(format="alpaca", train=train, streaming=True), tok)
+        message = str(error.value)
+        assert message.startswith("data.streaming reads single files or hub datasets") and needle in message
+        assert "\n" not in message and "data.streaming: false" in message

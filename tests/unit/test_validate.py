@@ -138,6 +138,28 @@ def test_missing_data_file_is_an_error(write_recipe):
     assert message.startswith("data.train: file not found") and "missing.jsonl" in message
 
 
+def test_data_sources_beyond_one_file_are_checked_before_anything_loads(write_recipe, tmp_path):
+    """A glob must match a file, a missing compressed file is not found, a file or glob is the one split train
+    (sliced as you like), and a folder's subset and splits are its own (checked when it is read)."""
+    recipe = write_recipe()
+    (tmp_path / "repo").mkdir()
+    assert one_error(recipe, ["data.train=shards/part-*.jsonl"]) == \
+        f"data.train: no file matches {tmp_path / 'shards' / 'part-*.jsonl'}"
+    assert one_error(recipe, ["data.train=missing.jsonl.gz"]).startswith("data.train: file not found")
+    split = one_error(recipe, ["data.train=[{path: train.jsonl, split: validation}]"])
+    assert split.startswith("data.train[0].split: ") and "is a local file, which is one split, train" in split
+    subset = one_error(recipe, ["data.train=[{path: '*.jsonl', subset: x}]"])
+    assert subset.startswith("data.train[0].subset: ") and "is a glob of files, which has no subsets" in subset
+    for valid in (["data.train=[{path: train.jsonl, split: 'train[:50%]'}]"], ["data.train=*.jsonl"],
+                  ["data.train=[{path: repo, subset: en, split: 'validation[:10]'}]"]):
+        cfg, _ = load_recipe(recipe, valid)
+        assert cfg.data.train_sources()[0].path.startswith(str(tmp_path)), valid
+    sub = tmp_path / "sub"  # a glob in a recipe resolves against the recipe's folder, not the working one
+    nested = write_recipe(RECIPE_TEXT.replace("train: train.jsonl", "train: 'part-*'"), folder=sub)
+    (sub / "part-1.jsonl").write_text((sub / "train.jsonl").read_text())
+    assert load_recipe(nested)[0].data.train == str(sub / "part-*")
+
+
 def test_a_chat_template_is_a_known_name_or_an_existing_file(write_recipe, tmp_path):
     """One line each: an unknown name lists the names; a missing file names the path (resolved against the
     recipe's folder); the default is null (the tokenizer's own template)."""
