@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config.compose import _file_kind
 from finetune.data import cache, shapes, sources, vision
-from finetune.data.rows import check_turns, error_detail, line_of, short_repr
+from finetune.data.rows import check_turns, error_detail, line_of, short_repr, tools_of
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -512,6 +512,7 @@ def _check_preference(row: dict[str, Any], where: str) -> None:
     if row.get("completion") is not None and row.get("label") is not None:
         raise DataError(f"{where}: {UNPAIRED}")
     row = shapes.explicit_pair(row)
+    tools_of(row, where)  # a list of tool schemas, or none
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if value is None:
@@ -559,6 +560,8 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
     if fmt == "completion" and row.get("text") is None and row.get("completion") is not None:
         _check_completion(row, where)
         return
+    if fmt == "chat":
+        tools_of(row, where)  # a list of tool schemas, or none
     for name in required:
         value = row.get(name)
         if value is None:
