@@ -53,7 +53,7 @@ from finetune.data import vision
 from finetune.data.bos import Lead
 from finetune.data.formats import render_alpaca, stop_ids, template_warnings
 from finetune.data.prompts import PromptIds, chat_text, text_prompt, vision_prompt, vision_text
-from finetune.data.rows import ROLES, error_detail, line_of, short_repr
+from finetune.data.rows import check_turns, error_detail, line_of, short_repr, tools_of
 from finetune.data.vision import VisionCollator
 from finetune.errors import ConfigError, DataError, FinetuneError, RunDirError, run_main
 from finetune.runtime import launch
@@ -138,12 +138,7 @@ class Job:
 def _check_messages(value: Any, where: str, key: str = "messages") -> list[dict[str, Any]]:
     """``value`` (the line's ``key``) as a chat to continue: {role, content} objects, the last one not the
     assistant's."""
-    if not isinstance(value, list) or not value:
-        raise DataError(f"{where}: '{key}' must be a non-empty list of {{role, content}}")
-    for i, msg in enumerate(value):
-        if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
-            got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
-            raise DataError(f"{where}: {key}[{i}] needs role in {ROLES} and a string content, got {short_repr(got)}")
+    check_turns(value, where, key)  # as a training row's (tool calls and their results included)
     if value[-1]["role"] == "assistant":
         raise DataError(f"{where}: the last message is the assistant's; drop it (generate writes the assistant's "
                         "turn)")
@@ -234,9 +229,11 @@ def prompt_text(prompt: Prompt, tokenizer: Any) -> str:
     if not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{prompt.where}: 'messages' need a chat template and this model's tokenizer has none; give "
                         "the text as 'prompt' instead")
-    parts = prompt.images or any(not isinstance(msg["content"], str) for msg in prompt.messages)  # vision_chat
+    parts = prompt.images or any(isinstance(msg.get("content"), list) for msg in prompt.messages)  # vision_chat
     try:
-        return (vision_text if parts else chat_text)(prompt.messages, tokenizer)
+        if parts:
+            return vision_text(prompt.messages, tokenizer)
+        return chat_text(prompt.messages, tokenizer, tools_of(prompt.row, prompt.where))
     except Exception as exc:  # e.g. a template's raise_exception("roles must alternate ...")
         raise DataError(f"{prompt.where}: the tokenizer's chat template rejects these messages "
                         f"({error_detail(exc)})") from None

@@ -290,6 +290,14 @@ class DataConfig(Section):
         default=False, description="false: the prompt's tokens are masked from the loss, only the answer is trained; "
         "true: every token is trained",
     )
+    train_turns: Literal["all", "last"] = Field(
+        default="all", description="chat rows: which assistant turns are trained: all, or the last only (a message's "
+        "own train: true / false overrides this for it)",
+    )
+    train_reasoning: bool = Field(
+        default=True, description="chat rows: whether an assistant turn's reasoning trace (reasoning_content / "
+        "thinking, where the template renders it) is trained; false: the rest of the turn only",
+    )
     add_bos: Literal["auto", "always"] = Field(
         default="auto",
         description="the special tokens before a sample's or prompt's tokens. auto: as the model is served: a chat "

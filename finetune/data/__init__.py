@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource, TrainSource
 from finetune.data import detect, local, mapping, prompt_rows
-from finetune.data.formats import template_warnings
+from finetune.data.formats import ChatRule, template_warnings
 from finetune.data.loading import check_columns, load_raw
 from finetune.data.mixing import Mixture
 from finetune.data.prompt_rows import PromptOptions
@@ -224,7 +224,7 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
         labels = (cfg.labels if cfg.streaming else _labels(raws, train_sources, cfg.labels)) if classification \
             else None
     common = {"tokenizer": tokenizer, "max_len": cfg.max_seq_len, "overlong": cfg.overlong, "add_bos": cfg.add_bos,
-              "train_on_prompt": cfg.train_on_prompt, "labels": labels, "images": images,
+              "train_on_prompt": cfg.train_on_prompt, "chat": ChatRule.of(cfg), "labels": labels, "images": images,
               "num_proc": cfg.num_proc, "prompt": prompt}
     train, mixture, train_parts, stream = None, None, [], None
     if need_train and cfg.streaming:  # nothing read ahead: the stream tokenizes while training

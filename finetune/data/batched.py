@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, TextIO, TypeVar
 from finetune import hooks
 from finetune.data import prompts, shapes, vision
 from finetune.data.bos import Lead
-from finetune.data.formats import Rendered, RowProblem, prerender_chats, render, render_preference
+from finetune.data.formats import EVERY_TURN, ChatRule, Rendered, RowProblem, prerender_chats, render, render_preference
 from finetune.data.loading import check_row
 from finetune.data.rows import IGNORE, error_detail, line_of
 from finetune.errors import DataError
@@ -505,18 +505,20 @@ CAUSAL_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "overlong", 
 
 
 def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
-                 add_bos: str, source: str, reading: shapes.Reading = (), code_version: str = "") -> dict[str, list]:
+                 add_bos: str, source: str, reading: shapes.Reading = (), rule: ChatRule = EVERY_TURN,
+                 code_version: str = "") -> dict[str, list]:
     """Alpaca, completion and chat rows: read as the format's own fields (``reading``: the shapes of
     :mod:`finetune.data.shapes`, e.g. ShareGPT chat rows), checked, rendered (``train_on_prompt``: the whole text is
     the answer), tokenized, cut to ``max_len`` (training keeps the start; a generation prompt keeps its end, the
     cue): the columns of :func:`causal_table` as Python lists (what a stream's reader takes)."""
     table = causal_table(batch, indices, fmt=fmt, tokenizer=tokenizer, max_len=max_len,
-                         train_on_prompt=train_on_prompt, add_bos=add_bos, source=source, reading=reading)
+                         train_on_prompt=train_on_prompt, add_bos=add_bos, source=source, reading=reading, rule=rule)
     return table if isinstance(table, dict) else table.to_pydict()
 
 
 def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
-                 add_bos: str, source: str, reading: shapes.Reading = (), code_version: str = "") -> Any:
+                 add_bos: str, source: str, reading: shapes.Reading = (), rule: ChatRule = EVERY_TURN,
+                 code_version: str = "") -> Any:
     """:func:`causal_batch`'s columns as the arrow table ``tokenize_rows``' map writes, typed as the output features
     type them (int32 ids, int64 labels and prompts: ``datasets`` would otherwise infer int64 and cast). The token
     columns are built in one pass each (:func:`_token_arrays`), never as a Python list per sample's labels; a batch
@@ -528,13 +530,16 @@ def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, ma
     batch = shapes.normalize_batch(batch, indices, reading, source)  # e.g. ShareGPT conversations -> messages
     outs: list[Rendered] = []
     # chat: every row's template renders in two batched calls (None: a row is bad, so rendered row by row below)
-    chats = prerender_chats(list(batch["messages"]), tokenizer) if fmt == "chat" and "messages" in batch else None
+    # (rows with tools are rendered each with its own: a batched call takes one tools list for all)
+    tooled = "tools" in batch and any(tools is not None for tools in batch["tools"])
+    chats = prerender_chats(list(batch["messages"]), tokenizer, rule) if fmt == "chat" and "messages" in batch \
+        and not tooled else None
     for k, (index, row) in enumerate(_rows(batch, indices)):
         check_row(row, index, fmt, source)  # inside the cached map: checked once per data/code version
         texts = chats[k] if chats is not None else None
         # a chat row may give several samples (formats.render_chat: one per group of its assistant turns)
-        outs.extend(rendered(partial(render, row, fmt, tokenizer, train_on_prompt, texts), line_of(source, index),
-                             what))
+        outs.extend(rendered(partial(render, row, fmt, tokenizer, train_on_prompt, texts, rule),
+                             line_of(source, index), what))
     if not outs:
         return {name: [] for name in CAUSAL_COLUMNS}
     lead = Lead.of(tokenizer, add_bos)

@@ -8,7 +8,9 @@ prompt/answer boundary identical to what the model sees at inference time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 
+from finetune.data.rows import tools_of
 from finetune.data.shapes import explicit_pair
 from finetune.errors import DataError
 
@@ -71,14 +74,25 @@ def require_template(tokenizer: Any, what: str, otherwise: str) -> None:
                         f"{TEMPLATE_FIX}, or {otherwise}")
 
 
-def generation_prompt(messages: list[dict[str, Any]], tokenizer: Any) -> str:
+def generation_prompt(messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+                      ) -> str:
     """``messages`` as a model gets them to write the assistant's turn: through the tokenizer's chat template with
     its generation prompt, cut where the template's rendered turns part from it (:func:`serving_prompt`). The
     prompt of a chat row's turns in training, of chat preference pairs, and what :mod:`finetune.data.prompts`
     renders for eval, generate and GRPO: one text for all of them."""
     require_template(tokenizer, "a prompt written as messages", "write the prompt as text")
-    return serving_prompt(render_one(messages, (len(messages), GEN), tokenizer),
-                          render_one(messages, (len(messages), PROBE), tokenizer))
+    check_tools(tokenizer, tools)
+    messages = for_template(messages)
+    return serving_prompt(render_one(messages, (len(messages), GEN), tokenizer, tools),
+                          render_one(messages, (len(messages), PROBE), tokenizer, tools))
+
+
+def check_tools(tokenizer: Any, tools: list[dict[str, Any]] | None) -> None:
+    """Rows with ``tools`` need a chat template that renders them: one that never reads ``tools`` would drop
+    them silently, so it is refused (a :class:`RowProblem`, naming the fix)."""
+    if tools and "tools" not in template_variables(tokenizer):
+        raise RowProblem("the row has tools, but the chat template never renders tools (it does not read "
+                         f"'tools'); give a template that supports tool calling ({TEMPLATE_FIX})")
 
 
 # A chat row's renders, each (prefix length n, kind) of ``messages[:n]`` through the chat template: TEXT as it is,
@@ -101,9 +115,10 @@ def conversation(messages: list[dict[str, Any]], key: ChatRender) -> list[dict[s
     return [*messages[:n], PROBE_TURN] if kind == PROBE else messages[:n]
 
 
-def render_one(messages: list[dict[str, Any]], key: ChatRender, tokenizer: Any) -> str:
-    """One render ``key`` of ``messages`` (one ``apply_chat_template`` call)."""
-    return tokenizer.apply_chat_template(conversation(messages, key), tokenize=False,
+def render_one(messages: list[dict[str, Any]], key: ChatRender, tokenizer: Any,
+               tools: list[dict[str, Any]] | None = None) -> str:
+    """One render ``key`` of ``messages`` (one ``apply_chat_template`` call, ``tools`` given to the template)."""
+    return tokenizer.apply_chat_template(conversation(messages, key), tools=tools, tokenize=False,
                                          add_generation_prompt=key[1] == GEN)
 
 
@@ -209,9 +224,15 @@ def template_warnings(tokenizer: Any) -> list[str]:
 
 def template_variables(tokenizer: Any) -> list[str]:
     """The names the tokenizer's chat template reads that no renderer gives it (its switches, such as
-    ``enable_thinking``), sorted; none when it cannot be parsed."""
+    ``enable_thinking``; and ``tools``, where it renders them), sorted; none when it cannot be parsed."""
     template = tokenizer.chat_template
-    texts = template.values() if isinstance(template, dict) else [template]
+    texts = tuple(template.values()) if isinstance(template, dict) else (template,)
+    return list(_variables(texts))
+
+
+@functools.lru_cache(maxsize=16)
+def _variables(texts: tuple[str, ...]) -> tuple[str, ...]:
+    """:func:`template_variables` of template texts, parsed once per text (rows ask for each)."""
     names: set[str] = set()
     try:
         for text in texts:  # transformers' {% generation %} tags (training templates) mean nothing here
@@ -219,37 +240,97 @@ def template_variables(tokenizer: Any) -> list[str]:
             names |= meta.find_undeclared_variables(jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
                                                     .parse(plain))
     except Exception:  # a template jinja2 alone cannot parse (a transformers extension tag): no hint
-        return []
-    return sorted(names)
+        return ()
+    return tuple(sorted(names))
 
 
 TRAIN_KEY = "train"  # a message's own say in whether it is trained (false: an assistant turn kept as context)
 
 
-def trained_turns(messages: list[dict[str, Any]]) -> list[int]:
-    """The indices of the assistant turns a chat row trains: every one not marked ``train: false``."""
-    return [i for i, msg in enumerate(messages) if msg.get("role") == "assistant" and msg.get(TRAIN_KEY) is not False]
+@dataclass(frozen=True)
+class ChatRule:
+    """Which parts of a chat row's assistant turns are trained (``data.train_turns``, ``data.train_reasoning``):
+    ``last_only``, only the last assistant turn (else every one); ``reasoning``, a turn's reasoning trace too
+    (else the characters of the trace, as its message gives it, are left out of the turn's trained text). A
+    message's own ``train: true / false`` overrides the turn choice. Part of the tokenized cache key."""
+
+    last_only: bool = False
+    reasoning: bool = True
+
+    @classmethod
+    def of(cls, cfg: Any) -> ChatRule:
+        """The rule of a recipe's ``data`` section (``data.train_turns``, ``data.train_reasoning``)."""
+        return cls(last_only=cfg.train_turns == "last", reasoning=cfg.train_reasoning)
+
+
+EVERY_TURN = ChatRule()  # the defaults: every assistant turn, reasoning included
+
+
+def trained_turns(messages: list[dict[str, Any]], rule: ChatRule = EVERY_TURN) -> list[int]:
+    """The indices of the assistant turns a chat row trains: each whose message says ``train: true``, and the
+    others not marked ``train: false`` (with ``rule.last_only``: the last assistant turn only)."""
+    turns = [i for i, msg in enumerate(messages) if msg.get("role") == "assistant"]
+    last = turns[-1:] if rule.last_only else turns
+    return [i for i in turns if messages[i].get(TRAIN_KEY) is True
+            or (messages[i].get(TRAIN_KEY) is not False and i in last)]
+
+
+def reasoning_of(message: dict[str, Any]) -> str | None:
+    """The reasoning trace a message carries (``reasoning_content``, ``thinking`` or ``reasoning``, as
+    transformers reads them), stripped; None when it has none."""
+    for key in ("reasoning_content", "thinking", "reasoning"):
+        value = message.get(key)
+        if isinstance(value, str) and value.strip():
+            return value.strip()
+    return None
+
+
+def _without(text: str, span: tuple[int, int], part: str | None) -> list[tuple[int, int]]:
+    """``span`` of ``text`` less the first occurrence of ``part`` inside it (the whole span when it is not in it)."""
+    start, end = span
+    at = text.find(part, start, end) if part else -1
+    if at < 0:
+        return [span]
+    return [piece for piece in ((start, at), (at + len(part), end)) if piece[1] > piece[0]]
 
 
 def for_template(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` as the chat template gets them: without finetune's ``train`` key (the messages themselves
-    when none has it, so the usual row costs nothing)."""
-    if not any(TRAIN_KEY in msg for msg in messages):
+    """``messages`` as the chat template gets them: without finetune's ``train`` key, and a tool call's arguments
+    written as a JSON string given as the object it holds (what transformers documents and the templates render;
+    checked to parse by :func:`finetune.data.rows.check_tool_calls`). The messages themselves when neither applies,
+    so the usual row costs nothing."""
+    if not any(TRAIN_KEY in msg or msg.get("tool_calls") for msg in messages):
         return messages
-    return [{key: value for key, value in msg.items() if key != TRAIN_KEY} for msg in messages]
+    return [{key: (_calls(value) if key == "tool_calls" else value) for key, value in msg.items() if key != TRAIN_KEY}
+            for msg in messages]
 
 
-def chat_renders(messages: list[dict[str, Any]]) -> list[ChatRender]:
+def _calls(calls: Any) -> Any:
+    """Tool calls with each JSON-string ``arguments`` parsed (see :func:`for_template`)."""
+    if not isinstance(calls, list):
+        return calls
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        if isinstance(arguments, str):
+            call = {**call, "function": {**function, "arguments": json.loads(arguments)}}
+        out.append(call)
+    return out
+
+
+def chat_renders(messages: list[dict[str, Any]], rule: ChatRule = EVERY_TURN) -> list[ChatRender]:
     """The renders :func:`render_chat` needs for ``messages``: for each trained assistant turn i (the last
     message when none is), the conversation up to and with it (the last is the whole conversation), and for i > 0
     the conversation before it with the generation prompt and with the probe turn (its serving prompt)."""
     needed: list[ChatRender] = []
-    for i in trained_turns(messages) or [len(messages) - 1]:
+    for i in trained_turns(messages, rule) or [len(messages) - 1]:
         needed += [(i + 1, TEXT)] + ([(i, GEN), (i, PROBE)] if i else [])
     return needed
 
 
-def prerender_chats(conversations: list[Any], tokenizer: Any) -> list[dict[ChatRender, str]] | None:
+def prerender_chats(conversations: list[Any], tokenizer: Any, rule: ChatRule = EVERY_TURN
+                    ) -> list[dict[ChatRender, str]] | None:
     """Every render :func:`render_chat` needs for each of ``conversations``: through the tokenizer's compiled
     template directly where that is provably what ``apply_chat_template`` renders (:class:`TemplateRenderer`),
     else in two batched ``apply_chat_template`` calls (one per ``add_generation_prompt``): the same template
@@ -257,7 +338,7 @@ def prerender_chats(conversations: list[Any], tokenizer: Any) -> list[dict[ChatR
     template raises for one: the caller then renders row by row, so a bad row is reported as it always was (which
     row, and after the checks of the rows before it)."""
     try:
-        wanted = [chat_renders(messages) for messages in conversations]
+        wanted = [chat_renders(messages, rule) for messages in conversations]
         conversations = [for_template(messages) for messages in conversations]
         keys = {gen: [(row, key) for row, needed in enumerate(wanted) for key in needed if (key[1] == GEN) == gen]
                 for gen in (False, True)}
@@ -345,8 +426,8 @@ def _plain(messages: Any) -> bool:
         for message in messages)
 
 
-def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str] | None = None
-                ) -> list[Rendered]:
+def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str] | None = None,
+                rule: ChatRule = EVERY_TURN) -> list[Rendered]:
     """The training samples of a chat row: every assistant turn trained as the template renders it as the final
     turn, after its serving prompt. ``texts``: this row's renders from :func:`prerender_chats` (else each is one
     template call here).
@@ -361,10 +442,12 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
     it would be served: :class:`RowProblem`.
     """
     require_template(tokenizer, "data.format chat", "use data.format alpaca or completion")
-    trained = trained_turns(row["messages"])
+    trained = trained_turns(row["messages"], rule)
     messages = for_template(row["messages"])
-    if texts is None:  # one template call per render that chat_renders lists
-        texts = {key: render_one(messages, key, tokenizer) for key in chat_renders(row["messages"])}
+    tools = tools_of(row, "the row")
+    check_tools(tokenizer, tools)
+    if texts is None or tools:  # one template call per render that chat_renders lists (tools: each row its own)
+        texts = {key: render_one(messages, key, tokenizer, tools) for key in chat_renders(row["messages"], rule)}
     samples: list[tuple[str, tuple[tuple[int, int], ...], str, int]] = []  # text, spans, prompt, last turn
     for i in trained or [len(messages) - 1]:  # none trained: the last turn's sample (it trains nothing)
         text = texts[(i + 1, TEXT)]
@@ -372,10 +455,12 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
         if not text.startswith(prompt):
             raise RowProblem(_discontinued(messages, i, prompt, text))
         span = (len(prompt), max(len(prompt), len(text.rstrip()))) if i in trained else (len(prompt), len(prompt))
+        # data.train_reasoning false: the trace's own characters are not trained, the rest of the turn is
+        spans = tuple(_without(text, span, None if rule.reasoning else reasoning_of(row["messages"][i])))
         if samples and prompt.startswith(samples[-1][0]):
-            samples[-1] = (text, (*samples[-1][1], span), prompt, i)
+            samples[-1] = (text, (*samples[-1][1], *spans), prompt, i)
         else:
-            samples.append((text, (span,), prompt, i))
+            samples.append((text, spans, prompt, i))
     # eval's exact_match answers each row's last turn: a sample of earlier turns has no reference
     return [Rendered(text, spans, prompt, messages[turn]["content"] if k == len(samples) - 1 else None,
                      add_eos=False, templated=True) for k, (text, spans, prompt, turn) in enumerate(samples)]
@@ -393,17 +478,17 @@ def _discontinued(messages: list[dict[str, Any]], turn: int, prompt: str, text: 
 
 
 def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool,
-           chat_texts: dict[ChatRender, str] | None = None) -> list[Rendered]:
+           chat_texts: dict[ChatRender, str] | None = None, rule: ChatRule = EVERY_TURN) -> list[Rendered]:
     """The samples of one row of ``fmt``: one, or one per group of a chat row's assistant turns
     (:func:`render_chat`). With ``train_on_prompt`` the whole text is trained: a chat row is then one sample, the
     whole conversation as the template renders it. ``chat_texts``: a chat row's renders made beforehand
-    (:func:`prerender_chats`)."""
+    (:func:`prerender_chats`); ``rule``: which parts of a chat row's assistant turns are trained."""
     if fmt == "alpaca":
         out = [render_alpaca(row)]
     elif fmt == "completion":
         out = [render_completion(row)]
     elif fmt == "chat":
-        out = render_chat(row, tokenizer, chat_texts)
+        out = render_chat(row, tokenizer, chat_texts, rule)
     else:
         raise ValueError(f"not a causal-LM format: {fmt}")
     if train_on_prompt:
@@ -411,11 +496,12 @@ def render(row: dict[str, Any], fmt: str, tokenizer: Any, train_on_prompt: bool,
     return out
 
 
-def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any) -> Rendered:
+def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None
+                 ) -> Rendered:
     """One side of a chat-form pair: the whole conversation, with only its final assistant turn as the answer,
     after its serving prompt (as :func:`render_chat` trains a last turn)."""
-    text = tokenizer.apply_chat_template(messages, tokenize=False)
-    prompt = generation_prompt(messages[:-1], tokenizer)
+    text = tokenizer.apply_chat_template(for_template(messages), tools=tools, tokenize=False)
+    prompt = generation_prompt(messages[:-1], tokenizer, tools)
     if not text.startswith(prompt):
         raise RowProblem(_discontinued(messages, len(messages) - 1, prompt, text))
     # as in render_chat: the turn ends at its end marker, whitespace the template adds after it is not learned
@@ -441,4 +527,5 @@ def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Re
     require_template(tokenizer, "preference pairs given as message lists",
                      "write them as {prompt, chosen, rejected} strings")
     row = explicit_pair(row)  # an explicit conversational prompt: before each answer
-    return _chat_answer(row["chosen"], tokenizer), _chat_answer(row["rejected"], tokenizer)
+    tools = tools_of(row, "the row")
+    return _chat_answer(row["chosen"], tokenizer, tools), _chat_answer(row["rejected"], tokenizer, tools)

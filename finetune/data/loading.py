@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.config.compose import COMPRESSIONS, _file_kind
 from finetune.data import cache, local, rows, shapes, sources, vision
 from finetune.data.local import BUILDERS, open_data
-from finetune.data.rows import check_turns, data_suffix, error_detail, line_of, short_repr
+from finetune.data.rows import check_turns, data_suffix, error_detail, line_of, short_repr, tools_of
 from finetune.errors import DataError
 
 if TYPE_CHECKING:
@@ -468,6 +468,9 @@ def _builder(source: str, what: str, subset: str | None) -> tuple[Any, dict[str,
                         f"{', '.join(BUILDERS)} files (compressed too)") from None
     except Exception as exc:
         detail = error_detail(exc)
+        mine = local.glob_files(source) if what == "glob" else \
+            [str(path) for path in Path(source).rglob("*")] if what == "folder" else []  # only when it failed
+        _check_cache_error(exc, source, mine)  # a path that is none of the data's: the datasets cache's fault
         if subset is not None and "BuilderConfig" in detail:
             raise DataError(f"{source}: no subset {subset!r} ({detail})") from None
         raise DataError(f"{source}: cannot be read as {local.KINDS[what]} ({detail})") from None
@@ -679,6 +682,7 @@ def _check_preference(row: dict[str, Any], where: str) -> None:
     if row.get("completion") is not None and row.get("label") is not None:
         raise DataError(f"{where}: {UNPAIRED}")
     row = shapes.explicit_pair(row)
+    tools_of(row, where)  # a list of tool schemas, or none
     chosen, rejected, prompt = row.get("chosen"), row.get("rejected"), row.get("prompt")
     for name, value in (("chosen", chosen), ("rejected", rejected)):
         if value is None:
@@ -726,6 +730,8 @@ def check_row(row: dict[str, Any], index: int, fmt: str, source: str) -> None:
     if fmt == "completion" and row.get("text") is None and row.get("completion") is not None:
         _check_completion(row, where)
         return
+    if fmt == "chat":
+        tools_of(row, where)  # a list of tool schemas, or none
     for name in required:
         value = row.get(name)
         if value is None:

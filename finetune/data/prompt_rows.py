@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from finetune.data import prompts
 from finetune.data.batched import rendered
 from finetune.data.bos import Lead
-from finetune.data.rows import check_turns, line_of, short_repr
+from finetune.data.rows import check_turns, line_of, short_repr, tools_of
 from finetune.errors import DataError
 from finetune.objectives import objective
 
@@ -102,6 +102,7 @@ def check_row(row: dict[str, Any], index: int, source: str, require: tuple[str, 
         raise DataError(f"{where}: both 'prompt' and 'messages' are set; a prompt row has one of them ({FORMS})")
     if prompt is None and messages is None:
         raise DataError(f"{where}: missing field 'prompt' (prompt rows need {FORMS})")
+    tools_of(row, where)  # a list of tool schemas (the template renders them), or none
     if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
         raise DataError(f"{where}: field 'prompt' must be a non-empty string, got {short_repr(prompt)}")
     if messages is not None:
@@ -135,7 +136,7 @@ def prompt_text(row: dict[str, Any], tokenizer: Any) -> str:
     prompt (:func:`finetune.data.prompts.chat_text`)."""
     if row.get("prompt") is not None:
         return row["prompt"]
-    return prompts.chat_text(_messages(row["messages"]), tokenizer)
+    return prompts.chat_text(_messages(row["messages"]), tokenizer, tools_of(row, "the row"))
 
 
 def prompt_batch(batch: Any, indices: list[int], *, tokenizer: Any, max_len: int, add_bos: str, source: str,

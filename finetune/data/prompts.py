@@ -72,10 +72,10 @@ def text_prompt(text: str, tokenizer: Any, max_len: int, lead: Lead, templated: 
     return keep_end(encode(text, tokenizer, lead, templated), max_len)
 
 
-def chat_text(messages: list[dict[str, Any]], tokenizer: Any) -> str:
-    """The chat kind's prompt text: ``messages`` (no final assistant turn) through the chat template, with its
-    generation prompt."""
-    return generation_prompt(messages, tokenizer)
+def chat_text(messages: list[dict[str, Any]], tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> str:
+    """The chat kind's prompt text: ``messages`` (no final assistant turn) through the chat template (``tools``
+    given to it), with its generation prompt."""
+    return generation_prompt(messages, tokenizer, tools)
 
 
 def vision_text(messages: list[dict[str, Any]], tokenizer: Any) -> str:

@@ -7,6 +7,7 @@ can all import it without a circle. """
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -90,18 +91,77 @@ def error_detail(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def tools_of(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """A row's ``tools`` (JSON schemas of the functions the model may call, as the chat template takes them): a
+    list of objects, or a JSON string holding one (as LLaMA-Factory stores them); None when the row has none. One
+    DataError line naming ``where`` otherwise."""
+    tools = row.get("tools")
+    if tools is None:
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as exc:
+            raise DataError(f"{where}: field 'tools' is a string but not JSON ({exc}); give a list of tool "
+                            "schemas") from None
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise DataError(f"{where}: field 'tools' must be a list of tool schemas ({{type: function, function: {{name, "
+                        f"description, parameters}}}}), got {short_repr(tools)}")
+    return tools or None
+
+
+def check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's ``tool_calls``: a non-empty list of ``{type: function, function: {name, arguments}}``
+    (or ``{name, arguments}``), each name a non-empty string and its arguments an object or a JSON string holding
+    one; else one DataError line naming ``where`` (the message) and what to fix."""
+    if not isinstance(calls, list) or not calls:
+        raise DataError(f"{where}.tool_calls must be a non-empty list of {{type: function, function: {{name, "
+                        f"arguments}}}}, got {short_repr(calls)}")
+    for k, call in enumerate(calls):
+        function = call.get("function", call) if isinstance(call, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not name.strip():
+            raise DataError(f"{where}.tool_calls[{k}] needs a function name ({{type: function, function: {{name, "
+                            f"arguments}}}}), got {short_repr(call)}")
+        arguments = function.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError as exc:
+                raise DataError(f"{where}.tool_calls[{k}] ({name}): arguments are not valid JSON ({exc}); write them "
+                                "as an object or a JSON string") from None
+        if not isinstance(arguments, dict):
+            raise DataError(f"{where}.tool_calls[{k}] ({name}): arguments must be an object (or a JSON string of "
+                            f"one), got {short_repr(arguments)}")
+
+
 def check_turns(value: Any, where: str, name: str = "messages") -> None:
     """``value`` (a row's field ``name``) is a non-empty list of {role, content} messages with a known role and a
-    string content (an assistant turn may say ``train: false``), else one DataError naming ``where``, the field
-    and the first bad message. Which role may come last is the caller's rule (a training chat ends with the answer,
-    a prompt row must not)."""
+    string content, else one DataError naming ``where``, the field and the first bad message. An assistant turn may
+    call tools (``tool_calls``, :func:`check_tool_calls`; its content may then be left out) and say ``train:
+    false``; a ``tool`` message (a tool's result) must follow a call. Which role may come last is the caller's rule
+    (a training chat ends with the answer, a prompt row must not)."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: field {name!r} must be a non-empty list of {{role, content}}")
+    called = False  # a tool's result answers a call made before it
     for i, msg in enumerate(value):
-        if not isinstance(msg, dict) or msg.get("role") not in ROLES or not isinstance(msg.get("content"), str):
+        calls = msg.get("tool_calls") if isinstance(msg, dict) else None
+        content = msg.get("content") if isinstance(msg, dict) else None
+        # an assistant turn that calls tools may have no content (the OpenAI / transformers shape)
+        if not isinstance(msg, dict) or msg.get("role") not in ROLES or not (
+                isinstance(content, str) or (content is None and calls is not None and msg["role"] == "assistant")):
             got = {k: msg.get(k) for k in ("role", "content")} if isinstance(msg, dict) else msg
             raise DataError(f"{where}: {name}[{i}] needs role in {ROLES} and a string content, "
                             f"got {short_repr(got)}")
+        if calls is not None:
+            if msg["role"] != "assistant":
+                raise DataError(f"{where}: {name}[{i}] is a {msg['role']} message with tool_calls; only the "
+                                "assistant calls tools")
+            check_tool_calls(calls, f"{where}: {name}[{i}]")
+            called = True
+        if msg["role"] == "tool" and not called:
+            raise DataError(f"{where}: {name}[{i}] is a tool result with no tool call before it; a tool message "
+                            "follows an assistant message with tool_calls")
         train = msg.get("train")
         if train is not None and (not isinstance(train, bool) or (train and msg["role"] != "assistant")):
             raise DataError(f"{where}: {name}[{i}].train must be true or false, on an assistant turn (false keeps "

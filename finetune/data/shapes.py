@@ -27,12 +27,15 @@ The shapes:
   ``human``, ``user``                     user        the dumps, LLaMA-Factory, axolotl
   ``gpt``, ``assistant``                  assistant   the dumps, LLaMA-Factory, axolotl
   ``chatgpt``, ``bing``, ``bard``         assistant   the dumps (the model that answered), FastChat
-  ``function_call``                       assistant   LLaMA-Factory (the assistant's tool call, as text)
+  ``function_call``                       assistant   LLaMA-Factory (the assistant's tool call, as JSON)
   ``observation``, ``tool``               tool        LLaMA-Factory (a tool's result), axolotl
   ======================================  ==========  =================================================
 
   A non-empty ``system`` field becomes a first ``{role: system}`` message; a row with both that field and a
-  ``system`` turn is refused (which one is meant is not known). A turn's other keys are not read. An unknown
+  ``system`` turn is refused (which one is meant is not known). A ``function_call`` turn's value is the call as
+  JSON (``{name, arguments}`` or a list of them) and becomes an assistant message with ``tool_calls``; an answer
+  holding Hermes' ``<tool_call>{...}</tool_call>`` blocks becomes one with those calls (and the rest as content). A
+  call that is not such JSON is one line saying how to write it. A turn's other keys are not read. An unknown
   ``from``, a turn without ``from`` or ``value``, or a ``value`` that is not a string: one line naming the file,
   the row and the turn.
 - **Conversational prompt-completion** (``chat``, TRL's shape): ``{"prompt": [messages], "completion": [assistant
@@ -47,6 +50,7 @@ with an explicit conversational prompt (:func:`explicit_pair`).
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -64,7 +68,7 @@ SHAREGPT_ROLES: dict[str, str] = {
 }
 
 
-def sharegpt_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+def sharegpt_messages(row: dict[str, Any], where: str) -> list[dict[str, Any]]:
     """The ``messages`` of a ShareGPT row (``conversations`` and its optional ``system`` field), or one DataError
     line naming ``where`` (the row's file and line) and what to fix."""
     turns = row["conversations"]
@@ -84,7 +88,18 @@ def sharegpt_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
                             f"use one of {', '.join(SHAREGPT_ROLES)}")
         if not isinstance(value, str):
             raise DataError(f"{where}: conversations[{i}].value must be a string, got {short_repr(value)}")
-        messages.append({"role": SHAREGPT_ROLES[speaker], "content": value})
+        if speaker == "function_call":  # LLaMA-Factory / Hermes: the call, as JSON
+            messages.append({"role": "assistant", "content": None,
+                             "tool_calls": _calls_of(value, f"{where}: conversations[{i}]")})
+            continue
+        role = SHAREGPT_ROLES[speaker]
+        if role == "assistant" and TOOL_CALL.search(value):  # Hermes: <tool_call>{json}</tool_call> in the answer
+            text = TOOL_CALL.sub("", value).strip()
+            calls = [call for found in TOOL_CALL.findall(value)
+                     for call in _calls_of(found, f"{where}: conversations[{i}]")]
+            messages.append({"role": "assistant", "content": text or None, "tool_calls": calls})
+            continue
+        messages.append({"role": role, "content": value})
     system = row.get("system")
     if system is not None and not isinstance(system, str):
         raise DataError(f"{where}: field 'system' must be a string (the conversation's system prompt), got "
@@ -121,6 +136,25 @@ def explicit_pair(row: dict[str, Any]) -> dict[str, Any]:
             "rejected": [*prompt, *rejected]}
 
 
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes' call inside an answer
+
+
+def _calls_of(text: str, where: str) -> list[dict[str, Any]]:
+    """The tool calls a ShareGPT ``function_call`` value (or a Hermes ``<tool_call>`` block) holds: JSON
+    ``{name, arguments}`` or a list of them, as OpenAI ``tool_calls``; else one DataError line saying how to write
+    the turn."""
+    try:
+        found = json.loads(text)
+    except ValueError:
+        found = None
+    calls = found if isinstance(found, list) else [found]
+    if not calls or not all(isinstance(call, dict) and isinstance(call.get("name"), str) for call in calls):
+        raise DataError(f"{where}: a tool call must be JSON {{\"name\": ..., \"arguments\": {{...}}}} (or a list of "
+                        f"them), got {short_repr(text)}; or write the turn as an assistant message with tool_calls")
+    return [{"type": "function", "function": {"name": call["name"], "arguments": call.get("arguments", {})}}
+            for call in calls]
+
+
 @dataclass(frozen=True)
 class Shape:
     """One other way of writing a format's rows: its ``name``; the ``formats`` it applies to; the ``marker`` field
@@ -139,7 +173,8 @@ class Shape:
 
 SHAPES: tuple[Shape, ...] = (
     Shape("sharegpt", ("chat",), "conversations", "messages", sharegpt_messages,
-          lambda: "sharegpt:" + json.dumps(SHAREGPT_ROLES, sort_keys=True) + ":system-field-first"),
+          lambda: "sharegpt:" + json.dumps(SHAREGPT_ROLES, sort_keys=True) + ":system-field-first"
+          + ":function_call-as-tool_calls:" + TOOL_CALL.pattern),
     Shape("conversational prompt-completion", ("chat",), "completion", "messages", prompt_completion_messages,
           lambda: "prompt-completion:prompt+completion:prompt-assistant-untrained", consumes=("prompt",)),
 )

@@ -47,6 +47,7 @@ import numpy as np
 
 from finetune.config.schema import CAUSAL_FORMATS, DataConfig, DataSource
 from finetune.data import batched, local, shapes
+from finetune.data.formats import ChatRule
 from finetune.data.loading import (
     BUILDERS,
     check_file,
@@ -204,7 +205,8 @@ def row_function(fmt: str, cfg: DataConfig, tokenizer: Any, images: Any, labels:
     assert fmt in CAUSAL_FORMATS, fmt
     return batched.causal_batch, {"fmt": fmt, "tokenizer": tokenizer, "max_len": cfg.max_seq_len,
                                   "train_on_prompt": cfg.train_on_prompt, "add_bos": cfg.add_bos,
-                                  "reading": shapes.reading(fmt)}
+                                  "reading": shapes.reading(fmt),
+                                  "rule": ChatRule.of(cfg)}
 
 
 def tokenize_chunk(rows: list[Row], fn: Callable[..., dict[str, list]], kwargs: dict[str, Any], *, source: str,

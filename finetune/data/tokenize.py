@@ -34,6 +34,7 @@ import numpy as np
 
 from finetune.data import batched, cache, prompt_rows, shapes
 from finetune.data.batched import Progress
+from finetune.data.formats import EVERY_TURN, ChatRule
 from finetune.data.loading import check_columns, label_error, quiet_datasets, raw_values
 from finetune.data.rows import IGNORE, line_of
 from finetune.errors import DataError
@@ -176,7 +177,7 @@ def output_features(fmt: str) -> Features:
 
 def tokenize_rows(
     dataset: Dataset, *, fmt: str, tokenizer: Any, max_len: int, overlong: str, add_bos: str,
-    train_on_prompt: bool = False,
+    train_on_prompt: bool = False, chat: ChatRule = EVERY_TURN,
     labels: list[str] | None = None, source: str = "", images: ImageInputs | None = None, num_proc: int | None = None,
     prompt: PromptOptions | None = None, require: tuple[str, ...] = (),
 ) -> Tokenized:
@@ -185,7 +186,8 @@ def tokenize_rows(
     text's tokens (:class:`finetune.data.bos.Lead`; classification texts take the tokenizer's own); ``num_proc``:
     ``data.num_proc`` (see
     :func:`finetune.data.batched.processes`); ``prompt``: the task's options of prompt rows (the room left for a
-    completion) and ``require``: the fields each prompt row must have (see :mod:`finetune.data.prompt_rows`)."""
+    completion) and ``require``: the fields each prompt row must have (see :mod:`finetune.data.prompt_rows`);
+    ``chat``: which parts of a chat row's assistant turns are trained (:class:`finetune.data.formats.ChatRule`)."""
     if fmt == prompt_rows.FORMAT:
         prompt_rows.check_columns(dataset, source, require)
     else:
@@ -214,7 +216,7 @@ def tokenize_rows(
     else:  # reading: the shapes a row may be written in, with their rules (so the cache key holds them)
         fn, kwargs = batched.causal_table, {"fmt": fmt, "tokenizer": tokenizer, "max_len": max_len,
                                             "train_on_prompt": train_on_prompt, "add_bos": add_bos,
-                                            "reading": shapes.reading(fmt)}
+                                            "reading": shapes.reading(fmt), "rule": chat}
     procs = batched.processes(num_proc, len(dataset))
     fn_kwargs = {**kwargs, "source": source, "code_version": CODE_VERSION}
     features = output_features(fmt)

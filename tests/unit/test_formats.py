@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from finetune.data.formats import generation_prompt, render, render_preference
+from finetune.data.formats import ChatRule, generation_prompt, render, render_preference
 from finetune.errors import DataError
 from tests.data_files import CHAT_TWO_TURNS
 
@@ -41,3 +41,42 @@ def test_chat_without_template_is_a_data_error_naming_the_key_that_fixes_it(tok:
         message = str(info.value)
         assert "\n" not in message and "has none" in message and "set model.chat_template" in message, message
         assert "chatml" in message and ".jinja" in message
+
+
+REASONED = {"messages": [{"role": "user", "content": "2+2?"},
+                         {"role": "assistant", "content": "Four.", "reasoning_content": "two and two make four"},
+                         {"role": "user", "content": "3+3?"},
+                         {"role": "assistant", "content": "Six.", "reasoning_content": "three and three make six"}]}
+REASONING_TEMPLATE = ("{%- for m in messages %}<|{{ m.role }}|>\n{%- if m.reasoning_content %}<think>"
+                      "{{ m.reasoning_content }}</think>{%- endif %}{{ m.content }}</s>\n{%- endfor %}"
+                      "{%- if add_generation_prompt %}<|assistant|>\n{%- endif %}")
+
+
+def _trained_text(samples: list) -> list[str]:
+    return [sample.text[a:b] for sample in samples for a, b in sample.spans]
+
+
+def test_the_last_turn_only_and_a_message_of_its_own(tok: Any) -> None:
+    """data.train_turns: last trains the last assistant turn; a message's train: true still trains its turn, and
+    train: false keeps the last one as context."""
+    row = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                        {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}]}
+    assert _trained_text(render(row, "chat", tok, False)) == ["b</s>", "d</s>"]
+    assert _trained_text(render(row, "chat", tok, False, rule=ChatRule(last_only=True))) == ["d</s>"]
+    forced = {"messages": [*row["messages"][:1], {**row["messages"][1], "train": True}, *row["messages"][2:]]}
+    assert _trained_text(render(forced, "chat", tok, False, rule=ChatRule(last_only=True))) == ["b</s>", "d</s>"]
+    kept = {"messages": [*row["messages"][:3], {**row["messages"][3], "train": False}]}
+    assert _trained_text(render(kept, "chat", tok, False)) == ["b</s>"]
+
+
+def test_reasoning_is_trained_unless_the_recipe_says_not(tok: Any) -> None:
+    """data.train_reasoning: false leaves each trace's own characters out of its turn's trained text (the
+    template's tags and the answer stay trained)."""
+    import copy
+
+    reasoning = copy.deepcopy(tok)
+    reasoning.chat_template = REASONING_TEMPLATE
+    assert _trained_text(render(REASONED, "chat", reasoning, False)) == [
+        "<think>two and two make four</think>Four.</s>", "<think>three and three make six</think>Six.</s>"]
+    assert _trained_text(render(REASONED, "chat", reasoning, False, rule=ChatRule(reasoning=False))) == [
+        "<think>", "</think>Four.</s>", "<think>", "</think>Six.</s>"]

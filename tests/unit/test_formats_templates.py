@@ -37,6 +37,7 @@ from finetune.data.formats import (
     prefill_dropped,
     render,
     stop_ids,
+    template_variables,
     template_warnings,
 )
 from finetune.data.rows import IGNORE
@@ -242,3 +243,44 @@ def test_generation_stops_at_the_templates_end_of_turn(tokenizers: dict[str, Any
         tok.add_special_tokens({"additional_special_tokens": list(markers.values())})
         assert stop_ids(tok) == [tok.eos_token_id, tok.convert_tokens_to_ids(marker)], name
     assert stop_ids(tokenizers["glm4moe"]) == [tokenizers["glm4moe"].eos_token_id]  # no end marker at all
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+TOOL_CHAT = [{"role": "user", "content": "What is the weather in Paris?"},
+             {"role": "assistant", "content": None, "tool_calls": [
+                 {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+             {"role": "tool", "content": "sunny, 21 degrees", "name": "get_weather", "tool_call_id": "call_1"},
+             {"role": "assistant", "content": "It is sunny in Paris."}]
+
+
+@pytest.mark.parametrize("name", list(CORPUS))
+def test_tool_calls_are_trained_and_tool_results_and_schemas_are_not(tokenizers: dict[str, Any], name: str) -> None:
+    """Every template of the corpus that renders tools: each sample is the template's own rendering (tools given)
+    of a prefix ending in an assistant turn; the call turn's trained text holds the function's name and argument,
+    the answer is trained, and no tool result, tool schema or user text is. A template without tool support is
+    refused in one line naming the fix."""
+    tok = tokenizers[name]
+    row = {"messages": copy.deepcopy(TOOL_CHAT), "tools": TOOLS}
+    if "tools" not in template_variables(tok):
+        with pytest.raises(DataError, match=r"^rows\.jsonl:1: the row has tools, but the chat template never renders "
+                                            r"tools .*model\.chat_template"):
+            rendered(lambda: render(row, "chat", tok, False), "rows.jsonl:1", "rejects")
+        return
+    try:
+        whole = tok.apply_chat_template(TOOL_CHAT, tools=TOOLS, tokenize=False)
+    except Exception as exc:  # the template itself refuses this conversation: its message, one line
+        with pytest.raises(DataError, match=r"^rows\.jsonl:1: the tokenizer's chat template rejects"):
+            rendered(lambda: render(row, "chat", tok, False), "rows.jsonl:1",
+                     "the tokenizer's chat template rejects this conversation")
+        assert str(exc)
+        return
+    samples = rendered(lambda: render(row, "chat", tok, False), "rows.jsonl:1", "rejects")
+    renders = {tok.apply_chat_template(TOOL_CHAT[:i + 1], tools=TOOLS, tokenize=False) for i in (1, 3)}
+    assert samples[-1].text == whole and all(sample.text in renders for sample in samples)
+    spans = [sample.text[a:b] for sample in samples for a, b in sample.spans]
+    assert sum("get_weather" in span and "Paris" in span for span in spans) == 1, spans
+    assert sum("It is sunny in Paris." in span for span in spans) == 1
+    for text in ("sunny, 21 degrees", "The weather of a city", "What is the weather"):
+        assert not any(text in span for span in spans), (text, spans)

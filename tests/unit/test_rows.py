@@ -3,9 +3,11 @@ turns every data module shares."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from finetune.data.rows import check_turns, data_suffix, error_detail, line_of, place, short_repr
+from finetune.data.rows import check_turns, data_suffix, error_detail, line_of, place, short_repr, tools_of
 from finetune.errors import DataError
 
 
@@ -65,3 +67,45 @@ def test_check_turns_names_the_first_bad_message(value: object, message: str) ->
         check_turns(value, "f.jsonl:3")
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
     check_turns([{"role": "system", "content": ""}, {"role": "assistant", "content": "ok"}], "f.jsonl:3")
+
+
+CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+USER = {"role": "user", "content": "weather?"}
+
+
+@pytest.mark.parametrize(("messages", "needle"), [
+    ([USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{city: Paris}"}}]}],
+     r"messages\[1\]\.tool_calls\[0\] \(f\): arguments are not valid JSON"),
+    ([USER, {"role": "assistant", "tool_calls": [{"function": {"arguments": {}}}]}],
+     r"messages\[1\]\.tool_calls\[0\] needs a function name"),
+    ([USER, {"role": "assistant", "tool_calls": []}], r"messages\[1\]\.tool_calls must be a non-empty list"),
+    ([USER, {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1, 2]"}}]}],
+     r"messages\[1\]\.tool_calls\[0\] \(f\): arguments must be an object"),
+    ([USER, {"role": "tool", "content": "sunny"}], r"messages\[1\] is a tool result with no tool call before it"),
+    ([{"role": "user", "content": "x", "tool_calls": [CALL]}], r"messages\[0\] is a user message with tool_calls"),
+    ([USER, {"role": "assistant", "content": None}], r"messages\[1\] needs role in .* and a string content"),
+    ([USER, {"role": "user", "content": "x", "train": True}], r"messages\[1\]\.train must be true or false, on an "
+                                                              r"assistant turn"),
+])
+def test_a_bad_tool_row_is_one_line(messages: list, needle: str) -> None:
+    with pytest.raises(DataError, match=r"^rows\.jsonl:3: " + needle) as info:
+        check_turns(messages, "rows.jsonl:3")
+    assert "\n" not in str(info.value)
+
+
+def test_a_tool_conversation_in_the_openai_shape_is_well_formed() -> None:
+    check_turns([USER, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                 {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+                 {"role": "assistant", "tool_calls": [{"function": {"name": "g", "arguments": "{\"a\": 1}"}}]},
+                 {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Sunny.", "train": True}],
+                "rows.jsonl:1")
+
+
+def test_tools_are_a_list_of_schemas_or_its_json() -> None:
+    schema = {"type": "function", "function": {"name": "f"}}
+    assert tools_of({"tools": [schema]}, "x") == [schema]
+    assert tools_of({"tools": json.dumps([schema])}, "x") == [schema]
+    assert tools_of({}, "x") is None and tools_of({"tools": []}, "x") is None
+    for bad, needle in (("[oops", "is a string but not JSON"), ({"name": "f"}, "must be a list of tool schemas")):
+        with pytest.raises(DataError, match=r"^rows\.jsonl:2: field 'tools' " + needle):
+            tools_of({"tools": bad}, "rows.jsonl:2")

@@ -31,7 +31,18 @@ def plain(row: dict[str, Any]) -> list[dict[str, str]]:
     """The normalisation written plainly: the row's system field (when set) first, then each turn's from by the
     table above and its value as the content."""
     system = [{"role": "system", "content": row["system"]}] if row.get("system") else []
-    return system + [{"role": EXPECTED_ROLES[t["from"]], "content": t["value"]} for t in row["conversations"]]
+    return system + [_plain_turn(t) for t in row["conversations"]]
+
+
+def _plain_turn(turn: dict[str, Any]) -> dict[str, Any]:
+    """A function_call turn is the assistant's tool call (its value the call as JSON); any other is role and
+    content."""
+    if turn["from"] == "function_call":
+        call = json.loads(turn["value"])
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{"type": "function", "function": {"name": call["name"],
+                                                                 "arguments": call.get("arguments", {})}}]}
+    return {"role": EXPECTED_ROLES[turn["from"]], "content": turn["value"]}
 
 
 ROWS = [
@@ -195,3 +206,20 @@ def test_an_unpaired_preference_row_is_one_line_naming_the_tasks(tmp_path: Path,
         _tokenized(tmp_path, tok, rows, fmt)
     message = str(info.value)
     assert "unpaired preference" in message and "dpo" in message and "sft" in message and "\n" not in message
+
+
+def test_a_hermes_tool_call_in_an_answer_becomes_tool_calls() -> None:
+    """Hermes function-calling data writes the call inside the gpt turn: each ``<tool_call>`` block becomes a call,
+    the text around them the content; a call that is not JSON is one line saying how to write it."""
+    row = {"conversations": [{"from": "human", "value": "weather in Paris?"},
+                             {"from": "gpt", "value": "Let me check.\n<tool_call>\n{\"name\": \"get_weather\", "
+                                                      "\"arguments\": {\"city\": \"Paris\"}}\n</tool_call>"},
+                             {"from": "tool", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]}
+    messages = shapes.normalize_row(row, CHAT, "x.jsonl:1")["messages"]
+    assert messages[1] == {"role": "assistant", "content": "Let me check.", "tool_calls": [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert messages[2:] == [{"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]
+    bad = {"conversations": [{"from": "human", "value": "hi"}, {"from": "function_call", "value": "weather(Paris)"}]}
+    with pytest.raises(DataError, match=r"^x\.jsonl:1: conversations\[1\]: a tool call must be JSON .*or write the "
+                                        r"turn as an assistant message with tool_calls"):
+        shapes.normalize_row(bad, CHAT, "x.jsonl:1")

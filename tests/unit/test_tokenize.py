@@ -343,20 +343,26 @@ SAME_AS_MESSAGES = [  # the rows above written as messages, by hand
     {"messages": [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Sky colour?"},
                   {"role": "assistant", "content": "blue"}]},
 ]
-TOOL_ROW = {"conversations": [{"from": "human", "value": "Weather?"}, {"from": "function_call", "value": "weather()"},
+TOOL_ROW = {"conversations": [{"from": "human", "value": "Weather?"},
+                              {"from": "function_call", "value": "{\"name\": \"weather\", \"arguments\": {}}"},
                               {"from": "observation", "value": "sunny"}, {"from": "gpt", "value": "Sunny."}]}
-TOOL_AS_MESSAGES = {"messages": [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "weather()"},
+TOOL_AS_MESSAGES = {"messages": [{"role": "user", "content": "Weather?"},
+                                 {"role": "assistant", "content": None, "tool_calls": [
+                                     {"type": "function", "function": {"name": "weather", "arguments": {}}}]},
                                  {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}
+# chatml that writes a call as <tool_call>JSON</tool_call> (what the function_call row needs a template to render)
+CHATML_TOOLS = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}{%- if m.tool_calls %}{%- for c in "
+                "m.tool_calls %}{{- '<tool_call>' + (c.function | tojson) + '</tool_call>' }}{%- endfor %}{%- else %}"
+                "{{- m.content }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+                "{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 TOKEN_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference")
 
 
 def _chatml(folder: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from finetune.config.chat_templates import CHATML
-
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    tokenizer.chat_template = CHATML
+    tokenizer.chat_template = CHATML_TOOLS
     return tokenizer
 
 
@@ -373,7 +379,7 @@ def _columns(result: Any) -> dict[str, list]:
 def test_sharegpt_rows_tokenize_as_the_same_rows_written_as_messages(tmp_path: Path, tok: Any, bare_tokenizer: Path,
                                                                      template: str) -> None:
     """Ids, labels (the masks), generation prompts and references of a ShareGPT file equal those of the same rows
-    written as messages, with the tokenizer's own template and with chatml (which renders tool turns too); a file
+    written as messages, with the tokenizer's own template and with chatml that renders tool calls; a file
     mixing both shapes row by row gives the same again."""
     tokenizer = tok if template == "own" else _chatml(bare_tokenizer)
     rows = SHAREGPT_ROWS + ([TOOL_ROW] if template == "chatml" else [])
