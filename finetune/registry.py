@@ -56,7 +56,8 @@ class RowTask:
 
 
 ROW_TASKS: Mapping[Task, RowTask] = {
-    "causal_lm": RowTask(frozenset({"token_accuracy", "exact_match"}), frozenset({"alpaca", "chat", "completion"}),
+    "causal_lm": RowTask(frozenset({"token_accuracy", "exact_match", "tool_calls"}),
+                         frozenset({"alpaca", "chat", "completion"}),
                          causal=True, text_causal=True),
     "vision_causal_lm": RowTask(frozenset({"token_accuracy", "exact_match"}), frozenset({"vision_chat"}),
                                 causal=True, vision=True),
@@ -64,6 +65,7 @@ ROW_TASKS: Mapping[Task, RowTask] = {
     "reward": RowTask(None, frozenset(), scores=True),
 }
 CAUSAL_TASKS = frozenset(task for task, rules in ROW_TASKS.items() if rules.causal)  # next-token logits
+GENERATING_METRICS = frozenset({"exact_match", "tool_calls"})  # the eval metrics that generate answers
 # the tasks a row may have (register): their metrics and formats; the metrics of the recipe's ``task`` values (dpo,
 # reward, grpo) are their records' (finetune.objectives)
 TASK_METRICS: Mapping[Task, frozenset[str]] = {task: rules.metrics for task, rules in ROW_TASKS.items()

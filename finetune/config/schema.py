@@ -512,10 +512,11 @@ class EvalConfig(Section):
     at_start: bool = Field(default=False, description="also evaluate before the first step")
     metrics: list[str] = Field(
         default_factory=list,
-        description="causal_lm: token_accuracy, exact_match; classification: accuracy; task dpo / reward: "
-        "preference_accuracy. Loss/perplexity always.",
+        description="causal_lm: token_accuracy, exact_match, tool_calls (the generated calls of rows whose last turn "
+        "calls tools, compared as data); classification: accuracy; task dpo / reward: preference_accuracy. "
+        "Loss/perplexity always.",
     )
-    max_new_tokens: int = Field(default=16, ge=1, description="exact_match: greedy tokens generated")
+    max_new_tokens: int = Field(default=16, ge=1, description="exact_match, tool_calls: greedy tokens generated")
     batch_size: int = Field(default=16, ge=1, description="samples per forward pass during evaluation, per process")
 
 

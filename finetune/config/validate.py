@@ -198,9 +198,10 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             what = f"task {scored}" if scored else row.task
             lines += [f"eval.metrics: {metric!r} is not a {what} metric; use one of {sorted(allowed)}"
                       for metric in cfg.eval.metrics if metric not in allowed]
-            if "exact_match" in cfg.eval.metrics and "exact_match" in allowed and "generation" not in row.capabilities:
-                lines.append(f"eval.metrics: exact_match generates text, but {row.name} does not support generation; "
-                             "use token_accuracy")
+            generating = sorted(registry.GENERATING_METRICS.intersection(cfg.eval.metrics).intersection(allowed))
+            if generating and "generation" not in row.capabilities:
+                lines.append(f"eval.metrics: {generating[0]} generates text, but {row.name} does not support "
+                             "generation; use token_accuracy")
         refused = objectives.row_line(cfg.task, row.name, row.task, row.capabilities)  # the task's model row
         lines += [refused] if refused else []
         if cfg.data is not None and cfg.data.format not in ("preference", "prompt", None) \

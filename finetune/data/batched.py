@@ -501,7 +501,7 @@ def _table(columns: dict[str, list]) -> Any:
     return pa.Table.from_arrays(arrays, names=list(columns))
 
 
-CAUSAL_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "overlong", "n_labels")
+CAUSAL_COLUMNS = ("input_ids", "labels", "prompt_ids", "reference", "calls", "overlong", "n_labels")
 
 
 def causal_batch(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, max_len: int, train_on_prompt: bool,
@@ -547,7 +547,8 @@ def causal_table(batch: Any, indices: list[int], *, fmt: str, tokenizer: Any, ma
     cues = cue_ids(outs, encoded, tokenizer, max_len, lead)  # out.prompt of chat: prompts.chat_text
     ids, labels, overlong, n_labels = _token_arrays(outs, encoded, tokenizer, lead, max_len)
     arrays = [ids, labels, pa.array(cues, type=pa.list_(pa.int64())),
-              pa.array([out.reference for out in outs], type=pa.string()), pa.array(overlong), pa.array(n_labels)]
+              pa.array([out.reference for out in outs], type=pa.string()),
+              pa.array([out.calls for out in outs], type=pa.string()), pa.array(overlong), pa.array(n_labels)]
     return pa.Table.from_arrays(arrays, names=list(CAUSAL_COLUMNS))
 
 
@@ -679,6 +680,7 @@ def _vision_row(row: dict[str, Any], index: int, *, tokenizer: Any, images: Imag
     prompt = prompts.vision_prompt(prompts.vision_text(messages[:-1], tokenizer), tokenizer, images, grids, where,
                                    max_len, Lead.of(tokenizer, add_bos), templated=True)
     return {"input_ids": ids[:cut], "labels": labels[:cut], "prompt_ids": prompt.ids, "reference": out.reference,
+            "calls": None,
             "images": [str(path) for path in paths], "image_grids": grids, "n_images": kept,
             "overlong": len(ids) > max_len, "n_labels": _count(labels[:cut])}
 

@@ -121,6 +121,7 @@ class Collator:
             prompts = [r["prompt_ids"] for r in rows]
             batch["prompt_ids"], batch["prompt_mask"] = left_pad(prompts, self.pad_id)
             batch["reference"] = [r["reference"] for r in rows]
+            batch["calls"] = [r.get("calls") for r in rows]  # the tool_calls metric's reference (or None)
         return batch
 
 

@@ -18,7 +18,7 @@ from typing import Any
 import jinja2
 from jinja2 import meta
 
-from finetune.data.rows import tools_of
+from finetune.data.rows import reference_calls, tools_of
 from finetune.data.shapes import explicit_pair
 from finetune.errors import DataError
 
@@ -34,7 +34,8 @@ class Rendered:
     already end assistant turns with their own end marker. ``templated``: ``text`` (and ``prompt``) are a chat
     template's render, which wrote every special token it wants (:mod:`finetune.data.bos` adds none before them).
     ``reference`` None: a sample of a chat row's earlier turns, which eval's exact_match does not count (it answers
-    each row's last turn).
+    each row's last turn). ``calls``: the tool calls of a chat row's last turn, as JSON
+    (:func:`finetune.data.rows.reference_calls`), what the ``tool_calls`` metric compares with; None without.
     """
 
     text: str
@@ -43,6 +44,7 @@ class Rendered:
     reference: str | None
     add_eos: bool
     templated: bool = False
+    calls: str | None = None
 
 
 def render_alpaca(row: dict[str, Any]) -> Rendered:
@@ -462,8 +464,10 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
         else:
             samples.append((text, spans, prompt, i))
     # eval's exact_match answers each row's last turn: a sample of earlier turns has no reference
-    return [Rendered(text, spans, prompt, messages[turn]["content"] if k == len(samples) - 1 else None,
-                     add_eos=False, templated=True) for k, (text, spans, prompt, turn) in enumerate(samples)]
+    last = len(samples) - 1
+    return [Rendered(text, spans, prompt, messages[turn]["content"] if k == last else None, add_eos=False,
+                     templated=True, calls=reference_calls(messages[turn]) if k == last else None)
+            for k, (text, spans, prompt, turn) in enumerate(samples)]
 
 
 def _discontinued(messages: list[dict[str, Any]], turn: int, prompt: str, text: str) -> str:

@@ -91,6 +91,44 @@ def error_detail(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+Call = tuple[str, Any]  # a tool call as data: (function name, arguments as parsed JSON)
+
+
+def normal_call(call: Any) -> Call | None:
+    """A call in any of the accepted shapes as (name, arguments); arguments given as a JSON string are parsed.
+    None when ``call`` is not a call."""
+    if not isinstance(call, dict):
+        return None
+    if isinstance(call.get("function"), dict):
+        call = call["function"]
+    name = call.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    if "arguments" in call:
+        arguments = call["arguments"]
+    elif "parameters" in call:
+        arguments = call["parameters"]
+    else:
+        return None
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    return name, arguments
+
+
+def reference_calls(message: dict[str, Any]) -> str | None:
+    """The ``calls`` stored for an eval row whose last assistant turn is ``message``: its tool calls as JSON
+    ``[[name, arguments], ...]``; None when it calls no tool."""
+    functions = [call.get("function", call) if isinstance(call, dict) else call for call in message.get("tool_calls")
+                 or []]  # a call written without arguments takes none
+    calls = [normal_call({"arguments": {}, **function}) if isinstance(function, dict) else None
+             for function in functions]
+    found = [call for call in calls if call is not None]
+    return json.dumps([list(call) for call in found], sort_keys=True) if found else None
+
+
 def tools_of(row: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
     """A row's ``tools`` (JSON schemas of the functions the model may call, as the chat template takes them): a
     list of objects, or a JSON string holding one (as LLaMA-Factory stores them); None when the row has none. One

@@ -168,7 +168,7 @@ def output_features(fmt: str) -> Features:
                          "rejected_input_ids": Sequence(Value("int32")), "rejected_labels": Sequence(Value("int64")),
                          "overlong": Value("bool"), "n_labels": Value("int64")})
     text = {**common, "labels": Sequence(Value("int64")), "prompt_ids": Sequence(Value("int64")),
-            "reference": Value("string")}
+            "reference": Value("string"), "calls": Value("string")}
     if fmt == "vision_chat":
         return Features({**text, "images": Sequence(Value("string")),
                          "image_grids": Sequence(Sequence(Value("int64"))), "n_images": Value("int64")})

@@ -6,7 +6,7 @@ from typing import Any
 
 from finetune.config.schema import RecipeConfig
 from finetune.data import DataBundle
-from finetune.registry import SupportedModel
+from finetune.registry import GENERATING_METRICS, SupportedModel
 from finetune.tasks.base import EvalCounts, Task
 from finetune.tasks.causal_lm import CausalLMTask
 from finetune.tasks.classification import ClassificationTask
@@ -37,7 +37,7 @@ def build_task(cfg: RecipeConfig, row: SupportedModel, tokenizer: Any, data: Dat
     reference that runs only forward passes: see GRPOTask)."""
     adapter, takes = ADAPTERS.get(cfg.task or "") or ADAPTERS[row.task]
     inputs = {"tokenizer": tokenizer, "allow_plugin": allow_plugin, "frozen_copy": frozen_copy, "images": images,
-              "with_prompts": "exact_match" in cfg.eval.metrics}
+              "with_prompts": bool(GENERATING_METRICS.intersection(cfg.eval.metrics))}
     return adapter(cfg, data, tokenizer.pad_token_id, rank, world, lockstep=lockstep, row=row,  # type: ignore[call-arg]
                    **{name: inputs[name] for name in takes})
 

@@ -16,6 +16,8 @@ import torch
 
 from finetune.data.formats import stop_ids
 from finetune.data.rows import IGNORE
+from finetune.registry import GENERATING_METRICS
+from finetune.tasks import toolcalls
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.decoding import generate_tokens
 from finetune.tasks.logprobs import LogProbs, count_next_token_targets, next_token_targets, target_logprobs
@@ -81,13 +83,19 @@ class CausalLMTask(TaskData):
         counts = EvalCounts(loss_sum, num_tokens)
         if "token_accuracy" in metrics:
             counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits, num_tokens
+        answers = self._answers(model, batch) if GENERATING_METRICS.intersection(metrics) else []
         if "exact_match" in metrics:
             # each row's last turn is answered: a sample of a chat row's earlier turns has no reference (its
             # prompt is generated from all the same, so every rank of a sharded backend runs the same passes)
             answered = [i for i, reference in enumerate(batch["reference"]) if reference is not None]
-            counts.correct["exact_match"] = torch.tensor(self._exact_matches(model, batch, answered),
-                                                         device=hits.device)
+            hit = sum(normalize(answers[i]) == normalize(batch["reference"][i]) for i in answered)
+            counts.correct["exact_match"] = torch.tensor(hit, device=hits.device)
             counts.total["exact_match"] = torch.tensor(len(answered), device=hits.device)
+        if "tool_calls" in metrics:  # rows whose last turn calls tools: the calls, compared as data
+            called = [i for i, calls in enumerate(batch.get("calls") or []) if calls is not None]
+            hit = sum(toolcalls.correct(answers[i], batch["calls"][i], self.tokenizer) for i in called)
+            counts.correct["tool_calls"] = torch.tensor(hit, device=hits.device)
+            counts.total["tool_calls"] = torch.tensor(len(called), device=hits.device)
         return counts
 
     def _generate(self, model: Any, batch: dict[str, Any]) -> torch.Tensor:
@@ -96,15 +104,11 @@ class CausalLMTask(TaskData):
         return generate_tokens(model, batch["prompt_ids"], batch["prompt_mask"], self.cfg.eval.max_new_tokens,
                                self.stop_ids, self.pad_id)
 
-    def _exact_matches(self, model: Any, batch: dict[str, Any], answered: list[int]) -> int:
-        """How many of the batch's samples ``answered`` (those with a reference) generate their reference, each
-        generation cut before its first stop token."""
-        new = self._generate(model, batch).tolist()
-        hits = 0
-        for tokens, reference in zip([new[i] for i in answered], [batch["reference"][i] for i in answered],
-                                     strict=True):
+    def _answers(self, model: Any, batch: dict[str, Any]) -> list[str]:
+        """Each sample's greedy answer to its prompt, cut before its first stop token and decoded without special
+        tokens (what exact_match compares, and where tool_calls finds the calls)."""
+        texts = []
+        for tokens in self._generate(model, batch).tolist():
             stop = next((k for k, token in enumerate(tokens) if token in self.stop_ids), len(tokens))
-            tokens = tokens[:stop]
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            hits += normalize(text) == normalize(reference)
-        return hits
+            texts.append(self.tokenizer.decode(tokens[:stop], skip_special_tokens=True))
+        return texts

@@ -164,6 +164,42 @@ def test_exact_match_stops_at_the_templates_end_of_turn(tok: Any, batch: dict[st
     assert int(task.eval_output(ScriptedModel(script, vocab=len(chat)), batch).correct["exact_match"]) == 3
 
 
+def test_tool_calls_counts_the_rows_whose_last_turn_calls_and_compares_the_calls(tok: Any) -> None:
+    """Chat rows tokenized as training does: the row ending in a call stores it (``calls``), the row ending in a
+    text answer does not; the metric counts the first only, a right call (arguments in another order) as
+    correct."""
+    import copy
+
+    chat = copy.deepcopy(tok)
+    chat.chat_template = ("{%- for m in messages %}<|{{ m.role }}|>\n{%- if m.tool_calls %}{%- for c in "
+                          "m.tool_calls %}<call>{{ c.function | tojson }}</call>{%- endfor %}{%- else %}"
+                          "{{ m.content }}{%- endif %}</s>\n{%- endfor %}{%- if add_generation_prompt %}"
+                          "<|assistant|>\n{%- endif %}")
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}
+    rows = [{"messages": [{"role": "user", "content": "Weather in Paris?"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]}]},
+            {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}]
+    data = tokenize_rows(datasets.Dataset.from_list(rows), fmt="chat", tokenizer=chat, max_len=128,
+                         overlong="truncate", add_bos="auto").dataset
+    assert [row["calls"] for row in data] == ['[["get_weather", {"city": "Paris", "unit": "C"}]]', None]
+    batch = Collator(pad_id=0, with_prompts=True)(list(data))
+
+    def ids(text: str) -> list[int]:
+        return chat(text, add_special_tokens=False)["input_ids"]
+
+    answer = ids('<call>{"name": "get_weather", "arguments": {"unit": "C", "city": "Paris"}}</call>')
+    script = [[*answer, chat.eos_token_id], [*ids("Hello."), chat.eos_token_id]]
+    task = CausalLMTask(make_cfg(["tool_calls", "exact_match"], max_new_tokens=max(map(len, script))), None, 0, 0,
+                        1, with_prompts=True, tokenizer=chat)
+    counts = task.eval_output(ScriptedModel(script), batch)
+    assert (int(counts.correct["tool_calls"]), int(counts.total["tool_calls"])) == (1, 1)
+    assert (int(counts.correct["exact_match"]), int(counts.total["exact_match"])) == (1, 1)  # the text answer
+    wrong = ids('<call>{"name": "get_weather", "arguments": {"city": "Lyon", "unit": "C"}}</call>')
+    task.cfg.eval.max_new_tokens = len(wrong) + 1
+    counts = task.eval_output(ScriptedModel([[*wrong, chat.eos_token_id], script[1]]), batch)
+    assert (int(counts.correct["tool_calls"]), int(counts.total["tool_calls"])) == (0, 1)
+
+
 def test_exact_match_stops_at_max_new_tokens(tok: Any, batch: dict[str, Any]) -> None:
     answer = tok("z c a d", add_special_tokens=False)["input_ids"]
     script = [[*answer, tok.eos_token_id], [3], [3]]
