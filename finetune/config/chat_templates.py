@@ -29,7 +29,46 @@ CHATML = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
-NAMED: dict[str, str] = {"chatml": CHATML}  # name -> the template's Jinja text
+# Hermes function calling (as NousResearch's Hermes and Qwen2.5 write it) on ChatML: the tools' JSON schemas in the
+# system turn between <tools></tools>, one per line; a call as <tool_call>\n{"name": ..., "arguments": {...}}\n
+# </tool_call> in the assistant's turn (after its text, if any); a tool's result as a "tool" turn holding
+# <tool_response>\n...\n</tool_response>; an assistant's reasoning_content as <think>\n...\n</think>\n\n before
+# the rest of its turn, in every turn (so a conversation renders prefix-wise).
+HERMES = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions. Their signatures are within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags.<|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'system' and loop.first %}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{%- set function = call.function if call.function is defined else call %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + function.name + '\", \"arguments\": ' + (function.arguments | tojson)"
+    " + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+NAMED: dict[str, str] = {"chatml": CHATML, "hermes": HERMES}  # name -> the template's Jinja text
 NAME_PATTERN = re.compile(r"[A-Za-z0-9_-]+")
 MAX_BYTES = 1 << 20  # a chat template file larger than 1 MiB is refused before it is read (real ones are a few KiB)
 KEY = "model.chat_template"

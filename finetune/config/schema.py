@@ -86,7 +86,8 @@ class ModelConfig(Section):
     chat_template: str | None = Field(
         default=None,
         description="the chat template every chat render uses (training, eval, generate, GRPO prompts), for a "
-        "tokenizer that has none or to replace its own: a named template (chatml) or the path of a Jinja file "
+        "tokenizer that has none or to replace its own: a named template (chatml, or hermes: chatml with tool "
+        "calls) or the path of a Jinja file "
         "(relative to the recipe file); it is saved with the export's tokenizer. null: the tokenizer's own",
     )
 
