@@ -465,7 +465,7 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
             samples.append((text, spans, prompt, i))
     # eval's exact_match answers each row's last turn: a sample of earlier turns has no reference
     last = len(samples) - 1
-    return [Rendered(text, spans, prompt, messages[turn]["content"] if k == last else None, add_eos=False,
+    return [Rendered(text, spans, prompt, messages[turn].get("content") if k == last else None, add_eos=False,
                      templated=True, calls=reference_calls(messages[turn]) if k == last else None)
             for k, (text, spans, prompt, turn) in enumerate(samples)]
 
@@ -510,7 +510,7 @@ def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any, tools: list[dic
         raise RowProblem(_discontinued(messages, len(messages) - 1, prompt, text))
     # as in render_chat: the turn ends at its end marker, whitespace the template adds after it is not learned
     return Rendered(text, ((len(prompt), max(len(prompt), len(text.rstrip()))),), prompt,
-                    messages[-1]["content"], add_eos=False, templated=True)
+                    messages[-1].get("content"), add_eos=False, templated=True)
 
 
 def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Rendered]:

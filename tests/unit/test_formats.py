@@ -80,3 +80,20 @@ def test_reasoning_is_trained_unless_the_recipe_says_not(tok: Any) -> None:
         "<think>two and two make four</think>Four.</s>", "<think>three and three make six</think>Six.</s>"]
     assert _trained_text(render(REASONED, "chat", reasoning, False, rule=ChatRule(reasoning=False))) == [
         "<think>", "</think>Four.</s>", "<think>", "</think>Six.</s>"]
+
+
+def test_a_tool_call_turn_may_leave_its_content_out(tok: Any) -> None:
+    """The OpenAI shape writes a call turn without ``content``: its sample has no text reference, and its calls are
+    what the tool_calls metric compares."""
+    import copy
+
+    from finetune.config.chat_templates import HERMES
+
+    hermes = copy.deepcopy(tok)
+    hermes.chat_template = HERMES
+    call = {"type": "function", "function": {"name": "now", "arguments": {}}}
+    row = {"messages": [{"role": "user", "content": "time?"}, {"role": "assistant", "tool_calls": [call]}],
+           "tools": [{"type": "function", "function": {"name": "now", "parameters": {"type": "object"}}}]}
+    [sample] = render(row, "chat", hermes, False)
+    assert sample.reference is None and sample.calls == '[["now", {}]]'
+    assert _trained_text([sample]) == ['<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call><|im_end|>']
