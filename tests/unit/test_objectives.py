@@ -99,8 +99,8 @@ def test_each_record_says_what_its_task_runs(task: str) -> None:
 
 # Each model row task's rules, written out: (metrics, formats, causal, text_causal, vision, labels, scores)
 ROWS = {
-    "causal_lm": ({"token_accuracy", "exact_match"}, {"alpaca", "chat", "completion"}, True, True, False, False,
-                  False),
+    "causal_lm": ({"token_accuracy", "exact_match", "tool_calls"}, {"alpaca", "chat", "completion"}, True, True, False,
+                  False, False),
     "vision_causal_lm": ({"token_accuracy", "exact_match"}, {"vision_chat"}, True, False, True, False, False),
     "classification": ({"accuracy"}, {"classification"}, False, False, False, True, False),
     "reward": (None, set(), False, False, False, False, True),
