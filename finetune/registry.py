@@ -305,6 +305,14 @@ SUPPORTED_MODELS: dict[str, SupportedModel] = {
         tiny_config=_TINY_DECODER, model_types=("llama",), debug_build=True, tokenizer="tiny-llama-tokenizer",
         description="debug: 2-layer Llama built from a config + bundled tokenizer (no download)",
     ),
+    "tiny-llama-tools": SupportedModel(
+        name="tiny-llama-tools", task="causal_lm", auto_class="AutoModelForCausalLM", config_class="LlamaConfig",
+        decoder_layer="LlamaDecoderLayer", lora_targets=_DECODER_LORA, capabilities=_DECODER_CAPS,
+        model_inputs=_DECODER_INPUTS,
+        tiny_config={**_TINY_DECODER, "vocab_size": 1024, "bos_token_id": 1, "eos_token_id": 5, "pad_token_id": 0},
+        model_types=(), debug_build=True, tokenizer="tiny-tools-tokenizer",  # no config.json is read as this row
+        description="debug: tiny-llama with the bundled tool-calling tokenizer (hermes template; the tools quickstart)",
+    ),
     "qwen3": SupportedModel(
         name="qwen3", config_class="Qwen3Config", decoder_layer="Qwen3DecoderLayer", model_types=("qwen3",),
         tiny_config={**_TINY_DENSE, "head_dim": 16, "tie_word_embeddings": True}, **_DENSE,

@@ -15,6 +15,8 @@ Files written (see ``recipes/data/README.md`` for the formats):
 * ``tiny_chat.jsonl`` - chat ``messages`` rows (system / multi-turn variants)
 * ``tiny_completion.jsonl`` - plain ``text`` rows for causal LM smoke tests
 * ``tiny_classification.csv`` - ``text,label`` CSV with integer labels 0/1/2
+* ``tools_train.jsonl`` / ``tools_eval.jsonl`` - chat rows with tools: call one of three tools with arguments
+  from the request (the tools quickstart's task)
 """
 
 from __future__ import annotations
@@ -684,6 +686,80 @@ def make_tiny_classification(n: int, seed: int) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------------------
 # Writers
 # ---------------------------------------------------------------------------
+# Tool calling (chat rows with tools and tool_calls)
+# ---------------------------------------------------------------------------
+
+def _tool(name: str, description: str, properties: dict[str, str]) -> dict[str, Any]:
+    """A tool's JSON schema, as a chat template's ``tools`` takes it (every property required)."""
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {key: {"type": kind} for key, kind in properties.items()},
+                       "required": list(properties)}}}
+
+
+TOOLS = [
+    _tool("get_weather", "The weather in a city on a day", {"city": "string", "day": "string"}),
+    _tool("set_timer", "Start a timer", {"minutes": "integer", "label": "string"}),
+    _tool("convert", "Convert an amount of money", {"amount": "integer", "currency": "string"}),
+]
+CITIES = ["paris", "lyon", "rome", "oslo", "lima", "cairo", "tokyo", "delhi", "quito", "dakar", "bern", "kyiv",
+          "riga", "doha", "hanoi", "perth", "accra", "minsk", "sofia", "tunis", "milan", "seoul", "dubai", "lagos",
+          "porto", "vienna", "athens", "havana", "nairobi", "prague"]
+DAYS = ["today", "tomorrow", "monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"]
+MINUTES = [2, 5, 10, 15, 20, 25, 30, 45, 60, 90]
+LABELS = ["tea", "pasta", "eggs", "laundry", "bread", "rice", "nap", "oven", "break", "call"]
+AMOUNTS = [5, 10, 20, 25, 40, 50, 75, 100, 150, 200, 250, 300, 400, 500, 600, 750, 800, 900, 1000, 2000]
+CURRENCIES = ["euro", "dollar", "yen", "pound", "rupee", "franc"]
+ASKS = {
+    "get_weather": ["what is the weather in {city} {day}?", "weather in {city} on {day} please",
+                    "will it rain in {city} {day}?", "{day}: how warm is {city}?",
+                    "tell me the {day} weather for {city}"],
+    "set_timer": ["set a {label} timer for {minutes} minutes", "start a {minutes} minute timer for {label}",
+                  "{label} timer {minutes} min", "remind me of the {label} in {minutes} minutes",
+                  "count down {minutes} minutes for {label}"],
+    "convert": ["convert {amount} to {currency}", "how much is {amount} in {currency}?",
+                "{amount} in {currency} please", "change {amount} into {currency}", "what are {amount} in {currency}?"],
+}
+
+
+def _tool_row(name: str, phrase: int, rng: random.Random) -> dict[str, Any]:
+    """One row: the tools, a user's request in phrasing ``phrase`` of tool ``name``, and the call that answers it."""
+    if name == "get_weather":
+        arguments: dict[str, Any] = {"city": rng.choice(CITIES), "day": rng.choice(DAYS)}
+    elif name == "set_timer":
+        arguments = {"minutes": rng.choice(MINUTES), "label": rng.choice(LABELS)}
+    else:
+        arguments = {"amount": rng.choice(AMOUNTS), "currency": rng.choice(CURRENCIES)}
+    return {"tools": TOOLS, "messages": [
+        {"role": "user", "content": ASKS[name][phrase].format(**arguments)},
+        {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": name,
+                                                                             "arguments": arguments}}]}]}
+
+
+def make_tools(n_train: int, n_eval: int, seed: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Tool-calling rows: pick the one of three tools a request needs and fill its arguments from the request's
+    words, as many rows of each tool. Each argument takes a few values (a tiny model learns which word goes where
+    in minutes); held out: every eval request is one no training row makes (its tool, phrasing and arguments
+    together), a new combination of the values and phrasings training saw."""
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    per_tool: dict[str, list[dict[str, Any]]] = {name: [] for name in sorted(ASKS)}
+    want = (n_train + n_eval) // len(ASKS)
+    while any(len(rows) < want for rows in per_tool.values()):
+        name = rng.choice([name for name, rows in per_tool.items() if len(rows) < want])
+        row = _tool_row(name, rng.randrange(len(ASKS[name])), rng)
+        if row["messages"][0]["content"] not in seen:
+            seen.add(row["messages"][0]["content"])
+            per_tool[name].append(row)
+    train_each, eval_each = n_train // len(ASKS), n_eval // len(ASKS)
+    train = [row for rows in per_tool.values() for row in rows[:train_each]]
+    held = [row for rows in per_tool.values() for row in rows[train_each:train_each + eval_each]]
+    rng.shuffle(train)
+    rng.shuffle(held)
+    return train, held
+
+
+# ---------------------------------------------------------------------------
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -733,6 +809,10 @@ def main() -> None:
     print(f"tiny_completion word counts: min={min(lengths)} max={max(lengths)}")
     write_jsonl(DATA_DIR / "tiny_completion.jsonl", completion)
     write_csv(DATA_DIR / "tiny_classification.csv", make_tiny_classification(40, seed=SEED + 4), ["text", "label"])
+
+    tools_train, tools_eval = make_tools(1200, 180, seed=SEED + 8)
+    write_jsonl(DATA_DIR / "tools_train.jsonl", tools_train)
+    write_jsonl(DATA_DIR / "tools_eval.jsonl", tools_eval)
 
 
 if __name__ == "__main__":
