@@ -35,6 +35,8 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     # a reward that random completions sometimes earn: exact_match alone is 0 for a small random model (no gradient)
     "grpo": ("grpo-quickstart", {"grpo": {"rewards": [{"regex": "[aeiou]"}]}}),
     "vision": ("vlm-quickstart", {}),
+    # chat rows with tools and tool calls (rendered one by one with their tools, the format read from the columns)
+    "tools": ("tools-quickstart", {"model": DROPOUT}),
 }
 
 
