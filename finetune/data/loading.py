@@ -410,7 +410,7 @@ def check_data_file(path: str) -> None:
     suffix = data_suffix(path)
     check_file(path)
     local.check_compression(path)
-    try:
+    with _decompressing(path):
         if suffix in TEXT_SUFFIXES:
             _check_utf8(path)
         if suffix == ".jsonl":
@@ -420,25 +420,27 @@ def check_data_file(path: str) -> None:
             _check_json_top(path)
         elif suffix == ".csv":
             check_header(path)
-    except DataError:
-        raise
-    except local.decompression_errors() as exc:
-        if local.compression(path) is None:
-            raise
-        raise local.undecompressable(path, exc) from None
 
 
 def _scan_failed(path: str) -> None:
     """After ``datasets`` failed to read ``path``: find the line to blame, if the file's type has a scan (a full
     parse costs seconds per 1M rows, so only on failure); returns when it finds nothing."""
     suffix = data_suffix(path)
-    try:
+    with _decompressing(path):
         if suffix == ".jsonl":
             scan_jsonl(path)
         elif suffix == ".json":
             _scan_json(path)
         elif suffix == ".csv":
             _scan_csv(path)
+
+
+@contextmanager
+def _decompressing(path: str) -> Iterator[None]:
+    """A check or scan of ``path``'s text: a compressed file that fails to decompress is one line naming it
+    (:func:`finetune.data.local.undecompressable`); a DataError, or an error of a plain file, goes on as it is."""
+    try:
+        yield
     except DataError:
         raise
     except local.decompression_errors() as exc:
