@@ -277,7 +277,7 @@ def _templated(source: DataSource, raw: Dataset | None) -> bool:
     if raw is None:
         return True
     names = ("messages", "prompt") if source.format == prompt_rows.FORMAT else ("chosen",)
-    return any(type(raw.features.get(name)).__name__ in ("List", "Sequence", "LargeList") for name in names)
+    return any(detect.holds_lists(raw.features.get(name)) for name in names)
 
 
 __all__ = ["DataBundle", "Part", "PromptOptions", "load_splits", "source_name"]

@@ -81,7 +81,7 @@ RULE: tuple[Found, ...] = (
 )
 
 
-def _is_list(feature: Any) -> bool | None:
+def holds_lists(feature: Any) -> bool | None:
     """Whether a ``datasets`` feature holds lists (message lists), text (False), or cannot say (None)."""
     kind = type(feature).__name__
     if kind in ("List", "Sequence", "LargeList"):
@@ -97,7 +97,7 @@ def detect(names: list[str], features: Any, allowed: frozenset[str], source: str
     an unpaired preference."""
     have = set(names)
     matched = [found for found in RULE if set(found.columns) <= have
-               and (found.lists is None or _is_list(features.get(found.columns[-1])) in (found.lists, None))]
+               and (found.lists is None or holds_lists(features.get(found.columns[-1])) in (found.lists, None))]
     reads = {found.name: set(found.columns) | (set(found.optional) & have) for found in matched}
     matched = [found for found in matched
                if not any(reads[found.name] < reads[other.name] for other in matched)]

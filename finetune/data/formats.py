@@ -456,7 +456,7 @@ def render_chat(row: dict[str, Any], tokenizer: Any, texts: dict[ChatRender, str
         prompt = serving_prompt(texts[(i, GEN)], texts[(i, PROBE)]) if i else ""
         if not text.startswith(prompt):
             raise RowProblem(_discontinued(messages, i, prompt, text))
-        span = (len(prompt), max(len(prompt), len(text.rstrip()))) if i in trained else (len(prompt), len(prompt))
+        span = answer_span(prompt, text) if i in trained else (len(prompt), len(prompt))
         # data.train_reasoning false: the trace's own characters are not trained, the rest of the turn is
         spans = tuple(_without(text, span, None if rule.reasoning else reasoning_of(row["messages"][i])))
         if samples and prompt.startswith(samples[-1][0]):
@@ -508,9 +508,14 @@ def _chat_answer(messages: list[dict[str, Any]], tokenizer: Any, tools: list[dic
     prompt = generation_prompt(messages[:-1], tokenizer, tools)
     if not text.startswith(prompt):
         raise RowProblem(_discontinued(messages, len(messages) - 1, prompt, text))
-    # as in render_chat: the turn ends at its end marker, whitespace the template adds after it is not learned
-    return Rendered(text, ((len(prompt), max(len(prompt), len(text.rstrip()))),), prompt,
-                    messages[-1].get("content"), add_eos=False, templated=True)
+    return Rendered(text, (answer_span(prompt, text),), prompt, messages[-1].get("content"), add_eos=False,
+                    templated=True)
+
+
+def answer_span(prompt: str, text: str) -> tuple[int, int]:
+    """The characters of ``text`` a chat answer trains: from the end of its serving ``prompt`` to its end marker
+    (whitespace the template writes after the marker, e.g. ``</s>\\n``, is not learned)."""
+    return len(prompt), max(len(prompt), len(text.rstrip()))
 
 
 def render_preference(row: dict[str, Any], tokenizer: Any) -> tuple[Rendered, Rendered]:

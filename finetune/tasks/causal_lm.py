@@ -19,7 +19,7 @@ from finetune.data.rows import IGNORE
 from finetune.registry import GENERATING_METRICS
 from finetune.tasks import toolcalls
 from finetune.tasks.base import EvalCounts, TaskData
-from finetune.tasks.decoding import generate_tokens
+from finetune.tasks.decoding import answers, generate_tokens
 from finetune.tasks.logprobs import LogProbs, count_next_token_targets, next_token_targets, target_logprobs
 from finetune.tasks.router import RouterLoss
 
@@ -107,8 +107,4 @@ class CausalLMTask(TaskData):
     def _answers(self, model: Any, batch: dict[str, Any]) -> list[str]:
         """Each sample's greedy answer to its prompt, cut before its first stop token and decoded without special
         tokens (what exact_match compares, and where tool_calls finds the calls)."""
-        texts = []
-        for tokens in self._generate(model, batch).tolist():
-            stop = next((k for k, token in enumerate(tokens) if token in self.stop_ids), len(tokens))
-            texts.append(self.tokenizer.decode(tokens[:stop], skip_special_tokens=True))
-        return texts
+        return answers(self._generate(model, batch), self.stop_ids, self.tokenizer)

@@ -17,11 +17,19 @@ import torch
 from finetune.tasks.router import routed_config
 
 
-def greedy_generate(model: Any, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, max_new_tokens: int,
-                    eos_id: int | None, pad_id: int) -> torch.Tensor:
-    """Greedy decoding with a KV cache from left-padded prompts; returns the new tokens (pad after eos). Always
-    ``max_new_tokens`` forward passes, so the ranks of a sharded backend stay in lockstep (exact_match)."""
-    return generate_tokens(model, prompt_ids, prompt_mask, max_new_tokens, [] if eos_id is None else [eos_id], pad_id)
+def stop_at(tokens: Sequence[int], stop_ids: Sequence[int]) -> int | None:
+    """The index of the first stop token among ``tokens`` (None: none): where a generated answer ends."""
+    return next((i for i, token in enumerate(tokens) if token in stop_ids), None)
+
+
+def answers(new_tokens: torch.Tensor, stop_ids: Sequence[int], tokenizer: Any) -> list[str]:
+    """Each row of generated tokens up to (not including) its first stop token, decoded without special tokens:
+    the answer eval's metrics compare, and what GRPO's rewards read."""
+    out = []
+    for row in new_tokens.tolist():
+        stop = stop_at(row, stop_ids)
+        out.append(tokenizer.decode(row if stop is None else row[:stop], skip_special_tokens=True))
+    return out
 
 
 @dataclass(frozen=True)

@@ -72,7 +72,7 @@ from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError, FinetuneError, RunDirError
 from finetune.tasks.base import EvalCounts, TaskData
 from finetune.tasks.causal_lm import normalize
-from finetune.tasks.decoding import Sampling, generate_tokens
+from finetune.tasks.decoding import Sampling, answers, generate_tokens
 from finetune.tasks.logprobs import Forward, OutputHead, next_token_targets, target_logprobs
 from finetune.tasks.rewards import build_rewards
 
@@ -466,11 +466,7 @@ class GRPOTask(TaskData):
 
     def decode(self, tokens: torch.Tensor) -> list[str]:
         """Each row's text up to (not including) its first stop token, special tokens skipped."""
-        out = []
-        for row in tokens.tolist():
-            cut = next((i for i, t in enumerate(row) if t in self.stop_ids), len(row))
-            out.append(self.tokenizer.decode(row[:cut], skip_special_tokens=True))
-        return out
+        return answers(tokens, self.stop_ids, self.tokenizer)
 
     def rollout(self, prompts: dict[str, Any], step: int, first_position: int,
                 restored: torch.Tensor | None = None) -> Rollout:

@@ -13,7 +13,7 @@ import transformers
 
 from finetune import registry
 from finetune.data.batching import left_pad
-from finetune.tasks.decoding import greedy_generate
+from finetune.tasks.decoding import generate_tokens
 
 
 def hf_greedy(model: Any, prompt: list[int], n: int, eos_id: int | None = None) -> list[int]:
@@ -26,7 +26,7 @@ def test_greedy_generate_matches_hf_generate_on_unpadded_prompts(llama: Any) -> 
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (3, 7, 1, 5)]
     ids, mask = left_pad(prompts, pad_id=0)
-    new = greedy_generate(llama, ids, mask, max_new_tokens=10, eos_id=None, pad_id=0)
+    new = generate_tokens(llama, ids, mask, 10, [], 0)
     assert new.shape == (4, 10)
     for prompt, row in zip(prompts, new.tolist(), strict=True):
         assert row == hf_greedy(llama, prompt, 10)
@@ -41,7 +41,7 @@ def test_greedy_generate_positions_with_absolute_embeddings() -> None:
     generator = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (2, 6, 4)]
     ids, mask = left_pad(prompts, pad_id=0)
-    new = greedy_generate(model, ids, mask, max_new_tokens=6, eos_id=None, pad_id=0)
+    new = generate_tokens(model, ids, mask, 6, [], 0)
     for prompt, row in zip(prompts, new.tolist(), strict=True):
         assert row == hf_greedy(model, prompt, 6)
 
@@ -50,9 +50,9 @@ def test_greedy_generate_pads_after_eos(llama: Any) -> None:
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=generator).tolist() for n in (4, 2, 6)]
     ids, mask = left_pad(prompts, pad_id=0)
-    free = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=None, pad_id=0).tolist()
+    free = generate_tokens(llama, ids, mask, 8, [], 0).tolist()
     eos = free[0][2]  # pretend the third token row 0 generates is eos
-    new = greedy_generate(llama, ids, mask, max_new_tokens=8, eos_id=eos, pad_id=0).tolist()
+    new = generate_tokens(llama, ids, mask, 8, [eos], 0).tolist()
     for prompt, free_row, row in zip(prompts, free, new, strict=True):
         if eos in free_row:
             cut = free_row.index(eos) + 1
@@ -77,7 +77,7 @@ def test_a_mixture_of_experts_model_with_its_router_loss_on_decodes_as_generate(
     for name in ("mixtral", "gpt_oss"):
         model = tiny_model(name).eval()
         assert model.config.output_router_logits
-        new = greedy_generate(model, ids, mask, max_new_tokens=6, eos_id=None, pad_id=0)
+        new = generate_tokens(model, ids, mask, 6, [], 0)
         model.config.output_router_logits = False  # transformers' generate with the loss off, as a reference
         for prompt, row in zip(prompts, new.tolist(), strict=True):
             assert row == hf_greedy(model, prompt, 6), name
@@ -99,7 +99,7 @@ def test_every_family_generates_from_left_padded_prompts_as_without_a_cache(name
     generator = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, 500, (n,), generator=generator).tolist() for n in (6, 2, 9)]
     ids, mask = left_pad(prompts, pad_id=0)
-    new = greedy_generate(model, ids, mask, max_new_tokens=7, eos_id=None, pad_id=0)
+    new = generate_tokens(model, ids, mask, 7, [], 0)
     for prompt, row_tokens in zip(prompts, new.tolist(), strict=True):
         tokens = list(prompt)
         with torch.no_grad():
