@@ -47,8 +47,9 @@ class Objective:
     (None: the loss first, ``finetune.storage.metrics.LOSS_FIRST``; a ``"loss"`` among the train keys leads only
     where its value carries information, see ``grpo_loss_informative``); ``collapse``: the collapse signature of
     its runs (``finetune.runtime.collapse``): ``"row"`` the model row's, ``"pairs"`` a score pair's, ``"unknown"``
-    a dead loss that is not a known constant, ``"never"`` not checked. ``panels``: the panels its plot draws
-    first, in order (``finetune.storage.plot``; None: the loss, lr and gradient norm, then every eval metric): train
+    a dead loss that is not a known constant, ``"never"`` not checked. ``teacher``: it learns from a frozen
+    teacher model (``distill.teacher``), which defines its objective as a reference does. ``panels``: the panels its
+    plot draws first, in order (``finetune.storage.plot``; None: the loss, lr and gradient norm, then every eval metric): train
     keys, ``eval_`` keys, and ``prefix*`` for every train key with that prefix that a run logged (a reward per
     function), drawn for a run that logged at least two of them (with one, its curve is the total's); a panel whose
     key no run logged is left out, and whatever the list does not name follows in the default order."""
@@ -70,6 +71,7 @@ class Objective:
     groups: bool = False
     reference: Literal["never", "always", "beta"] = "never"
     reference_copy: bool = False
+    teacher: bool = False
     headline: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     collapse: Literal["row", "pairs", "unknown", "never"] = "row"
     panels: tuple[str, ...] | None = None
@@ -117,6 +119,11 @@ OBJECTIVES: Mapping[str, Objective] = {
                       reference_copy=True, headline=(("reward", "loss"), ("eval_exact_match", "eval_reward")),
                       collapse="never", panels=("reward", "eval_exact_match", "eval_reward", "reward_*",
                                                 "completion_len", "kl", "loss", "lr", "grad_norm")),
+    # distillation: SFT's rows (the data's answers offline, their prompts on-policy), a teacher's distributions as
+    # targets; a dead student's divergence depends on the teacher: no known constant
+    "distill": Objective("distill", metrics=None, data=None, data_need="", dropout=True, no_streaming=None,
+                         row_tasks=frozenset({"causal_lm"}), row_need="distills into a causal LM",
+                         row_hint="use a causal LM model type (finetune models)", teacher=True, collapse="unknown"),
 }
 
 OWNED_FORMATS: Mapping[str, OwnedFormat] = {

@@ -242,6 +242,12 @@ class Backend:
         reference = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False).eval()
         return reference, contextlib.nullcontext
 
+    def frozen_module(self, accelerator: Any, module: Any, cfg: RecipeConfig, model: Any) -> tuple[Any, bool]:
+        """Place a frozen model that runs only forward passes beside the prepared ``model`` (a distillation's
+        teacher): ``(the module to call, whether its parameters are sharded)``. Here whole, on this rank's device;
+        FSDP2 and ZeRO-3 shard it as they shard the model (they override this)."""
+        return module.to(accelerator.device), False
+
     @contextlib.contextmanager
     def model_init(self, accelerator: Any, from_config: bool) -> Iterator[None]:
         """Build the model in here (nothing to set up but under ZeRO-3)."""

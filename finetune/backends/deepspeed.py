@@ -142,6 +142,21 @@ class DeepSpeed(Backend):
             return super().frozen_copy(accelerator, model)
         return model, FrozenShards(model, deepspeed=True).swapped
 
+    def frozen_module(self, accelerator: Any, module: Any, cfg: RecipeConfig, model: Any) -> tuple[Any, bool]:
+        """ZeRO-3: an engine of its own without an optimizer (the run's DeepSpeed config, its ZeRO-3 partitioning
+        and precision), so each rank holds 1/world of it and a forward gathers what it computes with, as the model's
+        engine does. ZeRO-1/2: whole on every rank, as the model is."""
+        if not self.shards_parameters:
+            return super().frozen_module(accelerator, module, cfg, model)
+        import deepspeed  # lazy: heavy
+
+        config = deepspeed_config(cfg, self)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "none"}
+        with quiet():
+            engine, *_ = deepspeed.initialize(model=module, config=config)
+        engine.eval()
+        return engine, True
+
     @contextlib.contextmanager
     def model_init(self, accelerator: Any, from_config: bool) -> Iterator[None]:
         """Under ZeRO-3 accelerate tells transformers to construct models inside ``deepspeed.zero.Init``

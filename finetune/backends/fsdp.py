@@ -183,6 +183,26 @@ class Fsdp(Backend):
                               "FSDP1; use launch.accelerate_config=fsdp2 or zero3, peft (LoRA), or grpo.beta=0")
         return model, FrozenShards(model, deepspeed=False).swapped
 
+    def frozen_module(self, accelerator: Any, module: Any, cfg: RecipeConfig, model: Any) -> tuple[Any, bool]:
+        """FSDP2: ``fully_shard`` on each of the module's decoder layers (its ``_no_split_modules``) and its root, on
+        the model's device mesh with the model's mixed-precision policy: each rank holds 1/world of it, and a forward
+        gathers a layer at a time, as the model's does. FSDP1: whole on every rank (its flat parameters are not built
+        for a second, frozen root)."""
+        if self.flat:
+            return super().frozen_module(accelerator, module, cfg, model)
+        from torch.distributed.fsdp import fully_shard  # lazy: heavy
+        from torch.distributed.tensor import DTensor  # lazy: heavy
+
+        mesh = next((p.device_mesh for p in model.parameters() if isinstance(p, DTensor)), None)
+        policy = fsdp_mixed_precision(cfg.train.mixed_precision, 2)
+        options: dict[str, Any] = {"mesh": mesh, **({"mp_policy": policy} if policy is not None else {})}
+        layers = set(getattr(module, "_no_split_modules", None) or ())
+        for sub in module.modules():
+            if type(sub).__name__ in layers:
+                fully_shard(sub, **options)
+        fully_shard(module, **options)  # moves each shard to the mesh's device
+        return module, True
+
     def effective(self, cfg: RecipeConfig, row: SupportedModel, data: Mapping[str, Any]) -> dict[str, Any]:
         half = {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.train.mixed_precision)
         return {"fsdp": {**(data.get("fsdp_config") or {}), "transformer_cls_names_to_wrap": list(row.wrap_classes),

@@ -125,6 +125,7 @@ KINDS: tuple[Kind, ...] = (
     Kind("a data file", lambda cfg: _sources("data.train", cfg.data.train), local),
     Kind("a data file", lambda cfg: _sources("data.eval", cfg.data.eval), local),
     Kind("the reward model", lambda cfg: _each(cfg.grpo.rewards, "grpo.rewards", "reward_model"), reward_files),
+    Kind("the teacher", lambda cfg: [("distill.teacher", cfg.distill.teacher)], reward_files),
     Kind("the reward function's module", lambda cfg: _each(cfg.grpo.rewards, "grpo.rewards", "function"),
          module_files),
     Kind("the accelerate config", lambda cfg: [("launch.accelerate_config", cfg.launch.accelerate_config)],

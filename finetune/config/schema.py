@@ -680,6 +680,35 @@ class GRPOConfig(Section):
         return value
 
 
+class DistillConfig(Section):
+    """Distillation (``task: distill``): the student (the recipe's model) learns the next-token distributions of a
+    frozen teacher of the same tokenizer, on the data's own answers (offline) or on its own samples (on_policy)."""
+
+    teacher: str | None = Field(
+        default=None, description="the teacher: a model folder (config.json + safetensors) or a finetune run (its "
+        "final/) of the same vocabulary as the student; frozen, never saved (task distill needs one)")
+    mode: Literal["offline", "on_policy"] = Field(
+        default="offline", description="offline: the divergence on the data's answer tokens; on_policy: on "
+        "completions the student samples from each row's prompt (a fraction lmbda of the steps), scored per token "
+        "by the teacher")
+    loss: Literal["forward_kl", "reverse_kl", "jsd"] = Field(
+        default="forward_kl", description="the per-token divergence: forward_kl KL(teacher || student), reverse_kl "
+        "KL(student || teacher), jsd the generalized Jensen-Shannon divergence with mixing coefficient beta")
+    beta: float = Field(default=0.5, gt=0, lt=1, description="jsd's mixture beta * teacher + (1 - beta) * student")
+    temperature: float = Field(
+        default=1.0, gt=0, description="both distributions are softmax(logits / temperature) (not multiplied by "
+        "temperature^2); on_policy samples at it too")
+    alpha: float = Field(default=0.0, ge=0, le=1, description="offline: the loss is (1 - alpha) x divergence + "
+                                                              "alpha x the data's cross-entropy")
+    top_k: int | None = Field(
+        default=None, ge=1, description="compare over the teacher's top_k tokens at each position, both "
+        "distributions renormalized over them (null: the whole vocabulary)")
+    lmbda: float = Field(
+        default=1.0, ge=0, le=1, description="on_policy: the fraction of steps trained on the student's own "
+        "completions (GKD's lambda; each step decided from train.seed), the others on the data's answers")
+    max_new_tokens: int = Field(default=32, ge=1, description="on_policy: tokens sampled per completion at most")
+
+
 class CheckpointConfig(Section):
     """Periodic checkpoints under <output_dir>/checkpoints/step-NNNNNN/."""
 
@@ -757,11 +786,12 @@ class RecipeConfig(Section):
 
     name: str = Field(description="one path component (runs/<name>): letters, digits, . _ + -")
     output_dir: str | None = Field(default=None, description="null: runs/<name>")
-    task: Literal["sft", "dpo", "reward", "grpo"] | None = Field(
+    task: Literal["sft", "dpo", "reward", "grpo", "distill"] | None = Field(
         default=None,
         description="the objective: null = the model row's own task; sft = causal LM; dpo = direct preference "
         "optimization and reward = a reward model (both need data.format: preference); grpo = online RL from "
-        "rewards on the policy's own completions (needs data.format: prompt and grpo.rewards)",
+        "rewards on the policy's own completions (needs data.format: prompt and grpo.rewards); distill = the "
+        "student learns a teacher's token distributions (needs distill.teacher)",
     )
     model: ModelConfig
     data: DataConfig
@@ -773,6 +803,7 @@ class RecipeConfig(Section):
     peft: PeftConfig = Field(default_factory=PeftConfig)
     dpo: DPOConfig = Field(default_factory=DPOConfig)
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
@@ -824,6 +855,31 @@ class RecipeConfig(Section):
             raise ValueError(f"grpo.max_new_tokens={self.grpo.max_new_tokens} leaves no room for the prompt in "
                              f"data.max_seq_len={self.data.max_seq_len}; raise data.max_seq_len or lower "
                              "grpo.max_new_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _distill_settings(self) -> RecipeConfig:
+        """task distill needs a teacher; on_policy samples leave room for the prompt and train no cross-entropy on
+        the student's own samples."""
+        record = objectives.objective(self.task)
+        if record is None or not record.teacher:
+            return self
+        distill = self.distill
+        if not distill.teacher:
+            raise ValueError("distill.teacher: task distill needs a teacher (a model folder or a finetune run of the "
+                             "student's tokenizer)")
+        if distill.mode == "on_policy":
+            if distill.alpha:
+                raise ValueError(f"distill.alpha={distill.alpha:g} mixes in the data's cross-entropy, which "
+                                 "distill.mode=on_policy does not train (its targets are the student's own samples); "
+                                 "set distill.alpha=0 or distill.mode=offline")
+            if distill.max_new_tokens >= self.data.max_seq_len:
+                raise ValueError(f"distill.max_new_tokens={distill.max_new_tokens} leaves no room for the prompt in "
+                                 f"data.max_seq_len={self.data.max_seq_len}; raise data.max_seq_len or lower "
+                                 "distill.max_new_tokens")
+            if self.data.packing:
+                raise ValueError("data.packing: distill.mode=on_policy trains on completions it samples, one per "
+                                 "row; set data.packing=false")
         return self
 
     @property

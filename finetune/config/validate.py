@@ -20,7 +20,7 @@ from typing import Any, get_args
 from pydantic import BaseModel, ValidationError
 
 from finetune import objectives, registry
-from finetune.config import accelerate, chat_templates, families
+from finetune.config import accelerate, chat_templates, families, teacher
 from finetune.config.accelerate import locate as accelerate_config_path  # noqa: F401 (kept importable from here)
 from finetune.config.compose import DATA_SUFFIXES, WILDCARDS, Composed, _file_kind, compose_stored
 from finetune.config.schema import (
@@ -261,6 +261,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
                          "set data.eval or clear eval.metrics/every_steps")
     lines += _reward_lines(cfg)
+    lines += _teacher_lines(cfg)
     accelerate_file = None
     if cfg.launch is not None:
         try:
@@ -423,6 +424,15 @@ def _reward_lines(cfg: RecipeConfig | _Sections) -> list[str]:
             lines.append(f"{key}: {spec.reward_model} holds no config.json (nor final/config.json); give a task: "
                          "reward run's final/ folder")
     return lines
+
+
+def _teacher_lines(cfg: RecipeConfig | _Sections) -> list[str]:
+    """A distillation's teacher folder is there and is data only (finetune.config.teacher); its vocabulary is checked
+    when the run's tokenizer is read."""
+    distill, record = getattr(cfg, "distill", None), objectives.objective(cfg.task)
+    if record is None or not record.teacher or distill is None or not distill.teacher:
+        return []
+    return teacher.problems(distill.teacher)
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")

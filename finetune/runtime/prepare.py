@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from finetune.config import RecipeConfig
 from finetune.errors import Interrupted
+from finetune.objectives import objective
 from finetune.registry import SupportedModel
 from finetune.runtime import cachelock
 
@@ -69,6 +70,10 @@ def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
     def load() -> Inputs:
         download(cfg)
         tokenizer = build_tokenizer(cfg.model, row)
+        if (record := objective(cfg.task)) is not None and record.teacher:  # before any data is read
+            from finetune.runtime.teacher import check_vocabulary  # lazy: imports transformers
+
+            check_vocabulary(cfg, tokenizer)
         images = image_inputs(tokenizer, row)
         data = load_splits(cfg.data, tokenizer, images=images, seed=cfg.train.seed, prompt=PromptOptions.of(cfg))
         return Inputs(tokenizer, images, data, row)

@@ -204,7 +204,8 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
                                   precision)}
     task = build_task(cfg, row, tokenizer, data, accelerator.process_index, accelerator.num_processes,
                       lockstep=backend.shards_parameters, images=inputs.images, allow_plugin=allow_plugin,
-                      frozen_copy=lambda prepared: frozen_copy(accelerator, prepared, backend))
+                      frozen_copy=lambda prepared: frozen_copy(accelerator, prepared, backend),
+                      teacher=_teacher_factory(cfg, row, backend))
     objects |= task.checkpoint_objects  # e.g. GRPO's generation batch inside a cycle
     tracker.log("info", {"message": training_line(ctx, bool(data.stream), data.train_size)})
     if line := router.note(model, task.adds_router_loss, cfg.task or row.task):  # a mixture-of-experts model
@@ -215,6 +216,18 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
     state = TrainState(train_size=epoch_samples(cfg, data.train_size))
     return loop.Trainer(ctx, model, optimizer, scheduler, precision, task, tracker, state, objects=objects,
                         flops=flops)
+
+
+def _teacher_factory(cfg: RecipeConfig, row: registry.SupportedModel, backend: Backend) -> Any:
+    """The factory of a distillation's placed teacher (finetune.runtime.teacher.placed), None for other tasks."""
+    from finetune import objectives
+
+    record = objectives.objective(cfg.task)
+    if record is None or not record.teacher:
+        return None
+    from finetune.runtime import teacher  # lazy: imports torch
+
+    return lambda model, accelerator: teacher.placed(cfg, row, accelerator, backend, model)
 
 
 def probe_batch(task: Any, tokenizer: Any, rows: int = 4, length: int = 32) -> dict[str, Any]:

@@ -68,12 +68,21 @@ def _reference(cfg: Any) -> Iterator[tuple[str, str]]:
         yield "model.path", cfg.model.path
 
 
+def _teacher(cfg: Any) -> Iterator[tuple[str, str]]:
+    """``distill.teacher`` of a task that learns from a teacher (its record's ``teacher``): the distributions it
+    learns, so a resume with other teacher weights is refused as a changed objective."""
+    record = objectives.objective(cfg.task)
+    if record is not None and record.teacher and cfg.distill.teacher:
+        yield "distill.teacher", cfg.distill.teacher
+
+
 PARTS: tuple[Part, ...] = (
     Part(_rewards("reward_model"), lambda path: folder_fingerprint(path, REWARD_MODEL_FILES),
          lambda path: f"the weights of {path}"),
     Part(_rewards("function"), lambda target: source_fingerprint(target.partition(":")[0]),
          lambda target: f"the source file of {target} ({module_file(target.partition(':')[0]) or 'not found now'})"),
     Part(_reference, lambda path: model_fingerprint(path), lambda path: f"the weights of {path}"),
+    Part(_teacher, lambda path: folder_fingerprint(path, REWARD_MODEL_FILES), lambda path: f"the weights of {path}"),
 )
 
 

@@ -78,9 +78,13 @@ class CausalLMTask(TaskData):
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
         """The eval loss is the cross-entropy alone (the router's aux loss is a training regulariser), so
         ``exp(eval_loss)`` stays a perplexity."""
-        metrics = self.cfg.eval.metrics
-        loss_sum, hits, num_tokens, _ = self._answer(model, batch, count_hits="token_accuracy" in metrics)
-        counts = EvalCounts(loss_sum, num_tokens)
+        loss_sum, hits, num_tokens, _ = self._answer(model, batch, count_hits="token_accuracy" in self.cfg.eval.metrics)
+        return self.metric_counts(model, batch, EvalCounts(loss_sum, num_tokens), hits)
+
+    def metric_counts(self, model: Any, batch: dict[str, Any], counts: EvalCounts, hits: torch.Tensor) -> EvalCounts:
+        """``counts`` with the eval metrics added: token_accuracy from the argmax ``hits`` over ``counts.num_tokens``,
+        and the generating metrics (exact_match, tool_calls) from the model's greedy answers."""
+        metrics, num_tokens = self.cfg.eval.metrics, counts.num_tokens
         if "token_accuracy" in metrics:
             counts.correct["token_accuracy"], counts.total["token_accuracy"] = hits, num_tokens
         answers = self._answers(model, batch) if GENERATING_METRICS.intersection(metrics) else []

@@ -142,39 +142,49 @@ def _shaping_moved(model: Any, head: Any, spec: OutputHead | None) -> Iterator[t
             setattr(config, name, value)
 
 
-def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
-                  head: Any, count_hits: bool = True, temperature: float = 1.0,
-                  spec: OutputHead | None = None) -> LogProbs:
-    """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
-    hits (:func:`finetune.tasks.losses.sequence_logprobs`, at ``temperature``: GRPO scores its completions at the
-    temperature they were sampled at) instead of ``[tokens x vocab]`` logits, with the forward's router aux loss.
+@dataclass(frozen=True)
+class HeadCall:
+    """What a computation put in place of an output head receives besides the final hidden states: the head's
+    ``weight`` and ``bias`` when it is a plain ``nn.Linear`` (the fused chunked paths), else the head's own
+    ``module`` forward (a LoRA-adapted head, called chunk by chunk), and the ``divisor`` and ``softcap`` the model's
+    forward would apply to the head's output (:func:`_shaping_moved`), which the computation applies per chunk."""
 
-    The head module's ``forward`` is replaced for the call, so the loss runs inside the model's own forward: every
-    wrapper's hooks (DDP, FSDP's unshard and reshard, DeepSpeed ZeRO-3's parameter gathering, autocast, peft) see
-    the head called as usual, and the sums come out as the output's ``logits``, which carry the wrappers' backward
-    hooks. A plain ``nn.Linear`` head (tied or not) takes the fused chunked path; any other module (a LoRA-adapted
-    head) is called chunk by chunk. A model that alters the head's output afterwards would make the sums wrong, so it
-    is refused, unless ``spec`` (the row's :class:`OutputHead`) names that change: a division (Granite) or a soft-cap
-    (Gemma) is then done to each chunk's logits, and switched off in the model's config for this forward (a division
-    by 1 still makes a new tensor: the output is then taken as the head's by the row's word)."""
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    module: Any
+    divisor: float
+    softcap: float | None
+
+
+def through_head(model: Any, inputs: dict[str, Any], head: Any, leading: torch.Size | tuple[int, ...],
+                 compute: Any, spec: OutputHead | None = None) -> tuple[Any, torch.Tensor]:
+    """One forward of ``model`` on ``inputs`` whose output head ``head`` runs ``compute(hidden [N, H], HeadCall)``
+    instead of producing ``[tokens x vocab]`` logits; returns the model's output and what ``compute`` returned.
+
+    The head module's ``forward`` is replaced for the call, so the computation runs inside the model's own forward:
+    every wrapper's hooks (DDP, FSDP's unshard and reshard, DeepSpeed ZeRO-3's parameter gathering, autocast, peft)
+    see the head called as usual, and the result comes out as the output's ``logits``, which carry the wrappers'
+    backward hooks. ``leading``: the shape the hidden states must have but their last dimension (the targets').
+    A model that alters the head's output afterwards would make the result wrong, so it is refused, unless ``spec``
+    (the row's :class:`OutputHead`) names that change: a division (Granite) or a soft-cap (Gemma) is then done by
+    ``compute`` to each chunk's logits, and switched off in the model's config for this forward (a division by 1
+    still makes a new tensor: the output is then taken as the head's by the row's word)."""
     own = vars(head).get("forward")
     original = own if own is not None else type(head).forward.__get__(head)
     picked: dict[str, torch.Tensor] = {}
 
     @torch.compiler.disable  # train.compile: run eagerly, a graph break after the body (inductor cannot lower it)
     def forward(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if args or kwargs or hidden.shape[:-1] != targets.shape:
+        if args or kwargs or hidden.shape[:-1] != tuple(leading):
             raise RuntimeError(f"output head {type(head).__name__} was called with {tuple(hidden.shape)}, "
-                               f"expected the final hidden states {tuple(targets.shape)} + (hidden,)")
-        flat = hidden.reshape(-1, hidden.size(-1))
+                               f"expected the final hidden states {tuple(leading)} + (hidden,)")
         # a Linear's own forward (FSDP2's FSDPLinear keeps it): fused; an override (LoRA, quantised): the module
         fused = isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward
         # divisor, softcap: what _shaping_moved (below) read from the model's config before the model calls this
-        picked["sums"], picked["hits"] = sequence_logprobs(
-            flat, targets.reshape(-1), seq, sequences, weight=head.weight if fused else None,
-            bias=head.bias if fused else None, head=None if fused else original, count_hits=count_hits,
-            temperature=temperature, divisor=divisor, softcap=softcap)
-        return picked["sums"]
+        picked["out"] = compute(hidden.reshape(-1, hidden.size(-1)), HeadCall(
+            head.weight if fused else None, head.bias if fused else None, None if fused else original, divisor,
+            softcap))
+        return picked["out"]
 
     head.forward = forward
     try:
@@ -185,17 +195,37 @@ def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq
             del head.forward
         else:
             head.forward = own
-    sums = out.logits if hasattr(out, "logits") else out
+    result = out.logits if hasattr(out, "logits") else out
     # the head's own result, or a view of it (DeepSpeed ZeRO-3 hands on a detached alias); never a new tensor but
     # the row's division by 1
     divided = spec is not None and spec.divisor is not None
-    if "sums" not in picked or not isinstance(sums, torch.Tensor) or sums.shape != picked["sums"].shape \
-            or not (divided or torch._C._is_alias_of(sums, picked["sums"])):
-        raise ConfigError(f"the model's forward {'never called' if 'sums' not in picked else 'changed what'} its "
-                          f"output head ({type(head).__name__}) {'' if 'sums' not in picked else 'returned '}(e.g. "
+    if "out" not in picked or not isinstance(result, torch.Tensor) or result.shape != picked["out"].shape \
+            or not (divided or torch._C._is_alias_of(result, picked["out"])):
+        raise ConfigError(f"the model's forward {'never called' if 'out' not in picked else 'changed what'} its "
+                          f"output head ({type(head).__name__}) {'' if 'out' not in picked else 'returned '}(e.g. "
                           "logit soft-capping), so the loss cannot be computed from the head's input; set the row's "
                           "output_head=None to compute it from the logits")
-    return LogProbs(sums, picked["hits"], router_aux_loss(out))
+    return out, result
+
+
+def head_logprobs(model: Any, inputs: dict[str, Any], targets: torch.Tensor, seq: torch.Tensor, sequences: int,
+                  head: Any, count_hits: bool = True, temperature: float = 1.0,
+                  spec: OutputHead | None = None) -> LogProbs:
+    """One forward of ``model`` on ``inputs`` whose output head returns per-sequence target log-prob sums and argmax
+    hits (:func:`finetune.tasks.losses.sequence_logprobs`, at ``temperature``: GRPO scores its completions at the
+    temperature they were sampled at) instead of ``[tokens x vocab]`` logits (:func:`through_head`), with the
+    forward's router aux loss. A plain ``nn.Linear`` head (tied or not) takes the fused chunked path; any other module
+    (a LoRA-adapted head) is called chunk by chunk."""
+    hits: dict[str, torch.Tensor] = {}
+
+    def compute(flat: torch.Tensor, call: HeadCall) -> torch.Tensor:
+        sums, hits["hits"] = sequence_logprobs(
+            flat, targets.reshape(-1), seq, sequences, weight=call.weight, bias=call.bias, head=call.module,
+            count_hits=count_hits, temperature=temperature, divisor=call.divisor, softcap=call.softcap)
+        return sums
+
+    out, sums = through_head(model, inputs, head, targets.shape, compute, spec)
+    return LogProbs(sums, hits["hits"], router_aux_loss(out))
 
 
 Per = Literal["batch", "sequence", "token"]

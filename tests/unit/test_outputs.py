@@ -65,6 +65,7 @@ def every_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Inp
     reward_run = root / "reward" / "run"
     _model(reward_run / "final")
     linked_export = _model(root / "export" / "final")
+    teacher = _model(root / "teacher" / "model")
     (root / "linked" / "run").mkdir(parents=True)
     (root / "linked" / "run" / "final").symlink_to(linked_export)  # the export a reward run's final/ points to
     accelerate = _file(root / "accelerate" / "mine.yaml", "distributed_type: NO\nnum_processes: 1\n")
@@ -80,6 +81,7 @@ def every_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Inp
         "grpo": {"group_size": 2, "max_new_tokens": 2, "rewards": [
             {"reward_model": str(reward_run)}, {"reward_model": str(root / "linked" / "run"), "name": "linked"},
             {"function": f"{REWARDS}.scores:score"}]},
+        "distill": {"teacher": str(teacher)},
         "launch": {"accelerate_config": str(accelerate)}})
     caches = {"HF_HOME": root / "hf" / "home", "HF_DATASETS_CACHE": root / "datasets" / "cache",
               "HF_HUB_CACHE": root / "hub" / "cache"}
@@ -90,7 +92,7 @@ def every_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Inp
              "model.chat_template": root / "template" / "chat.jinja",
              "data.train": root / "train" / "train.jsonl", "data.eval[0].path": root / "eval" / "eval.jsonl",
              "grpo.rewards[0].reward_model": reward_run, "grpo.rewards[1].reward_model": linked_export,
-             "grpo.rewards[2].function": rewards, "launch.accelerate_config": accelerate,
+             "grpo.rewards[2].function": rewards, "distill.teacher": teacher, "launch.accelerate_config": accelerate,
              **{f"${name}": folder for name, folder in caches.items()}}
     yield Inputs(root, recipe, paths, imported)
     for name in (PLUGIN, REWARDS, f"{REWARDS}.scores"):  # `finetune run` imports the plugin of its recipe
@@ -102,7 +104,7 @@ RELATIONS: dict[str, Callable[[Path], Path]] = {
     "is": lambda path: path, "contains": lambda path: path.parent, "lies inside": lambda path: path / "out"}
 KEYS = ["the recipe", "extends:", "model.path", "model.plugin", "model.chat_template", "data.train",
         "data.eval[0].path", "grpo.rewards[0].reward_model", "grpo.rewards[1].reward_model", "grpo.rewards[2].function",
-        "launch.accelerate_config", "$HF_HOME", "$HF_DATASETS_CACHE", "$HF_HUB_CACHE"]
+        "distill.teacher", "launch.accelerate_config", "$HF_HOME", "$HF_DATASETS_CACHE", "$HF_HUB_CACHE"]
 
 
 def _refusal(out: Path, how: str, key: str, path: Path) -> str:
@@ -122,7 +124,7 @@ def _run_dir_refusal(out: Path, how: str, key: str, path: Path) -> str:
 
 def test_every_kind_is_listed(every_input: Inputs) -> None:
     """The fixture names every kind the list knows (a kind added to outputs.KINDS needs a case here)."""
-    assert len(outputs.KINDS) == 8
+    assert len(outputs.KINDS) == 9
     composed = compose(every_input.recipe)
     listed = {where for _, where in outputs.recipe_inputs(RecipeConfig.model_validate(composed.data), composed.files)}
     assert {str(Path(p)) for p in every_input.paths.values()} <= {str(Path(p).resolve()) for p in listed}
