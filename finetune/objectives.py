@@ -49,10 +49,10 @@ class Objective:
     its runs (``finetune.runtime.collapse``): ``"row"`` the model row's, ``"pairs"`` a score pair's, ``"unknown"``
     a dead loss that is not a known constant, ``"never"`` not checked. ``teacher``: it learns from a frozen
     teacher model (``distill.teacher``), which defines its objective as a reference does. ``panels``: the panels its
-    plot draws first, in order (``finetune.storage.plot``; None: the loss, lr and gradient norm, then every eval metric): train
-    keys, ``eval_`` keys, and ``prefix*`` for every train key with that prefix that a run logged (a reward per
-    function), drawn for a run that logged at least two of them (with one, its curve is the total's); a panel whose
-    key no run logged is left out, and whatever the list does not name follows in the default order."""
+    plot draws first, in order (``finetune.storage.plot``; None: the loss, lr and gradient norm, then every eval
+    metric): train keys, ``eval_`` keys, and ``prefix*`` for every train key with that prefix that a run logged (a
+    reward per function), drawn for a run that logged at least two of them (with one, its curve is the total's); a
+    panel whose key no run logged is left out, and whatever the list does not name follows in the default order."""
 
     name: str
     metrics: frozenset[str] | None

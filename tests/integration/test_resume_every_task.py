@@ -37,6 +37,10 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "vision": ("vlm-quickstart", {}),
     # chat rows with tools and tool calls (rendered one by one with their tools, the format read from the columns)
     "tools": ("tools-quickstart", {"model": DROPOUT}),
+    # on-policy distillation from a random student, half its steps sampled (lmbda 0.5): the resumed process
+    # rebuilds the teacher, decides each step and draws each completion from the same seeds
+    "distill": ("distill-quickstart", {"model": {**DROPOUT, "path": None},
+                                       "distill": {"lmbda": 0.5, "max_new_tokens": 4, "teacher": "TEACHER"}}),
 }
 
 
@@ -60,6 +64,11 @@ def _steps(run: Path) -> list[tuple[int, float, float, float | None]]:
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_stopped_and_resumed_run_equals_the_straight_run(case: str, recipes: Path, tmp_path: Path) -> None:
     shipped, changes = CASES[case]
+    if "distill" in changes:  # a teacher folder of the student's tokenizer, made for the case
+        from tests.integration.test_distill import make_teacher
+
+        teacher = str(make_teacher(tmp_path / "teacher"))
+        changes = {**changes, "distill": {**changes["distill"], "teacher": teacher}}
     recipe = yaml.safe_load((recipes / f"{shipped}.yaml").read_text())
     for split in ("train", "eval"):  # the small recipe's data, wherever the runs are written
         recipe["data"][split] = str(recipes / recipe["data"][split])
