@@ -261,7 +261,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
                          "set data.eval or clear eval.metrics/every_steps")
     lines += _reward_lines(cfg)
-    lines += _teacher_lines(cfg)
+    lines += _teacher_lines(cfg) if train_files else []  # eval, export, generate never read the teacher
     accelerate_file = None
     if cfg.launch is not None:
         try:

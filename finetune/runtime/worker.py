@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from finetune import registry
+from finetune import objectives, registry
 from finetune.artifacts import checkpoint, portable
 from finetune.artifacts.checkpoint import publishing
 from finetune.artifacts.portable import PARAM_NAMES, ParamNames
@@ -220,8 +220,6 @@ def build_trainer(cfg: RecipeConfig, run_dir: Path, start_step: int = 0, inputs:
 
 def _teacher_factory(cfg: RecipeConfig, row: registry.SupportedModel, backend: Backend) -> Any:
     """The factory of a distillation's placed teacher (finetune.runtime.teacher.placed), None for other tasks."""
-    from finetune import objectives
-
     record = objectives.objective(cfg.task)
     if record is None or not record.teacher:
         return None

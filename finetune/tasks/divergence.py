@@ -13,9 +13,8 @@ teacher), ``q = softmax(s / T)`` (the student), and
 renormalized over those ``k`` (a teacher stored or sent as its top-k log-probs), then compared as above.
 
 Each function returns the divergence of every position (``[...]``, the logits' leading shape), in fp32, so a loss
-sums them over the target tokens (token-weighted over the window and the ranks, as every loss of finetune). Not yet
-wired into a task (``task: distill`` is to come): these are its per-token losses, tested against the formulas
-written plainly.
+sums them over the target tokens (token-weighted over the window and the ranks, as every loss of finetune): ``task:
+distill`` computes them chunk by chunk (:mod:`finetune.tasks.chunked_divergence`).
 """
 
 from __future__ import annotations
