@@ -41,6 +41,7 @@ from finetune.errors import Interrupted
 from finetune.objectives import objective
 from finetune.registry import SupportedModel
 from finetune.runtime import cachelock
+from finetune.runtime.teacher import check_vocabulary
 
 if TYPE_CHECKING:  # the data package imports numpy: not at CLI start-up
     from finetune.data import DataBundle
@@ -71,8 +72,6 @@ def inputs(cfg: RecipeConfig, row: SupportedModel) -> Inputs:
         download(cfg)
         tokenizer = build_tokenizer(cfg.model, row)
         if (record := objective(cfg.task)) is not None and record.teacher:  # before any data is read
-            from finetune.runtime.teacher import check_vocabulary  # lazy: imports transformers
-
             check_vocabulary(cfg, tokenizer)
         images = image_inputs(tokenizer, row)
         data = load_splits(cfg.data, tokenizer, images=images, seed=cfg.train.seed, prompt=PromptOptions.of(cfg))

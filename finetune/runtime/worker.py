@@ -29,7 +29,7 @@ from finetune.backends import (
 )
 from finetune.config import RecipeConfig, load_resolved
 from finetune.errors import ConfigError, RunDirError, run_main, unreadable
-from finetune.runtime import context, materialize, plan, prepare
+from finetune.runtime import context, materialize, plan, prepare, teacher
 from finetune.runtime import peft as lora
 from finetune.runtime.signals import Interrupted
 from finetune.runtime.tracking import build_tracker
@@ -223,8 +223,6 @@ def _teacher_factory(cfg: RecipeConfig, row: registry.SupportedModel, backend: B
     record = objectives.objective(cfg.task)
     if record is None or not record.teacher:
         return None
-    from finetune.runtime import teacher  # lazy: imports torch
-
     return lambda model, accelerator: teacher.placed(cfg, row, accelerator, backend, model)
 
 

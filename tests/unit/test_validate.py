@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from finetune import registry
 from finetune.config import compose, load_recipe, load_resolved, validate
@@ -343,7 +344,16 @@ def test_a_stored_recipe_without_a_later_key_reads_as_its_run_trained(write_reci
 
 @pytest.mark.parametrize("recipe", SHIPPED_RECIPES, ids=[p.name for p in SHIPPED_RECIPES])
 def test_shipped_recipe_validates_from_any_cwd(recipe, tmp_path, monkeypatch):
+    """From an empty folder, once the runs its header's commands make exist (a distillation reads the quickstart's
+    run as its teacher and a weak run as its student: each stands here as a model folder under runs/)."""
     monkeypatch.chdir(tmp_path)
+    data = yaml.safe_load(recipe.read_text())
+    for value in ((data.get("model") or {}).get("path"), (data.get("distill") or {}).get("teacher")):
+        if isinstance(value, str) and value.startswith("runs/"):
+            folder = tmp_path / value
+            folder.mkdir(parents=True)
+            (folder / "config.json").write_text('{"model_type": "llama"}')
+            (folder / "model.safetensors").write_bytes(b"")
     cfg, composed = load_recipe(recipe)
     assert cfg.name
     # runs/<name> follows name: a recipe that extends this one and renames it must not train into this one's folder
