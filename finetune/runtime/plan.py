@@ -90,6 +90,21 @@ is counted, per rank:
   are ``micro_batch_size x labels``. With gradient checkpointing, backward recomputes the last layer only after the
   loss's tensors and the final norm's are freed: the smaller of the two is taken off once (**not held at once**, a
   negative line), so the device total is the peak of the step, not the sum of two moments.
+* **distillation** (``task: distill``): the teacher (``distill.teacher``) is built on the meta device from its
+  folder's config.json as the student is, in ``model.dtype``, and counted without gradients or optimizer states
+  (**teacher parameters**): whole on every rank under one process, DDP, ZeRO-1/2 and FSDP1, and 1/shard-group on FSDP2
+  and ZeRO-3, which shard it as they shard the student (:meth:`finetune.backends.Backend.frozen_module`: ZeRO-3 in
+  its 16-bit cast under bf16/fp16, on the host with ``offload_param``; FSDP2 in ``model.dtype``, on the device
+  whatever the student offloads). A sharded teacher's head weight ``V x H_teacher`` is copied out of each forward
+  in the dtype its forward computes with (**teacher head copy**). Its final hidden states ``T x H_teacher`` (in the
+  dtype of its residual stream) are held through the student's forward (**teacher hidden states**). The loss
+  (:mod:`finetune.tasks.chunked_divergence`) builds no SFT chunk: the **logits + loss** line keeps the hidden states'
+  gradient and the head's fp32 gradient buffer, and **distillation chunk** counts one chunk of ``rows =
+  min(T, chunk_rows(vocab))`` (a quarter of the SFT chunk) holding ``n x rows x vocab x 4`` bytes at its peak:
+  ``n`` fp32 ``rows x vocab`` tensors (:data:`DIVERGENCE_TENSORS`: both models' logits, the two log-softmaxes and
+  the divergence's elementwise terms, measured in ``tests/unit/test_plan_distill.py``). The teacher's forward
+  itself (its activations without gradient, a sharded teacher's gathered layers) ends before the student's starts
+  and is not counted.
 
 The totals are per rank: device memory (a GPU, or the CPU's memory where the run trains on the CPU) and host
 memory (what offload puts in CPU memory). Where CUDA devices are visible, the device total is compared with the
@@ -123,12 +138,14 @@ from typing import Any, Literal
 
 from finetune import backends
 from finetune.backends import Sharding
+from finetune.config import teacher as teacher_folder
 from finetune.config.schema import RecipeConfig
 from finetune.objectives import needs_reference, objective
 from finetune.registry import CAUSAL_TASKS, ROW_TASKS, SupportedModel, recipe_row, row_task
 from finetune.runtime import launch
 from finetune.runtime import peft as lora
 from finetune.runtime.peft import linear_module_names
+from finetune.runtime.teacher import teacher_row
 
 Where = Literal["device", "host"]
 # FSDP with gradient accumulation: "unsharded" keeps whole gradients across a window's micro-steps (no_sync, one
@@ -137,6 +154,13 @@ Where = Literal["device", "host"]
 Accumulation = Literal["none", "unsharded", "reduce_scatter"]
 NF4_BLOCK = 64  # bitsandbytes 4-bit block size: one absmax per 64 weights
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Distillation: the fp32 [rows x vocab] tensors one chunk of finetune.tasks.chunked_divergence's fused loss (with
+# gradient) holds at its peak, per distill.loss over the whole vocabulary. forward_kl: the student's and the teacher's
+# logits, log q and log p, p = exp(log p), the bool mask p > 0 (a quarter), p * (log p - log q), zeros_like(p) and
+# torch.where's result; reverse_kl one more (q carries the gradient, so autograd keeps log q - log p too); jsd the
+# mixture's stacked log-probabilities [2 x rows x vocab] and both KL terms' tensors. See divergence_tensors for
+# top_k and alpha.
+DIVERGENCE_TENSORS = {"forward_kl": 8.25, "reverse_kl": 9.25, "jsd": 14.0}
 
 
 # --- what the plan is made of -----------------------------------------------------------------------------------------
@@ -230,12 +254,17 @@ class Activations:
     # recomputed only after the second and the logits are freed, so the two never meet
     recomputed_layer: int = 0
     final: int = 0
+    # distillation: one chunk of the divergence (both models' logits and its fp32 temporaries), freed in forward as
+    # the logits are; its rows (0: not a distillation)
+    divergence_bytes: int = 0
+    divergence_rows: int = 0
 
     @property
     def not_at_once(self) -> int:
         """Bytes counted twice when the recipe checkpoints: the smaller of (final tensors + logits) and the
         recomputed layer, which backward holds one after the other."""
-        return min(self.final + self.logits_bytes, self.recomputed_layer) if self.checkpointing else 0
+        loss = self.logits_bytes + self.divergence_bytes
+        return min(self.final + loss, self.recomputed_layer) if self.checkpointing else 0
 
     @property
     def used(self) -> int:
@@ -376,21 +405,47 @@ def estimate_activations(shape: ModelShape, *, micro_batch_size: int, max_seq_le
 
 
 def estimate_logits(task: str, shape: ModelShape, tokens: int, micro_batch_size: int, compute_bytes: int,
-                    residual_bytes: int = 4, head_trains: bool = True, cuda: bool = False) -> int:
+                    residual_bytes: int = 4, head_trains: bool = True, cuda: bool = False,
+                    loss_chunk: bool = True) -> int:
     """What the loss holds (causal LM: :mod:`finetune.tasks.losses` never builds the ``T x vocab`` logits): one
     chunk at a time, its logits in the compute dtype and their fp32 softmax (which becomes the chunk's gradient,
     the logits being freed); the hidden states' gradient its backward assembles (in the weights' dtype); and,
     when the head trains in 16-bit weights, the fp32 ``vocab x hidden`` buffer the head's gradient is summed in
     (with fp32 weights that buffer is the gradient itself, already counted under gradients). A classification
-    head's small logits: fp32 copy and gradient."""
+    head's small logits: fp32 copy and gradient. ``loss_chunk`` False: the gradient buffers only (distillation
+    computes its chunks itself, :func:`estimate_divergence`)."""
     if ROW_TASKS[task].labels:  # type: ignore[index]
         return micro_batch_size * shape.num_labels * (compute_bytes + 4 + 4)
     from finetune.tasks.losses import default_chunk_rows  # lazy: imports torch
 
     rows = min(tokens, default_chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
-    chunk = rows * shape.vocab * (4 + compute_bytes)
+    chunk = rows * shape.vocab * (4 + compute_bytes) if loss_chunk else 0
     head = 4 * shape.vocab * shape.hidden if head_trains and residual_bytes < 4 else 0
     return chunk + tokens * shape.hidden * residual_bytes + head
+
+
+def divergence_tensors(loss: str, vocab: int, top_k: int | None = None, alpha: float = 0.0) -> float:
+    """How many fp32 ``rows x vocab`` tensors one distillation chunk holds at its peak (an estimate, checked against
+    the measured peak in ``tests/unit/test_plan_distill.py``): :data:`DIVERGENCE_TENSORS` over the whole vocabulary;
+    with ``top_k``, 5 (the two models' logits, their tempered copies, one whole-vocabulary log-softmax of the
+    metrics) plus the divergence's terms over ``k`` of the ``vocab`` columns; one more with ``alpha`` > 0 (the
+    student's log-softmax, kept for its cross-entropy's gradient). Measured on the CPU: within 2% over the whole
+    vocabulary without ``alpha`` (12% over with it: forward and reverse KL free their terms before the
+    cross-entropy's), up to a third over with a ``top_k`` near the vocabulary, never under."""
+    whole = DIVERGENCE_TENSORS[loss]
+    tensors = whole if top_k is None else 5.0 + whole * min(top_k, vocab) / max(1, vocab)
+    return tensors + (1.0 if alpha > 0 else 0.0)
+
+
+def estimate_divergence(shape: ModelShape, tokens: int, distill: Any, cuda: bool = False) -> tuple[int, int, float]:
+    """(rows, bytes, tensors) of one chunk of a distillation's loss (``distill``: the recipe's ``distill``
+    section): ``rows = min(T, chunk_rows(vocab))`` (:func:`finetune.tasks.chunked_divergence.chunk_rows`, a
+    quarter of the SFT chunk) and ``tensors x rows x vocab x 4`` bytes (:func:`divergence_tensors`)."""
+    from finetune.tasks.chunked_divergence import chunk_rows  # lazy: imports torch
+
+    rows = min(tokens, chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
+    tensors = divergence_tensors(distill.loss, shape.vocab, distill.top_k, distill.alpha)
+    return rows, math.ceil(tensors * rows * shape.vocab * 4), tensors
 
 
 def check_fit(device_total: int, devices: Sequence[tuple[str, int]] | None) -> DeviceFit:
@@ -619,21 +674,72 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
     without, with_, recomputed, final = estimate_activations(
         shape, micro_batch_size=mbs, max_seq_len=seq, packing=cfg.data.packing, residual_bytes=prec.residual,
         compute_bytes=prec.compute, lora_in_features=lora_in, cuda=cuda, frozen_base=cfg.peft.method != "none")
+    distills = record is not None and record.teacher  # its loss computes its own chunks (the divergence's)
     logits = estimate_logits(facts.task, shape, mbs * seq, mbs, prec.compute, prec.residual,
-                             head_trains=cfg.peft.method == "none", cuda=cuda)
+                             head_trains=cfg.peft.method == "none", cuda=cuda, loss_chunk=not distills)
     from finetune.tasks.losses import default_chunk_rows  # imports torch
 
     eval_logits = (min(cfg.eval.batch_size * seq, default_chunk_rows(shape.vocab, "cuda" if cuda else "cpu"))
                    * shape.vocab * (prec.compute + 4) if facts.task in CAUSAL_TASKS  # one chunk, no grad
                    else cfg.eval.batch_size * shape.num_labels * 4)
+    rows = divergence = 0
+    if distills:
+        rows, divergence, _ = estimate_divergence(shape, mbs * seq, cfg.distill, cuda)
+        # an eval chunk (no gradient) holds at most as many tensors as a training one
+        eval_logits = estimate_divergence(shape, cfg.eval.batch_size * seq, cfg.distill, cuda)[1]
     return Activations(mbs * seq, mbs, seq, checkpointing, reason, with_, without, logits, eval_logits, recomputed,
-                       final)
+                       final, divergence, rows)
+
+
+def teacher_sharded(sharding: Sharding) -> bool:
+    """Whether the backend shards a distillation's teacher (:meth:`finetune.backends.Backend.frozen_module`):
+    FSDP2 and ZeRO-3 do, as they shard the student; one process, DDP, ZeRO-1/2 and FSDP1 (whose flat parameters
+    are not built for a second, frozen root) hold it whole. The backends that shard a model as it is built (their
+    ``weight_distribution``: FSDP2's ``shard``, ZeRO-3's ``library``) are those, and the ones that receive it
+    whole before they wrap it (``broadcast``, ``everywhere``) the others."""
+    return _engine(sharding).weight_distribution in ("shard", "library")
+
+
+def _teacher_items(cfg: RecipeConfig, teacher: ModelFacts, sharding: Sharding, prec: _Precision,
+                   acts: Activations) -> list[Item]:
+    """A distillation's teacher: its parameters (no gradients, no optimizer states), a sharded teacher's head copy
+    and its final hidden states (module docstring)."""
+    sharded = teacher_sharded(sharding)
+    size = _DTYPE_BYTES[cfg.model.dtype]  # built in model.dtype
+    # a sharded teacher computes with what its backend gathers: ZeRO-3's engine casts it to 16 bits, FSDP2's
+    # policy gathers 16-bit copies; a whole one computes in its own dtype (autocast leaves its residual stream so)
+    cast = sharded and (prec.engine_half or prec.backend_casts)
+    held = 2 if sharded and prec.engine_half else size
+    computed = min(held, 2) if cast else held
+    divisor = sharding.grads if sharded else 1  # the shard group (the teacher reshards after each forward)
+    whole = sum(held * p.numel for p in teacher.params)
+    share = sum(_share(p, held * p.numel, divisor, sharding, is_param=True) for p in teacher.params)
+    where: Where = "host" if sharded and sharding.params_on_host and sharding.zero_stage is not None else "device"
+    dtype = "16-bit (DeepSpeed casts it)" if held < size else cfg.model.dtype
+    placed = (f"sharded as the student (/{divisor})" if sharded else "whole on every rank")
+    items = [Item("teacher_parameters", "teacher parameters", share, whole, divisor, where,
+                  f"distill.teacher, frozen: {dtype}; {teacher.total_params:,} parameters, {placed}; no gradients "
+                  "or optimizer states")]
+    shape = teacher.shape
+    dtype_name = {"bf16": "bfloat16", "fp16": "float16"}[cfg.train.mixed_precision] if computed < size \
+        else cfg.model.dtype
+    if sharded:
+        head = shape.vocab * shape.hidden * computed
+        items.append(Item("teacher_head_copy", "teacher head copy", head, head, 1, "device",
+                          f"the sharded teacher's gathered head weight ({shape.vocab} x {shape.hidden}, {dtype_name}) "
+                          "copied out of each forward, held through the student's"))
+    hidden = acts.tokens * shape.hidden * computed
+    items.append(Item("teacher_hidden", "teacher hidden states", hidden, hidden, 1, "device",
+                      f"{acts.micro_batch_size} x {acts.max_seq_len} x {shape.hidden} ({dtype_name}), held through "
+                      "the student's forward and loss"))
+    return items
 
 
 def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
-                    devices: Sequence[tuple[str, int]] | None) -> MemoryPlan:
+                    devices: Sequence[tuple[str, int]] | None, teacher: ModelFacts | None = None) -> MemoryPlan:
     """The plan of ``cfg`` for a model described by ``facts`` under ``sharding``; ``devices``: (name, bytes) of the
-    visible CUDA devices (none: the run trains on the CPU)."""
+    visible CUDA devices (none: the run trains on the CPU); ``teacher``: a distillation's teacher (None: none is
+    counted)."""
     prec = _Precision.of(cfg, sharding)
     items = _state_items(cfg, facts, sharding, prec) + _backend_items(cfg, facts, sharding, prec)
     record = objective(cfg.task)  # a reference held as a frozen copy (finetune.tasks.grpo's, with grpo.beta > 0)
@@ -644,15 +750,24 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
                           params.where, "grpo.beta > 0 with full fine-tuning: a frozen copy of the initial weights, "
                           "held as the parameters are (whole, or each rank's shards)"))
     acts = _activations(cfg, facts, prec, cuda=bool(devices))
+    if teacher is not None and record is not None and record.teacher:
+        items += _teacher_items(cfg, teacher, sharding, prec, acts)
     other = acts.without_checkpointing if acts.checkpointing else acts.with_checkpointing
     items.append(Item("activations", "activations (estimate)", acts.used, acts.used, 1, "device",
                       f"{acts.micro_batch_size} x {acts.max_seq_len} tokens, checkpointing "
                       f"{'on' if acts.checkpointing else 'off'} ({'off' if acts.checkpointing else 'on'}: "
                       f"{format_bytes(other)})"))
     causal = facts.task in CAUSAL_TASKS
+    loss_text = ("the hidden states' gradient; the distillation chunk is its own line" if acts.divergence_rows
+                 else "one loss chunk + the hidden states' gradient" if causal else "classification logits")
     items.append(Item("logits_loss", "logits + loss", acts.logits_bytes, acts.logits_bytes, 1, "device",
-                      ("one loss chunk + the hidden states' gradient" if causal else "classification logits")
-                      + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
+                      loss_text + f" ({facts.shape.vocab if causal else facts.shape.num_labels} columns)"))
+    if acts.divergence_rows:
+        tensors = divergence_tensors(cfg.distill.loss, facts.shape.vocab, cfg.distill.top_k, cfg.distill.alpha)
+        items.append(Item("distill_divergence", "distillation chunk", acts.divergence_bytes, acts.divergence_bytes,
+                          1, "device", f"one chunk of {acts.divergence_rows} rows: the student's and the teacher's "
+                          f"fp32 logits and the {cfg.distill.loss} divergence's fp32 temporaries, ~{tensors:g} x rows "
+                          f"x {facts.shape.vocab} x 4 bytes at its peak (estimate)"))
     if acts.not_at_once:
         items.append(Item("not_at_once", "not held at once", -acts.not_at_once, -acts.not_at_once, 1, "device",
                           "checkpointing: backward recomputes the last layer after the logits, their gradient and "
@@ -665,7 +780,7 @@ def plan_from_facts(cfg: RecipeConfig, facts: ModelFacts, sharding: Sharding,
     if sharding.params > 1 and any(_persistent(p, sharding) for p in facts.params):
         notes.append("ZeRO-3 keeps parameters under 1e5 elements whole on every rank, besides their partition "
                      "(stage3_param_persistence_threshold)")
-    if acts.eval_logits_bytes > acts.used + acts.logits_bytes:
+    if acts.eval_logits_bytes > acts.used + acts.logits_bytes + acts.divergence_bytes:
         notes.append(f"eval: one eval batch's logits ({cfg.eval.batch_size} x {acts.max_seq_len} tokens, no grad) "
                      f"take {format_bytes(acts.eval_logits_bytes)}, more than training's activations + logits; "
                      "lower eval.batch_size if it does not fit")
@@ -797,6 +912,18 @@ def model_facts(cfg: RecipeConfig, row: SupportedModel) -> ModelFacts:
     return ModelFacts(task=row.task, params=params, shape=shape, adapted_in_features=adapted)
 
 
+def teacher_facts(cfg: RecipeConfig, student: SupportedModel) -> ModelFacts:
+    """A distillation's teacher on the meta device, as :func:`finetune.runtime.teacher.build` makes it: from its
+    folder's config.json (``distill.teacher``, or a run's ``final/``), read with its model type's row (else the
+    student's), in ``model.dtype``, no PEFT, nothing frozen but by its own ``requires_grad_(False)``."""
+    row = teacher_row(cfg, student)
+    where = str(teacher_folder.folder(cfg.distill.teacher or ""))
+    model = cfg.model.model_copy(update={"type": row.name, "path": where, "config_overrides": {},
+                                         "trust_remote_code": False, "freeze": []})
+    peft = cfg.peft.model_copy(update={"method": "none"})
+    return model_facts(cfg.model_copy(update={"model": model, "peft": peft}), row)
+
+
 def visible_devices() -> list[tuple[str, int]]:
     """(name, total bytes) of every visible CUDA device; empty without one."""
     import torch  # lazy: heavy
@@ -817,7 +944,9 @@ def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = No
     sharding = resolve_sharding(accelerate.backend, cfg.launch.num_processes, accelerate.machines,
                                 in_this_process=cfg.launch.num_processes == 1 and not launch.under_launcher())
     facts = model_facts(cfg, row)
-    return plan_from_facts(cfg, facts, sharding, visible_devices() if devices is None else devices)
+    record = objective(cfg.task)
+    teacher = teacher_facts(cfg, row) if record is not None and record.teacher and cfg.distill.teacher else None
+    return plan_from_facts(cfg, facts, sharding, visible_devices() if devices is None else devices, teacher)
 
 
 # --- output -----------------------------------------------------------------------------------------------------------
