@@ -242,6 +242,11 @@ class Backend:
         reference = copy.deepcopy(accelerator.unwrap_model(model)).requires_grad_(False).eval()
         return reference, contextlib.nullcontext
 
+    @property
+    def shards_frozen_module(self) -> bool:
+        """Whether :meth:`frozen_module` shards what it places (the plan counts it so)."""
+        return False
+
     def frozen_module(self, accelerator: Any, module: Any, cfg: RecipeConfig, model: Any) -> tuple[Any, bool]:
         """Place a frozen model that runs only forward passes beside the prepared ``model`` (a distillation's
         teacher): ``(the module to call, whether its parameters are sharded)``. Here whole, on this rank's device;

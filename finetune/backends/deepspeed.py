@@ -142,11 +142,16 @@ class DeepSpeed(Backend):
             return super().frozen_copy(accelerator, model)
         return model, FrozenShards(model, deepspeed=True).swapped
 
+    @property
+    def shards_frozen_module(self) -> bool:
+        """ZeRO-3 partitions a frozen module as the model; ZeRO-1/2 keep it whole (:meth:`frozen_module`)."""
+        return self.shards_parameters
+
     def frozen_module(self, accelerator: Any, module: Any, cfg: RecipeConfig, model: Any) -> tuple[Any, bool]:
         """ZeRO-3: an engine of its own without an optimizer (the run's DeepSpeed config, its ZeRO-3 partitioning
         and precision), so each rank holds 1/world of it and a forward gathers what it computes with, as the model's
         engine does. ZeRO-1/2: whole on every rank, as the model is."""
-        if not self.shards_parameters:
+        if not self.shards_frozen_module:
             return super().frozen_module(accelerator, module, cfg, model)
         import deepspeed  # lazy: heavy
 

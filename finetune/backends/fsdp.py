@@ -183,12 +183,17 @@ class Fsdp(Backend):
                               "FSDP1; use launch.accelerate_config=fsdp2 or zero3, peft (LoRA), or grpo.beta=0")
         return model, FrozenShards(model, deepspeed=False).swapped
 
+    @property
+    def shards_frozen_module(self) -> bool:
+        """FSDP2 shards a frozen module as the model; FSDP1 keeps it whole (:meth:`frozen_module`)."""
+        return not self.flat
+
     def frozen_module(self, accelerator: Any, module: Any, cfg: RecipeConfig, model: Any) -> tuple[Any, bool]:
         """FSDP2: ``fully_shard`` on each of the module's decoder layers (its ``_no_split_modules``) and its root, on
         the model's device mesh with the model's mixed-precision policy: each rank holds 1/world of it, and a forward
         gathers a layer at a time, as the model's does. FSDP1: whole on every rank (its flat parameters are not built
         for a second, frozen root)."""
-        if self.flat:
+        if not self.shards_frozen_module:
             return super().frozen_module(accelerator, module, cfg, model)
         from torch.distributed.fsdp import fully_shard  # lazy: heavy
         from torch.distributed.tensor import DTensor  # lazy: heavy

@@ -692,12 +692,9 @@ def _activations(cfg: RecipeConfig, facts: ModelFacts, prec: _Precision, cuda: b
 
 
 def teacher_sharded(sharding: Sharding) -> bool:
-    """Whether the backend shards a distillation's teacher (:meth:`finetune.backends.Backend.frozen_module`):
-    FSDP2 and ZeRO-3 do, as they shard the student; one process, DDP, ZeRO-1/2 and FSDP1 (whose flat parameters
-    are not built for a second, frozen root) hold it whole. The backends that shard a model as it is built (their
-    ``weight_distribution``: FSDP2's ``shard``, ZeRO-3's ``library``) are those, and the ones that receive it
-    whole before they wrap it (``broadcast``, ``everywhere``) the others."""
-    return _engine(sharding).weight_distribution in ("shard", "library")
+    """Whether the backend shards a distillation's teacher (its ``shards_frozen_module``: FSDP2 and ZeRO-3 do, as
+    they shard the student; one process, DDP, ZeRO-1/2 and FSDP1 hold it whole)."""
+    return _engine(sharding).shards_frozen_module
 
 
 def _teacher_items(cfg: RecipeConfig, teacher: ModelFacts, sharding: Sharding, prec: _Precision,
