@@ -23,6 +23,8 @@ Rows (each a subprocess group with its own time limit: a hang or a slow compile 
 - ``lora``: bf16 weights (``model.dtype: bfloat16``) with a LoRA adapter, exported (and verified) at the end;
 - ``flash-attn``: the bf16 run with ``flash_attention_2``, when flash-attn is importable;
 - ``grpo``: a few GRPO steps on the reverse-letters prompts (exact_match reward); completion tokens/s;
+- ``distill``: a few on-policy distillation steps, the saved model teaching a student of its first half of layers
+  (full vocabulary, bf16); finite divergence, completion tokens/s, peak memory against ``finetune plan``;
 - ``compile``: the bf16 run's first steps with ``train.compile`` (per block), last: a slow compile costs only it;
 - ``fsdp2 xN`` and ``zero3 xN``: the bf16 run on every GPU, without ``--budget`` and with 2 or more GPUs.
 
@@ -147,7 +149,8 @@ GPU_SIZES = Sizes(
     steps=30, checkpoint_every=15, warmup=5, reference_steps=10, lora_steps=10, grpo_steps=4, grpo_group=8,
     grpo_new_tokens=64, compile=True,
     limits={"bundle": 120, "model": 120, "plan": 180, "fp32 reference": 180, "bf16 run": 330, "resume": 210,
-            "export": 120, "eval": 90, "lora": 150, "flash-attn": 150, "grpo": 150, "compile": 240,
+            "export": 120, "eval": 90, "lora": 150, "flash-attn": 150, "grpo": 150, "distill": 150,
+            "compile": 240,
             "default": 330})
 CPU_SIZES = Sizes(
     shape=TINY_QWEN2, max_seq_len=64, lengths=(16, 64), train_rows=64, eval_rows=8, micro=4, global_batch=8,
@@ -724,6 +727,51 @@ def grpo_row(ctx: Context, res: Result) -> None:
               f"{len(rows)} step lines with completion_len; completion tokens/s over steps 2-{s.grpo_steps}")
 
 
+def distill_row(ctx: Context, res: Result) -> None:
+    """On-policy distillation at the full vocabulary: the saved model is the teacher (bf16 folder, whole on the
+    GPU), the student its first half of the layers (loaded from the same folder with fewer layers: a truncated
+    student), reverse KL on completions the student samples from the reverse-letters prompts; the chunked divergence
+    of both heads under bf16 autocast, the teacher's forward, and peak memory against ``finetune plan``."""
+    _needs_model(ctx)
+    s = ctx.sizes
+    layers = max(1, s.shape["num_hidden_layers"] // 2)
+    path = recipe(ctx, "distill", {
+        "task": "distill",
+        "model": {"config_overrides": {"num_hidden_layers": layers}},
+        "data": {"format": "alpaca", "train": str(DATA / "reverse_train.jsonl"), "eval": None, "packing": False,
+                 "max_seq_len": 64 + s.grpo_new_tokens},
+        "eval": {"metrics": []},
+        "train": {"max_steps": s.grpo_steps, "micro_batch_size": s.micro, "global_batch_size": s.micro,
+                  "gradient_checkpointing": False, "compile": False},
+        "optim": {"lr": 1e-5}, "scheduler": {"warmup_steps": 0},
+        "checkpoint": {"every_steps": None, "save_final": False},
+        "distill": {"teacher": str(ctx.work / "model"), "mode": "on_policy", "loss": "reverse_kl",
+                    "max_new_tokens": s.grpo_new_tokens}})
+    plan = _plan(ctx.finetune("plan", str(path), "--json"))
+    res.check("plan", plan is not None, "finetune plan --json (the teacher counted)" if plan else "no plan")
+    run = ctx.work / "runs" / "distill"
+    got = ctx.finetune("run", str(path), "-o", str(run), "--overwrite")
+    if not _ran(res, got, f"{s.grpo_steps} on-policy steps of {s.micro} completions of up to {s.grpo_new_tokens} "
+                          f"tokens, a {layers}-layer student of the saved model"):
+        return
+    rows = _train_rows(run)
+    figures = completion_figures(rows, s.micro)
+    peaks = [r["mem_alloc_gb"] for r in rows if r.get("mem_alloc_gb") is not None]
+    figures.update(peak_bytes=max(peaks) * 1e9 if peaks else None, plan_bytes=plan["device_total_bytes"] if plan
+                   else None)
+    res.figures.update(figures)
+    finite = all(math.isfinite(r.get("divergence", math.nan)) and r.get("teacher_logprob") is not None
+                 for r in rows)
+    res.check("divergence", len(rows) == s.grpo_steps and finite,
+              f"{len(rows)} step lines with a finite divergence and the teacher's log-prob")
+    if figures["peak_bytes"] is None:
+        res.note = "peak memory n/a (no CUDA device)"
+    elif plan:
+        ratio = figures["peak_bytes"] / plan["device_total_bytes"]
+        res.check("peak memory vs plan", ratio <= PLAN_SLACK, f"measured/plan = {ratio:.2f} (fails above "
+                                                               f"{PLAN_SLACK:g})")
+
+
 def compile_row(ctx: Context, res: Result) -> None:
     _needs_model(ctx)
     s = ctx.sizes
@@ -768,6 +816,7 @@ def rows(ctx: Context, budget: bool, flash: str | None) -> list[Row]:
         Row("lora", f"runs; step 1 within {LOSS_RTOL:g} of fp32; loss falls; adapter exported", lora_row),
         Row("flash-attn", f"runs; loss within {LOSS_RTOL:g} of fp32", flash_row, skip=flash),
         Row("grpo", "runs; completion tokens/s > 0", grpo_row),
+        Row("distill", f"plan; runs; finite divergence; peak <= {PLAN_SLACK:g} x plan", distill_row),
         # last: a slow or failing compile costs this row alone
         Row("compile", f"runs; loss within {LOSS_RTOL:g} of fp32; tokens/s > 0", compile_row,
             skip=None if ctx.sizes.compile else "--dry-run: inductor on the CPU costs the suite minutes"),

@@ -34,10 +34,10 @@ def test_budget_dry_run(tmp_path: Path) -> None:
     report = json.loads((out / "gpu-check-report.json").read_text())
     rows = {r["row"]: r for r in report["results"]}
     assert list(rows) == ["bundle", "model", "fp32 reference", "bf16 run", "resume", "export", "eval", "lora",
-                          "flash-attn", "grpo", "compile", "fsdp2 x2", "zero3 x2"]
+                          "flash-attn", "grpo", "distill", "compile", "fsdp2 x2", "zero3 x2"]
     wheels = list((ROOT / ".whl").glob("*.whl"))  # CI has no bundle: the row says so and skips
     assert rows["bundle"]["status"] == ("pass" if wheels else "skipped")
-    ran = ["model", "fp32 reference", "bf16 run", "resume", "export", "eval", "lora", "grpo"]
+    ran = ["model", "fp32 reference", "bf16 run", "resume", "export", "eval", "lora", "grpo", "distill"]
     assert all(rows[name]["status"] == "pass" for name in ran), {n: rows[n]["checks"] for n in ran}
     checks = {(r["row"], c[0]): c[2] for r in report["results"] for c in r["checks"]}
     assert "= 0.00e+00" in checks[("resume", "resume parity")]  # a CPU resume repeats the straight run exactly
@@ -46,6 +46,7 @@ def test_budget_dry_run(tmp_path: Path) -> None:
     assert main["tokens_per_s_per_device"] > 0 and main["plan_bytes"] > 0
     assert main["peak_bytes"] is None and main["mfu"] is None  # CPU: n/a, not a guess
     assert rows["grpo"]["figures"]["completion_tokens_per_s"] > 0
+    assert rows["distill"]["figures"]["completion_tokens_per_s"] > 0 and rows["distill"]["figures"]["plan_bytes"] > 0
     for name, why in (("flash-attn", "--dry-run"), ("compile", "--dry-run"), ("fsdp2 x2", "--budget: one GPU"),
                       ("zero3 x2", "--budget: one GPU")):
         assert rows[name]["status"] == "skipped" and why in rows[name]["note"], rows[name]
