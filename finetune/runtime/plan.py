@@ -145,7 +145,7 @@ from finetune.registry import CAUSAL_TASKS, ROW_TASKS, SupportedModel, recipe_ro
 from finetune.runtime import launch
 from finetune.runtime import peft as lora
 from finetune.runtime.peft import linear_module_names
-from finetune.runtime.teacher import teacher_row
+from finetune.runtime.teacher import adapter_off, teacher_row
 
 Where = Literal["device", "host"]
 # FSDP with gradient accumulation: "unsharded" keeps whole gradients across a window's micro-steps (no_sync, one
@@ -942,7 +942,9 @@ def build_plan(cfg: RecipeConfig, devices: Sequence[tuple[str, int]] | None = No
                                 in_this_process=cfg.launch.num_processes == 1 and not launch.under_launcher())
     facts = model_facts(cfg, row)
     record = objective(cfg.task)
-    teacher = teacher_facts(cfg, row) if record is not None and record.teacher and cfg.distill.teacher else None
+    # a LoRA student's own base as the teacher (runtime.teacher.adapter_off) is the student: nothing more to hold
+    teacher = teacher_facts(cfg, row) if record is not None and record.teacher and cfg.distill.teacher \
+        and not adapter_off(cfg) else None
     return plan_from_facts(cfg, facts, sharding, visible_devices() if devices is None else devices, teacher)
 
 

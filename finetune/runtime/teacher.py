@@ -9,7 +9,10 @@ reads; a type no row lists is read with the student's row, which is right for an
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from finetune.config import families
@@ -17,16 +20,41 @@ from finetune.config import teacher as teacher_folder
 from finetune.config.schema import RecipeConfig
 from finetune.errors import ConfigError
 from finetune.registry import SupportedModel
+from finetune.runtime import peft as lora
 
 
 @dataclass
 class TeacherModel:
-    """The teacher as the task uses it: the module to call (prepared by the backend), the table row it is read with
-    and whether its parameters are sharded (its head's gathered weight is then copied out of each forward)."""
+    """The teacher as the task uses it: the module to call (prepared by the backend), the table row it is read with,
+    whether its parameters are sharded (its head's gathered weight is then copied out of each forward), and the
+    context its forward runs in (the student's base with the adapter off: :func:`adapter_off`)."""
 
     module: Any
     row: SupportedModel
     sharded: bool
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    adapter_off: bool = False
+
+
+def adapter_off(cfg: RecipeConfig) -> bool:
+    """Self-distillation under LoRA: the teacher is the student's own base model (``distill.teacher`` names the
+    folder ``model.path`` names), so it is the student with its adapter disabled, not a second copy."""
+    if not lora.enabled(cfg.peft) or not cfg.model.path or not cfg.distill.teacher:
+        return False
+    mine = families.local_folder(cfg.model.path)
+    return mine is not None and teacher_folder.folder(cfg.distill.teacher).resolve() == Path(mine).resolve()
+
+
+@contextlib.contextmanager
+def _base_of(model: Any, accelerator: Any) -> Iterator[None]:
+    """The prepared LoRA ``model`` as its base: adapter disabled, eval mode (no dropout), restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with accelerator.unwrap_model(model).disable_adapter():
+            yield
+    finally:
+        model.train(was_training)
 
 
 def teacher_row(cfg: RecipeConfig, student: SupportedModel) -> SupportedModel:
@@ -94,7 +122,10 @@ def vocab_size_problem(student: Any, teacher: Any) -> str | None:
 
 def placed(cfg: RecipeConfig, student: SupportedModel, accelerator: Any, backend: Any, model: Any) -> TeacherModel:
     """The teacher built (:func:`build`), checked against the prepared student ``model``'s vocabulary size and placed
-    by ``backend`` beside it (whole, or sharded as the student is)."""
+    by ``backend`` beside it (whole, or sharded as the student is); under :func:`adapter_off`, the student itself with
+    its adapter disabled (nothing built, sharded as it is)."""
+    if adapter_off(cfg):
+        return TeacherModel(model, student, backend.shards_parameters, lambda: _base_of(model, accelerator), True)
     module, row = build(cfg, student)
     if problem := vocab_size_problem(accelerator.unwrap_model(model), module):
         raise ConfigError(problem)

@@ -22,7 +22,8 @@ Modes (``distill.mode``):
 
 The teacher (``distill.teacher``) is built once, frozen, in the student's dtype, and placed by the backend beside the
 student: whole on one process, DDP, ZeRO-1/2 and FSDP1, sharded as the student on FSDP2 and ZeRO-3
-(:meth:`finetune.backends.Backend.frozen_module`). Its forward runs on every micro-batch and eval batch, in the
+(:meth:`finetune.backends.Backend.frozen_module`). Under LoRA, a teacher that is the student's own ``model.path`` is
+the student with its adapter disabled (self-distillation; eval mode), never a second copy. Its forward runs on every micro-batch and eval batch, in the
 recipe's autocast, without gradients, on every rank (sharded ranks stay in lockstep). It is never saved.
 
 Metrics: the train row's ``divergence`` (mean per target token) and, on on-policy steps, ``completion_len`` (mean
@@ -33,6 +34,7 @@ tokens per completion) and ``teacher_logprob`` (the teacher's mean log-prob per 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -75,6 +77,7 @@ class DistillTask(CausalLMTask):
         self.settings = self.cfg.distill
         self.rule = Rule.of(self.settings)
         self.make_teacher, self.teacher, self.teacher_forward = teacher, None, Forward()
+        self.teacher_sharded, self.teacher_context = False, contextlib.nullcontext
         self.eval_means = ("divergence", "teacher_loss") if teacher is not None else ()
         self.window: torch.Tensor | None = None  # the step's WINDOW sums, on the model's device (no host sync)
         self.model: Any = None
@@ -92,9 +95,10 @@ class DistillTask(CausalLMTask):
             return
         built = self.make_teacher(self.model, accelerator)
         self.teacher, self.teacher_forward = built.module, Forward.of(built.row)
-        self.teacher_sharded = built.sharded
-        log(f"distill: teacher {self.settings.teacher} ({built.row.name}; "
-            f"{'sharded as the student' if built.sharded else 'whole on each process'}), {self.settings.mode}, "
+        self.teacher_sharded, self.teacher_context = built.sharded, built.context
+        placed = "the student's base with its adapter disabled" if built.adapter_off else \
+            "sharded as the student" if built.sharded else "whole on each process"
+        log(f"distill: teacher {self.settings.teacher} ({built.row.name}; {placed}), {self.settings.mode}, "
             f"{self.settings.loss} at temperature {self.settings.temperature:g}"
             + (f", top {self.settings.top_k}" if self.settings.top_k else "")
             + (f", alpha {self.settings.alpha:g}" if self.settings.alpha else "")
@@ -145,7 +149,7 @@ class DistillTask(CausalLMTask):
         spec = self.teacher_forward.head
         head = find_head(self.teacher, spec.name if spec is not None else None)
         inputs = self.teacher_forward.inputs(batch)
-        with torch.no_grad():
+        with torch.no_grad(), self.teacher_context():
             if head is None:  # a teacher whose head is not named: its logits, whole
                 out = self.teacher(**inputs)
                 logits = out.logits if hasattr(out, "logits") else out

@@ -182,3 +182,25 @@ def test_a_bad_teacher_is_one_line_and_nothing_runs(tmp_path: Path, what: str, c
     err = capsys.readouterr().err
     assert words in err and "Traceback" not in err, err
     assert not (tmp_path / "bad" / "checkpoints").exists() and not (tmp_path / "bad" / "final").exists()
+
+
+def test_lora_self_distillation_uses_the_students_base_with_the_adapter_off(tmp_path: Path, teacher: Path) -> None:
+    """A LoRA student whose distill.teacher is its own model.path: the teacher is the student with its adapter
+    disabled (no second model is loaded: the log says so, and the plan counts no teacher), so at the first step (the
+    adapter's B is zero) student and teacher are the same model and the divergence is 0; the cross-entropy mix then
+    moves the adapter away, and the divergence with it."""
+    from finetune.config import load_recipe
+    from finetune.runtime.plan import build_plan
+
+    recipe = distill_recipe(teacher, model={"type": "llama", "path": str(teacher)},
+                            peft={"method": "lora", "r": 4, "alpha": 8},
+                            distill={"alpha": 0.5}, optim={"name": "adamw", "lr": 1e-2},
+                            train={"micro_batch_size": 4, "global_batch_size": 4, "max_steps": 4},
+                            data={"eval": None})
+    path = write_named(tmp_path, "self", recipe)
+    cfg, _ = load_recipe(path)
+    assert not [item for item in build_plan(cfg, devices=[]).items if item.key.startswith("teacher_")]
+    assert cli_exit_code("run", str(path)) == 0
+    assert "the student's base with its adapter disabled" in (tmp_path / "self" / "train.log").read_text()
+    divergences = [r["divergence"] for r in read_metrics(tmp_path / "self") if r["kind"] == "train"]
+    assert divergences[0] == pytest.approx(0.0, abs=1e-6) and divergences[-1] > 1e-4, divergences
