@@ -23,8 +23,9 @@ Modes (``distill.mode``):
 The teacher (``distill.teacher``) is built once, frozen, in the student's dtype, and placed by the backend beside the
 student: whole on one process, DDP, ZeRO-1/2 and FSDP1, sharded as the student on FSDP2 and ZeRO-3
 (:meth:`finetune.backends.Backend.frozen_module`). Under LoRA, a teacher that is the student's own ``model.path`` is
-the student with its adapter disabled (self-distillation; eval mode), never a second copy. Its forward runs on every micro-batch and eval batch, in the
-recipe's autocast, without gradients, on every rank (sharded ranks stay in lockstep). It is never saved.
+the student with its adapter disabled (self-distillation; eval mode), never a second copy. Its forward runs on every
+micro-batch and eval batch, in the recipe's autocast, without gradients, on every rank (sharded ranks stay in
+lockstep). It is never saved.
 
 Metrics: the train row's ``divergence`` (mean per target token) and, on on-policy steps, ``completion_len`` (mean
 tokens per completion) and ``teacher_logprob`` (the teacher's mean log-prob per completion token); the eval row's
