@@ -48,7 +48,9 @@ class Objective:
     where its value carries information, see ``grpo_loss_informative``); ``collapse``: the collapse signature of
     its runs (``finetune.runtime.collapse``): ``"row"`` the model row's, ``"pairs"`` a score pair's, ``"unknown"``
     a dead loss that is not a known constant, ``"never"`` not checked. ``teacher``: it learns from a frozen
-    teacher model (``distill.teacher``), which defines its objective as a reference does. ``panels``: the panels its
+    teacher model (``distill.teacher``), which defines its objective as a reference does. ``prompt_section``: the
+    recipe section whose ``max_new_tokens`` is the room a prompt row leaves for its completion (the task reads prompt
+    rows; None: it reads none). ``panels``: the panels its
     plot draws first, in order (``finetune.storage.plot``; None: the loss, lr and gradient norm, then every eval
     metric): train keys, ``eval_`` keys, and ``prefix*`` for every train key with that prefix that a run logged (a
     reward per function), drawn for a run that logged at least two of them (with one, its curve is the total's); a
@@ -72,6 +74,7 @@ class Objective:
     reference: Literal["never", "always", "beta"] = "never"
     reference_copy: bool = False
     teacher: bool = False
+    prompt_section: str | None = None
     headline: tuple[tuple[str, ...], tuple[str, ...]] | None = None
     collapse: Literal["row", "pairs", "unknown", "never"] = "row"
     panels: tuple[str, ...] | None = None
@@ -115,24 +118,26 @@ OBJECTIVES: Mapping[str, Objective] = {
                       row_tasks=frozenset({"causal_lm"}), row_capability="generation",
                       row_need="trains a causal LM on its own generated text",
                       row_hint="use a causal LM model type that generates (finetune models)",
-                      generates=True, rewards=True, repeats_batches=True, groups=True, reference="beta",
-                      reference_copy=True, headline=(("reward", "loss"), ("eval_exact_match", "eval_reward")),
+                      generates=True, prompt_section="grpo", rewards=True, repeats_batches=True, groups=True,
+                      reference="beta", reference_copy=True,
+                      headline=(("reward", "loss"), ("eval_exact_match", "eval_reward")),
                       collapse="never", panels=("reward", "eval_exact_match", "eval_reward", "reward_*",
                                                 "completion_len", "kl", "loss", "lr", "grad_norm")),
-    # distillation: SFT's rows (the data's answers offline, their prompts on-policy), a teacher's distributions as
-    # targets; a dead student's divergence depends on the teacher: no known constant
+    # distillation: SFT's rows (the data's answers offline, their prompts on-policy) or prompt rows (on-policy only),
+    # a teacher's distributions as targets; a dead student's divergence depends on the teacher: no known constant
     "distill": Objective("distill", metrics=None, data=None, data_need="", dropout=True, no_streaming=None,
                          row_tasks=frozenset({"causal_lm"}), row_need="distills into a causal LM",
-                         row_hint="use a causal LM model type (finetune models)", teacher=True, collapse="unknown"),
+                         row_hint="use a causal LM model type (finetune models)", teacher=True, collapse="unknown",
+                         prompt_section="distill"),
 }
 
 OWNED_FORMATS: Mapping[str, OwnedFormat] = {
     "preference": OwnedFormat("preference", "preference pairs", ("dpo", "reward"),
                               unpacked="each pair is one padded chosen/rejected batch",
                               answer_only="preference pairs learn from their answers only", metrics_of="dpo"),
-    "prompt": OwnedFormat("prompt", "prompt rows", ("grpo",),
-                          unpacked="task grpo trains on generated completions",
-                          answer_only="task grpo learns from its completions only", metrics_of=None),
+    "prompt": OwnedFormat("prompt", "prompt rows", ("grpo", "distill"),
+                          unpacked="their tasks train on generated completions",
+                          answer_only="their tasks learn from generated completions only", metrics_of=None),
 }
 
 

@@ -261,7 +261,7 @@ def _semantic_lines(cfg: RecipeConfig | _Sections, train_files: bool = True, wei
             lines.append("data.eval: eval metrics or eval.every_steps are set but there is no eval set; "
                          "set data.eval or clear eval.metrics/every_steps")
     lines += _reward_lines(cfg)
-    lines += _teacher_lines(cfg) if train_files else []  # eval, export, generate never read the teacher
+    lines += _distill_lines(cfg, train_files)
     accelerate_file = None
     if cfg.launch is not None:
         try:
@@ -426,13 +426,25 @@ def _reward_lines(cfg: RecipeConfig | _Sections) -> list[str]:
     return lines
 
 
-def _teacher_lines(cfg: RecipeConfig | _Sections) -> list[str]:
-    """A distillation's teacher folder is there and is data only (finetune.config.teacher); its vocabulary is checked
-    when the run's tokenizer is read."""
+def _distill_lines(cfg: RecipeConfig | _Sections, train_files: bool = True) -> list[str]:
+    """A distillation's teacher folder is there and is data only (finetune.config.teacher; only where the command
+    trains: eval, export and generate never read it; its vocabulary is checked when the run's tokenizer is read), and
+    prompt rows, which hold no answers, only train on-policy on every step and are scored by exact_match only."""
     distill, record = getattr(cfg, "distill", None), objectives.objective(cfg.task)
-    if record is None or not record.teacher or distill is None or not distill.teacher:
+    if record is None or not record.teacher or distill is None:
         return []
-    return teacher.problems(distill.teacher)
+    lines = teacher.problems(distill.teacher) if train_files and distill.teacher else []
+    if cfg.data is not None and cfg.data.format == "prompt":
+        if distill.mode != "on_policy" or distill.lmbda < 1:
+            lines.append(f"data.format: prompt rows hold no answers to train on, so task distill samples every "
+                         f"step's (now distill.mode={distill.mode}, distill.lmbda={distill.lmbda:g}); set "
+                         "distill.mode=on_policy and distill.lmbda=1, or use rows with answers (alpaca, chat, "
+                         "completion)")
+        scored = [m for m in (cfg.eval.metrics if cfg.eval is not None else []) if m != "exact_match"]
+        if scored:
+            lines.append(f"eval.metrics: {scored[0]} needs the rows' answers, which prompt rows do not hold; use "
+                         "exact_match (against each eval row's answer)")
+    return lines
 
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json", "*.pt", "*.pth")

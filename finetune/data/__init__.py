@@ -47,9 +47,10 @@ class DataBundle:
     train_parts: list[Part] = field(default_factory=list)
     eval_parts: list[Part] = field(default_factory=list)
     stream: TrainStream | None = None  # data.streaming: the training stream (``train`` holds its first samples)
-    prompt_room: int = 0  # prompt rows: the tokens each prompt leaves for its completion (grpo.max_new_tokens)
+    prompt_room: int = 0  # prompt rows: the tokens each prompt leaves for its completion (its task's max_new_tokens)
     template_warnings: list[str] = field(default_factory=list)  # the chat template's (formats.template_warnings)
     detected: list[str] = field(default_factory=list)  # a line per source whose format was read from its columns
+    room_key: str = "grpo.max_new_tokens"  # the recipe key of prompt_room, as the lines name it
 
     @property
     def train_size(self) -> int:
@@ -78,7 +79,7 @@ class DataBundle:
             prefix = f"{source}: " if source else ""
             if self.prompt_room and (counts.truncated or counts.dropped):
                 lines.append(f"data: {prefix}{counts.truncated} prompts truncated (their end kept), "
-                             f"{counts.dropped} dropped (longer than data.max_seq_len - grpo.max_new_tokens = "
+                             f"{counts.dropped} dropped (longer than data.max_seq_len - {self.room_key} = "
                              f"{max_seq_len - self.prompt_room} tokens)")
             elif counts.truncated or counts.dropped or counts.no_answer:
                 lines.append(f"data: {prefix}{counts.truncated} truncated, {counts.dropped} dropped (longer than "
@@ -96,7 +97,7 @@ class DataBundle:
         if self.stream is not None:
             return lines
         limit = max_seq_len - self.prompt_room
-        key = "data.max_seq_len - grpo.max_new_tokens" if self.prompt_room else "data.max_seq_len"
+        key = f"data.max_seq_len - {self.room_key}" if self.prompt_room else "data.max_seq_len"
         for split, source, counts in self._counted():
             over = counts.truncated + counts.dropped
             rows = len(counts.dataset) + counts.dropped + counts.no_answer
@@ -264,7 +265,8 @@ def load_splits(cfg: DataConfig, tokenizer: Any, *, need_train: bool = True, ima
     return DataBundle(train, evaluation, labels, mixture,
                       train_parts if listed else [], eval_parts if not isinstance(cfg.eval, str) else [], stream,
                       prompt.new_tokens if prompt is not None and cfg.format == prompt_rows.FORMAT else 0,
-                      template_warnings(tokenizer) if templated else [], found)
+                      template_warnings(tokenizer) if templated else [], found,
+                      prompt.room_key if prompt is not None else PromptOptions.room_key)
 
 
 def _templated(source: DataSource, raw: Dataset | None) -> bool:

@@ -45,25 +45,27 @@ WHY = {"answer": "the exact_match reward and metric compare each completion with
 
 @dataclass(frozen=True)
 class PromptOptions:
-    """What tokenizing prompt rows needs from outside ``data:``: ``new_tokens`` (``grpo.max_new_tokens``: the room a
-    prompt leaves in ``data.max_seq_len`` for its completion) and the fields every train row (``require``) and
-    eval row (``eval_require``) must have."""
+    """What tokenizing prompt rows needs from outside ``data:``: ``new_tokens`` (``grpo.max_new_tokens`` or
+    ``distill.max_new_tokens``: the room a prompt leaves in ``data.max_seq_len`` for its completion, named by
+    ``room_key``) and the fields every train row (``require``) and eval row (``eval_require``) must have."""
 
     new_tokens: int = 0
     require: tuple[str, ...] = ()
     eval_require: tuple[str, ...] = ()
+    room_key: str = "grpo.max_new_tokens"  # the recipe key of new_tokens, as the data's lines name it
 
     @classmethod
     def of(cls, cfg: RecipeConfig) -> PromptOptions | None:
-        """The options of a recipe (None unless its task generates from prompt rows: grpo): rows need ``answer``
-        where an exact_match reward (train and eval) or the exact_match eval metric (eval) compares completions with
-        it."""
+        """The options of a recipe (None unless its task reads prompt rows: its record's ``prompt_section``, whose
+        ``max_new_tokens`` is the completion's room): rows need ``answer`` where an exact_match reward (train and
+        eval) or the exact_match eval metric (eval) compares completions with it."""
         record = objective(cfg.task)
-        if record is None or not record.generates:
+        if record is None or record.prompt_section is None:
             return None
-        exact = any(spec.exact_match for spec in cfg.grpo.rewards)
-        return cls(cfg.grpo.max_new_tokens, ("answer",) if exact else (),
-                   ("answer",) if exact or "exact_match" in cfg.eval.metrics else ())
+        exact = record.rewards and any(spec.exact_match for spec in cfg.grpo.rewards)
+        return cls(getattr(cfg, record.prompt_section).max_new_tokens, ("answer",) if exact else (),
+                   ("answer",) if exact or "exact_match" in cfg.eval.metrics else (),
+                   f"{record.prompt_section}.max_new_tokens")
 
 
 def check_columns(dataset: Any, source: str, require: tuple[str, ...] = ()) -> None:

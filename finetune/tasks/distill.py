@@ -12,6 +12,9 @@ target token of the window on all ranks (8x1 = 2x4 = 1x8).
 Modes (``distill.mode``):
 
 * ``offline``: the targets are the data's own answer tokens (alpaca, chat or completion rows, as SFT reads them).
+* ``on_policy`` also reads prompt rows (``data.format: prompt``, GRPO's: no answers), sampled at every step
+  (``distill.lmbda`` 1); their eval is the student's greedy completions: exact_match against each row's ``answer``
+  and the divergence to the teacher on those completions (no eval loss: there are no answers to score).
 * ``on_policy``: at each step chosen (``distill.lmbda``: every step at 1, else a fraction of them drawn from
   ``(train.seed, step)``, the same on every rank), each row's answer is replaced by a completion the student samples
   from the row's prompt with its current weights (eval mode, the recipe's autocast, at ``distill.temperature``, up to
@@ -42,11 +45,13 @@ from typing import Any
 
 import torch
 
+from finetune.data import prompt_rows
 from finetune.data.batching import Collator
 from finetune.data.rows import IGNORE
 from finetune.tasks.base import EvalCounts
-from finetune.tasks.causal_lm import CausalLMTask
+from finetune.tasks.causal_lm import CausalLMTask, normalize
 from finetune.tasks.chunked_divergence import Rule, Side, distill_sums
+from finetune.tasks.decoding import answers
 from finetune.tasks.grpo import PolicyGenerator, completion_mask, completion_seed
 from finetune.tasks.logprobs import Forward, find_head, next_token_targets, through_head
 
@@ -79,7 +84,10 @@ class DistillTask(CausalLMTask):
         self.rule = Rule.of(self.settings)
         self.make_teacher, self.teacher, self.teacher_forward = teacher, None, Forward()
         self.teacher_sharded, self.teacher_context = False, contextlib.nullcontext
-        self.eval_means = ("divergence", "teacher_loss") if teacher is not None else ()
+        self.prompt_rows = self.cfg.data.format == prompt_rows.FORMAT  # no answers: on-policy only, no eval loss
+        self.eval_loss = self.perplexity = not self.prompt_rows
+        means = ("divergence",) if self.prompt_rows else ("divergence", "teacher_loss")
+        self.eval_means = means if teacher is not None else ()
         self.window: torch.Tensor | None = None  # the step's WINDOW sums, on the model's device (no host sync)
         self.model: Any = None
         self.precision: Any = None
@@ -108,8 +116,19 @@ class DistillTask(CausalLMTask):
     # ---------------------------------------------------------------------------------------------- the data
 
     def train_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
-        """On-policy rows carry their prompts (left-padded) to sample from; offline ones are SFT's."""
+        """On-policy rows carry their prompts (left-padded) to sample from (prompt rows are nothing else); offline
+        ones are SFT's."""
+        if self.prompt_rows:
+            return prompt_rows.PromptCollator(self.pad_id)
         return Collator(self.pad_id, with_prompts=True) if self.on_policy else super().train_collator()
+
+    def eval_collator(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        """Prompt rows are evaluated from their prompts (left-padded); other rows as SFT's."""
+        return prompt_rows.PromptCollator(self.pad_id) if self.prompt_rows else super().eval_collator()
+
+    def count_samples(self, batch: dict[str, Any]) -> int:
+        """One sample per row (a prompt-row batch holds its prompts only)."""
+        return len(batch["prompt_ids"] if "input_ids" not in batch else batch["input_ids"])
 
     def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]:
         batches = super().build_dataloader(split, start_sample)
@@ -130,9 +149,14 @@ class DistillTask(CausalLMTask):
                                     temperature=self.settings.temperature, top_p=1.0, stop_ids=self.stop_ids,
                                     pad_id=self.pad_id, lockstep=self.lockstep)
         device = next(iter(self.model.parameters())).device
-        completions = generator.complete(prompts.to(device), mask.to(device), seeds).cpu()
+        return self.completed(prompts, mask, generator.complete(prompts.to(device), mask.to(device), seeds).cpu())
+
+    def completed(self, prompts: torch.Tensor, mask: torch.Tensor, completions: torch.Tensor) -> dict[str, Any]:
+        """The host batch of each prompt (left-padded ``prompts`` / ``mask``; its end kept within
+        ``data.max_seq_len - distill.max_new_tokens``) followed by its completion up to and including the first stop
+        token, right-padded; the completion tokens are the targets. Also the completions' count and tokens."""
         kept = completion_mask(completions, self.stop_ids).bool()
-        room = cfg.data.max_seq_len - self.settings.max_new_tokens
+        room = self.cfg.data.max_seq_len - self.settings.max_new_tokens
         rows = []
         for ids, real, tokens, keep in zip(prompts, mask.bool(), completions, kept, strict=True):
             prompt, completion = ids[real].tolist()[-room:], tokens[keep].tolist()
@@ -219,7 +243,10 @@ class DistillTask(CausalLMTask):
 
     def eval_output(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
         """The student's cross-entropy (the eval loss), the divergence and the teacher's cross-entropy, from one
-        pass of each model; then the row task's metrics. Without a teacher: SFT's eval."""
+        pass of each model; then the row task's metrics. Without a teacher: SFT's eval. Prompt rows:
+        :meth:`_prompt_eval`."""
+        if self.prompt_rows:
+            return self._prompt_eval(model, batch)
         if self.teacher is None:
             return super().eval_output(model, batch)
         _, stats, tokens = self._sums(model, batch)
@@ -227,6 +254,26 @@ class DistillTask(CausalLMTask):
         counts.means["divergence"] = (stats[0], tokens)
         counts.means["teacher_loss"] = (stats[2], tokens)
         return self.metric_counts(model, batch, counts, stats[3].long())
+
+
+    def _prompt_eval(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
+        """Prompt rows (no answers, no loss): the student's greedy completions (``eval.max_new_tokens``, lockstep),
+        exact_match against each row's ``answer``, and the divergence to the teacher on those completions' tokens."""
+        new = self._generate(model, batch)
+        texts = answers(new, self.stop_ids, self.tokenizer)
+        device = new.device
+        counts = EvalCounts(torch.zeros((), device=device), torch.tensor(float(len(texts)), device=device))
+        if "exact_match" in self.cfg.eval.metrics:
+            hits = sum(normalize(t) == normalize(str(r.get("answer", "")))
+                       for t, r in zip(texts, batch["rows"], strict=True))
+            counts.correct["exact_match"] = torch.tensor(float(hits), device=device)
+            counts.total["exact_match"] = torch.tensor(float(len(texts)), device=device)
+        if self.teacher is not None:
+            done = self.completed(batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu(), new.cpu())
+            _, stats, tokens = self._sums(model, {k: v.to(device) if isinstance(v, torch.Tensor) else v
+                                                  for k, v in done.items()})
+            counts.means["divergence"] = (stats[0], tokens)
+        return counts
 
 
 class _OnPolicy:

@@ -204,3 +204,32 @@ def test_lora_self_distillation_uses_the_students_base_with_the_adapter_off(tmp_
     assert "the student's base with its adapter disabled" in (tmp_path / "self" / "train.log").read_text()
     divergences = [r["divergence"] for r in read_metrics(tmp_path / "self") if r["kind"] == "train"]
     assert divergences[0] == pytest.approx(0.0, abs=1e-6) and divergences[-1] > 1e-4, divergences
+
+
+def test_prompt_rows_train_on_policy_and_evaluate_from_their_prompts(tmp_path: Path, teacher: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    """Prompt rows (GRPO's: no answers) distil on-policy at every step; their eval is the student's greedy
+    completions: exact_match against each row's answer (no eval loss) and the divergence on those completions.
+    Prompt rows that would train offline, or an eval metric that needs answers, are one line each."""
+    from tests.integration.test_grpo import prompt_file
+
+    rows = prompt_file(tmp_path, rows=12)
+    recipe = distill_recipe(teacher, data={"format": "prompt", "train": str(rows), "eval": str(rows),
+                                           "max_seq_len": 32},
+                            distill={"mode": "on_policy", "max_new_tokens": 4},
+                            train={"micro_batch_size": 4, "global_batch_size": 4, "max_steps": 3},
+                            eval={"every_steps": 3, "at_start": False, "metrics": ["exact_match"], "batch_size": 5})
+    assert cli_exit_code("run", str(write_named(tmp_path, "prompts", recipe))) == 0
+    metrics = read_metrics(tmp_path / "prompts")
+    train = [r for r in metrics if r["kind"] == "train"]
+    assert len(train) == 3 and all(r["completion_len"] > 0 and r["divergence"] > 0 for r in train)
+    last = [r for r in metrics if r["kind"] == "eval"][-1]
+    assert "eval_loss" not in last and last["eval_exact_match_total"] == 12 and last["eval_divergence"] > 0
+
+    for changes, words in (({"distill": {"mode": "offline"}}, "set distill.mode=on_policy and distill.lmbda=1"),
+                           ({"eval": {"metrics": ["token_accuracy"]}}, "token_accuracy needs the rows' answers")):
+        bad = distill_recipe(teacher, data={"format": "prompt", "train": str(rows), "eval": str(rows)},
+                             **{**{"distill": {"mode": "on_policy"}}, **changes})
+        capsys.readouterr()
+        assert cli_exit_code("config", str(write_named(tmp_path, "bad", bad))) == 2, words
+        assert words in capsys.readouterr().err

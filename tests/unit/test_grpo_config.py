@@ -96,9 +96,9 @@ def test_a_bad_reward_item_is_one_line_naming_it(grpo_recipe, reward: dict, need
     ("grpo.rewards=[]", "grpo.rewards: task grpo needs at least one reward"),
     ("grpo.max_new_tokens=256", "grpo.max_new_tokens=256 leaves no room for the prompt in data.max_seq_len=256"),
     ("data.format=alpaca", "task: grpo generates from prompt rows; set data.format=prompt (got alpaca)"),
-    ("task=sft", "data.format: prompt rows train task: grpo; set task (now sft)"),
+    ("task=sft", "data.format: prompt rows train task: grpo or task: distill; set task (now sft)"),
     ("data.packing=true", "data.packing: prompt rows are not packed"),
-    ("data.train_on_prompt=true", "data.train_on_prompt: task grpo learns from its completions only"),
+    ("data.train_on_prompt=true", "data.train_on_prompt: their tasks learn from generated completions only"),
     ("eval.metrics=[token_accuracy]", "eval.metrics: 'token_accuracy' is not a task grpo metric; use one of "
                                       "['exact_match']"),
 ])

@@ -22,12 +22,16 @@ def test_every_task_the_schema_accepts_has_a_record() -> None:
 def test_owned_formats_and_the_tasks_that_need_them_agree() -> None:
     for fmt, owned in objectives.OWNED_FORMATS.items():
         assert fmt == owned.format and fmt in data_formats()
-        assert {name for name, record in objectives.OBJECTIVES.items() if record.data == fmt} == set(owned.tasks)
+        # the tasks that need the format read it; a task may read it besides its own rows (distill's prompt rows)
+        assert {name for name, record in objectives.OBJECTIVES.items() if record.data == fmt} <= set(owned.tasks)
+        assert set(owned.tasks) <= set(objectives.OBJECTIVES)
         assert owned.metrics_of is None or owned.metrics_of in owned.tasks
     # a task that needs a format needs an owned one; every metric it names is a metric finetune computes
     known = set().union(*registry.TASK_METRICS.values(), *(r.metrics or () for r in objectives.OBJECTIVES.values()))
     for record in objectives.OBJECTIVES.values():
         assert record.data is None or record.data in objectives.OWNED_FORMATS
+        # a task reads prompt rows exactly when its record names the section of their completions' room
+        assert (record.name in objectives.OWNED_FORMATS["prompt"].tasks) == (record.prompt_section is not None)
         assert record.metrics is None or record.metrics <= known
 
 
@@ -48,8 +52,8 @@ def test_dropout_default(task: str | None, dropout: bool) -> None:
         "data.train_on_prompt: preference pairs learn from their answers only; set it to false"]),
     ("reward", "preference", False, False, []),
     ("sft", "prompt", True, False, [
-        "data.format: prompt rows train task: grpo; set task (now sft)",
-        "data.packing: prompt rows are not packed (task grpo trains on generated completions); set "
+        "data.format: prompt rows train task: grpo or task: distill; set task (now sft)",
+        "data.packing: prompt rows are not packed (their tasks train on generated completions); set "
         "data.packing=false"]),
     # a task that needs one owned format, given the other: its own line first, then the other format's lines
     ("grpo", "preference", False, True, [
