@@ -98,10 +98,11 @@ class DistillTask(CausalLMTask):
 
     def prepare(self, initial: Callable[[], Any], accelerator: Any, precision: Any, log: Callable[[str], None],
                 splits: tuple[str, ...] = ("train", "eval")) -> None:
-        """Build and place the teacher beside the prepared student (the model on-policy steps sample from)."""
-        self.model, self.precision = initial(), precision
+        """Build and place the teacher beside the prepared student (the model on-policy steps sample from); without
+        a teacher (``finetune eval``), nothing: the initial model is not asked for."""
         if self.make_teacher is None:
             return
+        self.model, self.precision = initial(), precision
         built = self.make_teacher(self.model, accelerator)
         self.teacher, self.teacher_forward = built.module, Forward.of(built.row)
         self.teacher_sharded, self.teacher_context = built.sharded, built.context

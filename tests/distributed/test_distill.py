@@ -1,5 +1,6 @@
 """task: distill on 2 CPU processes over gloo gives the 1-process numbers: FSDP2 in make test (the teacher sharded
-as the student: fully_shard), ZeRO-3 (the teacher an engine of its own, partitioned) and DDP in make test-all.
+as the student: fully_shard), ZeRO-3 (the teacher an engine of its own, partitioned), and DDP, FSDP1 and ZeRO-2
+(the teacher whole on each process) in make test-all.
 
 On-policy with lmbda 0.5: the steps that sample decide from (seed, step) and each completion is drawn from its own
 seed (seed, step, row position), so the two ranks sample between them exactly the completions one process samples;
@@ -46,8 +47,8 @@ def distill_single(distill_workdir: Path) -> Path:
     return run_ok(distill_workdir, "single")
 
 
-@pytest.mark.parametrize("backend", ["fsdp2", pytest.param("zero3", marks=pytest.mark.extended),
-                                     pytest.param("ddp", marks=pytest.mark.extended)])
+@pytest.mark.parametrize("backend", ["fsdp2", *(pytest.param(name, marks=pytest.mark.extended)
+                                               for name in ("zero3", "ddp", "fsdp1", "zero2"))])
 def test_distill_parity_with_one_process(distill_workdir: Path, distill_single: Path, backend: str) -> None:
     """The same sampled steps and completion lengths, per-step losses, divergences and teacher log-probs, eval
     metrics (the teacher's eval loss included) and exported weights (<= 1e-4) as 1 process; the teacher is sharded
@@ -65,5 +66,5 @@ def test_distill_parity_with_one_process(distill_workdir: Path, distill_single: 
     assert evals[0]["eval_samples"] == 7
     for key in ("eval_loss", "eval_divergence", "eval_teacher_loss", "eval_token_accuracy"):
         assert evals[0][key] == pytest.approx(evals[1][key], rel=1e-4), key
-    sharded = "sharded as the student" if backend != "ddp" else "whole on each process"
+    sharded = "sharded as the student" if backend in ("fsdp2", "zero3") else "whole on each process"
     assert sharded in (run / "train.log").read_text()

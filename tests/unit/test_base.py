@@ -48,7 +48,9 @@ def instance(cls: type) -> Any:
     """``cls`` over empty data and the few recipe fields the constructors read."""
     cfg = SimpleNamespace(eval=SimpleNamespace(metrics=[], max_new_tokens=4, batch_size=2),
                           train=SimpleNamespace(global_batch_size=2, micro_batch_size=1, seed=0),
-                          data=SimpleNamespace(shuffle=False, packing=False, num_workers=None))
+                          data=SimpleNamespace(shuffle=False, packing=False, num_workers=None, format=None),
+                          distill=SimpleNamespace(loss="forward_kl", beta=0.5, temperature=1.0, top_k=None, alpha=0.0,
+                                                  mode="offline", lmbda=1.0, max_new_tokens=4, teacher=None))
     keywords = {name for base in cls.__mro__ if "__init__" in vars(base)
                 for name, p in inspect.signature(vars(base)["__init__"]).parameters.items() if p.kind == p.KEYWORD_ONLY}
     extra = {name: object() for name in keywords}  # tokenizer, images: not read by what is checked here
@@ -81,7 +83,8 @@ def test_every_task_class_has_every_member_of_the_protocol() -> None:
 def test_preparing_a_task_without_a_reference_never_builds_the_initial_model() -> None:
     """Only a task that needs the initial model asks for it (``finetune eval`` builds a base model for it)."""
     for cls in task_classes():
-        if cls.__name__ in ("DPOTask", "GRPOTask"):  # DPO scores its reference, GRPO generates with the model
+        # DPO scores its reference, GRPO generates with the model, distillation places its teacher beside it
+        if cls.__name__ in ("DPOTask", "GRPOTask", "DistillTask"):
             continue
         instance(cls).prepare(lambda: pytest.fail("built the initial model"), None, None, print)
 

@@ -40,7 +40,7 @@ ZERO3_PERSISTENCE = 100_000  # DeepSpeed's stage3_param_persistence_threshold de
 
 
 @pytest.fixture(scope="module")
-def teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def plan_teacher(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama teacher folder as a user would give it: config.json, safetensors and the student's tokenizer."""
     import torch
     import transformers
@@ -62,13 +62,13 @@ def _teacher_numels(folder: Path) -> list[int]:
     return [p.numel() for p in model.parameters()]
 
 
-def _cfg(teacher: Path, *overrides: str) -> RecipeConfig:
-    return load_recipe(QUICKSTART, ["task=distill", f"distill.teacher={teacher}", f"train.micro_batch_size={MICRO}",
-                                    *overrides])[0]
+def _cfg(plan_teacher: Path, *overrides: str) -> RecipeConfig:
+    return load_recipe(QUICKSTART, ["task=distill", f"distill.teacher={plan_teacher}",
+                                    f"train.micro_batch_size={MICRO}", *overrides])[0]
 
 
-def _plan(teacher: Path, *overrides: str) -> MemoryPlan:
-    return build_plan(_cfg(teacher, *overrides), devices=[])
+def _plan(plan_teacher: Path, *overrides: str) -> MemoryPlan:
+    return build_plan(_cfg(plan_teacher, *overrides), devices=[])
 
 
 def _bytes(plan: MemoryPlan, key: str) -> int:
@@ -80,21 +80,21 @@ def _bytes(plan: MemoryPlan, key: str) -> int:
 @pytest.mark.parametrize(("config", "processes", "mixed"), [
     ("cpu", 1, "no"), ("ddp", 2, "bf16"), ("zero2", 2, "bf16"), ("fsdp1", 2, "bf16"),
 ])
-def test_whole_backends_hold_the_whole_teacher_in_the_model_dtype(teacher: Path, config: str, processes: int,
+def test_whole_backends_hold_the_whole_teacher_in_the_model_dtype(plan_teacher: Path, config: str, processes: int,
                                                                   mixed: str) -> None:
     """One process, DDP, ZeRO-1/2 (the teacher is outside DeepSpeed's engine, which casts only the student) and
     FSDP1 place the teacher whole on each rank, in model.dtype (float32 here): no head copy; its hidden states in
     float32 (no backend casts a whole teacher; autocast leaves the residual stream in the weights' dtype)."""
-    plan = _plan(teacher, f"launch.accelerate_config={config}", f"launch.num_processes={processes}",
+    plan = _plan(plan_teacher, f"launch.accelerate_config={config}", f"launch.num_processes={processes}",
                  f"train.mixed_precision={mixed}")
     assert plan.sharding.world == processes
-    whole = 4 * sum(_teacher_numels(teacher))
+    whole = 4 * sum(_teacher_numels(plan_teacher))
     item = plan.item("teacher_parameters")
     assert item is not None and (item.per_rank_bytes, item.whole_bytes, item.shards) == (whole, whole, 1)
     assert plan.item("teacher_head_copy") is None
     assert _bytes(plan, "teacher_hidden") == MICRO * SEQ * TEACHER["hidden_size"] * 4
     for key in ("gradients", "optimizer_states"):  # the student's alone: the teacher adds none
-        assert _bytes(plan, key) == _bytes(_plan(teacher, f"launch.accelerate_config={config}",
+        assert _bytes(plan, key) == _bytes(_plan(plan_teacher, f"launch.accelerate_config={config}",
                                                  f"launch.num_processes={processes}",
                                                  f"train.mixed_precision={mixed}", "task=sft"), key)
 
@@ -105,11 +105,11 @@ def test_whole_backends_hold_the_whole_teacher_in_the_model_dtype(teacher: Path,
     ("zero3", "bf16", 2, 2),  # ZeRO-3's engine casts the teacher to 16 bits
     ("zero3", "no", 4, 4),
 ])
-def test_sharded_backends_hold_a_shard_of_the_teacher_and_a_head_copy(teacher: Path, config: str, mixed: str,
+def test_sharded_backends_hold_a_shard_of_the_teacher_and_a_head_copy(plan_teacher: Path, config: str, mixed: str,
                                                                       held: int, computed: int) -> None:
-    plan = _plan(teacher, f"launch.accelerate_config={config}", "launch.num_processes=2",
+    plan = _plan(plan_teacher, f"launch.accelerate_config={config}", "launch.num_processes=2",
                  f"train.mixed_precision={mixed}")
-    numels = _teacher_numels(teacher)
+    numels = _teacher_numels(plan_teacher)
     if config == "zero3":  # a partition of every tensor, and the small ones whole besides
         share = sum(math.ceil(held * n / 2) + (held * n if n < ZERO3_PERSISTENCE else 0) for n in numels)
     else:
@@ -139,20 +139,20 @@ def _accelerate_config(tmp_path: Path, base: str, section: str, **settings: Any)
     ("fsdp2", "fsdp_config", {"fsdp_reshard_after_forward": False}, (1, "device"), "device"),
 ])
 def test_the_teacher_follows_the_shard_group_not_the_students_offload_or_strategy(
-        teacher: Path, tmp_path: Path, base: str, section: str, settings: dict[str, Any],
+        plan_teacher: Path, tmp_path: Path, base: str, section: str, settings: dict[str, Any],
         student: tuple[int, str], where: str) -> None:
     config = _accelerate_config(tmp_path, base, section, **settings)
-    plan = _plan(teacher, f"launch.accelerate_config={config}", "launch.num_processes=2")
+    plan = _plan(plan_teacher, f"launch.accelerate_config={config}", "launch.num_processes=2")
     params, item = plan.item("parameters"), plan.item("teacher_parameters")
     assert params is not None and (params.shards, params.where) == student
     assert item is not None and (item.shards, item.where) == (2, where)
     assert plan.item("teacher_head_copy") is not None
 
 
-def test_a_run_directory_teaches_as_its_final_folder(teacher: Path, tmp_path: Path) -> None:
+def test_a_run_directory_teaches_as_its_final_folder(plan_teacher: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    shutil.copytree(teacher, run / "final")
-    assert _plan(run).to_dict()["items"] == _plan(teacher).to_dict()["items"]
+    shutil.copytree(plan_teacher, run / "final")
+    assert _plan(run).to_dict()["items"] == _plan(plan_teacher).to_dict()["items"]
 
 
 def _measured_loss_peak(loss: str, top_k: int | None, alpha: float, tokens: int, vocab: int = 512) -> int:
@@ -183,14 +183,14 @@ def _measured_loss_peak(loss: str, top_k: int | None, alpha: float, tokens: int,
     ("jsd", None, 0.5), ("forward_kl", 8, 0.0), ("reverse_kl", 128, 0.5), ("jsd", 384, 0.0), ("forward_kl", 384, 0.5),
     ("reverse_kl", 500, 0.0),
 ])
-def test_the_distillation_chunk_is_near_the_measured_peak_of_the_loss(teacher: Path, loss: str, top_k: int | None,
+def test_the_distillation_chunk_is_near_the_measured_peak_of_the_loss(plan_teacher: Path, loss: str, top_k: int | None,
                                                                       alpha: float) -> None:
     """The plan's chunk + the hidden states' gradient (the logits + loss line) against what the loss really holds
     at its peak, less the fp32 head-gradient buffer (fp32 weights: the gradient itself, counted under gradients):
     not under it (but for its few scalars), and at most a third over (a top_k near the vocabulary; over the whole
     vocabulary without alpha it is within 2%)."""
     overrides = ["distill.loss=" + loss, f"distill.alpha={alpha}"] + ([f"distill.top_k={top_k}"] if top_k else [])
-    plan = _plan(teacher, *overrides)
+    plan = _plan(plan_teacher, *overrides)
     tokens, vocab = MICRO * SEQ, TEACHER["vocab_size"]
     assert plan.activations.divergence_rows == tokens  # one chunk: fewer tokens than chunk_rows(512, "cpu")
     assert _bytes(plan, "logits_loss") == tokens * STUDENT_HIDDEN * 4  # no SFT chunk: the hidden states' gradient
@@ -200,18 +200,18 @@ def test_the_distillation_chunk_is_near_the_measured_peak_of_the_loss(teacher: P
     assert 0.99 * measured <= planned <= 1.35 * measured, (planned / measured, tensors)
 
 
-def test_chunk_rows_are_a_quarter_of_the_sft_chunk(teacher: Path) -> None:
+def test_chunk_rows_are_a_quarter_of_the_sft_chunk(plan_teacher: Path) -> None:
     """Past one chunk's rows, the chunk stops growing: a quarter of the SFT loss's rows (CPU: 64 MiB of fp32)."""
     from finetune.tasks.losses import default_chunk_rows
 
-    plan = _plan(teacher, "train.micro_batch_size=32", "data.max_seq_len=1024", "train.global_batch_size=32")
+    plan = _plan(plan_teacher, "train.micro_batch_size=32", "data.max_seq_len=1024", "train.global_batch_size=32")
     rows = default_chunk_rows(TEACHER["vocab_size"], "cpu") // 4
     assert plan.activations.tokens > rows == plan.activations.divergence_rows
     assert _bytes(plan, "distill_divergence") == math.ceil(divergence_tensors("forward_kl", 512) * rows * 512 * 4)
 
 
 @pytest.mark.parametrize("overrides", [(), ("train.mixed_precision=bf16", "distill.loss=jsd")])
-def test_plan_device_total_is_within_15_percent_of_a_real_distillation_step(teacher: Path, tmp_path: Path,
+def test_plan_device_total_is_within_15_percent_of_a_real_distillation_step(plan_teacher: Path, tmp_path: Path,
                                                                             overrides: tuple[str, ...]) -> None:
     """Two optimizer steps of a real distillation (the worker's trainer: the teacher built and placed, its forward
     and the chunked divergence) against the plan's device total, as test_plan_measured does for SFT (measured:
@@ -221,7 +221,7 @@ def test_plan_device_total_is_within_15_percent_of_a_real_distillation_step(teac
         f"output_dir={tmp_path / 'run'}", "train.max_steps=2", "scheduler.warmup_steps=0", "data.format=completion",
         "train.micro_batch_size=16", "train.global_batch_size=16", f"data.train={data}", "data.eval=null",
         "eval.metrics=[]", "eval.every_steps=null", "eval.at_start=false", "task=distill",
-        f"distill.teacher={teacher}", *overrides])[0]
+        f"distill.teacher={plan_teacher}", *overrides])[0]
     plan = build_plan(cfg, devices=[])
     measured = _measured_peak(cfg, tmp_path / "run")
     assert plan.sharding.backend == "single" and plan.item("teacher_parameters") is not None
@@ -229,21 +229,22 @@ def test_plan_device_total_is_within_15_percent_of_a_real_distillation_step(teac
                                                           [(i.key, i.per_rank_bytes) for i in plan.items])
 
 
-def test_sft_plans_have_no_teacher_lines(teacher: Path) -> None:
-    keys = {item.key for item in _plan(teacher, "task=sft").items}
+def test_sft_plans_have_no_teacher_lines(plan_teacher: Path) -> None:
+    keys = {item.key for item in _plan(plan_teacher, "task=sft").items}
     assert not keys & {"teacher_parameters", "teacher_head_copy", "teacher_hidden", "distill_divergence"}
 
 
-def test_plan_command_counts_the_teacher(teacher: Path, monkeypatch: pytest.MonkeyPatch,
+def test_plan_command_counts_the_teacher(plan_teacher: Path, monkeypatch: pytest.MonkeyPatch,
                                          capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = main_exit(monkeypatch, capsys, "plan", str(QUICKSTART), "--json", "--accelerate-config",
-                               "fsdp2", "--num-processes", "2", "task=distill", f"distill.teacher={teacher}",
+                               "fsdp2", "--num-processes", "2", "task=distill", f"distill.teacher={plan_teacher}",
                                f"train.micro_batch_size={MICRO}")
     assert code == 0, err
     data: dict[str, Any] = json.loads(out)
-    assert data == json.loads(json.dumps(_plan(teacher, "launch.accelerate_config=fsdp2",
+    assert data == json.loads(json.dumps(_plan(plan_teacher, "launch.accelerate_config=fsdp2",
                                                "launch.num_processes=2").to_dict()))
     rows = {item["key"]: item for item in data["items"]}
     assert {"teacher_parameters", "teacher_head_copy", "teacher_hidden", "distill_divergence"} <= set(rows)
-    assert rows["teacher_parameters"]["per_rank_bytes"] == sum(math.ceil(4 * n / 2) for n in _teacher_numels(teacher))
+    shards = sum(math.ceil(4 * n / 2) for n in _teacher_numels(plan_teacher))
+    assert rows["teacher_parameters"]["per_rank_bytes"] == shards
     assert data["device_total_bytes"] == sum(i["per_rank_bytes"] for i in data["items"] if i["where"] == "device")
