@@ -138,14 +138,14 @@ from typing import Any, Literal
 
 from finetune import backends
 from finetune.backends import Sharding
-from finetune.config import teacher as teacher_folder
 from finetune.config.schema import RecipeConfig
 from finetune.objectives import needs_reference, objective
 from finetune.registry import CAUSAL_TASKS, ROW_TASKS, SupportedModel, recipe_row, row_task
 from finetune.runtime import launch
 from finetune.runtime import peft as lora
 from finetune.runtime.peft import linear_module_names
-from finetune.runtime.teacher import adapter_off, teacher_row
+from finetune.runtime.teacher import adapter_off
+from finetune.runtime.teacher import model_config as teacher_model_config
 
 Where = Literal["device", "host"]
 # FSDP with gradient accumulation: "unsharded" keeps whole gradients across a window's micro-steps (no_sync, one
@@ -913,10 +913,7 @@ def teacher_facts(cfg: RecipeConfig, student: SupportedModel) -> ModelFacts:
     """A distillation's teacher on the meta device, as :func:`finetune.runtime.teacher.build` makes it: from its
     folder's config.json (``distill.teacher``, or a run's ``final/``), read with its model type's row (else the
     student's), in ``model.dtype``, no PEFT, nothing frozen but by its own ``requires_grad_(False)``."""
-    row = teacher_row(cfg, student)
-    where = str(teacher_folder.folder(cfg.distill.teacher or ""))
-    model = cfg.model.model_copy(update={"type": row.name, "path": where, "config_overrides": {},
-                                         "trust_remote_code": False, "freeze": []})
+    model, row = teacher_model_config(cfg, student)
     peft = cfg.peft.model_copy(update={"method": "none"})
     return model_facts(cfg.model_copy(update={"model": model, "peft": peft}), row)
 

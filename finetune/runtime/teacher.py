@@ -94,16 +94,23 @@ def check_vocabulary(cfg: RecipeConfig, student_tokenizer: Any) -> None:
         raise ConfigError(problem)
 
 
+def model_config(cfg: RecipeConfig, student: SupportedModel) -> tuple[Any, SupportedModel]:
+    """The ``model`` section the teacher is built from (its folder, its row's type, nothing overridden, frozen or
+    trusted beyond the recipe's dtype and attention) and that row: what :func:`build` loads and the memory plan
+    counts."""
+    row = teacher_row(cfg, student)
+    where = str(teacher_folder.folder(cfg.distill.teacher or ""))
+    return cfg.model.model_copy(update={"type": row.name, "path": where, "config_overrides": {},
+                                        "trust_remote_code": False, "freeze": []}), row
+
+
 def build(cfg: RecipeConfig, student: SupportedModel) -> tuple[Any, SupportedModel]:
     """The teacher model on this rank's host, frozen, in eval mode and in ``model.dtype`` (the training precision's
     weights; the run's autocast applies to its forward as to the student's), and its row. Its vocabulary size must
     be the student's (the two heads' outputs are compared entry by entry)."""
     from finetune.runtime.modeling import build_model  # lazy: imports torch
 
-    row = teacher_row(cfg, student)
-    where = str(teacher_folder.folder(cfg.distill.teacher or ""))
-    model_cfg = cfg.model.model_copy(update={"type": row.name, "path": where, "config_overrides": {},
-                                             "trust_remote_code": False, "freeze": []})
+    model_cfg, row = model_config(cfg, student)
     model = build_model(model_cfg, row)
     return model.requires_grad_(False).eval(), row
 

@@ -29,6 +29,12 @@ def normalize(text: str) -> str:
     return " ".join(text.split())
 
 
+def answered(texts: list[str], rows: list[dict[str, Any]]) -> int:
+    """How many ``texts`` equal their prompt row's ``answer`` after :func:`normalize` (a row without one: the empty
+    answer): exact_match over prompt rows."""
+    return sum(normalize(t) == normalize(str(r.get("answer", ""))) for t, r in zip(texts, rows, strict=True))
+
+
 class CausalLMTask(TaskData):
     """Formats alpaca / chat / completion; the prompt is masked unless ``data.train_on_prompt``.
 

@@ -49,10 +49,10 @@ from finetune.data import prompt_rows
 from finetune.data.batching import Collator
 from finetune.data.rows import IGNORE
 from finetune.tasks.base import EvalCounts
-from finetune.tasks.causal_lm import CausalLMTask, normalize
+from finetune.tasks.causal_lm import CausalLMTask, answered
 from finetune.tasks.chunked_divergence import Rule, Side, distill_sums
 from finetune.tasks.decoding import answers
-from finetune.tasks.grpo import PolicyGenerator, completion_mask, completion_seed
+from finetune.tasks.grpo import PolicyGenerator, batch_position, completion_mask, completion_seed
 from finetune.tasks.logprobs import Forward, find_head, next_token_targets, through_head
 
 # the train row's sums of one step, in the order one all-reduce carries them
@@ -129,7 +129,7 @@ class DistillTask(CausalLMTask):
 
     def count_samples(self, batch: dict[str, Any]) -> int:
         """One sample per row (a prompt-row batch holds its prompts only)."""
-        return len(batch["prompt_ids"] if "input_ids" not in batch else batch["input_ids"])
+        return len(batch["prompt_ids"] if self.prompt_rows else batch["input_ids"])
 
     def build_dataloader(self, split: str, start_sample: int = 0) -> Iterable[dict[str, Any]]:
         batches = super().build_dataloader(split, start_sample)
@@ -144,7 +144,7 @@ class DistillTask(CausalLMTask):
         if not on_policy_step(cfg.train.seed, step, self.settings.lmbda):
             return {key: value for key, value in batch.items() if key in ("input_ids", "attention_mask", "labels")}
         prompts, mask = batch["prompt_ids"], batch["prompt_mask"]
-        first = self.rank * (cfg.train.global_batch_size // self.world) + micro * cfg.train.micro_batch_size
+        first = batch_position(self.rank, self.world, cfg.train.global_batch_size, cfg.train.micro_batch_size, micro)
         seeds = [completion_seed(cfg.train.seed, step, first + i, 0) for i in range(prompts.size(0))]
         generator = PolicyGenerator(self.model, self.precision, max_new_tokens=self.settings.max_new_tokens,
                                     temperature=self.settings.temperature, top_p=1.0, stop_ids=self.stop_ids,
@@ -256,7 +256,6 @@ class DistillTask(CausalLMTask):
         counts.means["teacher_loss"] = (stats[2], tokens)
         return self.metric_counts(model, batch, counts, stats[3].long())
 
-
     def _prompt_eval(self, model: Any, batch: dict[str, Any]) -> EvalCounts:
         """Prompt rows (no answers, no loss): the student's greedy completions (``eval.max_new_tokens``, lockstep),
         exact_match against each row's ``answer``, and the divergence to the teacher on those completions' tokens."""
@@ -265,9 +264,7 @@ class DistillTask(CausalLMTask):
         device = new.device
         counts = EvalCounts(torch.zeros((), device=device), torch.tensor(float(len(texts)), device=device))
         if "exact_match" in self.cfg.eval.metrics:
-            hits = sum(normalize(t) == normalize(str(r.get("answer", "")))
-                       for t, r in zip(texts, batch["rows"], strict=True))
-            counts.correct["exact_match"] = torch.tensor(float(hits), device=device)
+            counts.correct["exact_match"] = torch.tensor(float(answered(texts, batch["rows"])), device=device)
             counts.total["exact_match"] = torch.tensor(float(len(texts)), device=device)
         if self.teacher is not None:
             done = self.completed(batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu(), new.cpu())

@@ -71,7 +71,7 @@ from finetune.data.prompt_rows import PromptCollator
 from finetune.data.rows import IGNORE
 from finetune.errors import ConfigError, FinetuneError, RunDirError
 from finetune.tasks.base import EvalCounts, TaskData
-from finetune.tasks.causal_lm import normalize
+from finetune.tasks.causal_lm import answered
 from finetune.tasks.decoding import Sampling, answers, generate_tokens
 from finetune.tasks.logprobs import Forward, OutputHead, next_token_targets, target_logprobs
 from finetune.tasks.rewards import build_rewards
@@ -84,6 +84,13 @@ def completion_seed(seed: int, step: int, position: int, completion: int) -> int
     the step's global batch, the completion's number in its group), so nearby tuples give unrelated streams."""
     digest = hashlib.blake2b(f"{seed}:{step}:{position}:{completion}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def batch_position(rank: int, world: int, global_batch: int, micro_batch: int, micro: int) -> int:
+    """The position in its step's global batch of the first row of micro-batch ``micro`` of rank ``rank`` (each
+    rank takes a contiguous ``global_batch / world`` of the step's rows, micro-batch after micro-batch): what a
+    completion's seed is keyed by, so it does not depend on the micro-batch size or the number of processes."""
+    return rank * (global_batch // world) + micro * micro_batch
 
 
 class Generator(Protocol):
@@ -450,8 +457,7 @@ class GRPOTask(TaskData):
         counts = EvalCounts(torch.zeros((), device=device), torch.tensor(float(len(texts)), device=device))
         rows = batch["rows"]
         if "exact_match" in self.cfg.eval.metrics:
-            hits = sum(normalize(t) == normalize(str(r.get("answer", ""))) for t, r in zip(texts, rows, strict=True))
-            counts.correct["exact_match"] = torch.tensor(float(hits), device=device)
+            counts.correct["exact_match"] = torch.tensor(float(answered(texts, rows)), device=device)
             counts.total["exact_match"] = torch.tensor(float(len(texts)), device=device)
         if batch.get("filler"):  # lockstep filler: generated for the collectives, never scored
             counts.means["reward"] = (torch.zeros((), device=device), torch.zeros((), device=device))
@@ -678,7 +684,7 @@ class Rollouts:
         window = []
         for i in range(cfg.grad_accum):
             prompts = next(self.prompts)
-            first = task.rank * (cfg.train.global_batch_size // task.world) + i * micro
+            first = batch_position(task.rank, task.world, cfg.train.global_batch_size, micro, i)
             part = None if restored is None else restored[i * rows_per_micro:(i + 1) * rows_per_micro]
             window.append(task.rollout(prompts, step, first, part))
         return window
