@@ -34,7 +34,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from finetune.data.rows import IGNORE
-from finetune.tasks.divergence import divergence
+from finetune.tasks.divergence import divergence_of, log_probs
 from finetune.tasks.losses import _accumulate, _buffers, _shaped, compute_dtype, default_chunk_rows
 
 STATS = ("divergence", "student_nll", "teacher_nll", "hits")  # the detached sums, in this order
@@ -91,10 +91,14 @@ def chunk_terms(student: torch.Tensor, teacher: torch.Tensor, targets: torch.Ten
     student family's shaping, done here so that autograd differentiates it too."""
     valid = targets != IGNORE
     shaped = _shaped(student, divisor, softcap)
-    div = divergence(teacher, shaped, rule.loss, beta=rule.beta, temperature=rule.temperature, top_k=rule.top_k)
+    log_p, log_q = log_probs(teacher, shaped, rule.temperature, rule.top_k)
+    div = divergence_of(log_p, log_q, rule.loss, beta=rule.beta)
+    # the log-likelihoods are at temperature 1 over the whole vocabulary: the divergence's own log-probs when its
+    # are those (the default), not a second log-softmax of each model's chunk
+    whole = rule.temperature == 1.0 and rule.top_k is None
     picked = targets.clamp(min=0).unsqueeze(1)
-    student_nll = -shaped.log_softmax(-1).gather(1, picked).squeeze(1)
-    teacher_nll = -teacher.log_softmax(-1).gather(1, picked).squeeze(1)
+    student_nll = -(log_q if whole else shaped.log_softmax(-1)).gather(1, picked).squeeze(1)
+    teacher_nll = -(log_p if whole else teacher.log_softmax(-1)).gather(1, picked).squeeze(1)
     per_row = (1.0 - rule.alpha) * div + rule.alpha * student_nll if rule.alpha else div
     loss = torch.where(valid, per_row, 0.0).sum()
     hits = (shaped.argmax(-1) == targets) & valid

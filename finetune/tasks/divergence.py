@@ -51,7 +51,12 @@ def divergence(teacher: torch.Tensor, student: torch.Tensor, loss: str = "forwar
                temperature: float = 1.0, top_k: int | None = None) -> torch.Tensor:
     """The per-position divergence ``loss`` (one of :data:`LOSSES`) between the teacher's and the student's
     distributions of logits ``teacher`` and ``student`` (see the module docstring)."""
-    log_p, log_q = log_probs(teacher, student, temperature, top_k)
+    return divergence_of(*log_probs(teacher, student, temperature, top_k), loss, beta=beta)
+
+
+def divergence_of(log_p: torch.Tensor, log_q: torch.Tensor, loss: str = "forward_kl", *,
+                  beta: float = 0.5) -> torch.Tensor:
+    """:func:`divergence` from the teacher's and the student's log-probabilities as :func:`log_probs` gives them."""
     if loss == "forward_kl":
         return _kl(log_p, log_q)
     if loss == "reverse_kl":
