@@ -26,7 +26,8 @@ DATA = Path(__file__).resolve().parents[2] / "recipes" / "data"
 @pytest.fixture(scope="module")
 def distill_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 steps of 4 rows (micro 2), on-policy reverse KL at lmbda 0.5 (both kinds of step occur) from a wider teacher,
-    SGD; eval of 7 rows (not divisible by 2 ranks x eval batch 2) at steps 2 and 4."""
+    with the backend parity's real settings (AdamW with weight decay, clipping, a cosine schedule with warm-up); eval of
+    7 rows (not divisible by 2 ranks x eval batch 2) at steps 2 and 4."""
     root = tmp_path_factory.mktemp("distill-dist")
     teacher = make_teacher(root / "teacher", hidden_size=96, intermediate_size=192)
     eval_rows = root / "eval.jsonl"
@@ -35,8 +36,8 @@ def distill_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         task="distill", data={"eval": str(eval_rows)},
         distill={"teacher": str(teacher), "mode": "on_policy", "loss": "reverse_kl", "lmbda": 0.5,
                  "max_new_tokens": 4},
-        train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 4},
-        optim={"name": "sgd", "lr": 0.5}, scheduler={"name": "constant", "warmup_steps": 0},
+        train={"micro_batch_size": 2, "global_batch_size": 4, "max_steps": 4, "max_grad_norm": 1.0},
+        optim={"lr": 1.0e-3, "weight_decay": 0.5}, scheduler={"name": "cosine", "warmup_steps": 1, "min_lr_ratio": 0.1},
         eval={"metrics": ["token_accuracy"], "batch_size": 2, "every_steps": 2})
     write_recipe_file(root / "recipe.yaml", recipe)
     return root
